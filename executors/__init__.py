@@ -1,0 +1,6 @@
+"""Branch-parallel executors: how one token-mixer layer runs over a trunk (prefill) and a tree (score).
+
+One module per attention kind; each exposes ``prefill`` and ``score`` with the signatures documented in
+``executors.base`` and a plain sequential reference they are tested against.
+"""
+from executors.base import Executor, get_executor, register_executor  # noqa: F401

@@ -1,0 +1,241 @@
+"""The target-model base: one layer loop, three ways to run it.
+
+Every target (llama, qwen3, qwen3_next, qwen3_5, qwen4_exp) subclasses ``TargetModel`` and implements
+``backbone(ctx)``: embed, run the decoder layers, return the last hidden state. Each layer's token mixer
+(attention of some kind) is a separate module with ``kind`` in {"gqa", "qsa", "gdn"} and a plain causal
+``forward(x [B, T, D], positions [B, T]) -> [B, T, D]``. The backbone never calls a mixer directly: it
+calls ``ctx.mix(layer_idx, mixer, x)``, and the ``RunContext`` decides how the mixer runs:
+
+- ``plain``   the mixer's own causal forward over [B, T]           (``target(input_ids)``, the reference)
+- ``prefill`` the mixer's executor builds a per-layer trunk cache   (``target.prefill(trunk_ids)``)
+- ``score``   the executor scores packed tree nodes against caches (``target.score(tree, cache)``)
+
+Anything else that reads earlier tokens (qwen4_exp's per-layer n-gram embeddings) asks
+``ctx.prev_tokens(k)``, which follows tree paths into the trunk in ``score`` mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from specopd.tree import ProposalTree
+
+
+@dataclass
+class TargetCache:
+    """What ``prefill`` keeps of one trunk. ``layers[i]`` is layer i's executor cache (has ``nbytes()``)."""
+
+    token_ids: torch.Tensor  # [T] long (on the model's device)
+    layers: list  # one executor cache per decoder layer
+    logits: Optional[torch.Tensor] = None  # [T, V] target logits at every trunk position
+    features: Optional[torch.Tensor] = None  # [T, len(feature_layers) * D] drafter context features
+    feature_layers: tuple = ()
+    options: dict = field(default_factory=dict)  # executor options used to build it (e.g. gdn_checkpoint_every)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.numel())
+
+    def nbytes(self) -> int:
+        """Bytes held by the per-layer caches (not counting logits / features)."""
+        return int(sum(c.nbytes() for c in self.layers))
+
+
+class RunContext:
+    """How the layers of one target call see their tokens. Built by TargetModel; read by backbones."""
+
+    def __init__(self, mode: str, input_ids: torch.Tensor, positions: torch.Tensor, *,
+                 tree: Optional[ProposalTree] = None, caches: Sequence[TargetCache] = (),
+                 prev: Optional[TargetCache] = None, feature_layers: Sequence[int] = (), options=None):
+        assert mode in ("plain", "prefill", "score")
+        self.mode = mode
+        self.input_ids = input_ids  # [B, T] (B = 1 for prefill and score; T = M nodes for score)
+        self.positions = positions  # [B, T] semantic positions
+        self.tree = tree
+        self.caches = list(caches)
+        self.prev = prev
+        self.options = dict(options or {})
+        self.feature_layers = tuple(feature_layers)
+        self.layer_caches: dict = {}
+        self.features: dict = {}
+
+    def mix(self, layer_idx: int, mixer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Run token mixer ``mixer`` of layer ``layer_idx`` on x [B, T, D] -> [B, T, D]."""
+        if self.mode == "plain":
+            return mixer(x, self.positions)
+        from executors import get_executor
+
+        ex = get_executor(mixer.kind)
+        if self.mode == "prefill":
+            prev = self.prev.layers[layer_idx] if self.prev is not None else None
+            out, cache = ex.prefill(mixer, x, self.positions, prev=prev, options=self.options)
+            self.layer_caches[layer_idx] = cache
+            return out
+        return ex.score(mixer, x, self.tree, [c.layers[layer_idx] for c in self.caches], options=self.options)
+
+    def prev_tokens(self, k: int) -> torch.Tensor:
+        """[B, T, k]: the ids of the tokens 1..k steps before each token along its path (-1 before the start)."""
+        ids = self.input_ids
+        if self.mode == "score":
+            trunks = [c.token_ids for c in self.caches]
+            _, _, tok = self.tree.path_back(k, trunks)
+            return tok.to(ids.device).unsqueeze(0)
+        if self.mode == "prefill" and self.prev is not None:
+            full = torch.cat([self.prev.token_ids.view(1, -1), ids], dim=1)
+        else:
+            full = ids
+        t0 = full.shape[1] - ids.shape[1]
+        pad = torch.full((full.shape[0], k), -1, dtype=full.dtype, device=full.device)
+        padded = torch.cat([pad, full], dim=1)  # padded[:, j + k] == full[:, j]
+        t = ids.shape[1]
+        cols = [padded[:, t0 + k - s: t0 + k - s + t] for s in range(1, k + 1)]
+        return torch.stack(cols, dim=-1)
+
+    def record(self, layer_idx: int, h: torch.Tensor) -> None:
+        """Backbones call this with each layer's output hidden state [B, T, D] (drafter features)."""
+        if layer_idx in self.feature_layers:
+            self.features[layer_idx] = h
+
+
+class TargetModel(nn.Module):
+    """Base of every target. Subclasses set ``config`` (with vocab_size, hidden_size, num_hidden_layers),
+    ``layer_kinds`` (one of "gqa"/"qsa"/"gdn" per layer), and implement ``backbone``, ``embed``, ``head``.
+
+    Rules for subclasses: no buffers (compute RoPE tables on the fly), parameter names as in the Hugging
+    Face checkpoint after ``checkpoint_key(name)``, every parameter loaded from the checkpoint.
+    """
+
+    model_type: str = "?"
+    layer_kinds: list
+
+    # -- to implement -------------------------------------------------------------------------------
+    def backbone(self, ctx: RunContext) -> torch.Tensor:
+        """[B, T] ids in ctx -> last hidden state [B, T, D], *before* the final norm."""
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., D] (drafters share them)."""
+        raise NotImplementedError
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head: [..., D] -> logits [..., V]."""
+        raise NotImplementedError
+
+    @staticmethod
+    def checkpoint_key(name: str) -> Optional[str]:
+        """Map a checkpoint tensor name to our parameter name; None to ignore it (e.g. MTP heads)."""
+        return name
+
+    # -- provided -----------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def default_feature_layers(self, n: int = 5) -> tuple:
+        """DFlash's default: n layer ids spread evenly, e.g. (1, 9, 17, 25, 33) for 36 layers."""
+        L = self.num_layers
+        n = max(1, min(n, L - 1 if L > 1 else 1))
+        if L <= 2:
+            return tuple(range(L))[:n]
+        start, end = 1, L - 3
+        if n == 1:
+            return (start,)
+        return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain causal forward (the reference): [B, T] -> logits [B, T, V]."""
+        input_ids = self._check_ids(input_ids)
+        b, t = input_ids.shape
+        pos = torch.arange(t, device=input_ids.device).expand(b, t)
+        ctx = RunContext("plain", input_ids, pos)
+        return self.head(self.backbone(ctx))
+
+    def hidden_states(self, input_ids: torch.Tensor, feature_layers: Sequence[int]) -> torch.Tensor:
+        """Plain forward returning concatenated layer outputs [B, T, len(ids) * D] (drafter features)."""
+        input_ids = self._check_ids(input_ids)
+        b, t = input_ids.shape
+        pos = torch.arange(t, device=input_ids.device).expand(b, t)
+        ctx = RunContext("plain", input_ids, pos, feature_layers=feature_layers)
+        self.backbone(ctx)
+        return torch.cat([ctx.features[i] for i in feature_layers], dim=-1)
+
+    @torch.no_grad()
+    def prefill(self, trunk_ids: torch.Tensor, cache: Optional[TargetCache] = None, *,
+                feature_layers: Optional[Sequence[int]] = None, gdn_checkpoint_every: int = 64,
+                keep_logits: bool = True) -> TargetCache:
+        """Run the trunk [T] once and keep per-layer caches, logits [T, V] and drafter features.
+
+        With ``cache`` given, the trunk is *extended* by ``trunk_ids`` (incremental decoding): the
+        returned cache covers ``cache.token_ids + trunk_ids``; ``cache`` itself is not modified.
+        """
+        trunk_ids = torch.as_tensor(trunk_ids, device=self.device).reshape(-1).to(torch.long)
+        self._check_ids(trunk_ids.view(1, -1))
+        if feature_layers is None:
+            feature_layers = cache.feature_layers if cache is not None else ()
+        opts = dict(cache.options) if cache is not None else {"gdn_checkpoint_every": int(gdn_checkpoint_every)}
+        if opts["gdn_checkpoint_every"] < 1:
+            raise ValueError("gdn_checkpoint_every must be >= 1")
+        t0 = len(cache) if cache is not None else 0
+        pos = torch.arange(t0, t0 + trunk_ids.numel(), device=self.device).view(1, -1)
+        ctx = RunContext("prefill", trunk_ids.view(1, -1), pos, prev=cache, feature_layers=feature_layers,
+                         options=opts)
+        h = self.backbone(ctx)
+        logits = self.head(h)[0] if keep_logits else None
+        feats = torch.cat([ctx.features[i][0] for i in feature_layers], dim=-1) if feature_layers else None
+        if cache is not None:
+            if logits is not None and cache.logits is not None:
+                logits = torch.cat([cache.logits, logits])
+            if feats is not None and cache.features is not None:
+                feats = torch.cat([cache.features, feats])
+            trunk_ids = torch.cat([cache.token_ids, trunk_ids])
+        return TargetCache(
+            token_ids=trunk_ids, layers=[ctx.layer_caches[i] for i in range(self.num_layers)],
+            logits=logits, features=feats, feature_layers=tuple(feature_layers), options=opts,
+        )
+
+    def score(self, tree: ProposalTree, cache: Union[TargetCache, Sequence[TargetCache]], *,
+              return_hidden: bool = False):
+        """Logits of every tree node as if each node's path had been run from scratch after its anchor.
+
+        tree: ProposalTree (packed over len(caches) trunks). Returns [N, W, V] for chain branches, else
+        [M, V]. ``p[b, j] == target(trunk[:a_b + 1] + tokens[b, :j + 1])[-1]``. With return_hidden, also
+        the last hidden states ([N, W, D] / [M, D], before the final norm).
+        """
+        caches = [cache] if isinstance(cache, TargetCache) else list(cache)
+        tree.validate([len(c) for c in caches], self.vocab_size)
+        ids = tree.tokens.to(self.device).view(1, -1)
+        pos = tree.positions.to(self.device).view(1, -1)
+        ctx = RunContext("score", ids, pos, tree=tree, caches=caches, options=caches[0].options)
+        h = self.backbone(ctx)[0]
+        logits = tree.reshape_nodes(self.head(h))
+        if return_hidden:
+            return logits, tree.reshape_nodes(h)
+        return logits
+
+    def _check_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+            raise ValueError(
+                f"token ids must be in [0, {self.vocab_size}); got min {int(input_ids.min())}, "
+                f"max {int(input_ids.max())} (is the tokenizer the target's own?)"
+            )
+        return input_ids

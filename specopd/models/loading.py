@@ -1,0 +1,123 @@
+"""Load a target from a Hugging Face folder: ``config.json`` + ``model.safetensors`` (or a sharded
+``model.safetensors.index.json``). No silent random init: every parameter must come from the checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+
+
+def check_device_dtype(device, dtype: torch.dtype) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device} requested but CUDA is not available here; use device='cpu'")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise RuntimeError("this GPU cannot do bfloat16; use dtype=torch.float16 or torch.float32")
+    elif device.type != "cpu":
+        raise ValueError(f"unsupported device {device}; use 'cpu' or 'cuda'")
+    return device
+
+
+def read_config(path: str) -> dict:
+    """config.json as a flat dict of the *text* model (composite configs' ``text_config`` merged in)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"target folder {path!r} does not exist (give a Hugging Face model folder, "
+                                f"or run `specopd prepare model smollm2-135m` for the CPU demo target)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path!r} has no config.json: it is not a Hugging Face model folder")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if "text_config" in cfg and isinstance(cfg["text_config"], dict):
+        outer = {k: v for k, v in cfg.items() if k != "text_config"}
+        cfg = {**outer, **cfg["text_config"], "_outer_model_type": outer.get("model_type")}
+    return cfg
+
+
+def read_state_dict(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return load_file(single)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        sd = {}
+        for shard in sorted(set(weight_map.values())):
+            fp = os.path.join(path, shard)
+            if not os.path.isfile(fp):
+                raise FileNotFoundError(f"shard {shard!r} named in {index} is missing")
+            sd.update(load_file(fp))
+        missing = set(weight_map) - set(sd)
+        if missing:
+            raise ValueError(f"tensors listed in the index but absent from the shards: {sorted(missing)[:5]}")
+        return sd
+    raise FileNotFoundError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: Optional[dict] = None):
+    """Build our implementation of the checkpoint's ``model_type`` and load every weight.
+
+    Returns a ``TargetModel`` in eval mode with ``requires_grad=False`` on all parameters.
+    """
+    from specopd.models import MODEL_TYPES
+
+    dtype = resolve_dtype(dtype)
+    device = check_device_dtype(device, dtype)
+    cfg = read_config(path)
+    cfg.update(config_overrides or {})
+    mt = cfg.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {mt!r} in {path}/config.json; supported: {sorted(MODEL_TYPES)}")
+    cls = MODEL_TYPES[mt]
+    with torch.device("meta"):
+        model = cls(cfg)
+    ours = dict(model.named_parameters())
+    raw = read_state_dict(path)
+    sd = {}
+    for name, t in raw.items():
+        key = cls.checkpoint_key(name)
+        if key is None:
+            continue
+        if key not in ours:
+            raise ValueError(f"checkpoint tensor {name!r} (as {key!r}) has no place in our {mt} model; "
+                             f"the config may not match the weights")
+        if tuple(t.shape) != tuple(ours[key].shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ours[key].shape)} "
+                             f"from config.json")
+        sd[key] = t
+    missing = [k for k in ours if k not in sd]
+    tied = getattr(model, "tied_params", {})  # ours -> source name, e.g. {"lm_head.weight": "model.embed_tokens.weight"}
+    for k in list(missing):
+        if k in tied and tied[k] in sd:
+            sd[k] = sd[tied[k]]
+            missing.remove(k)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s) our {mt} model needs, e.g. "
+                         f"{missing[:5]}; refusing to initialise them at random")
+    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and not _keep_fp32(model, k) else v.dtype)
+          for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _keep_fp32(model, key: str) -> bool:
+    """Parameters a model wants kept in fp32 whatever the dtype (e.g. GDN's A_log)."""
+    return any(key.endswith(s) for s in getattr(model, "fp32_params", ()))

@@ -1,0 +1,205 @@
+"""Proposal trees: drafted tokens hanging off positions of a reference sequence ("trunk").
+
+A tree holds M nodes. Node u has a token, a parent (an earlier node, or the trunk position it forks
+from: its *anchor*), a depth (0 for a node whose parent is the trunk) and a semantic position
+``anchor + 1 + depth``. The target scores node u as if it had run ``trunk[:anchor+1] + path(u)`` from
+scratch, where path(u) is the tokens of u's ancestors and u itself, root first.
+
+SpecOPD samples *chain* branches (``from_branches``: N anchors, W tokens each, node ``b*W + j``);
+general trees (several children per node) come from ``from_parents``. Trees of several trunks are
+packed into one scoring batch with ``ProposalTree.pack``; ``trunk_index[u]`` names u's trunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class ProposalTree:
+    tokens: torch.Tensor  # [M] long, the node tokens
+    parent: torch.Tensor  # [M] long, parent node index, or -1 when the parent is the anchor (trunk)
+    anchor: torch.Tensor  # [M] long, trunk position the node's path forks from
+    trunk_index: torch.Tensor  # [M] long, which trunk (0 unless packed)
+    shape: Optional[tuple] = None  # (N, W) for chain branches: node b*W + j is branch b, depth j
+    num_trunks: int = 1
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_branches(cls, anchors, tokens) -> "ProposalTree":
+        """Chain branches. anchors: [N] trunk positions; tokens: [N, W] (W >= 1)."""
+        anchors = torch.as_tensor(anchors, dtype=torch.long)
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if tokens.dim() != 2 or anchors.dim() != 1 or anchors.shape[0] != tokens.shape[0]:
+            raise ValueError(
+                f"from_branches needs anchors [N] and tokens [N, W]; got {tuple(anchors.shape)} and {tuple(tokens.shape)}"
+            )
+        n, w = tokens.shape
+        if w == 0:
+            raise ValueError("from_branches: W = 0 (branches without tokens); draft at least one token per branch")
+        idx = torch.arange(n * w).view(n, w)
+        parent = torch.where(torch.arange(w) == 0, torch.full((n, w), -1), idx - 1)
+        return cls(
+            tokens=tokens.reshape(-1).clone(),
+            parent=parent.reshape(-1).clone(),
+            anchor=anchors.repeat_interleave(w),
+            trunk_index=torch.zeros(n * w, dtype=torch.long),
+            shape=(n, w),
+        )
+
+    @classmethod
+    def from_parents(cls, tokens, parents) -> "ProposalTree":
+        """General tree. tokens: [M]; parents: [M] with ``parents[u] >= 0`` an earlier node index and
+        ``parents[u] < 0`` meaning trunk position ``-parents[u] - 1`` (so -1 is trunk position 0)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        parents = torch.as_tensor(parents, dtype=torch.long).reshape(-1)
+        if tokens.numel() == 0:
+            raise ValueError("from_parents: empty tree")
+        if parents.shape != tokens.shape:
+            raise ValueError(f"from_parents: tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} differ")
+        m = tokens.numel()
+        anchor = torch.empty(m, dtype=torch.long)
+        parent = torch.empty(m, dtype=torch.long)
+        for u in range(m):
+            p = int(parents[u])
+            if p >= 0:
+                if p >= u:
+                    raise ValueError(f"node {u}: parent {p} is not an earlier node (parents must come first)")
+                parent[u] = p
+                anchor[u] = anchor[p]
+            else:
+                parent[u] = -1
+                anchor[u] = -p - 1
+        return cls(tokens=tokens.clone(), parent=parent, anchor=anchor, trunk_index=torch.zeros(m, dtype=torch.long))
+
+    @staticmethod
+    def pack(trees: Sequence["ProposalTree"]) -> "ProposalTree":
+        """Pack the trees of several trunks (tree i belongs to trunk i) into one scoring batch.
+        Chain trees with one W keep their shape (N = sum of N_i)."""
+        if len(trees) == 0:
+            raise ValueError("pack: no trees")
+        toks, par, anc, tix = [], [], [], []
+        off = 0
+        for i, t in enumerate(trees):
+            if t.num_trunks != 1:
+                raise ValueError("pack: trees must each belong to one trunk")
+            toks.append(t.tokens)
+            par.append(torch.where(t.parent >= 0, t.parent + off, t.parent))
+            anc.append(t.anchor)
+            tix.append(torch.full_like(t.tokens, i))
+            off += t.num_nodes
+        shape = None
+        if all(t.shape is not None for t in trees) and len({t.shape[1] for t in trees}) == 1:
+            shape = (sum(t.shape[0] for t in trees), trees[0].shape[1])
+        return ProposalTree(
+            tokens=torch.cat(toks), parent=torch.cat(par), anchor=torch.cat(anc), trunk_index=torch.cat(tix),
+            shape=shape, num_trunks=len(trees),
+        )
+
+    def split(self, node_values: torch.Tensor) -> list:
+        """Undo ``pack`` on per-node values [M, ...] -> list (one per trunk) of [M_i, ...]."""
+        return [node_values[self.trunk_index == i] for i in range(self.num_trunks)]
+
+    # ------------------------------------------------------------------ derived structure
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def depth(self) -> torch.Tensor:
+        """[M] depth below the anchor (0 for a node whose parent is the trunk)."""
+        if "depth" not in self._cache:
+            d = torch.zeros(self.num_nodes, dtype=torch.long)
+            for u in range(self.num_nodes):
+                p = int(self.parent[u])
+                d[u] = 0 if p < 0 else d[p] + 1
+            self._cache["depth"] = d
+        return self._cache["depth"]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[M] semantic positions: anchor + 1 + depth (RoPE and everything positional use these)."""
+        return self.anchor + 1 + self.depth
+
+    def levels(self) -> list:
+        """Node indices grouped by depth, shallowest first: each node's parent is in an earlier level."""
+        if "levels" not in self._cache:
+            d = self.depth
+            self._cache["levels"] = [torch.nonzero(d == k).flatten() for k in range(int(d.max()) + 1)]
+        return self._cache["levels"]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[M, M] bool: ``mask[u, v]`` is True when v is u itself or an ancestor of u."""
+        if "anc" not in self._cache:
+            m = self.num_nodes
+            anc = torch.eye(m, dtype=torch.bool)
+            for lvl in self.levels()[1:]:
+                anc[lvl] |= anc[self.parent[lvl]]
+            self._cache["anc"] = anc
+        return self._cache["anc"]
+
+    def path_back(self, k: int, trunk_ids: Sequence[torch.Tensor]) -> tuple:
+        """What lies 1..k steps before each node along its path.
+
+        Returns (node_ref [M, k], trunk_pos [M, k], token [M, k]): at step s (0-based, s+1 back) either
+        ``node_ref >= 0`` (an ancestor node) or ``trunk_pos >= 0`` (a trunk position of the node's trunk);
+        both -1 (token -1) before the start of the sequence. trunk_ids: one [T_i] id tensor per trunk.
+        """
+        m = self.num_nodes
+        node_ref = torch.full((m, k), -1, dtype=torch.long)
+        trunk_pos = torch.full((m, k), -1, dtype=torch.long)
+        token = torch.full((m, k), -1, dtype=torch.long)
+        cur_node = self.parent.clone()  # -1 -> on the trunk
+        cur_pos = torch.where(self.parent < 0, self.anchor, torch.full_like(self.anchor, -1))
+        for s in range(k):
+            on_node = cur_node >= 0
+            node_ref[:, s] = torch.where(on_node, cur_node, torch.full_like(cur_node, -1))
+            trunk_pos[:, s] = torch.where(on_node, torch.full_like(cur_pos, -1), cur_pos)
+            safe = cur_node.clamp(min=0)
+            tok_node = self.tokens[safe]
+            tok_trunk = torch.full((m,), -1, dtype=torch.long)
+            for i, ids in enumerate(trunk_ids):
+                sel = (~on_node) & (cur_pos >= 0) & (self.trunk_index == i)
+                if sel.any():
+                    tok_trunk[sel] = ids.to(torch.long).cpu()[cur_pos[sel]]
+            token[:, s] = torch.where(on_node, tok_node, tok_trunk)
+            # step back
+            nxt_node = torch.where(on_node, self.parent[safe], torch.full_like(cur_node, -1))
+            nxt_pos = torch.where(
+                on_node,
+                torch.where(self.parent[safe] < 0, self.anchor, torch.full_like(cur_pos, -1)),
+                torch.where(cur_pos >= 0, cur_pos - 1, cur_pos),
+            )
+            cur_node, cur_pos = nxt_node, nxt_pos
+        return node_ref, trunk_pos, token
+
+    def validate(self, trunk_lens: Sequence[int], vocab_size: Optional[int] = None) -> None:
+        """Clear errors for an anchor outside its trunk, a token outside the vocab, a bad parent."""
+        if len(trunk_lens) != self.num_trunks:
+            raise ValueError(f"tree spans {self.num_trunks} trunk(s) but {len(trunk_lens)} cache(s) were given")
+        lens = torch.as_tensor(list(trunk_lens), dtype=torch.long)[self.trunk_index]
+        bad = (self.anchor < 0) | (self.anchor >= lens)
+        if bad.any():
+            u = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"node {u}: anchor {int(self.anchor[u])} is outside its trunk of length {int(lens[u])} "
+                f"(anchors must be in [0, T-1])"
+            )
+        if (self.parent >= torch.arange(self.num_nodes)).any():
+            raise ValueError("a node's parent is not an earlier node")
+        if vocab_size is not None and ((self.tokens < 0) | (self.tokens >= vocab_size)).any():
+            u = int(torch.nonzero((self.tokens < 0) | (self.tokens >= vocab_size))[0])
+            raise ValueError(f"node {u}: token {int(self.tokens[u])} is outside the vocab [0, {vocab_size})")
+
+    def reshape_nodes(self, values: torch.Tensor) -> torch.Tensor:
+        """[M, ...] -> [N, W, ...] for chain branches, unchanged otherwise."""
+        if self.shape is None:
+            return values
+        return values.reshape(self.shape[0], self.shape[1], *values.shape[1:])
+
+    def to(self, device) -> "ProposalTree":
+        """Trees live on the CPU (they are small); executors move the index tensors they need."""
+        return self
