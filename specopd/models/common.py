@@ -1,0 +1,235 @@
+"""Building blocks shared by all target models: RMSNorm, RoPE (computed on the fly), SwiGLU MLP, MoE.
+
+Numerics follow Hugging Face transformers 5.x exactly (same cast order), so our models agree with
+the transformers oracle to fp32 rounding. No buffers anywhere: models are built under the meta device.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ----------------------------------------------------------------------------------------- RMSNorm
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32.
+
+    ``unit_offset=False`` (llama / qwen3): ``w * normed(x).to(x.dtype)``, weight initialised to 1.
+    ``unit_offset=True`` (qwen3_next / qwen3_5 / qwen4_exp): ``(normed(x) * (1 + w.float())).to(x.dtype)``,
+    weight initialised to 0.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
+        super().__init__()
+        self.eps = float(eps)
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
+
+
+# ----------------------------------------------------------------------------------------- RoPE
+
+
+def rope_parameters(cfg: dict, layer_type: str | None = None) -> dict:
+    """The RoPE settings of a flat HF config dict, normalised to one dict with at least
+    ``rope_type``, ``rope_theta`` and ``partial_rotary_factor`` (handles the legacy ``rope_theta`` /
+    ``rope_scaling`` / ``partial_rotary_factor`` top-level keys and per-layer-type nested dicts)."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rp = dict(rp)
+    if rp and all(isinstance(v, dict) or v is None for v in rp.values()):  # nested by layer type
+        key = layer_type if layer_type in rp else next(k for k, v in rp.items() if v is not None)
+        rp = dict(rp[key])
+    rp.setdefault("rope_type", rp.get("type", "default"))
+    rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rp.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0) or 1.0)
+    if rp["rope_type"] in ("llama3", "yarn", "longrope"):
+        rp.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    return rp
+
+
+def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+    """[rot_dim // 2] fp32 inverse frequencies on the CPU (HF's init functions). rot_dim =
+    int(head_dim * partial_rotary_factor). Supports rope_type default, linear, llama3."""
+    key = tuple(sorted((k, v) for k, v in params.items() if isinstance(v, (int, float, str, type(None)))))
+    return _inv_freq_cached(key, int(head_dim)).clone()
+
+
+@lru_cache(maxsize=64)
+def _inv_freq_cached(key: tuple, head_dim: int) -> torch.Tensor:
+    p = dict(key)
+    kind = p["rope_type"]
+    base = float(p["rope_theta"])
+    dim = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / p["factor"]
+    if kind == "llama3":
+        factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old = p["original_max_position_embeddings"]
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        inv_l = torch.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wl < hi_wl) * ~(wl > lo_wl)
+        return torch.where(medium, smoothed, inv_l)
+    raise NotImplementedError(
+        f"rope_type {kind!r} is not supported (supported: default, linear, llama3); "
+        f"use a checkpoint with one of these or add it to specopd/models/common.py"
+    )
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """positions [B, T] (any int) -> cos, sin [B, T, rot_dim] in ``dtype`` (HF: fp32 then cast)."""
+    freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, hd]; cos/sin [B, T, rot_dim] (rot_dim <= hd: the rest passes through unrotated)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr, xp = x[..., :rd], x[..., rd:]
+    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)
+
+
+class Rotary:
+    """RoPE of one attention layer (plain object, no buffers): ``rotary(q, k, positions)``."""
+
+    def __init__(self, cfg: dict, head_dim: int, layer_type: str | None = None):
+        self.params = rope_parameters(cfg, layer_type)
+        self.head_dim = head_dim
+        self.inv_freq = rope_inv_freq(self.params, head_dim)  # CPU fp32; moved per call
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q [B, T, H, hd], k [B, T, Hkv, hd], positions [B, T] -> rotated (q, k)."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+# ----------------------------------------------------------------------------------------- MLP / MoE
+
+_ACTS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str):
+    if name not in _ACTS:
+        raise ValueError(f"hidden_act {name!r} is not supported (supported: {sorted(_ACTS)})")
+    return _ACTS[name]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x)). [..., D] -> [..., D]."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k router (HF qwen3_moe / qwen3_next): softmax in fp32 over all experts, top-k, optional
+    renormalisation of the k weights. x [N, D] -> (weights [N, k] in x.dtype, experts [N, k] long)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool = True):
+        super().__init__()
+        self.top_k, self.num_experts, self.norm_topk_prob = int(top_k), int(num_experts), bool(norm_topk_prob)
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), idx
+
+
+class Experts(nn.Module):
+    """Experts stored as 3D tensors (HF 5.x layout): gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, act: str = "silu"):
+        super().__init__()
+        self.num_experts = int(num_experts)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D], idx/weights [N, k] -> [N, D] (experts in ascending order, like HF)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Sparse MoE block (HF qwen3_moe; with ``shared_intermediate`` > 0 also qwen3_next's shared expert
+    gated by ``sigmoid(shared_expert_gate(x))``). [B, T, D] -> [B, T, D].
+    Parameter names: gate.weight, experts.gate_up_proj, experts.down_proj, shared_expert.*,
+    shared_expert_gate.weight."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, moe_intermediate: int,
+                 norm_topk_prob: bool = True, shared_intermediate: int = 0, act: str = "silu"):
+        super().__init__()
+        self.gate = Router(hidden, num_experts, top_k, norm_topk_prob)
+        self.experts = Experts(hidden, moe_intermediate, num_experts, act)
+        if shared_intermediate:
+            self.shared_expert = MLP(hidden, shared_intermediate, act)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        else:
+            self.shared_expert = None
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "MoE":
+        """From a flat HF config dict (num_experts, num_experts_per_tok, moe_intermediate_size, ...)."""
+        return cls(cfg["hidden_size"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                   cfg.get("norm_topk_prob", True), cfg.get("shared_expert_intermediate_size", 0) or 0,
+                   cfg.get("hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        weights, idx = self.gate(h)
+        out = self.experts(h, idx, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return out.reshape(shape)
