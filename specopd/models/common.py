@@ -74,7 +74,7 @@ def _inv_freq_cached(key: tuple, head_dim: int) -> torch.Tensor:
     kind = p["rope_type"]
     base = float(p["rope_theta"])
     dim = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim))
     if kind == "default":
         return inv
     if kind == "linear":
@@ -233,3 +233,35 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """Dense attention with GQA head groups, HF eager numerics (scores * scaling, softmax in fp32,
+    probabilities cast back to q.dtype).
+
+    q [B, Tq, H, hd], k/v [B, Tk, Hkv, hd], mask [B or 1, Tq, Tk] bool (True = may attend) or None
+    -> [B, Tq, H, hd]. H must be a multiple of Hkv (query head h reads kv head h // (H / Hkv)).
+    """
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} key/value heads")
+    g = h // hkv
+    qh = q.view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Tq, d]
+    kh = k.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Tk, d]
+    vh = v.permute(0, 2, 1, 3).unsqueeze(2)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scaling  # [B, Hkv, G, Tq, Tk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, vh)  # [B, Hkv, G, Tq, d]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, tq, h, v.shape[-1])
+
+
+def causal_mask(t: int, device=None) -> torch.Tensor:
+    """[1, T, T] bool lower-triangular mask."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril_().unsqueeze(0)

@@ -90,6 +90,9 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
         model = cls(cfg)
     ours = dict(model.named_parameters())
     raw = read_state_dict(path)
+    convert = getattr(cls, "convert_checkpoint", None)  # optional: (raw dict, cfg) -> dict, e.g. fuse split tensors
+    if convert is not None:
+        raw = convert(raw, cfg)
     sd = {}
     for name, t in raw.items():
         key = cls.checkpoint_key(name)

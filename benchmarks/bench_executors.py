@@ -1,0 +1,139 @@
+"""Packed branch scoring vs naive per-branch recomputation, side by side in one run.
+
+    python benchmarks/bench_executors.py --kinds gqa --T 256 --branches 16 --W 8 --repeats 3
+
+packed = prefill the trunk once + one ``target.score`` over all branches;
+naive  = for every branch, run ``target(trunk[:a+1] + branch)`` from scratch.
+Both give the same logits (checked: the max relative difference is printed). Each attention kind
+registers one function in ``BENCHES`` that builds a small random target of that kind; the gdn and qsa
+owners add theirs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+BENCHES: list = []  # (kind, fn(args) -> target)
+
+
+def bench(kind: str):
+    def deco(fn):
+        BENCHES.append((kind, fn))
+        return fn
+    return deco
+
+
+def random_target(model_type: str, cfg: dict, device, dtype, seed: int = 0):
+    """Our ``model_type`` implementation with random weights (no checkpoint): linear weights ~ N(0, 0.05),
+    norms ~ 1 + N(0, 0.1) (unit-offset norms ~ N(0, 0.1))."""
+    from specopd.models import MODEL_TYPES
+
+    torch.manual_seed(seed)
+    model = MODEL_TYPES[model_type]({"model_type": model_type, **cfg})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(torch.ones_like(p) * (0.0 if bool((p == 0).all()) else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.05)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+@bench("gqa")
+def gqa_target(args):
+    cfg = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+               num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2, head_dim=args.hidden // 8,
+               rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 10000.0})
+    return random_target("llama", cfg, args.device, args.dtype)
+
+
+def _timeit(fn, repeats, device):
+    times, out = [], None
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+@torch.no_grad()
+def run_one(kind, target, args):
+    from specopd.tree import ProposalTree
+
+    g = torch.Generator().manual_seed(0)
+    trunk = torch.randint(0, target.vocab_size, (args.T,), generator=g).to(args.device)
+    anchors = torch.randint(0, args.T, (args.branches,), generator=g)
+    tokens = torch.randint(0, target.vocab_size, (args.branches, args.W), generator=g)
+    tree = ProposalTree.from_branches(anchors, tokens)
+    tokens_dev = tokens.to(args.device)
+
+    def packed():
+        cache = target.prefill(trunk)
+        return target.score(tree, cache)
+
+    def naive():
+        return torch.stack([target(torch.cat([trunk[: int(a) + 1], tokens_dev[b]]).view(1, -1))[0, -args.W:]
+                            for b, a in enumerate(anchors.tolist())])
+
+    packed()  # warm-up
+    cache = target.prefill(trunk)
+    t_prefill, _ = _timeit(lambda: target.prefill(trunk), args.repeats, args.device)
+    t_score, _ = _timeit(lambda: target.score(tree, cache), args.repeats, args.device)
+    t_packed, p = _timeit(packed, args.repeats, args.device)
+    t_naive, ref = _timeit(naive, args.repeats, args.device)
+    err = float((p.float() - ref.float()).abs().max() / ref.float().abs().max())
+    return dict(kind=kind, T=args.T, branches=args.branches, W=args.W, dtype=str(args.dtype).replace("torch.", ""),
+                device=str(args.device), prefill_ms=1e3 * t_prefill, score_ms=1e3 * t_score,
+                packed_ms=1e3 * t_packed, naive_ms=1e3 * t_naive, speedup=t_naive / t_packed, max_rel_diff=err)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", default=",".join(k for k, _ in BENCHES), help="comma list of attention kinds")
+    ap.add_argument("--T", type=int, default=256, help="trunk length")
+    ap.add_argument("--branches", type=int, default=16, help="branches N (one random anchor each)")
+    ap.add_argument("--W", type=int, default=8, help="tokens per branch")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    print("command:", " ".join([sys.executable.rsplit("/", 1)[-1]] + sys.argv), flush=True)
+    args.device = torch.device(args.device)
+    args.dtype = getattr(torch, args.dtype)
+    known = dict(BENCHES)
+    kinds = [k for k in args.kinds.split(",") if k]
+    for k in kinds:
+        if k not in known:
+            ap.error(f"unknown kind {k!r}; available: {sorted(known)}")
+    rows = []
+    for k in kinds:
+        rows.append(run_one(k, known[k](args), args))
+    cols = ["kind", "T", "branches", "W", "dtype", "prefill_ms", "score_ms", "packed_ms", "naive_ms", "speedup",
+            "max_rel_diff"]
+    print(f"threads={torch.get_num_threads()} device={args.device} (packed = prefill + score; "
+          f"speedup = naive / packed)")
+    print(" | ".join(f"{c:>12}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>12.3g}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in cols))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

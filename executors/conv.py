@@ -1,0 +1,68 @@
+"""Executor for depthwise (dilated) causal convolutions along a token path (kind "conv").
+
+Used by qwen4_exp's PLE short conv (``specopd.models.qwen4_exp.DilatedConv``): out[t] = sum_j w[:, j] *
+x[t - back_j] with ``mixer.taps() = [(back_j, j)]``, zeros before the sequence start. The trunk cache keeps
+every trunk input (anchors can be anywhere); a tree node reads its inputs ``back`` steps up its own path
+(ancestor nodes, then trunk positions <= its anchor).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executors.base import Executor, register_executor
+
+
+@dataclass
+class ConvCache:
+    x: torch.Tensor  # [T, C] conv inputs of every trunk token
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def nbytes(self) -> int:
+        return self.x.numel() * self.x.element_size()
+
+
+def _weights(mixer, dtype):
+    return mixer.weight[:, 0, :].to(dtype)  # [C, K]
+
+
+@register_executor("conv")
+class ConvExecutor(Executor):
+    kind = "conv"
+
+    def prefill(self, mixer, x, positions, prev=None, options=None):
+        """x [1, T, C] -> (out [1, T, C], ConvCache of prev + these T tokens)."""
+        hist = prev.x if prev is not None else x.new_zeros(0, x.shape[-1])
+        full = torch.cat([hist.to(x.dtype), x[0]], dim=0)
+        span = max(b for b, _ in mixer.taps())
+        t = x.shape[1]
+        window = full[max(0, full.shape[0] - t - span):]
+        out = mixer(window.unsqueeze(0))[:, -t:]
+        return out, ConvCache(full)
+
+    def score(self, mixer, x, tree, caches, options=None):
+        """x [1, M, C] node inputs -> [1, M, C]: each node convolves its own path."""
+        dev, m, c = x.device, x.shape[1], x.shape[-1]
+        taps = mixer.taps()
+        span = max(b for b, _ in taps)
+        lens = [len(cc) for cc in caches]
+        node_ref, trunk_pos, _ = tree.path_back(span, [torch.zeros(n, dtype=torch.long) for n in lens])
+        offs = torch.tensor([0] + lens, dtype=torch.long).cumsum(0)
+        n_trunk = int(offs[-1])
+        table = torch.cat([cc.x.to(device=dev, dtype=x.dtype) for cc in caches] + [x[0], x.new_zeros(1, c)], dim=0)
+        zero_row = table.shape[0] - 1
+        tix = tree.trunk_index
+        w = _weights(mixer, x.dtype)
+        out = torch.zeros_like(x[0])
+        for back, j in sorted(taps, key=lambda bj: bj[1]):
+            if back == 0:
+                src = x[0]
+            else:
+                nr, tp = node_ref[:, back - 1], trunk_pos[:, back - 1]
+                rows = torch.where(nr >= 0, n_trunk + nr, torch.where(tp >= 0, offs[tix] + tp, zero_row))
+                src = table[rows.to(dev)]
+            out = out + src * w[:, j]
+        return out.unsqueeze(0)

@@ -1,0 +1,181 @@
+"""Gated DeltaNet (linear attention) over a trunk and a proposal tree.
+
+prefill: runs the recurrence over the trunk (extending ``prev`` exactly) and keeps, per layer, immutable
+         fp32 state checkpoints every C = ``options["gdn_checkpoint_every"]`` tokens (checkpoint k = the
+         state after trunk tokens [0, kC): ceil(T/C) of them), the final state, the trunk's conv inputs
+         (what the depth-W causal conv reads) and its decay g and write strength beta.
+score:   a branch forking at anchor a needs the state after trunk[0..a]: it starts from checkpoint
+         (a+1)//C and replays at most C-1 trunk tokens (all anchors of all trunks replay together, one
+         batched step per token). Tree nodes then advance level by level, each child from its parent's
+         state (general trees too). A node's conv reads its ancestors and, above the fork, trunk tokens
+         (``tree.path_back``).
+
+The mixer supplies the maths (``specopd.models.qwen3_next.GatedDeltaNet``): project, conv, conv_seq,
+split_qkv, finish, conv_kernel_size. Recurrence steps are ``kernels.gated_delta.naive.gated_delta_step``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executors.base import Executor, register_executor
+from kernels.gated_delta.naive import gated_delta_step, recurrent_gated_delta_rule
+
+DEFAULT_EVERY = 64
+
+
+@dataclass
+class GDNCache:
+    """One GDN layer's trunk cache (T tokens; H value heads; state K x V per head).
+
+    conv_in [T, Cd] conv inputs (model dtype); g, beta [T, H] fp32; checkpoints [ceil(T/C), H, K, V] fp32
+    (checkpoint k = state after the first k*C tokens); final [H, K, V] fp32 (state after all T tokens).
+    """
+
+    conv_in: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    checkpoints: torch.Tensor
+    final: torch.Tensor
+    every: int
+
+    def __len__(self) -> int:
+        return int(self.conv_in.shape[0])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv_in, self.g, self.beta, self.checkpoints,
+                                                           self.final))
+
+
+def _every(options) -> int:
+    c = int((options or {}).get("gdn_checkpoint_every", DEFAULT_EVERY))
+    if c < 1:
+        raise ValueError(f"gdn_checkpoint_every must be >= 1; got {c}")
+    return c
+
+
+def _gather_trunk(caches, trunk: torch.Tensor, pos: torch.Tensor, field: str) -> torch.Tensor:
+    """Rows ``getattr(caches[trunk[j]], field)[pos[j]]`` -> [n, ...]; zeros where pos < 0."""
+    ref = getattr(caches[0], field)
+    out = ref.new_zeros(trunk.shape[0], *ref.shape[1:])
+    for i, c in enumerate(caches):
+        sel = torch.nonzero((trunk == i) & (pos >= 0)).flatten()
+        if sel.numel():
+            out[sel] = getattr(c, field)[pos[sel]]
+    return out
+
+
+@register_executor("gdn")
+class GDNExecutor(Executor):
+    kind = "gdn"
+
+    def prefill(self, mixer, x, positions, prev=None, options=None):
+        """x [1, T, D] -> (out [1, T, D], GDNCache of len(prev) + T tokens). ``prev`` is left untouched."""
+        if x.shape[0] != 1:
+            raise ValueError(f"gdn prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
+        every = _every(options)
+        u, z, g, beta = mixer.project(x)
+        wk = mixer.conv_kernel_size
+        t0 = len(prev) if prev is not None else 0
+        history, init = None, None
+        if prev is not None:
+            if prev.every != every:
+                raise ValueError(f"extending a trunk cache built with gdn_checkpoint_every={prev.every} using "
+                                 f"{every}; extend with the cache's own options")
+            hist = prev.conv_in[-(wk - 1):]
+            pad = hist.new_zeros(wk - 1 - hist.shape[0], hist.shape[1])
+            history = torch.cat([pad, hist])[None]
+            init = prev.final[None]
+        q, k, v = mixer.split_qkv(mixer.conv_seq(u, history))
+        o, final, ck = recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=init,
+                                                  checkpoint_every=every, start=t0)
+        if prev is not None:
+            cache = GDNCache(torch.cat([prev.conv_in, u[0]]), torch.cat([prev.g, g[0]]),
+                             torch.cat([prev.beta, beta[0]]), torch.cat([prev.checkpoints, ck[0]]), final[0], every)
+        else:
+            cache = GDNCache(u[0], g[0], beta[0], ck[0], final[0], every)
+        return mixer.finish(o, z), cache
+
+    def anchor_states(self, mixer, caches, trunk: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """States after trunk[trunk[p]][0..anchor[p]] for P (trunk, anchor) pairs -> [P, H, K, V] fp32.
+
+        Each starts from checkpoint (a+1)//C (or the final state when a = T-1) and replays < C tokens;
+        the pairs replay together (a pair that is done keeps its state)."""
+        every = caches[0].every
+        if any(c.every != every for c in caches):
+            raise ValueError("packed trunk caches were built with different gdn_checkpoint_every")
+        wk = mixer.conv_kernel_size
+        n = anchor + 1  # tokens consumed
+        lens = torch.tensor([len(c) for c in caches], device=anchor.device)[trunk]
+        at_end = n == lens
+        ck = torch.where(at_end, torch.zeros_like(n), n // every)
+        r = torch.where(at_end, torch.zeros_like(n), n - ck * every)  # replay length < C
+        S = torch.stack([caches[int(i)].final if bool(e) else caches[int(i)].checkpoints[int(c)]
+                         for i, e, c in zip(trunk.tolist(), at_end.tolist(), ck.tolist())])
+        R = int(r.max()) if r.numel() else 0
+        if R == 0:
+            return S
+        steps = torch.arange(R, device=anchor.device)
+        pos = ck[:, None] * every + steps[None, :]  # [P, R] trunk positions replayed
+        live = steps[None, :] < r[:, None]
+        pos = torch.where(live, pos, torch.full_like(pos, -1))
+        p_, r_ = pos.shape
+        tr = trunk[:, None].expand(p_, r_).reshape(-1)
+        flat = pos.reshape(-1)
+        # conv windows of the replayed positions: inputs at pos-W+1 .. pos (zeros before the trunk start)
+        win = torch.stack([_gather_trunk(caches, tr, torch.where(flat >= 0, flat - (wk - 1) + j,
+                                                                 torch.full_like(flat, -1)).clamp(min=-1), "conv_in")
+                           for j in range(wk)], dim=1)  # [P*R, W, Cd]
+        q, k, v = mixer.split_qkv(mixer.conv(win))
+        g = _gather_trunk(caches, tr, flat, "g")
+        beta = _gather_trunk(caches, tr, flat, "beta")
+        q, k, v = (t.view(p_, r_, *t.shape[1:]) for t in (q, k, v))
+        g, beta = g.view(p_, r_, -1), beta.view(p_, r_, -1)
+        for s in range(R):
+            S_new, _ = gated_delta_step(S, q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s])
+            S = torch.where(live[:, s, None, None, None], S_new, S)
+        return S
+
+    def score(self, mixer, x, tree, caches, options=None):
+        """x [1, M, D] inputs of the M tree nodes; caches: one GDNCache per trunk -> out [1, M, D]."""
+        if len(caches) != tree.num_trunks:
+            raise ValueError(f"tree spans {tree.num_trunks} trunk(s) but {len(caches)} cache(s) were given")
+        dev = x.device
+        wk = mixer.conv_kernel_size
+        u, z, g, beta = mixer.project(x)
+        m = x.shape[1]
+        # conv windows: inputs 1..W-1 steps back along each node's path (ancestors, then the trunk)
+        node_ref, trunk_pos, _ = tree.path_back(wk - 1, [torch.zeros(len(c), dtype=torch.long) for c in caches])
+        node_ref, trunk_pos = node_ref.to(dev), trunk_pos.to(dev)
+        tix = tree.trunk_index.to(dev)
+        cols = []
+        for s in range(wk - 2, -1, -1):  # oldest first
+            from_trunk = _gather_trunk(caches, tix, trunk_pos[:, s], "conv_in").to(u.dtype)
+            from_node = u[0, node_ref[:, s].clamp(min=0)]
+            cols.append(torch.where((node_ref[:, s] >= 0)[:, None], from_node, from_trunk))
+        cols.append(u[0])
+        q, k, v = mixer.split_qkv(mixer.conv(torch.stack(cols, dim=1)))  # [M, H, K], [M, H, V]
+        g, beta = g[0], beta[0]
+        # anchor states of the roots, one per distinct (trunk, anchor)
+        parent = tree.parent.to(dev)
+        roots = torch.nonzero(parent < 0).flatten()
+        key = tix[roots] * (1 + int(tree.anchor.max())) + tree.anchor.to(dev)[roots]
+        uniq, inv = torch.unique(key, return_inverse=True)
+        first = torch.full((uniq.numel(),), -1, dtype=torch.long, device=dev).scatter_(
+            0, inv, roots)  # any root of each pair
+        S_anchor = self.anchor_states(mixer, caches, tix[first], tree.anchor.to(dev)[first])
+        # advance level by level; slot[u] = row of node u's state within its level
+        o = torch.empty(m, *v.shape[1:], dtype=torch.float32, device=dev)
+        slot = torch.empty(m, dtype=torch.long, device=dev)
+        S_prev = None
+        for d, nodes in enumerate(tree.levels()):
+            nodes = nodes.to(dev)
+            if d == 0:
+                S_in = S_anchor[inv]  # roots are exactly level 0, in order
+                assert torch.equal(nodes, roots)
+            else:
+                S_in = S_prev[slot[parent[nodes]]]
+            S_prev, o[nodes] = gated_delta_step(S_in, q[nodes], k[nodes], v[nodes], g[nodes], beta[nodes])
+            slot[nodes] = torch.arange(nodes.numel(), device=dev)
+        return mixer.finish(o[None], z)

@@ -1,0 +1,89 @@
+"""Full (GQA) attention over a trunk and a proposal tree.
+
+prefill: causal attention over the trunk (extending ``prev``); the cache keeps the trunk's K and V
+         ([T, Hkv, hd] each, after q/k norm and RoPE at the trunk positions).
+score:   tree node u (anchor a, trunk i) attends to trunk i's keys at positions <= a, plus its own
+         ancestors and itself (``tree.ancestor_mask()``); its q/k use RoPE at its semantic position
+         a + 1 + depth. Keys are ordered trunk first, then tree nodes in node order (parents precede
+         children), i.e. the same order as the sequential reference ``trunk[:a+1] + path(u)``.
+
+Only ``mixer.project``, ``mixer.finish`` and ``mixer.scaling`` are used (see docs/interfaces.md).
+The attention itself goes through ``attend``: dense masked attention with fp32 softmax (exact on the
+CPU); a flex_attention / Triton backend can slot in there, chosen by ``options["gqa_backend"]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executors.base import Executor, register_executor
+from specopd.models.common import masked_attention
+
+
+@dataclass
+class GQACache:
+    """One layer's trunk cache. k, v: [T, Hkv, hd] in the model dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.k.shape[0])
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+def attend(q, k, v, mask, scaling, options=None):
+    """q [1, Tq, H, hd], k/v [1, Tk, Hkv, hd], mask [1, Tq, Tk] bool -> [1, Tq, H, hd]."""
+    backend = (options or {}).get("gqa_backend", "dense")
+    if backend != "dense":
+        raise ValueError(f"unknown gqa_backend {backend!r}; available: 'dense'")
+    return masked_attention(q, k, v, mask, scaling)
+
+
+@register_executor("gqa")
+class GQAExecutor(Executor):
+    kind = "gqa"
+
+    def prefill(self, mixer, x, positions, prev=None, options=None):
+        """x [1, T, D], positions [1, T] (= t0 .. t0+T-1) -> (out [1, T, D], GQACache of t0 + T tokens)."""
+        if x.shape[0] != 1:
+            raise ValueError(f"gqa prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
+        q, k, v, extra = mixer.project(x, positions)
+        t0 = len(prev) if prev is not None else 0
+        if prev is not None:
+            k_all, v_all = torch.cat([prev.k, k[0]]), torch.cat([prev.v, v[0]])
+        else:
+            k_all, v_all = k[0], v[0]
+        t = x.shape[1]
+        dev = x.device
+        mask = torch.arange(t0 + t, device=dev)[None, :] <= torch.arange(t0, t0 + t, device=dev)[:, None]
+        o = attend(q, k_all[None], v_all[None], mask[None], mixer.scaling, options)
+        return mixer.finish(o, extra), GQACache(k_all, v_all)
+
+    def score(self, mixer, x, tree, caches, options=None):
+        """x [1, M, D] inputs of the M tree nodes; caches: one GQACache per trunk -> out [1, M, D]."""
+        if len(caches) != tree.num_trunks:
+            raise ValueError(f"tree spans {tree.num_trunks} trunk(s) but {len(caches)} cache(s) were given")
+        dev = x.device
+        pos = tree.positions.to(dev).view(1, -1)
+        q, k, v, extra = mixer.project(x, pos)
+        anc = tree.ancestor_mask().to(dev)  # [M, M]
+        anchor = tree.anchor.to(dev)
+        o = torch.empty_like(q)
+        for i, cache in enumerate(caches):
+            nodes = torch.nonzero(tree.trunk_index == i).flatten().to(dev)
+            if nodes.numel() == 0:
+                continue
+            a = anchor[nodes]  # [Mi]
+            t_cut = int(a.max()) + 1  # trunk keys beyond the last anchor are never visible
+            if t_cut > len(cache):
+                raise ValueError(f"anchor {t_cut - 1} is outside trunk {i} of length {len(cache)}")
+            keys = torch.cat([cache.k[:t_cut], k[0, nodes]])[None]  # [1, t_cut + Mi, Hkv, hd]
+            vals = torch.cat([cache.v[:t_cut], v[0, nodes]])[None]
+            trunk_vis = torch.arange(t_cut, device=dev)[None, :] <= a[:, None]  # [Mi, t_cut]
+            mask = torch.cat([trunk_vis, anc[nodes][:, nodes]], dim=1)  # [Mi, t_cut + Mi]
+            o[0, nodes] = attend(q[:, nodes], keys, vals, mask[None], mixer.scaling, options)[0]
+        return mixer.finish(o, extra)

@@ -1,0 +1,144 @@
+"""QSA executor (kind "qsa"): qwen4_exp ``indexed_attention`` over a trunk and a packed proposal tree.
+
+The mixer (``specopd.models.qwen4_exp.QSAttention``) supplies the math: ``project`` / ``finish`` (gated
+attention), ``index_project`` (index queries, raw index keys), ``pool_keys`` (4-token groups -> pooled,
+normed, RoPE'd keys), ``index_scores``, ``select`` (top-k, ties to the lowest group index), ``token_mask``.
+
+prefill: keeps trunk K/V, raw index keys and the pooled keys of every *complete* trunk group
+(positions 4g..4g+3). A trunk query i sees groups g < (i+1)//4, all of them trunk groups, so one
+[T, G] score matrix serves every trunk query.
+
+score: node u (anchor a, depth d, position p = a+1+d) sees positions 0..p: trunk[0..a] then its path.
+Groups g < (a+1)//4 lie wholly in the trunk and reuse the cached pooled keys; the group crossing the
+anchor boundary and the path's own groups are rebuilt per node from raw keys (trunk rows <= a, ancestor
+rows above). Selection, tail and attention then follow the sequential rule exactly.
+
+``options["qsa_record"]`` (a dict) receives ``{layer_idx: selected groups [Q, topk]}`` (-1 padded,
+ascending) so tests can compare selections with the sequential path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executors.base import Executor, register_executor
+from specopd.models.common import masked_attention
+
+
+@dataclass
+class QSACache:
+    k: torch.Tensor  # [T, Hkv, hd] RoPE'd keys
+    v: torch.Tensor  # [T, Hkv, hd]
+    raw: torch.Tensor  # [T, di] raw index keys
+    pooled: torch.Tensor  # [T // ratio, di] pooled group keys (k_layernorm + RoPE at the group start)
+
+    def __len__(self) -> int:
+        return int(self.k.shape[0])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.raw, self.pooled))
+
+
+def _record(options, mixer, sel):
+    rec = (options or {}).get("qsa_record")
+    if isinstance(rec, dict):
+        rec[mixer.layer_idx] = sel.detach().cpu()
+
+
+def ancestor_table(tree, device) -> torch.Tensor:
+    """[M, Dmax + 1] long: entry (u, j) is u's ancestor at depth j (u itself at its depth; -1 below)."""
+    m = tree.num_nodes
+    levels = tree.levels()
+    anc = torch.full((m, len(levels)), -1, dtype=torch.long)
+    for d, nodes in enumerate(levels):
+        if d > 0:
+            anc[nodes] = anc[tree.parent[nodes]]
+        anc[nodes, d] = nodes
+    return anc.to(device)
+
+
+@register_executor("qsa")
+class QSAExecutor(Executor):
+    kind = "qsa"
+
+    def prefill(self, mixer, x, positions, prev=None, options=None):
+        """x [1, T, D], positions [1, T] = t0 + arange(T) -> (out [1, T, D], QSACache of prev + T tokens)."""
+        t0, t, r = (len(prev) if prev is not None else 0), x.shape[1], mixer.ratio
+        if int(positions[0, 0]) != t0:
+            raise ValueError(f"qsa prefill: positions start at {int(positions[0, 0])} but the cache holds {t0} tokens")
+        q, k, v, gate = mixer.project(x, positions)
+        qi, raw = mixer.index_project(x, positions)
+        if prev is not None:
+            k, v = torch.cat([prev.k, k[0]]), torch.cat([prev.v, v[0]])
+            raw = torch.cat([prev.raw, raw[0]])
+        else:
+            k, v, raw = k[0], v[0], raw[0]
+        g, keep = (t0 + t) // r, t0 // r
+        starts = torch.arange(keep, g, device=x.device) * r
+        new = mixer.pool_keys(raw[keep * r: g * r].reshape(g - keep, r, -1), starts)
+        pooled = torch.cat([prev.pooled[:keep], new]) if prev is not None else new
+        last = torch.arange(t0, t0 + t, device=x.device)
+        sel = mixer.select(mixer.index_scores(qi[0], pooled.unsqueeze(0)), (last + 1) // r)
+        _record(options, mixer, sel)
+        mask = mixer.token_mask(sel, last, t0 + t)
+        o = masked_attention(q, k.unsqueeze(0), v.unsqueeze(0), mask.unsqueeze(0), mixer.scaling)
+        return mixer.finish(o, gate), QSACache(k, v, raw, pooled)
+
+    def score(self, mixer, x, tree, caches, options=None):
+        """x [1, M, D] node inputs -> [1, M, D]; node u as the last token of trunk[:a_u+1] + path(u)."""
+        dev, m, r = x.device, x.shape[1], mixer.ratio
+        anchor, tix = tree.anchor.to(dev), tree.trunk_index.to(dev)
+        pos = tree.positions.to(dev)
+        q, k, v, gate = mixer.project(x, pos.view(1, -1))
+        qi, raw = mixer.index_project(x, pos.view(1, -1))
+        qi = qi[0]
+        lens = [len(c) for c in caches]
+        offs = torch.tensor([0] + lens, dtype=torch.long, device=dev).cumsum(0)
+        n_trunk = int(offs[-1])
+        anc = ancestor_table(tree, dev)
+        dmax = anc.shape[1] - 1
+
+        def rows(p):  # positions p [M, ...] on each node's visible list -> rows of the stacked tables
+            a = anchor.view(-1, *([1] * (p.dim() - 1)))
+            on_trunk = p <= a
+            trunk_row = offs[tix].view_as(a) + p
+            depth = (p - a - 1).clamp(0, dmax)
+            node_row = n_trunk + anc.gather(1, depth.reshape(m, -1)).view_as(p)
+            return torch.where(on_trunk, trunk_row, node_row)
+
+        raw_all = torch.cat([c.raw.to(dev) for c in caches] + [raw[0]])
+        n = (pos + 1) // r  # complete groups on node u's visible list
+        g0 = (anchor + 1) // r  # of which wholly in the trunk
+        n_own = n - g0
+        j_own = torch.arange(int(n_own.max()), device=dev)
+        g_own = g0[:, None] + j_own  # [M, J]
+        ok_own = j_own[None, :] < n_own[:, None]
+        p_own = torch.where(ok_own[..., None], g_own[..., None] * r + torch.arange(r, device=dev), 0)
+        own_keys = mixer.pool_keys(raw_all[rows(p_own)], torch.where(ok_own, g_own * r, 0))  # [M, J, di]
+        own_scores = mixer.index_scores(qi, own_keys)  # [M, J]
+
+        gmax = int(n.max())
+        scores = torch.zeros(m, gmax + 1, dtype=torch.float32, device=dev)
+        for i, c in enumerate(caches):
+            nodes = torch.nonzero(tix == i).flatten()
+            if nodes.numel() and c.pooled.shape[0] and gmax:
+                gi = min(c.pooled.shape[0], gmax)
+                ts = mixer.index_scores(qi[nodes], c.pooled[:gi].to(dev).unsqueeze(0))  # [m_i, gi]
+                scores[nodes, :gi] = ts
+        scores.scatter_(1, torch.where(ok_own, g_own, gmax), own_scores)
+        sel = mixer.select(scores[:, :gmax], n)  # [M, topk]
+        _record(options, mixer, sel)
+
+        # keys: the selected groups' tokens, then the tail (positions r*n .. pos), ascending
+        p_sel = (sel[..., None] * r + torch.arange(r, device=dev)).flatten(1)
+        ok_sel = (sel >= 0)[..., None].expand(-1, -1, r).flatten(1)
+        p_tail = (r * n)[:, None] + torch.arange(r - 1, device=dev)
+        ok_tail = p_tail <= pos[:, None]
+        p_all = torch.cat([p_sel, p_tail], dim=1)
+        ok = torch.cat([ok_sel, ok_tail], dim=1)
+        idx = rows(torch.where(ok, p_all, 0))
+        k_all = torch.cat([c.k.to(dev) for c in caches] + [k[0]])
+        v_all = torch.cat([c.v.to(dev) for c in caches] + [v[0]])
+        o = masked_attention(q[0].unsqueeze(1), k_all[idx], v_all[idx], ok.unsqueeze(1), mixer.scaling)
+        return mixer.finish(o.view(1, m, *o.shape[2:]), gate)

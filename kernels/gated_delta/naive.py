@@ -1,0 +1,76 @@
+"""The gated delta rule as a plain recurrence (the reference every faster form is tested against).
+
+Shapes follow fla: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], state S [B, H, K, V]. Per token t:
+
+    S <- S * exp(g_t)                 (g <= 0: log-space decay)
+    d  = beta_t * (v_t - S^T k_t)      (delta rule: write only what S does not already predict)
+    S <- S + k_t d^T
+    o_t = S^T q_t
+
+q and k are expected l2-normalised and q already scaled by K^-0.5 (``prepare_qk`` does both, as HF and
+fla do with ``use_qk_l2norm_in_kernel=True``). Everything runs in fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last dim (fla / HF numerics)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor):
+    """fp32 l2-normed q, k, with q scaled by K^-0.5. q, k [..., K]."""
+    q, k = l2norm(q.float()), l2norm(k.float())
+    return q / (q.shape[-1] ** 0.5), k
+
+
+def gated_delta_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor):
+    """One token for a batch of independent states.
+
+    S [N, H, K, V]; q, k [N, H, K]; v [N, H, V]; g, beta [N, H] -> (new S [N, H, K, V], o [N, H, V]).
+    S is not modified in place.
+    """
+    S = S * g.exp()[..., None, None]
+    kv_mem = (S * k.unsqueeze(-1)).sum(dim=-2)  # [N, H, V]
+    d = (v - kv_mem) * beta.unsqueeze(-1)
+    S = S + k.unsqueeze(-1) * d.unsqueeze(-2)
+    o = (S * q.unsqueeze(-1)).sum(dim=-2)
+    return S, o
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
+                               checkpoint_every: Optional[int] = None, start: int = 0):
+    """Run the recurrence over T tokens (fp32).
+
+    q, k [B, T, H, K] (prepared: see ``prepare_qk``); v [B, T, H, V]; g, beta [B, T, H];
+    initial_state [B, H, K, V] or None (zeros).
+    Returns (o [B, T, H, V], final_state [B, H, K, V], checkpoints) where, with ``checkpoint_every=C``,
+    checkpoints [B, n, H, K, V] are the states *before* every token whose absolute position
+    ``start + t`` is a multiple of C (i.e. the state after the first ``k*C`` tokens of the sequence);
+    without it, checkpoints is None.
+    """
+    b, t, h, kd = k.shape
+    vd = v.shape[-1]
+    if q.shape != k.shape or v.shape[:3] != (b, t, h) or g.shape != (b, t, h) or beta.shape != (b, t, h):
+        raise ValueError(f"recurrent_gated_delta_rule: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)} g {tuple(g.shape)} beta {tuple(beta.shape)} do not match "
+                         f"[B, T, H, K] / [B, T, H, V] / [B, T, H]")
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    S = torch.zeros(b, h, kd, vd, dtype=torch.float32, device=v.device) if initial_state is None \
+        else initial_state.float()
+    o = torch.empty(b, t, h, vd, dtype=torch.float32, device=v.device)
+    ckpts = []
+    for i in range(t):
+        if checkpoint_every is not None and (start + i) % checkpoint_every == 0:
+            ckpts.append(S)
+        S, o[:, i] = gated_delta_step(S, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
+    if checkpoint_every is None:
+        return o, S, None
+    ck = torch.stack(ckpts, 1) if ckpts else S.new_zeros(b, 0, h, kd, vd)
+    return o, S, ck

@@ -1,0 +1,384 @@
+"""Recipe configuration: omegaconf structured dataclasses + ``load_recipe``.
+
+A recipe is a YAML file whose sections mirror ``RecipeConfig`` (``model``, ``drafter``, ``data``,
+``trainer``, ``runtime``, ``eval``, ``profile``) plus a top-level ``seed``. Command-line overrides are
+``section.key=value`` strings (YAML-parsed values). Every field has a default; a recipe only names what
+it changes. Unknown keys, wrong types and bad values fail with an error naming the key, what was
+expected, and (for unknown keys) the valid keys of that section.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+TINY_PREFIX = "tiny:"
+TINY_MODEL_TYPES = ("llama", "qwen3_next", "qwen4_exp")
+METHODS = ("specopd", "draft_opd", "offpolicy_ce", "offpolicy_e2e_tv")
+
+
+class RecipeError(ValueError):
+    """A recipe or override is invalid; the message names the key and the fix."""
+
+
+def _check_choice(section: str, key: str, value, choices) -> None:
+    if value not in choices:
+        raise RecipeError(f"{section}.{key}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def _check_range(section: str, key: str, value, lo=None, hi=None, lo_open=False) -> None:
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
+    if bad:
+        lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+        hi_s = "" if hi is None else f"<= {hi}"
+        raise RecipeError(f"{section}.{key}={value!r} is out of range; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
+
+
+@dataclass
+class ModelConfig:
+    target: str = "tiny:llama"
+    """The target model: a Hugging Face folder (config.json + safetensors), or ``tiny:<model_type>``
+    (llama | qwen3_next | qwen4_exp) for a tiny random target built deterministically from ``tiny_seed``
+    and written as a real safetensors folder under ``<output_dir>/tiny-target``."""
+    dtype: str = "float32"
+    """Target (and drafter) parameter dtype: float32 | bfloat16 | float16."""
+    device: str = "cpu"
+    """cpu | cuda | auto (cuda when available)."""
+    tiny_seed: int = 0
+    """Seed of the tiny random target's weights (only for ``tiny:`` targets)."""
+    tiny: Dict[str, Any] = field(default_factory=dict)
+    """Overrides of the tiny target's config.json entries (e.g. ``{hidden_size: 64}``)."""
+    gdn_checkpoint_every: int = 64
+    """GDN layers: keep a recurrent-state checkpoint every C trunk tokens (branches replay < C steps)."""
+
+    def __post_init__(self):
+        if self.target.startswith(TINY_PREFIX):
+            _check_choice("model", "target", self.target, [TINY_PREFIX + t for t in TINY_MODEL_TYPES] + ["<HF folder>"])
+        _check_choice("model", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        _check_choice("model", "device", self.device, ["cpu", "cuda", "auto"])
+        _check_range("model", "gdn_checkpoint_every", self.gdn_checkpoint_every, lo=1)
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.target.startswith(TINY_PREFIX)
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "dflash"
+    """dflash (parallel block drafter) | dspark (DFlash + Markov head + confidence head)."""
+    num_layers: int = 1
+    """Number of drafter decoder layers."""
+    block_size: int = 4
+    """W: tokens drafted per block (per branch)."""
+    feature_layers: Optional[List[int]] = None
+    """Target layer ids whose hidden states the drafter reads; null -> target.default_feature_layers()."""
+    init_from: Optional[str] = None
+    """A drafter folder (config.json + model.safetensors, e.g. a checkpoint step folder) to start from."""
+    confidence_weight: float = 0.1
+    """DSpark: weight of the confidence-head loss (ignored for dflash)."""
+
+    def __post_init__(self):
+        _check_choice("drafter", "kind", self.kind, ["dflash", "dspark"])
+        _check_range("drafter", "num_layers", self.num_layers, lo=1)
+        _check_range("drafter", "block_size", self.block_size, lo=1)
+        _check_range("drafter", "confidence_weight", self.confidence_weight, lo=0)
+        if self.init_from is not None and not os.path.isdir(self.init_from):
+            raise RecipeError(f"drafter.init_from={self.init_from!r}: no such folder (give a drafter folder with "
+                              f"config.json + model.safetensors, e.g. <output_dir>/checkpoints/step-N)")
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """synthetic: references sampled from the target itself (random prompts + target continuations);
+    prepared: token ids written by ``specopd prepare data`` (see ``path``)."""
+    path: Optional[str] = None
+    """prepared data: a .jsonl file (one {"input_ids": [...], "prompt_len": n} per line) or a folder holding
+    data.jsonl."""
+    num_samples: int = 256
+    """synthetic: number of reference sequences generated (train + held-out)."""
+    prompt_len: int = 8
+    """synthetic: prompt tokens per sequence (random ids); anchors lie on the response after them."""
+    seq_len: int = 48
+    """synthetic: total tokens per sequence (prompt + response); prepared: sequences are cut to this length."""
+    sample_temperature: float = 1.0
+    """synthetic: temperature used to sample the responses from the target."""
+    batch_size: int = 8
+    """Sequences per global training step (split by sample across workers)."""
+    heldout: float = 0.125
+    """Fraction of the sequences held out for evaluation (never trained on)."""
+    seed: int = 1234
+    """Seed of the synthetic data and of the train/held-out split (independent of the top-level seed)."""
+
+    def __post_init__(self):
+        _check_choice("data", "source", self.source, ["synthetic", "prepared"])
+        if self.source == "prepared":
+            if not self.path:
+                raise RecipeError("data.source=prepared needs data.path (run `specopd prepare data ...` first)")
+            if not os.path.exists(self.path):
+                raise RecipeError(f"data.path={self.path!r} does not exist (run `specopd prepare data ...` to write it)")
+        _check_range("data", "num_samples", self.num_samples, lo=2)
+        _check_range("data", "prompt_len", self.prompt_len, lo=2)
+        _check_range("data", "seq_len", self.seq_len, lo=4)
+        if self.source == "synthetic" and self.seq_len <= self.prompt_len:
+            raise RecipeError(f"data.seq_len={self.seq_len} must exceed data.prompt_len={self.prompt_len}")
+        _check_range("data", "sample_temperature", self.sample_temperature, lo=0, lo_open=True)
+        _check_range("data", "batch_size", self.batch_size, lo=1)
+        _check_range("data", "heldout", self.heldout, lo=0, hi=0.9)
+
+
+@dataclass
+class TrainerConfig:
+    method: str = "specopd"
+    """specopd (anchored parallel branches, on-policy) | draft_opd (sequential draft-and-verify rollouts) |
+    offpolicy_ce | offpolicy_e2e_tv (blocks on the reference tokens, no sampling)."""
+    max_steps: int = 20
+    """Optimizer steps of the run (a resumed run continues up to this)."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 2
+    """Linear warmup from 0 to lr over this many steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio at max_steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices (not on norms and biases)."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    anchors_per_seq: int = 8
+    """B: anchors (branches) per sequence per step; draft_opd: at most this many rollout rounds per sequence."""
+    temperature: float = 1.0
+    """Sampling temperature of branches / rollouts; p and q are compared at this temperature."""
+    output_dir: str = "runs/tiny"
+    """Run folder: metrics.jsonl, checkpoints/, tiny-target/, data cache, profile."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in output_dir, else start fresh) | none (start fresh) | a step folder."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end; a checkpoint is always written when a run ends)."""
+    keep_last: int = 2
+    """Keep the newest K >= 2 checkpoints."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every N steps."""
+    eval_heldout: bool = True
+    """Evaluate expected acceptance length on the held-out data before and after training."""
+    eval_anchors_per_seq: int = 8
+    """Anchors per held-out sequence for that evaluation."""
+
+    def __post_init__(self):
+        _check_choice("trainer", "method", self.method, METHODS)
+        _check_range("trainer", "max_steps", self.max_steps, lo=0)
+        _check_range("trainer", "lr", self.lr, lo=0, lo_open=True)
+        _check_range("trainer", "warmup_steps", self.warmup_steps, lo=0)
+        _check_range("trainer", "min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)
+        _check_range("trainer", "weight_decay", self.weight_decay, lo=0)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise RecipeError(f"trainer.betas={list(self.betas)} must be two numbers in [0, 1)")
+        _check_range("trainer", "grad_clip", self.grad_clip, lo=0)
+        _check_range("trainer", "anchors_per_seq", self.anchors_per_seq, lo=1)
+        _check_range("trainer", "temperature", self.temperature, lo=0, lo_open=True)
+        if not (self.resume in ("auto", "none") or os.path.isdir(self.resume)):
+            raise RecipeError(f"trainer.resume={self.resume!r}: use auto, none, or an existing checkpoint folder "
+                              f"(<output_dir>/checkpoints/step-N)")
+        _check_range("trainer", "save_every", self.save_every, lo=0)
+        _check_range("trainer", "keep_last", self.keep_last, lo=2)
+        _check_range("trainer", "log_every", self.log_every, lo=1)
+        _check_range("trainer", "eval_anchors_per_seq", self.eval_anchors_per_seq, lo=1)
+
+
+@dataclass
+class RuntimeConfig:
+    backend: str = "local"
+    """local (in-process workers) | ray (one Ray actor per worker)."""
+    num_workers: int = 1
+    """Data-parallel drafter replicas; each global batch is split by sample across them."""
+    address: Optional[str] = None
+    """Ray cluster address (null: start a local Ray instance)."""
+    cpus_per_worker: float = 1.0
+    """Ray: CPUs reserved per worker actor (more than the machine has hangs Ray silently)."""
+    gpus_per_worker: float = 0.0
+    """Ray: GPUs reserved per worker actor."""
+    roles: str = "colocated"
+    """colocated (each worker hosts target + drafter) | split (target scoring and drafter training in
+    separate actors; ray backend only)."""
+
+    def __post_init__(self):
+        _check_choice("runtime", "backend", self.backend, ["local", "ray"])
+        _check_range("runtime", "num_workers", self.num_workers, lo=1)
+        _check_range("runtime", "cpus_per_worker", self.cpus_per_worker, lo=0)
+        _check_range("runtime", "gpus_per_worker", self.gpus_per_worker, lo=0)
+        _check_choice("runtime", "roles", self.roles, ["colocated", "split"])
+        if self.roles == "split" and self.backend != "ray":
+            raise RecipeError("runtime.roles=split needs runtime.backend=ray")
+
+
+@dataclass
+class EvalConfig:
+    prompts: int = 8
+    """Number of held-out prompts decoded by ``specopd eval``."""
+    max_new_tokens: int = 32
+    """Tokens generated per prompt."""
+    temperature: float = 0.0
+    """Decoding temperature (0 = greedy, acceptance = exact match with the target's argmax)."""
+    checkpoint: str = "latest"
+    """Drafter to evaluate: latest (newest checkpoint of trainer.output_dir) | none (untrained) | a folder."""
+    seed: int = 0
+    """Seed of the decoding generator."""
+
+    def __post_init__(self):
+        _check_range("eval", "prompts", self.prompts, lo=1)
+        _check_range("eval", "max_new_tokens", self.max_new_tokens, lo=1)
+        _check_range("eval", "temperature", self.temperature, lo=0)
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = True
+    """Record per-phase spans (prefill / propose / score / loss_backward / optimizer_step) per worker."""
+    nvml: bool = False
+    """Sample GPU utilisation / memory with NVML while training (GPU only)."""
+    nvml_interval_ms: int = 50
+    """NVML sampling interval."""
+
+    def __post_init__(self):
+        _check_range("profile", "nvml_interval_ms", self.nvml_interval_ms, lo=1)
+
+
+@dataclass
+class RecipeConfig:
+    seed: int = 0
+    """Seed of the drafter init and of all per-sample anchor / branch generators."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _valid_keys(cls) -> list:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check_keys(data: dict, cls, prefix: str, origin: str) -> None:
+    """Unknown keys -> error naming the key and the valid keys of its section."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"{origin}: {prefix or 'the recipe'} must be a mapping of keys, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k, v in data.items():
+        full = f"{prefix}{k}"
+        if k not in fields:
+            raise RecipeError(f"{origin}: unknown key {full!r}; valid keys of "
+                              f"{prefix.rstrip('.') or 'the recipe'}: {sorted(fields)}")
+        sub = fields[k].default_factory if fields[k].default_factory is not dataclasses.MISSING else None
+        sub_cls = type(sub()) if sub is not None and dataclasses.is_dataclass(sub()) else None
+        if sub_cls is not None:
+            if not isinstance(v, dict):
+                raise RecipeError(f"{origin}: {full!r} is a section; give a mapping with keys "
+                                  f"{_valid_keys(sub_cls)}, not {v!r}")
+            _check_keys(v, sub_cls, full + ".", origin)
+
+
+def _parse_overrides(overrides) -> dict:
+    from omegaconf import OmegaConf
+
+    out: dict = {}
+    for ov in overrides or []:
+        if "=" not in ov or ov.startswith("="):
+            raise RecipeError(f"override {ov!r} is not of the form section.key=value (e.g. trainer.max_steps=10)")
+        key, _ = ov.split("=", 1)
+        try:
+            d = OmegaConf.to_container(OmegaConf.from_dotlist([ov]))
+        except Exception as e:  # noqa: BLE001
+            raise RecipeError(f"override {ov!r} could not be parsed: {e}") from None
+        node = out
+        parts = key.strip().split(".")
+        src = d
+        for p in parts[:-1]:
+            src = src[p]
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {ov!r} conflicts with an earlier override of {p!r}")
+        node[parts[-1]] = src[parts[-1]]
+    return out
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_recipe(path: Optional[str], overrides=None) -> RecipeConfig:
+    """Read a YAML recipe (or defaults when ``path`` is None), apply ``a.b=c`` overrides, validate.
+
+    Returns a ``RecipeConfig`` (plain dataclasses; ``__post_init__`` checks have run).
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    data: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            hint = ""
+            rdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+            if os.path.isdir(rdir):
+                hint = f"; recipes shipped in {rdir}: {sorted(f for f in os.listdir(rdir) if f.endswith('.yaml'))}"
+            raise FileNotFoundError(f"recipe {path!r} does not exist{hint}")
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        except Exception as e:  # noqa: BLE001
+            raise RecipeError(f"recipe {path!r} is not valid YAML: {e}") from None
+        data = loaded or {}
+        _check_keys(data, RecipeConfig, "", f"recipe {path}")
+    ovs = _parse_overrides(overrides)
+    _check_keys(ovs, RecipeConfig, "", "override")
+    merged = _deep_merge(data, ovs)
+    try:
+        conf = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.create(merged))
+        cfg = OmegaConf.to_object(conf)
+    except RecipeError:
+        raise
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        exp = _expected_type(key)
+        raise RecipeError(f"{key}: {getattr(e, 'msg', str(e)).splitlines()[0]}"
+                          + (f" (expected {exp})" if exp else "")) from None
+    return cfg
+
+
+def _expected_type(full_key: str) -> Optional[str]:
+    cls = RecipeConfig
+    parts = full_key.split(".")
+    for i, p in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if p not in fields:
+            return None
+        f = fields[p]
+        if i == len(parts) - 1:
+            return _type_name(f.type)
+        cls = type(f.default_factory())
+    return None
+
+
+def to_dict(cfg: RecipeConfig) -> dict:
+    """Plain nested dict (for logging and for saving next to a checkpoint)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: RecipeConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

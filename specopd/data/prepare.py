@@ -1,0 +1,209 @@
+"""`specopd prepare model smollm2-135m` and `specopd prepare data`.
+
+prepare data: prompts (a JSONL file, or chitchat-dataset's first user turns) are put through the target's
+chat template and answered by the target itself (our ``target.prefill`` cache: the prompt once, then one token
+per step), with temperature / top-p; records are appended to ``<out>/data.jsonl`` as they finish (a second run
+skips finished prompt ids). See ``specopd.data.references`` for the record format and ``load_references``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts_jsonl,
+                                     read_records, repair_tail, split_of)
+from specopd.data.smollm2 import MODEL_NAME, cache_root, default_model_dir, is_prepared, prepare_smollm2
+
+MODELS = {MODEL_NAME: prepare_smollm2}
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
+    """logits [V] -> one token id: argmax at T = 0, else nucleus sampling from softmax(logits / T)."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, si = probs.sort(descending=True)
+        keep = (sp.cumsum(0) - sp) < top_p  # smallest prefix whose mass reaches top_p (the top token always kept)
+        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+    dev = generator.device if generator is not None else probs.device
+    return int(torch.multinomial(probs.to(dev), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate_response(target, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float,
+                      generator, stop_ids: set) -> tuple:
+    """prompt_ids [T] -> (response ids list, "eos" | "length"). Prefill once, then one cached step per token."""
+    cache = target.prefill(prompt_ids, keep_logits=True)
+    logits = cache.logits[-1]
+    cache = dataclasses.replace(cache, logits=None)
+    out = []
+    while True:
+        tok = sample_top_p(logits, temperature, top_p, generator)
+        out.append(tok)
+        if tok in stop_ids:
+            return out, "eos"
+        if len(out) >= max_new_tokens:
+            return out, "length"
+        cache = target.prefill(torch.tensor([tok], device=target.device), cache=cache, keep_logits=True)
+        logits = cache.logits[-1]
+        cache = dataclasses.replace(cache, logits=None)
+
+
+def _seed_of(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def load_tokenizer(target_dir: str, vocab_size: int):
+    """The target's own tokenizer (with its chat template); refuses one whose ids exceed the target's vocab."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ImportError("prepare data needs transformers for the tokenizer + chat template; "
+                          "run `pip install -e .[demo]`") from None
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    if len(tok) > vocab_size:
+        raise ValueError(f"the tokenizer in {target_dir} has {len(tok)} tokens but the target's config.json says "
+                         f"vocab_size={vocab_size}: tokenizer and weights do not belong together (use the target's "
+                         f"own tokenizer files)")
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the tokenizer in {target_dir} has no chat template; prompts cannot be formatted "
+                         f"(use an instruct model's tokenizer)")
+    return tok
+
+
+def stop_token_ids(tok, target) -> set:
+    ids = set()
+    for v in (getattr(tok, "eos_token_id", None), getattr(target.config, "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def encode_prompt(tok, messages) -> list:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------- prepare data
+def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = None, num: Optional[int] = None,
+                 max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                 heldout_fraction: float = 0.1, device: str = "cpu", dtype: str = "float32",
+                 progress: bool = True) -> dict:
+    """Regenerate responses for the first ``num`` prompts (resumable). Returns counts
+    {written, skipped_done, skipped_too_long, total_records}."""
+    from specopd.models import load_target
+
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1; got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need --temperature >= 0 and 0 < --top-p <= 1; got {temperature}, {top_p}")
+    if not 0 <= heldout_fraction < 1:
+        raise ValueError(f"--heldout-fraction must be in [0, 1); got {heldout_fraction}")
+    target = load_target(target_dir, dtype=dtype, device=device)
+    tok = load_tokenizer(target_dir, target.vocab_size)
+    prompts = read_prompts_jsonl(prompts_file) if prompts_file else chitchat_prompts()
+    if num is not None:
+        prompts = prompts[:num]
+    meta = {"target": os.path.abspath(target_dir), "model_type": target.config.model_type,
+            "vocab_size": target.vocab_size, "prompts": os.path.abspath(prompts_file) if prompts_file else "chitchat",
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+            "heldout_fraction": heldout_fraction, "dtype": str(dtype)}
+    os.makedirs(out_dir, exist_ok=True)
+    meta_path, data_path = os.path.join(out_dir, META_FILE), os.path.join(out_dir, DATA_FILE)
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            old = json.load(f)
+        diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+        if diff:
+            raise ValueError(f"{out_dir} was prepared with other settings {diff} (old, new); resume with the same "
+                             f"settings or choose a new --out")
+    else:
+        with open(meta_path, "w") as f:
+            json.dump(meta, f, indent=1)
+    repair_tail(data_path)
+    done = {r["id"] for r in read_records(data_path)}
+    pending = [(pid, m) for pid, m in prompts if pid not in done]
+    limit = getattr(target.config, "max_position_embeddings", None)
+    stops = stop_token_ids(tok, target)
+    counts = dict(written=0, skipped_done=len(prompts) - len(pending), skipped_too_long=0)
+    from tqdm import tqdm
+
+    bar = tqdm(pending, desc="references", unit="prompt", disable=not progress)
+    n_tok, t0 = 0, time.perf_counter()
+    with open(data_path, "a") as f:
+        for pid, msgs in bar:
+            ids = encode_prompt(tok, msgs)
+            if limit is not None and len(ids) + max_new_tokens > int(limit):
+                counts["skipped_too_long"] += 1
+                continue
+            g = torch.Generator().manual_seed(_seed_of(seed, pid))
+            resp, finish = generate_response(target, torch.tensor(ids, device=target.device), max_new_tokens,
+                                             temperature, top_p, g, stops)
+            append_record(f, {"id": pid, "split": split_of(pid, seed, heldout_fraction), "input_ids": ids + resp,
+                              "response_start": len(ids), "prompt_len": len(ids), "finish": finish,
+                              "response": tok.decode(resp)})
+            counts["written"] += 1
+            n_tok += len(resp)
+            bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}", skipped=counts["skipped_too_long"])
+    counts["total_records"] = len(read_records(data_path))
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specopd prepare", description="Prepare the demo target and reference data.")
+    sub = p.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("model", help="convert a demo target to a Hugging Face folder (once)")
+    m.add_argument("name", choices=sorted(MODELS))
+    m.add_argument("--cache-dir", default=None, help="data folder (default $SPECOPD_CACHE or ~/.cache/specopd)")
+    d = sub.add_parser("data", help="regenerate responses with the target (resumable)")
+    d.add_argument("--prompts", default=None, help="JSONL of {'prompt': ...} or {'messages': [...]} "
+                                                   "(default: chitchat-dataset first user turns)")
+    d.add_argument("--target", default=None, help="target HF folder (default: the prepared smollm2-135m)")
+    d.add_argument("--out", default=None, help="output folder (default <cache>/data/<prompts>-<target>)")
+    d.add_argument("--cache-dir", default=None)
+    d.add_argument("--num", type=int, default=None, help="use the first N prompts (default all)")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--heldout-fraction", type=float, default=0.1)
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--dtype", default="float32")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry of `specopd prepare ...`; argv excludes the leading 'prepare'."""
+    args = _parser().parse_args(list(sys.argv[2:] if argv is None else argv))
+    if args.what == "model":
+        MODELS[args.name](cache_dir=args.cache_dir)
+        return 0
+    target = args.target or default_model_dir(args.cache_dir)
+    if args.target is None and not is_prepared(target):
+        raise SystemExit(f"no --target given and the default target {target} is not prepared; run "
+                         f"`specopd prepare model {MODEL_NAME}` first (or pass --target HF_DIR)")
+    if args.out is None:
+        src = os.path.splitext(os.path.basename(args.prompts))[0] if args.prompts else "chitchat"
+        args.out = os.path.join(cache_root(args.cache_dir), "data", f"{src}-{os.path.basename(os.path.normpath(target))}")
+    counts = prepare_data(target, args.out, args.prompts, args.num, args.max_new_tokens, args.temperature,
+                          args.top_p, args.seed, args.heldout_fraction, args.device, args.dtype)
+    print(f"[specopd] references in {args.out}/{DATA_FILE}: {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

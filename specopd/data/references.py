@@ -1,0 +1,158 @@
+"""Reference data: prompts + target-regenerated responses, as token ids with a loss mask over the response.
+
+``specopd prepare data`` writes ``<out>/data.jsonl`` (one record a line, appended as generation goes, so an
+interrupted run resumes where it stopped) and ``<out>/meta.json`` (the settings; a resumed run must match them).
+Record: ``{"id", "split": "train" | "heldout", "input_ids": [prompt + response], "response_start": n,
+"prompt_len": n, "finish": "eos" | "length"}``; the loss covers ``input_ids[response_start:]``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+DATA_FILE = "data.jsonl"
+META_FILE = "meta.json"
+SPLITS = ("train", "heldout", "all")
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def read_prompts_jsonl(path: str) -> list:
+    """JSONL with one ``{"prompt": str}`` or ``{"messages": [{"role", "content"}, ...]}`` a line (optional "id").
+    -> list of (id, messages). A trailing assistant message is dropped (the target regenerates it)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompts file {path!r} does not exist")
+    out = []
+    with open(path) as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg})") from None
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                msgs = [{"role": "user", "content": rec["prompt"]}]
+            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
+                msgs = [dict(m) for m in rec["messages"]]
+                if any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in msgs):
+                    raise ValueError(f"{path}:{ln}: every message needs string 'role' and 'content'")
+                while msgs and msgs[-1]["role"] == "assistant":
+                    msgs.pop()
+                if not msgs:
+                    raise ValueError(f"{path}:{ln}: 'messages' holds only assistant turns; nothing to answer")
+            else:
+                raise ValueError(f"{path}:{ln}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}; got keys "
+                                 f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}")
+            out.append((str(rec.get("id", f"line{ln}")), msgs))
+    if not out:
+        raise ValueError(f"prompts file {path!r} holds no prompts (empty file?)")
+    ids = [i for i, _ in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"prompts file {path!r} repeats ids; ids must be unique (resuming skips finished ids)")
+    return out
+
+
+def chitchat_prompts() -> list:
+    """First user turn of every chitchat-dataset conversation -> list of (conversation id, messages)."""
+    try:
+        import chitchat_dataset
+    except ImportError:
+        raise ImportError("the default prompts come from the PyPI package chitchat-dataset; run "
+                          "`pip install chitchat-dataset`, or pass --prompts FILE.jsonl") from None
+    with open(os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json")) as f:
+        data = json.load(f)
+    out = []
+    for cid, conv in data.items():
+        msgs = conv.get("messages") or []
+        if not msgs:
+            continue
+        text = "\n".join(u["text"] for u in msgs[0] if u.get("text")).strip()
+        if text:
+            out.append((cid, [{"role": "user", "content": text}]))
+    return out
+
+
+def split_of(prompt_id: str, seed: int, heldout_fraction: float) -> str:
+    """Train / held-out, fixed by (seed, id) alone: independent of order, --num and resumption."""
+    return "heldout" if random.Random(f"{seed}:{prompt_id}").random() < heldout_fraction else "train"
+
+
+# ---------------------------------------------------------------------------------------------- shard I/O
+def read_records(path: str) -> list:
+    """All complete records of a data.jsonl (a torn last line, from a killed run, is ignored)."""
+    recs = []
+    if not os.path.isfile(path):
+        return recs
+    with open(path) as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break  # torn write
+            if line.strip():
+                recs.append(json.loads(line))
+    return recs
+
+
+def repair_tail(path: str) -> None:
+    """Cut a torn last line so that appending continues on a line boundary."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def append_record(f, rec: dict) -> None:
+    f.write(json.dumps(rec) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _data_path(path: str) -> str:
+    if os.path.isdir(path):
+        p = os.path.join(path, DATA_FILE)
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{path!r} has no {DATA_FILE}; run `specopd prepare data --out {path}` first")
+        return p
+    if os.path.isfile(path):
+        return path
+    raise FileNotFoundError(f"reference data {path!r} does not exist; run `specopd prepare data --out DIR` first")
+
+
+def load_references(path: str, split: str = "train", max_len: Optional[int] = None) -> list:
+    """Prepared references -> list of ``{"input_ids": LongTensor [T], "response_start": int, "id": str}``.
+
+    path: the ``--out`` folder (or its data.jsonl); split: train | heldout | all; max_len cuts sequences to
+    that many tokens (records whose response would be empty after the cut are dropped).
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+    out = []
+    for r in read_records(_data_path(path)):
+        if split != "all" and r.get("split", "train") != split:
+            continue
+        ids = r["input_ids"][:max_len] if max_len else r["input_ids"]
+        start = int(r.get("response_start", r.get("prompt_len", 0)))
+        if start >= len(ids):
+            continue
+        out.append({"input_ids": torch.tensor(ids, dtype=torch.long), "response_start": start,
+                    "id": str(r.get("id", len(out)))})
+    return out
+
+
+def heldout_prompts(path: str, num: Optional[int] = None) -> list:
+    """Prompt ids [T] (the part before the response) of the held-out references."""
+    refs = load_references(path, "heldout")
+    if not refs:
+        raise ValueError(f"{path!r} has no held-out references (prepare data with --heldout-fraction > 0)")
+    return [r["input_ids"][: r["response_start"]] for r in refs[:num]]
+
+
+def iter_pending(prompts: Iterable, done: set) -> Iterator:
+    for pid, msgs in prompts:
+        if pid not in done:
+            yield pid, msgs

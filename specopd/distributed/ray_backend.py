@@ -1,0 +1,388 @@
+"""RayGroup: the trainer's Workers as Ray actors, data-parallel, gradients summed with torch.distributed.
+
+    group = RayGroup(cfg)                       # cfg.runtime: num_workers, cpus_per_worker, gpus_per_worker,
+    group.call("train_step", [(ids0, t, n),     #   address (None = start a local Ray), roles
+                              (ids1, t, n)])    # one argument tuple per worker -> list of results (rank order)
+    group.broadcast("load_state_dict", sd)      # the same arguments to every worker
+    group.shutdown()
+
+Start-up, in order: join or start Ray; check that num_workers x {CPU, GPU} fit the cluster (a clear error
+instead of Ray's silent wait); one placement group per node (STRICT_PACK of bundles {CPU: cpus_per_worker,
+GPU: gpus_per_worker}, pinned to the node); one actor per worker hosting ``Worker(cfg, rank, world_size)``;
+a torch.distributed process group over the actors (gloo on CPU, nccl on GPU; rank 0's actor gives the
+master address and port); ``worker.set_allreduce(fn)`` with fn summing the drafter gradients in place, so
+every replica takes the same optimizer step and stays identical.
+
+Faults: an actor that dies (killed, OOM, node lost) ends the run: every survivor is killed (they would
+otherwise wait in the all-reduce) and ``WorkerLostError`` names the rank, its node (ip and id), the
+method, the last complete checkpoint and ``trainer.resume=auto``.
+
+Roles: every actor runs all phases of a step (``runtime.roles: colocated``). Split roles (separate tree
+builder / trunk prefill / branch scorer actors) are not implemented; asking for them is an error.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+DEFAULT_WORKER = "specopd.train.worker:Worker"
+PG_READY_TIMEOUT_S = float(os.environ.get("SPECOPD_PG_TIMEOUT_S", "120"))
+_LIVE_GROUPS: list = []  # groups not shut down yet (tests use it to reach actors)
+
+
+class ClusterTooSmallError(RuntimeError):
+    pass
+
+
+class WorkerLostError(RuntimeError):
+    """A worker actor died. Attributes: rank, node_ip, node_id, method, checkpoint (path or None)."""
+
+    def __init__(self, msg, *, rank, node_ip, node_id, method, checkpoint):
+        super().__init__(msg)
+        self.rank, self.node_ip, self.node_id = rank, node_ip, node_id
+        self.method, self.checkpoint = method, checkpoint
+
+
+def _get(cfg, path: str, default=None):
+    cur = cfg
+    for k in path.split("."):
+        if cur is None:
+            return default
+        cur = cur.get(k, None) if isinstance(cur, dict) else getattr(cur, k, None)
+    return default if cur is None else cur
+
+
+def _resolve(worker_cls):
+    if isinstance(worker_cls, str):
+        mod, _, name = worker_cls.partition(":")
+        return getattr(importlib.import_module(mod), name)
+    return worker_cls
+
+
+def last_checkpoint(output_dir) -> Optional[str]:
+    """The newest complete checkpoint under <output_dir>/checkpoints (step-<N>/ with model.safetensors)."""
+    try:  # the trainer's own notion of "complete", when it has one
+        from specopd.train import checkpoint as ck
+
+        fn = getattr(ck, "latest_checkpoint", None) or getattr(ck, "find_latest", None)
+        if fn is not None:
+            found = fn(output_dir)
+            return None if found is None else str(found)
+    except Exception:
+        pass
+    root = Path(output_dir or ".") / "checkpoints"
+    steps = []
+    for d in root.glob("step-*") if root.exists() else []:
+        m = re.fullmatch(r"step-(\d+)", d.name)
+        if m and (d / "model.safetensors").exists():
+            steps.append((int(m.group(1)), d))
+    return str(max(steps)[1]) if steps else None
+
+
+# -- the actor ------------------------------------------------------------------------------------------
+
+class _WorkerHost:
+    """Runs in the actor process: hosts one Worker and its share of the process group."""
+
+    def __init__(self, worker_cls, cfg, rank: int, world_size: int, num_threads: int):
+        import torch
+
+        torch.set_num_threads(max(1, num_threads))
+        self.rank, self.world_size = rank, world_size
+        self.worker = _resolve(worker_cls)(cfg, rank, world_size)
+        from specopd.profiling import start_gpu_sampler
+
+        self.sampler, self.gpu_note = start_gpu_sampler(cfg, f"worker{rank}")
+
+    def info(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
+                "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
+
+    def master_endpoint(self):
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_dist(self, addr: str, port: int, backend: str, timeout_s: float):
+        import torch
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        self.worker.set_allreduce(self._allreduce)
+        return True
+
+    def _allreduce(self, grads: Sequence) -> None:
+        """Sum ``grads`` over all workers, in place. Every worker must pass the same list of shapes."""
+        import torch
+        import torch.distributed as dist
+
+        ts = [g for g in grads if g is not None]
+        if len(ts) != len(grads):
+            raise ValueError("all-reduce got None gradients; pass zeros for parameters without a gradient so "
+                             "every worker reduces the same list")
+        if not ts:
+            return
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in ts])  # fp32 sum even for bf16
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        off = 0
+        for t in ts:
+            n = t.numel()
+            t.copy_(flat[off: off + n].view_as(t))
+            off += n
+
+    def run(self, method: str, args: tuple, kwargs: dict):
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def profile_take(self):
+        """(spans, gpu_samples, note): the worker's spans since the last call (Worker.take_spans, or its
+        Profiler's take()), this actor's NVML samples, and why there are none."""
+        w = self.worker
+        if hasattr(w, "take_spans"):
+            spans = w.take_spans()
+        else:
+            prof = getattr(w, "prof", None) or getattr(w, "profiler", None)
+            spans = prof.take() if prof is not None else []
+        samples = self.sampler.take() if self.sampler is not None else []
+        return spans, samples, self.gpu_note
+
+    def close(self):
+        if self.sampler is not None:
+            self.sampler.stop()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        return True
+
+
+# -- the controller side ---------------------------------------------------------------------------------
+
+def _node_capacity(nodes: list, cpus: float, gpus: float) -> list:
+    """[(node_id, ip, workers that fit)] for alive nodes, most capacity first."""
+    out = []
+    for n in nodes:
+        if not n.get("Alive", False):
+            continue
+        r = n.get("Resources", {})
+        fit = [int(r.get("CPU", 0) // cpus)] if cpus > 0 else []
+        if gpus > 0:
+            fit.append(int(r.get("GPU", 0) // gpus))
+        out.append((n["NodeID"], n.get("NodeManagerAddress", "?"), min(fit) if fit else 1 << 30))
+    return sorted(out, key=lambda x: -x[2])
+
+
+class RayGroup:
+    def __init__(self, cfg, worker_cls: Any = DEFAULT_WORKER):
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        self.world_size = self.num_workers = n = int(_get(cfg, "runtime.num_workers", 1))
+        cpus = float(_get(cfg, "runtime.cpus_per_worker", 1))
+        gpus = float(_get(cfg, "runtime.gpus_per_worker", 0))
+        roles = str(_get(cfg, "runtime.roles", "colocated"))
+        if roles != "colocated":
+            raise NotImplementedError(
+                f"runtime.roles={roles!r} is not implemented: every Ray worker runs all phases (prefill, propose, "
+                f"score, update) of its share of the batch. Use runtime.roles=colocated.")
+        if n < 1:
+            raise ValueError(f"runtime.num_workers must be >= 1, got {n}")
+        self.output_dir = _get(cfg, "trainer.output_dir", ".")
+        self.actors: list = []
+        self.pgs: list = []
+        self.infos: list = []
+        self._closed = False
+        self._started_ray = False
+
+        address = _get(cfg, "runtime.address", None)
+        if not ray.is_initialized():
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=True)
+            self._started_ray = True
+        total = ray.cluster_resources()
+        have_cpu, have_gpu = total.get("CPU", 0.0), total.get("GPU", 0.0)
+        plan, left = [], n
+        caps = _node_capacity(ray.nodes(), cpus, gpus)
+        for node_id, ip, cap in caps:
+            k = min(cap, left)
+            if k > 0:
+                plan.append((node_id, ip, k))
+                left -= k
+        if left > 0:
+            biggest = max((c for _, _, c in caps), default=0)
+            self._stop_ray()
+            raise ClusterTooSmallError(
+                f"runtime asks for {n} workers x ({cpus:g} CPU, {gpus:g} GPU) = {n * cpus:g} CPU, {n * gpus:g} GPU, "
+                f"but the Ray cluster{' at ' + address if address else ' (local)'} has {have_cpu:g} CPU, "
+                f"{have_gpu:g} GPU on {len(caps)} node(s), and whole workers fit for only {n - left} "
+                f"(largest node: {biggest}). Lower runtime.num_workers / runtime.cpus_per_worker / "
+                f"runtime.gpus_per_worker, or add nodes (ray start --address=...).")
+
+        bundle = {"CPU": cpus}
+        if gpus > 0:
+            bundle["GPU"] = gpus
+        remote = ray.remote(_WorkerHost)
+        rank = 0
+        nthreads = max(1, int(cpus))
+        try:
+            for node_id, ip, k in plan:
+                pg = placement_group([dict(bundle) for _ in range(k)], strategy="STRICT_PACK",
+                                     bundle_label_selector=[{"ray.io/node-id": node_id}] * k)
+                self.pgs.append(pg)
+                ready = pg.ready()
+                done, _ = ray.wait([ready], timeout=PG_READY_TIMEOUT_S)
+                if not done:
+                    raise ClusterTooSmallError(
+                        f"placement group of {k} x {bundle} on node {ip} ({node_id[:12]}) was not ready after "
+                        f"{PG_READY_TIMEOUT_S:g} s: the resources exist but are in use (available now: "
+                        f"{ray.available_resources()}). Free them (other Ray jobs) or lower runtime.num_workers.")
+                for b in range(k):
+                    strat = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b)
+                    self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strat)
+                                       .remote(worker_cls, cfg, rank, n, nthreads))
+                    rank += 1
+            _LIVE_GROUPS.append(self)
+            self.infos = [{"rank": r, "ip": "?", "node_id": "?"} for r in range(n)]
+            self.infos = self._wait([a.info.remote() for a in self.actors], "__init__")
+            if n > 1:
+                backend = "nccl" if gpus > 0 else "gloo"
+                addr, port = ray.get(self.actors[0].master_endpoint.remote())
+                timeout = float(_get(cfg, "runtime.dist_timeout_s", 1800))
+                self._wait([a.init_dist.remote(addr, port, backend, timeout) for a in self.actors], "init_dist")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- the worker-group interface -------------------------------------------------------------------
+    def call(self, method: str, per_worker_args: Sequence) -> list:
+        """Call ``method`` on every worker with its own positional arguments (one tuple per worker);
+        returns the results in rank order."""
+        if len(per_worker_args) != self.world_size:
+            raise ValueError(f"call({method!r}) got {len(per_worker_args)} argument sets for "
+                             f"{self.world_size} workers")
+        self._check_open()
+        refs = [a.run.remote(method, tuple(args), {})
+                for a, args in zip(self.actors, per_worker_args)]
+        return self._wait(refs, method)
+
+    def broadcast(self, method: str, *args, **kwargs) -> list:
+        self._check_open()
+        return self._wait([a.run.remote(method, args, kwargs) for a in self.actors], method)
+
+    def profile_take(self):
+        """(spans, gpu_samples, gpu_note) gathered from every worker since the last call."""
+        self._check_open()
+        out = self._wait([a.profile_take.remote() for a in self.actors], "profile_take")
+        spans = [s for o in out for s in o[0]]
+        samples = [s for o in out for s in o[1]]
+        notes = [o[2] for o in out if o[2]]
+        return spans, samples, (notes[0] if notes and not samples else None)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        if self in _LIVE_GROUPS:
+            _LIVE_GROUPS.remove(self)
+        if self.actors:
+            try:  # polite close first (process group, NVML thread), bounded
+                ray.wait([a.close.remote() for a in self.actors], num_returns=len(self.actors), timeout=5)
+            except Exception:
+                pass
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self._stop_ray()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        return False
+
+    # -- internals --------------------------------------------------------------------------------
+    def _stop_ray(self):
+        import ray
+
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this RayGroup is shut down (a worker died or shutdown() was called); "
+                               "start a new run, with trainer.resume=auto to continue from the last checkpoint")
+
+    def _wait(self, refs: list, method: str) -> list:
+        """ray.get in rank order, but fail fast: the first dead actor ends the wait (others may block in
+        the all-reduce forever otherwise)."""
+        import ray
+        from ray.exceptions import (ActorDiedError, ActorUnavailableError, NodeDiedError, OutOfMemoryError,
+                                    RayActorError, RayTaskError, WorkerCrashedError)
+
+        lost = (RayActorError, ActorDiedError, ActorUnavailableError, NodeDiedError, OutOfMemoryError,
+                WorkerCrashedError)
+        rank_of = {r: i for i, r in enumerate(refs)}
+        results: list = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for r in ready:
+                rank = rank_of[r]
+                try:
+                    results[rank] = ray.get(r)
+                except lost as e:
+                    self._lost(rank, method, e)
+                except RayTaskError as e:
+                    self.shutdown()
+                    cause = e.as_instanceof_cause()
+                    raise cause from RuntimeError(f"worker rank {rank} raised in {method!r}")
+        return results
+
+    def _lost(self, rank: int, method: str, err: Exception):
+        info = self.infos[rank] if rank < len(self.infos) else {}
+        ip, node = info.get("ip", "?"), info.get("node_id", "?")
+        self.shutdown()
+        ck = last_checkpoint(self.output_dir)
+        first = (str(err).strip().splitlines() or [""])[0].rstrip(".")
+        msg = (f"worker rank {rank} (node {ip}, node id {node}) died during {method!r}: {type(err).__name__}: "
+               f"{first}. The run is stopped (all workers shut down). Last complete checkpoint: "
+               f"{ck or 'none yet'}. Fix the cause (out of memory? lower the batch or trainer.* sizes), then "
+               f"rerun the same command with trainer.resume=auto to continue from "
+               f"{'that checkpoint' if ck else 'the start (no checkpoint was written)'}.")
+        raise WorkerLostError(msg, rank=rank, node_ip=ip, node_id=node, method=method, checkpoint=ck) from err
+
+
+def live_groups() -> list:
+    return list(_LIVE_GROUPS)

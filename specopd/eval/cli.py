@@ -1,0 +1,193 @@
+"""`specopd eval RECIPE [key=value ...] [--json PATH]`: speculative decoding over held-out prompts.
+
+``evaluate_al`` is the measurement (also called by the trainer for its before/after table); ``main_eval``
+loads the recipe's target and drafter, runs it, prints a table and optionally writes the numbers as JSON.
+AL = tokens committed per target verification round, *including* the bonus token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from typing import Optional, Sequence
+
+import torch
+
+from specopd.eval.decoder import SpeculativeDecoder, autoregressive
+
+
+def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,
+                seed: int = 0, block_size: Optional[int] = None, baseline: bool = False,
+                stop_token_ids: Sequence[int] = (), progress: bool = False) -> dict:
+    """Decode every prompt [T_i] with speculation (and, with ``baseline``, plain autoregressively).
+
+    Returns {mean_al (incl. bonus), rounds, new_tokens, per_position_acceptance [W] (P(accept i | reached i)),
+    survival [W] (P(first i+1 accepted)), spec_tokens_per_s, spec_wall_s, times, ...; with baseline also
+    ar_tokens_per_s, ar_wall_s, speedup}. Generators are seeded per prompt: (seed, i).
+    """
+    if len(prompts) == 0:
+        raise ValueError("evaluate_al: no prompts")
+    from tqdm import tqdm
+
+    dec = SpeculativeDecoder(target, drafter, temperature=temperature, block_size=block_size,
+                             stop_token_ids=stop_token_ids)
+    w = dec.block_size
+    dev = target.device
+    was_training = drafter.training
+    drafter.eval()
+    rounds = committed = new_tokens = 0
+    accepted_at = [0] * w
+    spec_wall = ar_wall = 0.0
+    ar_tokens = 0
+    times: dict = {}
+    try:
+        for i, p in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
+            g = torch.Generator(device=dev).manual_seed(int(seed) * 1_000_003 + i)
+            res = dec.generate(p, max_new_tokens=max_new_tokens, generator=g)
+            rounds += res.rounds
+            committed += sum(res.accept_lengths)
+            new_tokens += res.tokens.numel()
+            accepted_at = [a + b for a, b in zip(accepted_at, res.accepted_at)]
+            spec_wall += res.wall_time
+            for k, v in res.times.items():
+                times[k] = times.get(k, 0.0) + v
+            if baseline:
+                g = torch.Generator(device=dev).manual_seed(int(seed) * 1_000_003 + i)
+                ar = autoregressive(target, p, max_new_tokens, temperature, g, stop_token_ids)
+                ar_wall += ar.wall_time
+                ar_tokens += ar.tokens.numel()
+    finally:
+        drafter.train(was_training)
+    reached = [rounds] + accepted_at[:-1]
+    out = dict(mean_al=committed / max(1, rounds), rounds=rounds, new_tokens=new_tokens, block_size=w,
+               temperature=float(temperature), num_prompts=len(prompts), max_new_tokens=int(max_new_tokens),
+               per_position_acceptance=[a / r if r else 0.0 for a, r in zip(accepted_at, reached)],
+               survival=[a / max(1, rounds) for a in accepted_at], accepted_at=accepted_at,
+               spec_wall_s=spec_wall, spec_tokens_per_s=new_tokens / max(spec_wall, 1e-9),
+               times={k: round(v, 4) for k, v in times.items()})
+    if baseline:
+        out.update(ar_wall_s=ar_wall, ar_tokens_per_s=ar_tokens / max(ar_wall, 1e-9), ar_new_tokens=ar_tokens)
+        out["speedup"] = out["spec_tokens_per_s"] / max(out["ar_tokens_per_s"], 1e-9)
+    return out
+
+
+def format_table(r: dict, title: str = "") -> str:
+    """The numbers of ``evaluate_al`` as a plain-text table."""
+    w = r["block_size"]
+    lines = [title] if title else []
+    lines += [f"{'mean AL (tokens / verification round, incl. bonus)':<52}{r['mean_al']:.3f}",
+              f"{'rounds / new tokens / prompts':<52}{r['rounds']} / {r['new_tokens']} / {r['num_prompts']}",
+              f"{'temperature / block size W':<52}{r['temperature']} / {w}",
+              "position i              " + " ".join(f"{i + 1:>6d}" for i in range(w)),
+              "P(accept i | reached i) " + " ".join(f"{a:6.3f}" for a in r["per_position_acceptance"]),
+              "P(first i accepted)     " + " ".join(f"{a:6.3f}" for a in r["survival"]),
+              f"{'speculative tokens/s':<52}{r['spec_tokens_per_s']:.2f}"]
+    if "ar_tokens_per_s" in r:
+        lines += [f"{'autoregressive tokens/s (same target + cache)':<52}{r['ar_tokens_per_s']:.2f}",
+                  f"{'speedup':<52}{r['speedup']:.3f}x"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- recipe plumbing
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    """Newest ``<output_dir>/checkpoints/step-N`` holding a drafter (config.json + model.safetensors)."""
+    root = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    steps = []
+    for name in os.listdir(root):
+        m = re.fullmatch(r"step-(\d+)", name)
+        d = os.path.join(root, name)
+        if m and all(os.path.isfile(os.path.join(d, f)) for f in ("config.json", "model.safetensors")):
+            steps.append((int(m.group(1)), d))
+    return max(steps)[1] if steps else None
+
+
+def load_eval_drafter(cfg, target):
+    """eval.checkpoint: latest | none (fresh, untrained, seeded by cfg.seed) | a drafter folder."""
+    from specopd.drafters import build_drafter, load_drafter
+
+    ck = cfg.eval.checkpoint
+    if ck == "none":
+        d = cfg.drafter
+        fl = list(d.feature_layers) if d.feature_layers is not None else None
+        return build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size, seed=cfg.seed,
+                             feature_layers=fl), "untrained"
+    if ck == "latest":
+        path = latest_checkpoint(cfg.trainer.output_dir)
+        if path is None:
+            raise FileNotFoundError(f"eval.checkpoint=latest but {cfg.trainer.output_dir}/checkpoints has no "
+                                    f"step-N drafter; train first, or pass eval.checkpoint=none (untrained) or a folder")
+    else:
+        path = ck
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"eval.checkpoint={ck!r}: no such folder (use latest, none, or a drafter folder)")
+    return load_drafter(path, target), path
+
+
+def heldout_prompt_ids(cfg, target, num: int) -> list:
+    """The prompts of the run's held-out samples (the trainer's own dataset and split)."""
+    from specopd.train.data import load_dataset, split_ids
+
+    samples = load_dataset(cfg, target)
+    _, held = split_ids(len(samples), cfg.data.heldout, cfg.data.seed)
+    if not held:
+        raise ValueError("the run has no held-out samples (data.heldout=0); set data.heldout > 0 to evaluate")
+    return [samples[i]["input_ids"][: samples[i]["prompt_len"]] for i in held[:num]]
+
+
+def _parse_args(args) -> argparse.Namespace:
+    if isinstance(args, argparse.Namespace):
+        return args
+    p = argparse.ArgumentParser(prog="specopd eval", add_help=False)
+    p.add_argument("--json", default=None, help="write the numbers to this JSON file")
+    p.add_argument("--no-baseline", action="store_true", help="skip the autoregressive timing")
+    p.add_argument("--block-size", type=int, default=None, help="verify only the first k draft tokens")
+    ns, rest = p.parse_known_args(list(args or []))
+    if rest:
+        raise SystemExit(f"specopd eval: unknown arguments {rest}; options: --json PATH, --no-baseline, "
+                         f"--block-size K (recipe keys go as section.key=value)")
+    return ns
+
+
+def main_eval(cfg, args=None) -> dict:
+    """Entry of `specopd eval`: cfg is the loaded RecipeConfig; args an argparse Namespace or extra argv."""
+    from specopd.models import load_target
+    from specopd.train.tiny import resolve_target_path
+
+    ns = _parse_args(args)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
+    target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device))
+    drafter, source = load_eval_drafter(cfg, target)
+    drafter = drafter.to(target.device)
+    prompts = heldout_prompt_ids(cfg, target, cfg.eval.prompts)
+    stops = () if cfg.model.is_tiny else _eos_ids(target)
+    r = evaluate_al(target, drafter, prompts, cfg.eval.max_new_tokens, cfg.eval.temperature, cfg.eval.seed,
+                    block_size=getattr(ns, "block_size", None), baseline=not getattr(ns, "no_baseline", False),
+                    stop_token_ids=stops, progress=True)
+    r.update(target=path, drafter=source, drafter_kind=cfg.drafter.kind if source == "untrained" else
+             getattr(drafter, "kind", None), device=str(target.device), stop_token_ids=list(stops))
+    title = (f"specopd eval: target {path} | drafter {source} | {len(prompts)} held-out prompts x "
+             f"{cfg.eval.max_new_tokens} new tokens")
+    print(format_table(r, title))
+    if getattr(ns, "json", None):
+        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
+        with open(ns.json, "w") as f:
+            json.dump(r, f, indent=1)
+        print(f"wrote {ns.json}")
+    return r
+
+
+def _eos_ids(target) -> tuple:
+    e = getattr(target.config, "eos_token_id", None)
+    if isinstance(e, int):
+        return (e,)
+    return tuple(int(x) for x in e) if isinstance(e, (list, tuple)) else ()

@@ -1,0 +1,120 @@
+"""Our own ``llama`` (SmolLM2 family: GQA, optionally tied embeddings) and ``qwen3`` (+ per-head q/k
+RMSNorm) targets. Parameter names equal the Hugging Face ones, so ``checkpoint_key`` is the identity.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from specopd.models import register_model
+from specopd.models.base import RunContext, TargetModel
+from specopd.models.common import MLP, RMSNorm, Rotary, causal_mask, masked_attention
+
+
+class Attention(nn.Module):
+    """Full causal GQA self-attention (kind "gqa"). qwen3 adds RMSNorm on each q/k head before RoPE."""
+
+    kind = "gqa"
+
+    def __init__(self, cfg: dict, qk_norm: bool):
+        super().__init__()
+        d, self.num_heads, self.num_kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = cfg.get("head_dim") or d // self.num_heads
+        self.scaling = self.head_dim ** -0.5
+        bias = bool(cfg.get("attention_bias", False))
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.rotary = Rotary(cfg, self.head_dim)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, D], positions [B, T] -> q [B, T, H, hd], k, v [B, T, Hkv, hd] (RoPE applied), extra=None."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, positions)
+        return q, k, v, None
+
+    def finish(self, o: torch.Tensor, extra=None) -> torch.Tensor:
+        """o [B, T, H, hd] -> [B, T, D]."""
+        return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Plain causal attention (the reference): x [B, T, D] -> [B, T, D]."""
+        q, k, v, extra = self.project(x, positions)
+        return self.finish(masked_attention(q, k, v, causal_mask(x.shape[1], x.device), self.scaling), extra)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, qk_norm: bool):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = Attention(cfg, qk_norm)
+        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
+                       bias=bool(cfg.get("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: dict, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+
+class LlamaTarget(TargetModel):
+    """llama: pre-norm decoder, GQA attention with RoPE, SwiGLU MLP."""
+
+    model_type = "llama"
+    qk_norm = False
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        cfg = dict(cfg)
+        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        bad = [t for t in (cfg.get("layer_types") or []) if t != "full_attention"]
+        if bad or (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+            raise NotImplementedError(f"{cfg.get('model_type')}: sliding-window layers are not supported "
+                                      f"(layer_types {sorted(set(bad))}); use a full-attention checkpoint")
+        self.config = SimpleNamespace(**cfg)
+        self.model = _Backbone(cfg, self.qk_norm)
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.layer_kinds = ["gqa"] * cfg["num_hidden_layers"]
+        tie = cfg.get("tie_word_embeddings", False)
+        self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))
+
+    def backbone(self, ctx: RunContext) -> torch.Tensor:
+        h = self.embed(ctx.input_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = h + ctx.mix(i, layer.self_attn, layer.input_layernorm(h))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            ctx.record(i, h)
+        return h
+
+
+@register_model("qwen3")
+class Qwen3Target(LlamaTarget):
+    """qwen3: llama + RMSNorm over each query/key head (before RoPE)."""
+
+    model_type = "qwen3"
+    qk_norm = True
+
+
+register_model("llama")(LlamaTarget)

@@ -1,0 +1,155 @@
+"""Reference sequences (prompt + response token ids) and the global batch order.
+
+A dataset is a list of samples ``{"input_ids": LongTensor [T], "prompt_len": int}``; a sample's id is its
+index. Two sources:
+- synthetic: random prompts + responses sampled from the target itself (so a drafter can learn them),
+  deterministic in ``data.seed``; cached under ``<output_dir>/data/`` (written atomically).
+- prepared: ``data.path`` is a .jsonl file (or a folder with ``data.jsonl``), one JSON object per line with
+  ``input_ids`` (list of ints) and ``prompt_len`` (int); sequences are cut to ``data.seq_len``.
+The train / held-out split is a seeded permutation; held-out samples are never trained on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+
+def _key(cfg) -> str:
+    d, m = cfg.data, cfg.model
+    spec = dict(target=m.target, tiny_seed=m.tiny_seed, tiny=dict(m.tiny), num_samples=d.num_samples,
+                prompt_len=d.prompt_len, seq_len=d.seq_len, t=d.sample_temperature, seed=d.seed)
+    return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@torch.no_grad()
+def sample_references(target, num_samples: int, prompt_len: int, seq_len: int, temperature: float, seed: int,
+                      batch: int = 64, progress: bool = True) -> list:
+    """Random prompts (uniform ids) + responses sampled from ``target`` at ``temperature``."""
+    g = torch.Generator().manual_seed(int(seed))
+    v = target.vocab_size
+    out = []
+    chunks = range(0, num_samples, batch)
+    bar = tqdm(total=num_samples * (seq_len - prompt_len), desc="sampling synthetic references", unit="tok",
+               disable=not progress, leave=False)
+    for s in chunks:
+        n = min(batch, num_samples - s)
+        ids = torch.randint(0, v, (n, prompt_len), generator=g)
+        for _ in range(seq_len - prompt_len):
+            logits = target(ids.to(target.device))[:, -1].float().cpu()
+            probs = torch.softmax(logits / temperature, -1)
+            nxt = torch.multinomial(probs, 1, generator=g)
+            ids = torch.cat([ids, nxt], 1)
+            bar.update(n)
+        out.extend({"input_ids": ids[i].clone(), "prompt_len": int(prompt_len)} for i in range(n))
+    bar.close()
+    return out
+
+
+def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None) -> list:
+    fp = os.path.join(path, "data.jsonl") if os.path.isdir(path) else path
+    if not os.path.isfile(fp):
+        raise FileNotFoundError(f"prepared data {fp!r} not found (run `specopd prepare data ...`, or point "
+                                f"data.path at a .jsonl with input_ids / prompt_len per line)")
+    out = []
+    with open(fp) as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                ids, pl = rec["input_ids"], int(rec["prompt_len"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{fp}:{ln}: expected a JSON object with input_ids (list of ints) and "
+                                 f"prompt_len (int): {e}") from None
+            ids = torch.tensor(ids[:seq_len], dtype=torch.long)
+            if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
+                raise ValueError(f"{fp}:{ln}: token id {int(ids.max())} >= target vocab {vocab_size} "
+                                 f"(data prepared with another tokenizer?)")
+            if pl < 1 or ids.numel() <= pl:
+                continue  # no response left after cutting
+            out.append({"input_ids": ids, "prompt_len": pl})
+    if not out:
+        raise ValueError(f"{fp}: no usable sequences (each needs prompt_len >= 1 and a response within "
+                         f"data.seq_len={seq_len} tokens)")
+    return out
+
+
+def load_dataset(cfg, target, progress: bool = True) -> list:
+    """The run's samples (list indexed by sample id), built once and cached for synthetic data."""
+    if cfg.data.source == "prepared":
+        return read_prepared(cfg.data.path, cfg.data.seq_len, target.vocab_size)
+    cache_dir = os.path.join(cfg.trainer.output_dir, "data")
+    fp = os.path.join(cache_dir, f"synthetic-{_key(cfg)}.pt")
+    if os.path.isfile(fp):
+        return torch.load(fp)
+    d = cfg.data
+    samples = sample_references(target, d.num_samples, d.prompt_len, d.seq_len, d.sample_temperature, d.seed,
+                                progress=progress)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{fp}.tmp-{os.getpid()}"
+    torch.save(samples, tmp)
+    os.replace(tmp, fp)
+    return samples
+
+
+def split_ids(n: int, heldout: float, seed: int) -> tuple:
+    """(train_ids, heldout_ids) from a seeded permutation; at least one of each when n >= 2."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) + 7919)).tolist()
+    k = min(n - 1, max(1, math.ceil(heldout * n))) if heldout > 0 else 0
+    return sorted(perm[k:]), sorted(perm[:k])
+
+
+class BatchOrder:
+    """Global batches of sample ids: epoch e visits the train ids in a permutation seeded from (seed, e).
+
+    ``position`` = (epoch, offset) is saved in checkpoints so a resumed run sees the same batches.
+    """
+
+    def __init__(self, train_ids: list, batch_size: int, seed: int):
+        if not train_ids:
+            raise ValueError("no training samples (data.heldout too large or the dataset is empty)")
+        self.ids = list(train_ids)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.epoch, self.offset = 0, 0
+
+    def _order(self, epoch: int) -> list:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return [self.ids[i] for i in torch.randperm(len(self.ids), generator=g).tolist()]
+
+    def next(self) -> list:
+        out = []
+        while len(out) < self.batch_size:
+            order = self._order(self.epoch)
+            take = order[self.offset: self.offset + self.batch_size - len(out)]
+            out.extend(take)
+            self.offset += len(take)
+            if self.offset >= len(order):
+                self.epoch, self.offset = self.epoch + 1, 0
+        return out
+
+    @property
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def set_position(self, pos: dict) -> None:
+        self.epoch, self.offset = int(pos["epoch"]), int(pos["offset"])
+
+
+def num_branches(length: int, prompt_len: int, block_size: int, anchors_per_seq: int) -> int:
+    """Branches of one sample per step: min(B, number of valid anchors) (see ``anchor_range``)."""
+    lo, hi = anchor_range(length, prompt_len, block_size)
+    return max(0, min(anchors_per_seq, hi - lo + 1))
+
+
+def anchor_range(length: int, prompt_len: int, block_size: int) -> tuple:
+    """Valid anchors a in [lo, hi]: on the response part (a >= prompt_len - 1, the last prompt token
+    anchors the first response token), at least one context feature (a >= 1), and the W reference tokens
+    after the anchor inside the sequence (a + W <= T - 1), so every method sees the same anchors."""
+    return max(prompt_len - 1, 1), length - 1 - block_size

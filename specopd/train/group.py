@@ -1,0 +1,77 @@
+"""In-process worker group (``runtime.backend: local``).
+
+The group interface (shared with ``specopd.distributed.ray_backend.RayGroup``):
+``group.call(method, per_worker_args) -> list of results`` (per_worker_args: one tuple of positional
+args per worker), ``group.broadcast(method, *args) -> list``, ``group.shutdown()``, ``group.num_workers``.
+
+With several workers, each ``call`` runs the workers' methods in parallel threads, and their all-reduce is
+a thread barrier whose action sums the gradients in rank order (deterministic) and writes the sum back
+into every worker's gradients, so the math equals the Ray path (sum all-reduce across actors).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+
+class ThreadAllReduce:
+    """Summing all-reduce over n in-process workers; ``fn(rank)`` is the per-worker callable."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.slots = [None] * n
+        self.barrier = threading.Barrier(n, action=self._reduce)
+
+    def _reduce(self):
+        for i in range(len(self.slots[0])):
+            total = self.slots[0][i].clone()
+            for r in range(1, self.n):
+                total += self.slots[r][i]
+            for r in range(self.n):
+                self.slots[r][i].copy_(total)
+        self.slots = [None] * self.n
+
+    def fn(self, rank: int):
+        def allreduce(grads):
+            self.slots[rank] = grads
+            self.barrier.wait(timeout=600)
+        return allreduce
+
+
+class LocalGroup:
+    def __init__(self, cfg, num_workers: int | None = None):
+        from specopd.train.worker import Worker
+
+        n = int(num_workers or cfg.runtime.num_workers)
+        self.num_workers = n
+        first = Worker(cfg, rank=0, world_size=n)
+        # the frozen target is shared read-only by the in-process replicas (no copies)
+        self.workers = [first] + [Worker(cfg, rank=r, world_size=n, target=first.target) for r in range(1, n)]
+        self._pool = ThreadPoolExecutor(max_workers=n) if n > 1 else None
+        self._ar = ThreadAllReduce(n) if n > 1 else None
+        for r, w in enumerate(self.workers if n > 1 else []):
+            w.set_allreduce(self._ar.fn(r))
+
+    def _run(self, w, method, args):
+        try:
+            return getattr(w, method)(*args)
+        except BaseException:
+            self._ar.barrier.abort()  # release the other workers instead of leaving them waiting
+            raise
+
+    def call(self, method: str, per_worker_args) -> list:
+        per_worker_args = list(per_worker_args)
+        if len(per_worker_args) != self.num_workers:
+            raise ValueError(f"call({method!r}): {len(per_worker_args)} argument tuples for {self.num_workers} workers")
+        if self._pool is None:
+            return [getattr(self.workers[0], method)(*per_worker_args[0])]
+        futs = [self._pool.submit(self._run, w, method, a) for w, a in zip(self.workers, per_worker_args)]
+        return [f.result() for f in futs]
+
+    def broadcast(self, method: str, *args) -> list:
+        return self.call(method, [args] * self.num_workers)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,151 @@
+"""Tiny seeded random targets built on the fly (``model.target: tiny:<model_type>``).
+
+We build *our own* model class (``specopd.models.MODEL_TYPES[model_type]``) from a tiny config dict, fill
+every parameter deterministically from ``seed`` (one generator per parameter, seeded from the seed and the
+parameter's name, so adding a parameter does not move the others), and write a real Hugging Face style
+folder (``config.json`` + ``model.safetensors``). The run then loads it with ``load_target`` exactly like a
+real checkpoint. transformers is not needed.
+
+The output head is scaled (``init_head_scale``) so the tiny target's next-token distributions are peaked
+and context dependent, like a trained model's; with the usual 0.02 init they would be near uniform and
+any drafter would look good.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import zlib
+
+import torch
+
+_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
+             hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_theta=10000.0,
+             torch_dtype="float32")
+
+TINY_CONFIGS = {
+    "llama": lambda: {**_BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+    # 4 layers: three Gated DeltaNet layers, then one gated full-attention layer (full_attention_interval 4)
+    "qwen3_next": lambda: {**_BASE, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                           "num_hidden_layers": 4, "full_attention_interval": 4,
+                           "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                           "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 0,
+                           "partial_rotary_factor": 0.25},
+    # qwen4_exp: the QSA owner's tiny test config (tests/oracle.py CONFIGS["qwen4_exp"]) with a small
+    # indexer budget so the sparse selection is exercised on short sequences.
+    "qwen4_exp": None,
+}
+
+# keys of ``model.tiny`` consumed by the initializer (not written to config.json)
+INIT_KEYS = {"init_head_scale": 4.0, "init_embed_std": 1.0}
+
+
+def _tiny_config(model_type: str, overrides: dict) -> tuple:
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"no tiny config for model type {model_type!r}; known: {sorted(TINY_CONFIGS)}")
+    build = TINY_CONFIGS[model_type]
+    if build is None:
+        build = _qwen4_exp_config
+    cfg = build()
+    init = dict(INIT_KEYS)
+    for k, v in dict(overrides or {}).items():
+        if k in init:
+            init[k] = float(v)
+        else:
+            cfg[k] = v
+    return cfg, init
+
+
+def _qwen4_exp_config() -> dict:
+    from specopd.models import MODEL_TYPES
+
+    cls = MODEL_TYPES.get("qwen4_exp")
+    tiny = getattr(cls, "TINY_CONFIG", None) if cls is not None else None
+    if tiny is None:
+        raise ValueError("tiny:qwen4_exp needs the qwen4_exp model (specopd/models/qwen4_exp.py) with a "
+                         "TINY_CONFIG dict; it is not built yet. Use model.target=tiny:llama or tiny:qwen3_next.")
+    return {**dict(tiny), "model_type": "qwen4_exp"}
+
+
+def _param_init(name: str, shape, seed: int, hidden: int, init: dict) -> torch.Tensor:
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+    if name.endswith("dt_bias"):
+        return torch.ones(shape)
+    if len(shape) == 1:
+        if leaf == "bias":
+            return torch.zeros(shape)
+        if "norm" in name:  # perturbed so norm semantics matter
+            return 1.0 + 0.1 * torch.randn(shape, generator=g)
+        return 0.1 * torch.randn(shape, generator=g)
+    if "embed" in name:
+        return init["init_embed_std"] * torch.randn(shape, generator=g)
+    if "lm_head" in name:
+        return (init["init_head_scale"] / math.sqrt(hidden)) * torch.randn(shape, generator=g)
+    fan_in = int(torch.tensor(shape[1:]).prod())
+    return torch.randn(shape, generator=g) / math.sqrt(fan_in)
+
+
+def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: dict | None = None) -> str:
+    """Write (or reuse) a tiny random checkpoint folder at ``out_dir``; returns ``out_dir``.
+
+    Reused when ``out_dir/tiny.json`` records the same (model_type, seed, overrides); otherwise rebuilt.
+    Written to ``out_dir.tmp`` and renamed, so a crash never leaves a half-written target behind.
+    """
+    from safetensors.torch import save_file
+
+    from specopd.models import MODEL_TYPES
+
+    spec = {"model_type": model_type, "seed": int(seed), "overrides": dict(overrides or {})}
+    marker = os.path.join(out_dir, "tiny.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            if json.load(f) == json.loads(json.dumps(spec)):
+                return out_dir
+    cfg, init = _tiny_config(model_type, spec["overrides"])
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"tiny:{model_type}: our {model_type} model is not available (specopd/models/"
+                         f"{model_type}.py missing); known model types: {sorted(MODEL_TYPES)}")
+    cls = MODEL_TYPES[model_type]
+    with torch.device("meta"):
+        model = cls(dict(cfg))
+    tied = getattr(model, "tied_params", {}) or {}
+    tied = tied if cfg.get("tie_word_embeddings") else {}
+    sd = {}
+    for name, p in model.named_parameters():
+        if name in tied:
+            continue
+        t = _param_init(name, tuple(p.shape), int(seed), int(cfg["hidden_size"]), init)
+        sd[name] = t.to(torch.float32).contiguous()
+    tmp = out_dir.rstrip("/") + f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(tmp, "tiny.json"), "w") as f:
+        json.dump(spec, f)
+    if os.path.isfile(marker):  # another process finished first
+        with open(marker) as f:
+            if json.load(f) == json.loads(json.dumps(spec)):
+                shutil.rmtree(tmp)
+                return out_dir
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)
+    return out_dir
+
+
+def resolve_target_path(model_cfg, output_dir: str) -> str:
+    """The folder to ``load_target``: the HF folder itself, or a tiny target built under output_dir."""
+    if model_cfg.target.startswith("tiny:"):
+        mt = model_cfg.target[len("tiny:"):]
+        return build_tiny_target(mt, os.path.join(output_dir, f"tiny-target-{mt}"), seed=model_cfg.tiny_seed,
+                                 overrides=dict(model_cfg.tiny))
+    return model_cfg.target

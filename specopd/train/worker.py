@@ -1,0 +1,369 @@
+"""One training worker: the target, a drafter replica, its optimizer and scheduler.
+
+The SpecOPD step (docs/interfaces.md, Training) as separate methods, so the Ray backend can call them
+one by one (each becomes an actor method unchanged):
+
+    caches    = w.prefill(sample_ids)                    target runs each reference once (trunk)
+    proposals = w.propose(caches, sample_ids, step)      B anchors / sample, drafter samples W tokens each
+    p_logits  = w.score(proposals, caches)               target scores all branches in one packed pass
+    metrics   = w.loss_backward(proposals, p_logits, denom)
+    metrics   = w.optimizer_step()                       all-reduce (set_allreduce), clip, AdamW, schedule
+    metrics   = w.train_step(sample_ids, step, denom)    all of the above
+
+Randomness is per sample: anchors and branch tokens of sample s at step t come from generators seeded
+from (seed, t, s), so splitting a batch across workers does not change any sample's proposals. The loss is
+a sum over branches divided by ``denom`` (the global branch count), so per-worker gradients add up to the
+gradient of the global batch.
+
+p for branch position k (the token at a + 1 + k): k = 0 is the trunk logits at the anchor; k >= 1 is the
+target's score of the branch prefix ``tokens[:k]``; so only W - 1 tokens per branch are scored.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import zlib
+from typing import Callable, Optional
+
+import torch
+
+from specopd.profiling import Profiler
+
+
+def seed_for(*parts) -> int:
+    """A 63-bit seed from integers / strings (stable across processes and Python versions)."""
+    return zlib.crc32(repr(tuple(parts)).encode()) * 2654435761 % (2**63 - 1)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Linear warmup (step s gets (s+1)/warmup) then cosine from 1 to min_lr_ratio at max_steps."""
+    def f(s: int) -> float:
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        prog = min(1.0, (s - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * prog))
+    return f
+
+
+def pick_rows(logits: torch.Tensor, rows: list, temperature: float, gens: list) -> torch.Tensor:
+    """Sample tokens for logits [N, ..., V], rows[i] (index tensor) drawn with generator gens[i]."""
+    from specopd.drafters import pick_tokens
+
+    out = torch.empty(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    for r, g in zip(rows, gens):
+        if r.numel():
+            out[r] = pick_tokens(logits[r], temperature, g)
+    return out
+
+
+def sample_branches(drafter, features, anchors, trunk_index, anchor_tokens, temperature, rows, gens):
+    """One drafter forward for all branches; tokens of branch rows[i] drawn with gens[i].
+
+    Returns (tokens [N, W], raw logits [N, W, V]). DSpark's Markov head is sampled left to right (slot k
+    reads token k-1), exactly as ``DSparkDrafter.sample`` but with per-sample generators.
+    """
+    if not hasattr(drafter, "_heads"):  # DFlash: all W slots in parallel
+        logits = drafter(features, anchors, trunk_index, anchor_tokens)
+        return pick_rows(logits, rows, temperature, gens), logits
+    h = drafter.backbone(features, anchors, trunk_index, anchor_tokens)
+    u = drafter.logits_from_hidden(h)
+    x = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
+    toks, logits = [], []
+    for k in range(h.shape[1]):
+        lk, _ = drafter._heads(u[:, k:k + 1], h[:, k:k + 1], x[:, None])
+        x = pick_rows(lk[:, 0], rows, temperature, gens)
+        toks.append(x)
+        logits.append(lk)
+    return torch.stack(toks, 1), torch.cat(logits, 1)
+
+
+class Worker:
+    """Hosts the target, a drafter replica, AdamW and the LR schedule. See the module docstring."""
+
+    def __init__(self, cfg, rank: int = 0, world_size: int = 1, target=None):
+        from specopd.drafters import build_drafter, load_drafter
+        from specopd.models import load_target
+        from specopd.models.loading import resolve_dtype
+        from specopd.train.data import load_dataset, split_ids
+        from specopd.train.tiny import resolve_target_path
+
+        self.cfg, self.rank, self.world_size = cfg, int(rank), int(world_size)
+        self.device = resolve_device(cfg.model.device)
+        if target is None:
+            path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
+            target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device)
+        self.target = target
+        d = cfg.drafter
+        if d.init_from:
+            self.drafter = load_drafter(d.init_from, target)
+        else:
+            self.drafter = build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size,
+                                         seed=cfg.seed, feature_layers=d.feature_layers)
+        self.drafter.train()
+        self.W = int(self.drafter.block_size)
+        self.dataset = load_dataset(cfg, target, progress=rank == 0)
+        self.train_ids, self.heldout_ids = split_ids(len(self.dataset), cfg.data.heldout, cfg.data.seed)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        t = cfg.trainer
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr, betas=tuple(t.betas), eps=1e-8)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(t.warmup_steps, t.max_steps, t.min_lr_ratio))
+        self.prof = Profiler(f"worker{rank}", enabled=cfg.profile.enabled)
+        self._phase: dict = {}
+        self._allreduce: Optional[Callable] = None
+        self._staged = None
+
+    # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _span(self, name: str):
+        t0 = time.perf_counter()
+        with self.prof.span(name):
+            yield
+        self._phase[name] = self._phase.get(name, 0.0) + time.perf_counter() - t0
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _gen(self, *parts) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed_for(self.cfg.seed, *parts))
+
+    def sample(self, sid: int) -> dict:
+        return self.dataset[int(sid)]
+
+    def data_info(self) -> dict:
+        """Sample lengths / prompt lengths and the train / held-out ids (the controller batches with it)."""
+        return {"lengths": [int(s["input_ids"].numel()) for s in self.dataset],
+                "prompt_lens": [int(s["prompt_len"]) for s in self.dataset],
+                "train_ids": list(self.train_ids), "heldout_ids": list(self.heldout_ids),
+                "block_size": self.W, "vocab_size": self.target.vocab_size}
+
+    def set_allreduce(self, fn: Optional[Callable]) -> None:
+        """fn(list_of_grads) sums gradients across workers in place (None = single worker, no-op)."""
+        self._allreduce = fn
+
+    def take_spans(self) -> list:
+        return self.prof.take()
+
+    def anchors(self, sid: int, step, num: int) -> torch.Tensor:
+        """B anchors of sample ``sid`` at ``step``, uniform without replacement on the valid range (sorted)."""
+        from specopd.train.data import anchor_range
+
+        s = self.sample(sid)
+        lo, hi = anchor_range(int(s["input_ids"].numel()), int(s["prompt_len"]), self.W)
+        if hi < lo:
+            return torch.empty(0, dtype=torch.long)
+        g = torch.Generator().manual_seed(seed_for(self.cfg.seed, "anchors", step, int(sid)))
+        perm = torch.randperm(hi - lo + 1, generator=g)[:num]
+        return (perm + lo).sort().values
+
+    # ------------------------------------------------------------------ the SpecOPD step, phase by phase
+    @torch.no_grad()
+    def prefill(self, sample_ids) -> list:
+        """One target pass per reference sequence -> TargetCache list (logits, features, layer caches)."""
+        with self._span("prefill"):
+            return [self.target.prefill(self.sample(s)["input_ids"].to(self.device),
+                                        feature_layers=self.drafter.feature_layers,
+                                        gdn_checkpoint_every=self.cfg.model.gdn_checkpoint_every)
+                    for s in sample_ids]
+
+    @torch.no_grad()
+    def propose(self, caches, sample_ids, step, anchors_per_seq: Optional[int] = None,
+                temperature: Optional[float] = None, reference: bool = False) -> dict:
+        """Anchors + drafted branches (or, with ``reference``, the reference tokens after each anchor)."""
+        b = anchors_per_seq or self.cfg.trainer.anchors_per_seq
+        temp = self.cfg.trainer.temperature if temperature is None else temperature
+        with self._span("propose"):
+            anchors, tix, rows, n = [], [], [], 0
+            for i, sid in enumerate(sample_ids):
+                a = self.anchors(sid, step, b)
+                anchors.append(a)
+                tix.append(torch.full_like(a, i))
+                rows.append(torch.arange(n, n + a.numel(), device=self.device))
+                n += a.numel()
+            anchors, tix = torch.cat(anchors).to(self.device), torch.cat(tix).to(self.device)
+            if n == 0:
+                raise ValueError(f"samples {list(sample_ids)} have no valid anchor (responses shorter than "
+                                 f"block_size + 1 tokens); lower drafter.block_size or use longer sequences")
+            trunks = [c.token_ids for c in caches]
+            anchor_tokens = torch.stack([trunks[int(t)][int(a)] for a, t in zip(anchors.tolist(), tix.tolist())])
+            if reference:
+                offs = anchors[:, None] + 1 + torch.arange(self.W, device=self.device)
+                tokens = torch.stack([trunks[int(t)][o] for t, o in zip(tix.tolist(), offs)])
+            else:
+                gens = [self._gen("branch", step, int(s)) for s in sample_ids]
+                feats = [c.features for c in caches]
+                with self._autocast():
+                    tokens, _ = sample_branches(self.drafter, feats, anchors, tix, anchor_tokens, temp, rows, gens)
+        return {"anchors": anchors, "trunk_index": tix, "anchor_tokens": anchor_tokens, "tokens": tokens,
+                "features": [c.features for c in caches], "sample_ids": list(sample_ids), "reference": reference}
+
+    @torch.no_grad()
+    def score(self, proposals: dict, caches) -> torch.Tensor:
+        """p logits [N, W, V] for each branch position (k = 0 from the trunk, k >= 1 from the tree pass).
+        Reference blocks (off-policy) need no tree pass: p comes from the trunk logits of the reference."""
+        from specopd.tree import ProposalTree
+
+        a, tix, tok = proposals["anchors"], proposals["trunk_index"], proposals["tokens"]
+        with self._span("score"):
+            if proposals.get("reference"):
+                offs = a[:, None] + torch.arange(self.W, device=a.device)
+                return torch.stack([caches[int(t)].logits[o] for t, o in zip(tix.tolist(), offs)])
+            p0 = torch.stack([caches[int(t)].logits[int(x)] for x, t in zip(a.tolist(), tix.tolist())])[:, None]
+            if self.W == 1:
+                return p0
+            trees = [ProposalTree.from_branches(a[tix == i].cpu(), tok[tix == i, : self.W - 1].cpu())
+                     for i in range(len(caches))]
+            rest = self.target.score(ProposalTree.pack(trees), caches)  # [N, W-1, V], trunk order == our order
+            return torch.cat([p0, rest.to(p0.dtype)], 1)
+
+    def loss_backward(self, proposals: dict, p_logits: torch.Tensor, denom) -> dict:
+        """Drafter forward with grad (prev_tokens = the branch's own tokens), loss / denom, backward.
+        Returns partial sums (the controller adds them over workers)."""
+        from specopd.drafters import shift_tokens
+        from specopd.losses import ce_loss, confidence_loss, e2e_tv_loss, prefix_survival, tv_alpha
+
+        t, method = self.cfg.trainer, self.cfg.trainer.method
+        with self._span("loss_backward"):
+            tokens = proposals["tokens"]
+            args = (proposals["features"], proposals["anchors"], proposals["trunk_index"],
+                    proposals["anchor_tokens"], shift_tokens(proposals["anchor_tokens"], tokens))
+            with self._autocast():
+                if getattr(self.drafter, "has_confidence", False):
+                    q, conf = self.drafter(*args, return_confidence=True)
+                else:
+                    q, conf = self.drafter(*args), None
+            p = p_logits.to(q.device)
+            if method == "offpolicy_ce":
+                loss = ce_loss(q, tokens, denom=denom)
+            else:
+                loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
+            alpha = tv_alpha(q.detach(), p, temperature=t.temperature)
+            if conf is not None and self.cfg.drafter.confidence_weight > 0:
+                loss = loss + self.cfg.drafter.confidence_weight * confidence_loss(conf, alpha, denom=denom)
+            loss.backward()
+            surv = prefix_survival(alpha)
+        n = int(tokens.shape[0])
+        return {"loss": float(loss.detach()), "branches": n, "supervised_tokens": n * int(tokens.shape[1]),
+                "alpha_sum": alpha.sum(0).tolist(), "surv_sum": surv.sum(0).tolist()}
+
+    def optimizer_step(self) -> dict:
+        """All-reduce (sum) gradients, clip the global norm, AdamW step, advance the LR schedule."""
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if self._allreduce is not None:
+            with self._span("allreduce"):
+                self._allreduce(grads)
+        with self._span("optimizer"):
+            clip = self.cfg.trainer.grad_clip
+            if clip > 0:
+                gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
+            else:
+                gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(gn), "lr": float(lr)}
+
+    # ------------------------------------------------------------------ whole steps
+    def stage(self, sample_ids, step) -> dict:
+        """Everything before the loss (prefill, proposals / rollout, scoring); kept inside the worker.
+        Returns {"branches": N} so the controller can form the global denominator first."""
+        self._phase = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        method = self.cfg.trainer.method
+        if method == "draft_opd":
+            from specopd.train.baselines import draft_opd_rollout
+
+            proposals, p = draft_opd_rollout(self, sample_ids, step)
+        else:
+            caches = self.prefill(sample_ids)
+            proposals = self.propose(caches, sample_ids, step, reference=method.startswith("offpolicy"))
+            p = self.score(proposals, caches)
+        self._staged = (proposals, p)
+        return {"branches": int(proposals["tokens"].shape[0])}
+
+    def finish(self, denom) -> dict:
+        """Loss + backward on the staged proposals, then the optimizer step."""
+        if self._staged is None:
+            raise RuntimeError("finish() called without stage(): nothing to train on")
+        proposals, p = self._staged
+        self._staged = None
+        m = self.loss_backward(proposals, p, denom)
+        m.update(self.optimizer_step())
+        m["phase_s"] = dict(self._phase)
+        return m
+
+    def train_step(self, sample_ids, step, denom) -> dict:
+        """One step on this worker's share of the global batch (denom = global branch count)."""
+        self.stage(sample_ids, step)
+        return self.finish(denom)
+
+    @torch.no_grad()
+    def evaluate(self, sample_ids, anchors_per_seq: Optional[int] = None) -> dict:
+        """On-policy acceptance on held-out samples with fixed anchors/branches (independent of the step):
+        sums of alpha and of prod_{i<=j} alpha_i per draft position, and the branch count."""
+        from specopd.losses import prefix_survival, tv_alpha
+
+        if not sample_ids:
+            return {"branches": 0, "alpha_sum": [0.0] * self.W, "surv_sum": [0.0] * self.W}
+        was = self.drafter.training
+        self.drafter.eval()
+        keep = self._phase
+        try:
+            caches = self.prefill(sample_ids)
+            prop = self.propose(caches, sample_ids, "eval", anchors_per_seq or self.cfg.trainer.eval_anchors_per_seq)
+            p = self.score(prop, caches)
+            with self._autocast():
+                q = self.drafter(prop["features"], prop["anchors"], prop["trunk_index"], prop["anchor_tokens"],
+                                 torch.cat([prop["anchor_tokens"][:, None], prop["tokens"][:, :-1]], 1))
+            alpha = tv_alpha(q, p.to(q.device), temperature=self.cfg.trainer.temperature)
+        finally:
+            self.drafter.train(was)
+            self._phase = keep
+        return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
+                "surv_sum": prefix_survival(alpha).sum(0).tolist()}
+
+    # ------------------------------------------------------------------ state
+    def drafter_config(self) -> dict:
+        """The drafter's config.json content, as ``drafter.save`` writes it."""
+        import dataclasses
+
+        cfg = dataclasses.asdict(self.drafter.config)
+        cfg["feature_layers"] = list(self.drafter.feature_layers)
+        return cfg
+
+    def state_dict(self) -> dict:
+        return {"drafter": {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()},
+                "drafter_config": self.drafter_config(), "drafter_kind": self.drafter.kind,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.drafter.load_state_dict({k: v.to(self.device) for k, v in sd["drafter"].items()}, strict=True)
+        if sd.get("optimizer") is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        if sd.get("scheduler") is not None:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        rng = sd.get("rng") or {}
+        if rng.get("torch") is not None:
+            torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])

@@ -1,0 +1,170 @@
+"""GQA executor: packed tree scoring == running each node's path from scratch (fp32, rel 1e-5)."""
+import pytest
+import torch
+
+from executors import get_executor
+from executors.gqa import GQACache
+from oracle import make_tiny_checkpoint, rel_err
+from specopd.models import load_target
+from specopd.tree import ProposalTree
+
+V = 256
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, tmp_path_factory):
+    path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), num_hidden_layers=3)
+    return load_target(path)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _trunk(t, seed=0):
+    return torch.randint(0, V, (t,), generator=_gen(seed))
+
+
+def reference(target, trunks, tree):
+    """[M, V]: node u's logits from target(trunk[:anchor+1] + path(u)) run from scratch."""
+    out = []
+    for u in range(tree.num_nodes):
+        path, w = [], u
+        while w >= 0:
+            path.append(int(tree.tokens[w]))
+            w = int(tree.parent[w])
+        trunk = trunks[int(tree.trunk_index[u])]
+        seq = torch.cat([trunk[: int(tree.anchor[u]) + 1], torch.tensor(path[::-1])])
+        out.append(target(seq.view(1, -1))[0, -1])
+    return torch.stack(out)
+
+
+def _check_branches(target, trunk, anchors, tokens):
+    cache = target.prefill(trunk)
+    tree = ProposalTree.from_branches(anchors, tokens)
+    p = target.score(tree, cache)
+    n, w = tokens.shape
+    assert p.shape == (n, w, V)
+    ref = reference(target, [trunk], tree).view(n, w, V)
+    assert rel_err(p, ref) <= TOL
+    return p
+
+
+@pytest.mark.parametrize("w", [1, 5])
+def test_branches_edge_and_random_anchors(target, w):
+    t = 40
+    trunk = _trunk(t)
+    anchors = torch.tensor([0, t - 1, 7, 7, 7, 23])  # first, last, three branches on one anchor, random
+    tokens = torch.randint(0, V, (len(anchors), w), generator=_gen(1))
+    _check_branches(target, trunk, anchors, tokens)
+
+
+def test_branch_position_zero_logits_are_trunk_logits(target):
+    """A branch whose first token is the next trunk token reproduces the trunk's logits there."""
+    trunk = _trunk(30, seed=5)
+    cache = target.prefill(trunk)
+    anchors = torch.tensor([3, 11, 28])
+    tokens = trunk[anchors + 1].view(-1, 1)
+    p = target.score(ProposalTree.from_branches(anchors, tokens), cache)
+    assert rel_err(p[:, 0], cache.logits[anchors + 1]) <= TOL
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_general_trees(target, seed):
+    g = _gen(seed)
+    t, m = 33, 14
+    trunk = _trunk(t, seed=seed + 10)
+    parents = []
+    for u in range(m):
+        if u == 0 or torch.rand(1, generator=g) < 0.3:
+            parents.append(-int(torch.randint(0, t, (1,), generator=g)) - 1)  # fork from a trunk position
+        else:
+            parents.append(int(torch.randint(0, u, (1,), generator=g)))
+    tree = ProposalTree.from_parents(torch.randint(0, V, (m,), generator=g), parents)
+    p = target.score(tree, target.prefill(trunk))
+    assert p.shape == (m, V)
+    assert rel_err(p, reference(target, [trunk], tree)) <= TOL
+
+
+def test_packed_trunks_equal_one_by_one(target):
+    trunks = [_trunk(37, seed=1), _trunk(12, seed=2)]
+    caches = [target.prefill(tr) for tr in trunks]
+    trees = [ProposalTree.from_branches(torch.tensor([36, 5, 0]), torch.randint(0, V, (3, 4), generator=_gen(3))),
+             ProposalTree.from_branches(torch.tensor([11, 2]), torch.randint(0, V, (2, 4), generator=_gen(4)))]
+    packed = ProposalTree.pack(trees)
+    p = target.score(packed, caches)
+    assert p.shape == (5, 4, V)
+    singles = [target.score(tr, c) for tr, c in zip(trees, caches)]
+    assert rel_err(p, torch.cat(singles)) <= TOL
+    flat = p.reshape(-1, V)
+    assert rel_err(flat, reference(target, trunks, packed)) <= TOL
+    for part, single in zip(packed.split(flat), singles):
+        assert torch.equal(part, single.reshape(-1, V))
+
+
+def test_prefill_extension_equals_full_prefill(target):
+    trunk = _trunk(45, seed=7)
+    full = target.prefill(trunk)
+    part = target.prefill(trunk[:20])
+    ext = target.prefill(trunk[20:], cache=part)
+    assert len(part) == 20 and len(ext) == 45  # the old cache is not modified
+    assert torch.equal(ext.token_ids, trunk)
+    assert rel_err(ext.logits, full.logits) <= TOL
+    assert rel_err(full.logits, target(trunk.view(1, -1))[0]) <= TOL
+    for a, b in zip(ext.layers, full.layers):
+        assert rel_err(a.k, b.k) <= TOL and rel_err(a.v, b.v) <= TOL
+    tree = ProposalTree.from_branches(torch.tensor([44, 19, 20]), torch.randint(0, V, (3, 3), generator=_gen(8)))
+    assert rel_err(target.score(tree, ext), target.score(tree, full)) <= TOL
+    # one token at a time (decoding)
+    c = target.prefill(trunk[:1])
+    for i in range(1, 6):
+        c = target.prefill(trunk[i:i + 1], cache=c)
+    assert rel_err(c.logits, full.logits[:6]) <= TOL
+
+
+def test_cache_layout_and_nbytes(target):
+    cache = target.prefill(_trunk(17))
+    attn = target.model.layers[0].self_attn
+    layer = cache.layers[0]
+    assert isinstance(layer, GQACache)
+    assert layer.k.shape == layer.v.shape == (17, attn.num_kv_heads, attn.head_dim)
+    assert layer.nbytes() == 2 * 17 * attn.num_kv_heads * attn.head_dim * 4
+    assert cache.nbytes() == target.num_layers * layer.nbytes()
+
+
+def test_bf16_score_within_noise(target, tmp_path):
+    t16 = target.to(torch.bfloat16)
+    try:
+        trunk = _trunk(25, seed=9)
+        tree = ProposalTree.from_branches(torch.tensor([24, 3]), torch.randint(0, V, (2, 3), generator=_gen(9)))
+        p = t16.score(tree, t16.prefill(trunk))
+        assert p.dtype == torch.bfloat16
+        ref = reference(t16, [trunk], tree).view(2, 3, V)
+        assert rel_err(p, ref) < 0.05
+    finally:
+        target.to(torch.float32)
+
+
+def test_tree_validation_errors(target):
+    cache = target.prefill(_trunk(10))
+    with pytest.raises(ValueError, match="outside its trunk"):
+        target.score(ProposalTree.from_branches([10], [[1, 2]]), cache)
+    with pytest.raises(ValueError, match="outside its trunk"):
+        target.score(ProposalTree.from_branches([-1], [[1, 2]]), cache)
+    with pytest.raises(ValueError, match="outside the vocab"):
+        target.score(ProposalTree.from_branches([3], [[1, V]]), cache)
+    with pytest.raises(ValueError, match="not an earlier node"):
+        ProposalTree.from_parents([1, 2, 3], [-1, 2, 0])
+    with pytest.raises(ValueError, match="W = 0"):
+        ProposalTree.from_branches([3], torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="2 cache"):
+        target.score(ProposalTree.from_branches([3], [[1]]), [cache, cache])
+
+
+def test_executor_direct_call_checks_cache_count(target):
+    ex = get_executor("gqa")
+    attn = target.model.layers[0].self_attn
+    tree = ProposalTree.from_branches([1], [[4]])
+    with pytest.raises(ValueError, match="cache"):
+        ex.score(attn, torch.zeros(1, 1, target.hidden_size), tree, [])
