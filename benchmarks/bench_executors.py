@@ -53,6 +53,61 @@ def gqa_target(args):
     return random_target("llama", cfg, args.device, args.dtype)
 
 
+# ---------------------------------------------------------------------------------------------- gdn
+def _gdn_cfg(args, every_layer_gdn=False):
+    h = args.hidden
+    n = args.layers
+    types = ["linear_attention"] * n if every_layer_gdn else \
+        ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    return dict(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 3, num_hidden_layers=n,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=h // 8, linear_num_key_heads=4,
+                linear_num_value_heads=8, linear_key_head_dim=h // 4, linear_value_head_dim=h // 4,
+                linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=types,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+@bench("gdn")
+def gdn_target(args):
+    """qwen3_5 hybrid: 3 Gated DeltaNet layers per gated-attention layer."""
+    return random_target("qwen3_5_text", _gdn_cfg(args), args.device, args.dtype)
+
+
+@torch.no_grad()
+def gdn_replay_table(args, target=None):
+    """Replay cost vs checkpoint interval C: checkpoint bytes (GDN layers) and score time, one run."""
+    from specopd.tree import ProposalTree
+
+    target = target or gdn_target(args)
+    g = torch.Generator().manual_seed(0)
+    trunk = torch.randint(0, target.vocab_size, (args.T,), generator=g).to(args.device)
+    anchors = torch.randint(0, args.T, (args.branches,), generator=g)
+    tree = ProposalTree.from_branches(anchors, torch.randint(0, target.vocab_size, (args.branches, args.W), generator=g))
+    gdn = [i for i, k in enumerate(target.layer_kinds) if k == "gdn"]
+    rows, ref = [], None
+    for every in (16, 32, 64, 128):
+        cache = target.prefill(trunk, gdn_checkpoint_every=every)
+        t_pre, _ = _timeit(lambda: target.prefill(trunk, gdn_checkpoint_every=every), args.repeats, args.device)
+        t_score, p = _timeit(lambda: target.score(tree, cache), args.repeats, args.device)
+        ref = p if ref is None else ref
+        ck = sum(cache.layers[i].checkpoints.numel() * 4 for i in gdn)
+        allb = sum(cache.layers[i].nbytes() for i in gdn)
+        replay = int(((anchors + 1) % every).max())
+        rows.append(dict(C=every, checkpoints=cache.layers[gdn[0]].checkpoints.shape[0], ckpt_MiB=ck / 2 ** 20,
+                         gdn_cache_MiB=allb / 2 ** 20, max_replay=replay, prefill_ms=1e3 * t_pre,
+                         score_ms=1e3 * t_score,
+                         rel_diff_vs_C16=float((p - ref).abs().max() / ref.abs().max())))
+    cols = list(rows[0])
+    print(f"gdn replay cost vs C: T={args.T} branches={args.branches} W={args.W} gdn_layers={len(gdn)} "
+          f"(max_replay = longest anchor-state replay, < C)")
+    print(" | ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>14.4g}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols))
+    return rows
+
+
+EXTRAS = {"gdn": [gdn_replay_table]}  # kind -> extra tables printed after the main one
+
+
 def _timeit(fn, repeats, device):
     times, out = [], None
     for _ in range(repeats):
@@ -129,6 +184,9 @@ def main(argv=None):
     print(" | ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>12.3g}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in cols))
+    for k in kinds:
+        for extra in EXTRAS.get(k, []) if "EXTRAS" in globals() else []:
+            rows.extend(dict(kind=f"{k}:{extra.__name__}", **r) for r in extra(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -15,6 +15,7 @@ split_qkv, finish, conv_kernel_size. Recurrence steps are ``kernels.gated_delta.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,22 @@ class GDNCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv_in, self.g, self.beta, self.checkpoints,
                                                            self.final))
+
+
+def _recurrence(options, device):
+    """The sequence recurrence: the Triton fused kernel on CUDA (``options["gdn_backend"]`` "auto" or
+    "triton"), else the plain torch loop ("torch"); both follow ``naive.recurrent_gated_delta_rule``."""
+    backend = (options or {}).get("gdn_backend", "auto")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown gdn_backend {backend!r}; use 'auto', 'torch' or 'triton'")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return recurrent_gated_delta_rule
+    if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        raise ValueError("gdn_backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for tests); "
+                         "use gdn_backend='torch' on the CPU")
+    from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule
 
 
 def _every(options) -> int:
@@ -88,8 +105,8 @@ class GDNExecutor(Executor):
             history = torch.cat([pad, hist])[None]
             init = prev.final[None]
         q, k, v = mixer.split_qkv(mixer.conv_seq(u, history))
-        o, final, ck = recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=init,
-                                                  checkpoint_every=every, start=t0)
+        run = _recurrence(options, x.device)
+        o, final, ck = run(q, k, v, g=g, beta=beta, initial_state=init, checkpoint_every=every, start=t0)
         if prev is not None:
             cache = GDNCache(torch.cat([prev.conv_in, u[0]]), torch.cat([prev.g, g[0]]),
                              torch.cat([prev.beta, beta[0]]), torch.cat([prev.checkpoints, ck[0]]), final[0], every)
@@ -97,33 +114,60 @@ class GDNExecutor(Executor):
             cache = GDNCache(u[0], g[0], beta[0], ck[0], final[0], every)
         return mixer.finish(o, z), cache
 
-    def anchor_states(self, mixer, caches, trunk: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    def anchor_states(self, mixer, caches, trunk: torch.Tensor, anchor: torch.Tensor, options=None) -> torch.Tensor:
         """States after trunk[trunk[p]][0..anchor[p]] for P (trunk, anchor) pairs -> [P, H, K, V] fp32.
 
-        Each starts from checkpoint (a+1)//C (or the final state when a = T-1) and replays < C tokens;
-        the pairs replay together (a pair that is done keeps its state)."""
+        Each starts from checkpoint (a+1)//C (or the final state when a = T-1) and replays < C trunk tokens.
+        Torch path: one replay per checkpoint segment in use (anchors in the same segment share it, capturing
+        their states on the way), all segments batched, so the work is <= min(P, T/C) x (C-1) state steps.
+        Triton path (CUDA): one padded replay per pair in a single launch (padding steps g = beta = 0 are
+        exact no-ops)."""
         every = caches[0].every
         if any(c.every != every for c in caches):
             raise ValueError("packed trunk caches were built with different gdn_checkpoint_every")
-        wk = mixer.conv_kernel_size
+        dev = anchor.device
         n = anchor + 1  # tokens consumed
-        lens = torch.tensor([len(c) for c in caches], device=anchor.device)[trunk]
+        lens = torch.tensor([len(c) for c in caches], device=dev)[trunk]
         at_end = n == lens
         ck = torch.where(at_end, torch.zeros_like(n), n // every)
         r = torch.where(at_end, torch.zeros_like(n), n - ck * every)  # replay length < C
         S = torch.stack([caches[int(i)].final if bool(e) else caches[int(i)].checkpoints[int(c)]
                          for i, e, c in zip(trunk.tolist(), at_end.tolist(), ck.tolist())])
-        R = int(r.max()) if r.numel() else 0
-        if R == 0:
+        if not bool((r > 0).any()):
             return S
-        steps = torch.arange(R, device=anchor.device)
-        pos = ck[:, None] * every + steps[None, :]  # [P, R] trunk positions replayed
-        live = steps[None, :] < r[:, None]
-        pos = torch.where(live, pos, torch.full_like(pos, -1))
+        run = _recurrence(options, S.device)
+        if run is not recurrent_gated_delta_rule:
+            q, k, v, g, beta = self._replay_inputs(mixer, caches, trunk, ck * every, r)
+            return run(q, k, v, g=g, beta=beta, initial_state=S)[1]
+        # torch path: replay each (trunk, segment) once; pairs capture the state after their r-th step
+        need = torch.nonzero(r > 0).flatten()
+        seg_key = trunk[need] * (int(ck.max()) + 1) + ck[need]
+        segs, row = torch.unique(seg_key, return_inverse=True)
+        first = torch.full((segs.numel(),), -1, dtype=torch.long, device=dev).scatter_(0, row, need)
+        seg_len = torch.zeros(segs.numel(), dtype=torch.long, device=dev).scatter_reduce_(0, row, r[need], "amax")
+        q, k, v, g, beta = self._replay_inputs(mixer, caches, trunk[first], ck[first] * every, seg_len)
+        S_seg = S[first]
+        out = S.clone()
+        r_need = r[need]
+        for s in range(int(seg_len.max())):
+            S_seg, _ = gated_delta_step(S_seg, q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s])
+            done = torch.nonzero(r_need == s + 1).flatten()
+            if done.numel():
+                out[need[done]] = S_seg[row[done]]
+        return out
+
+    @staticmethod
+    def _replay_inputs(mixer, caches, trunk: torch.Tensor, start: torch.Tensor, length: torch.Tensor):
+        """q, k [P, R, H, K], v [P, R, H, V], g, beta [P, R, H] of trunk positions start[p] .. start[p] +
+        length[p] - 1 (R = max length; later steps are zero: g = beta = 0, q = k = v = 0)."""
+        wk = mixer.conv_kernel_size
+        steps = torch.arange(int(length.max()), device=start.device)
+        pos = start[:, None] + steps[None, :]  # [P, R]
+        pos = torch.where(steps[None, :] < length[:, None], pos, torch.full_like(pos, -1))
         p_, r_ = pos.shape
         tr = trunk[:, None].expand(p_, r_).reshape(-1)
         flat = pos.reshape(-1)
-        # conv windows of the replayed positions: inputs at pos-W+1 .. pos (zeros before the trunk start)
+        # conv windows: inputs at pos-W+1 .. pos (zeros before the trunk start and for padding steps)
         win = torch.stack([_gather_trunk(caches, tr, torch.where(flat >= 0, flat - (wk - 1) + j,
                                                                  torch.full_like(flat, -1)).clamp(min=-1), "conv_in")
                            for j in range(wk)], dim=1)  # [P*R, W, Cd]
@@ -131,11 +175,7 @@ class GDNExecutor(Executor):
         g = _gather_trunk(caches, tr, flat, "g")
         beta = _gather_trunk(caches, tr, flat, "beta")
         q, k, v = (t.view(p_, r_, *t.shape[1:]) for t in (q, k, v))
-        g, beta = g.view(p_, r_, -1), beta.view(p_, r_, -1)
-        for s in range(R):
-            S_new, _ = gated_delta_step(S, q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s])
-            S = torch.where(live[:, s, None, None, None], S_new, S)
-        return S
+        return q, k, v, g.view(p_, r_, -1), beta.view(p_, r_, -1)
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, D] inputs of the M tree nodes; caches: one GDNCache per trunk -> out [1, M, D]."""
@@ -164,7 +204,7 @@ class GDNExecutor(Executor):
         uniq, inv = torch.unique(key, return_inverse=True)
         first = torch.full((uniq.numel(),), -1, dtype=torch.long, device=dev).scatter_(
             0, inv, roots)  # any root of each pair
-        S_anchor = self.anchor_states(mixer, caches, tix[first], tree.anchor.to(dev)[first])
+        S_anchor = self.anchor_states(mixer, caches, tix[first], tree.anchor.to(dev)[first], options)
         # advance level by level; slot[u] = row of node u's state within its level
         o = torch.empty(m, *v.shape[1:], dtype=torch.float32, device=dev)
         slot = torch.empty(m, dtype=torch.long, device=dev)

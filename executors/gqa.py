@@ -9,7 +9,8 @@ score:   tree node u (anchor a, trunk i) attends to trunk i's keys at positions 
 
 Only ``mixer.project``, ``mixer.finish`` and ``mixer.scaling`` are used (see docs/interfaces.md).
 The attention itself goes through ``attend``: dense masked attention with fp32 softmax (exact on the
-CPU); a flex_attention / Triton backend can slot in there, chosen by ``options["gqa_backend"]``.
+CPU) or torch SDPA (GPU default), chosen by ``options["gqa_backend"]``; a flex_attention / Triton
+backend slots into ``BACKENDS``.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from executors.base import Executor, register_executor
-from specopd.models.common import masked_attention
+from specopd.models.common import masked_attention, sdpa_attention
 
 
 @dataclass
@@ -35,12 +36,21 @@ class GQACache:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
+BACKENDS = {"dense": masked_attention, "sdpa": sdpa_attention}
+
+
 def attend(q, k, v, mask, scaling, options=None):
-    """q [1, Tq, H, hd], k/v [1, Tk, Hkv, hd], mask [1, Tq, Tk] bool -> [1, Tq, H, hd]."""
-    backend = (options or {}).get("gqa_backend", "dense")
-    if backend != "dense":
-        raise ValueError(f"unknown gqa_backend {backend!r}; available: 'dense'")
-    return masked_attention(q, k, v, mask, scaling)
+    """q [1, Tq, H, hd], k/v [1, Tk, Hkv, hd], mask [1, Tq, Tk] bool -> [1, Tq, H, hd].
+
+    ``options["gqa_backend"]``: "auto" (default: dense on the CPU, sdpa on the GPU), "dense" (the exact
+    HF-eager numerics of the plain forward), "sdpa" (torch's fused attention with the boolean mask).
+    """
+    backend = (options or {}).get("gqa_backend", "auto")
+    if backend == "auto":
+        backend = "dense" if q.device.type == "cpu" else "sdpa"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown gqa_backend {backend!r}; available: 'auto', {', '.join(map(repr, BACKENDS))}")
+    return BACKENDS[backend](q, k, v, mask, scaling)
 
 
 @register_executor("gqa")
@@ -68,22 +78,33 @@ class GQAExecutor(Executor):
         if len(caches) != tree.num_trunks:
             raise ValueError(f"tree spans {tree.num_trunks} trunk(s) but {len(caches)} cache(s) were given")
         dev = x.device
-        pos = tree.positions.to(dev).view(1, -1)
-        q, k, v, extra = mixer.project(x, pos)
-        anc = tree.ancestor_mask().to(dev)  # [M, M]
-        anchor = tree.anchor.to(dev)
+        q, k, v, extra = mixer.project(x, tree.positions.to(dev).view(1, -1))
         o = torch.empty_like(q)
-        for i, cache in enumerate(caches):
-            nodes = torch.nonzero(tree.trunk_index == i).flatten().to(dev)
+        for i, nodes, t_cut, mask in _plan(tree, dev):
+            if t_cut > len(caches[i]):
+                raise ValueError(f"anchor {t_cut - 1} is outside trunk {i} of length {len(caches[i])}")
+            keys = torch.cat([caches[i].k[:t_cut], k[0, nodes]])[None]  # [1, t_cut + Mi, Hkv, hd]
+            vals = torch.cat([caches[i].v[:t_cut], v[0, nodes]])[None]
+            o[0, nodes] = attend(q[:, nodes], keys, vals, mask, mixer.scaling, options)[0]
+        return mixer.finish(o, extra)
+
+
+def _plan(tree, device):
+    """Per trunk i with nodes: (i, nodes [Mi], t_cut, mask [1, Mi, t_cut + Mi]) where t_cut = last anchor + 1
+    (later trunk keys are never visible) and mask = [trunk positions <= anchor | ancestor-or-self].
+    Built once per tree and device (the same for every layer), kept in the tree's cache."""
+    key = ("gqa_plan", str(device))
+    if key not in tree._cache:
+        anc = tree.ancestor_mask()
+        plan = []
+        for i in range(tree.num_trunks):
+            nodes = torch.nonzero(tree.trunk_index == i).flatten()
             if nodes.numel() == 0:
                 continue
-            a = anchor[nodes]  # [Mi]
-            t_cut = int(a.max()) + 1  # trunk keys beyond the last anchor are never visible
-            if t_cut > len(cache):
-                raise ValueError(f"anchor {t_cut - 1} is outside trunk {i} of length {len(cache)}")
-            keys = torch.cat([cache.k[:t_cut], k[0, nodes]])[None]  # [1, t_cut + Mi, Hkv, hd]
-            vals = torch.cat([cache.v[:t_cut], v[0, nodes]])[None]
-            trunk_vis = torch.arange(t_cut, device=dev)[None, :] <= a[:, None]  # [Mi, t_cut]
-            mask = torch.cat([trunk_vis, anc[nodes][:, nodes]], dim=1)  # [Mi, t_cut + Mi]
-            o[0, nodes] = attend(q[:, nodes], keys, vals, mask[None], mixer.scaling, options)[0]
-        return mixer.finish(o, extra)
+            a = tree.anchor[nodes]
+            t_cut = int(a.max()) + 1
+            trunk_vis = torch.arange(t_cut)[None, :] <= a[:, None]  # [Mi, t_cut]
+            mask = torch.cat([trunk_vis, anc[nodes][:, nodes]], dim=1)[None]
+            plan.append((i, nodes.to(device), t_cut, mask.to(device)))
+        tree._cache[key] = plan
+    return tree._cache[key]

@@ -76,7 +76,7 @@ class QSAExecutor(Executor):
             k, v, raw = k[0], v[0], raw[0]
         g, keep = (t0 + t) // r, t0 // r
         starts = torch.arange(keep, g, device=x.device) * r
-        new = mixer.pool_keys(raw[keep * r: g * r].reshape(g - keep, r, -1), starts)
+        new = mixer.pool_keys(raw[keep * r: g * r].reshape(g - keep, r, raw.shape[-1]), starts)
         pooled = torch.cat([prev.pooled[:keep], new]) if prev is not None else new
         last = torch.arange(t0, t0 + t, device=x.device)
         sel = mixer.select(mixer.index_scores(qi[0], pooled.unsqueeze(0)), (last + 1) // r)

@@ -117,8 +117,6 @@ class DataConfig:
         if self.source == "prepared":
             if not self.path:
                 raise RecipeError("data.source=prepared needs data.path (run `specopd prepare data ...` first)")
-            if not os.path.exists(self.path):
-                raise RecipeError(f"data.path={self.path!r} does not exist (run `specopd prepare data ...` to write it)")
         _check_range("data", "num_samples", self.num_samples, lo=2)
         _check_range("data", "prompt_len", self.prompt_len, lo=2)
         _check_range("data", "seq_len", self.seq_len, lo=4)
@@ -247,6 +245,26 @@ class ProfileConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """The main job (``specopd.mainjob``; ray owner). Off by default: ``specopd train`` is plain training."""
+    enabled: bool = False
+    """On: prepare the target (model.target names a `specopd prepare model` target) and chat references on
+    first use (cached), warm the drafter with off-policy CE if no warm drafter exists, train with
+    trainer.method, then print a held-out speculative-decoding AL table (before / after) and the profile."""
+    data_num: int = 48
+    """Chat prompts (chitchat-dataset) whose responses the target regenerates (cached, resumable)."""
+    data_max_new_tokens: int = 64
+    """Response tokens generated per prompt."""
+    warmup_steps: int = 20
+    """Off-policy CE steps of the warm drafter (0: start SpecOPD from a random drafter)."""
+
+    def __post_init__(self):
+        _check_range("pipeline", "data_num", self.data_num, lo=2)
+        _check_range("pipeline", "data_max_new_tokens", self.data_max_new_tokens, lo=1)
+        _check_range("pipeline", "warmup_steps", self.warmup_steps, lo=0)
+
+
+@dataclass
 class RecipeConfig:
     seed: int = 0
     """Seed of the drafter init and of all per-sample anchor / branch generators."""
@@ -257,6 +275,7 @@ class RecipeConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -27,16 +27,21 @@ def _trunk(t, seed=0):
 
 
 def reference(target, trunks, tree):
-    """[M, V]: node u's logits from target(trunk[:anchor+1] + path(u)) run from scratch."""
-    out = []
-    for u in range(tree.num_nodes):
-        path, w = [], u
+    """[M, V]: node u's logits from target(trunk[:anchor+1] + path(u)) run from scratch
+    (one forward per leaf: it gives the logits of every node on the leaf's path)."""
+    out = [None] * tree.num_nodes
+    has_child = set(int(p) for p in tree.parent if p >= 0)
+    for leaf in (u for u in range(tree.num_nodes) if u not in has_child):
+        path, w = [], leaf
         while w >= 0:
-            path.append(int(tree.tokens[w]))
+            path.append(w)
             w = int(tree.parent[w])
-        trunk = trunks[int(tree.trunk_index[u])]
-        seq = torch.cat([trunk[: int(tree.anchor[u]) + 1], torch.tensor(path[::-1])])
-        out.append(target(seq.view(1, -1))[0, -1])
+        path = path[::-1]
+        trunk = trunks[int(tree.trunk_index[leaf])]
+        seq = torch.cat([trunk[: int(tree.anchor[leaf]) + 1], tree.tokens[path]])
+        logits = target(seq.view(1, -1))[0, -len(path):]
+        for j, u in enumerate(path):
+            out[u] = logits[j]
     return torch.stack(out)
 
 
@@ -168,3 +173,53 @@ def test_executor_direct_call_checks_cache_count(target):
     tree = ProposalTree.from_branches([1], [[4]])
     with pytest.raises(ValueError, match="cache"):
         ex.score(attn, torch.zeros(1, 1, target.hidden_size), tree, [])
+
+
+def test_sdpa_backend_matches_dense(target):
+    """The GPU default backend (torch SDPA with the tree mask) gives the same scores, checked here on the CPU."""
+    trunk = _trunk(29, seed=11)
+    tree = ProposalTree.from_parents(torch.randint(0, V, (7,), generator=_gen(11)), [-29, 0, 1, 0, -3, 4, -1])
+    dense = target.score(tree, target.prefill(trunk))
+    cache = target.prefill(trunk)
+    cache.options["gqa_backend"] = "sdpa"
+    assert rel_err(target.score(tree, cache), dense) <= TOL
+    cache.options["gqa_backend"] = "nope"
+    with pytest.raises(ValueError, match="unknown gqa_backend 'nope'"):
+        target.score(tree, cache)
+
+
+def test_chunked_dense_attention_is_unchanged():
+    from specopd.models.common import causal_mask, masked_attention
+
+    g = _gen(12)
+    q, k, v = torch.randn(1, 37, 4, 8, generator=g), torch.randn(1, 37, 2, 8, generator=g), torch.randn(1, 37, 2, 8,
+                                                                                                      generator=g)
+    full = masked_attention(q, k, v, causal_mask(37), 0.3)
+    chunked = masked_attention(q, k, v, causal_mask(37), 0.3, max_scores=4 * 37 * 5)  # 5 query rows per chunk
+    assert rel_err(chunked, full) <= 1e-6
+
+
+def test_benchmark_script_runs():
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_executors", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_executors.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--kinds", "gqa", "--T", "20", "--branches", "3", "--W", "2", "--repeats", "1", "--hidden", "32",
+                     "--layers", "1", "--vocab", "64"])
+    assert rows[0]["kind"] == "gqa" and rows[0]["max_rel_diff"] <= TOL
+    assert rows[0]["naive_ms"] > 0 and rows[0]["packed_ms"] > 0
+
+
+def test_prefill_empty_extension_and_single_token(target):
+    trunk = _trunk(9, seed=13)
+    c = target.prefill(trunk)
+    same = target.prefill(trunk[:0], cache=c)
+    assert len(same) == 9 and torch.equal(same.logits, c.logits)
+    one = target.prefill(trunk[:1])
+    assert rel_err(one.logits, c.logits[:1]) <= TOL
+    p = target.score(ProposalTree.from_branches([0], [[5, 6]]), one)
+    ref = target(torch.tensor([[int(trunk[0]), 5, 6]]))[0, 1:]
+    assert rel_err(p[0], ref) <= TOL

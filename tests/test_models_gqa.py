@@ -169,8 +169,7 @@ def test_moe_matches_transformers(shared, norm):
     for p in ref.parameters():
         p.data.normal_(0, 0.3)
     ours = common.MoE.from_config(vars(cfg))
-    missing = ours.load_state_dict(ref.state_dict(), strict=True)
-    assert not missing.missing_keys
+    ours.load_state_dict(ref.state_dict(), strict=True)  # same names and layout as HF 5.x in memory
     x = torch.randn(2, 9, 32)
     with torch.no_grad():
         assert rel_err(ours(x), ref(x)) <= 1e-6

@@ -1,9 +1,9 @@
 """`specopd prepare model smollm2-135m` and `specopd prepare data`.
 
 prepare data: prompts (a JSONL file, or chitchat-dataset's first user turns) are put through the target's
-chat template and answered by the target itself (our ``target.prefill`` cache: the prompt once, then one token
-per step), with temperature / top-p; records are appended to ``<out>/data.jsonl`` as they finish (a second run
-skips finished prompt ids). See ``specopd.data.references`` for the record format and ``load_references``.
+chat template and answered by the target itself (``generate_batch``: our trunk caches, several prompts
+scored together in one packed tree pass per token), with temperature / top-p; records are appended to
+``<out>/data.jsonl`` batch by batch (a second run skips finished prompt ids). See ``specopd.data.references`` for the record format and ``load_references``.
 """
 from __future__ import annotations
 
@@ -40,23 +40,49 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generat
 
 
 @torch.no_grad()
-def generate_response(target, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float,
-                      generator, stop_ids: set) -> tuple:
-    """prompt_ids [T] -> (response ids list, "eos" | "length"). Prefill once, then one cached step per token."""
-    cache = target.prefill(prompt_ids, keep_logits=True)
-    logits = cache.logits[-1]
-    cache = dataclasses.replace(cache, logits=None)
-    out = []
+def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float, top_p: float,
+                   generators: Sequence, stop_ids: set, commit_every: int = 8) -> list:
+    """Sample responses for several prompts at once with our target and its trunk caches.
+
+    Each prompt [T_i] is prefilled once (its last logits give token 1). Then every step scores all streams'
+    uncommitted chains ``[g_c .. g_j]`` (anchored after the cached trunk) in *one* packed ``target.score`` pass
+    and samples token j+1 from each chain's last node; every ``commit_every`` tokens a stream's chain is
+    folded into its cache with ``target.prefill(chain, cache=cache)``. Equal to one-at-a-time decoding (the
+    same logits up to rounding). Returns [(response ids, "eos" | "length")] in prompt order.
+    """
+    from specopd.tree import ProposalTree
+
+    n = len(prompts)
+    caches, chains, outs, done = [], [], [[] for _ in range(n)], [None] * n
+    for i, p in enumerate(prompts):
+        c = target.prefill(torch.as_tensor(p, device=target.device), keep_logits=True)
+        caches.append(dataclasses.replace(c, logits=None))
+        chains.append([])
+        _push(i, sample_top_p(c.logits[-1], temperature, top_p, generators[i]), outs, chains, done, stop_ids,
+              max_new_tokens)
     while True:
-        tok = sample_top_p(logits, temperature, top_p, generator)
-        out.append(tok)
-        if tok in stop_ids:
-            return out, "eos"
-        if len(out) >= max_new_tokens:
-            return out, "length"
-        cache = target.prefill(torch.tensor([tok], device=target.device), cache=cache, keep_logits=True)
-        logits = cache.logits[-1]
-        cache = dataclasses.replace(cache, logits=None)
+        live = [i for i in range(n) if done[i] is None]
+        if not live:
+            return [(outs[i], done[i]) for i in range(n)]
+        for i in live:  # fold long chains into the cache (keep the newest token: it is not scored yet)
+            if len(chains[i]) > commit_every:
+                caches[i] = target.prefill(torch.tensor(chains[i][:-1], device=target.device), cache=caches[i],
+                                           keep_logits=False)
+                chains[i] = chains[i][-1:]
+        tree = ProposalTree.pack([ProposalTree.from_branches([len(caches[i]) - 1], [chains[i]]) for i in live])
+        logits = tree.split(target.score(tree, [caches[i] for i in live]).reshape(-1, target.vocab_size))
+        for i, lg in zip(live, logits):
+            _push(i, sample_top_p(lg[-1], temperature, top_p, generators[i]), outs, chains, done, stop_ids,
+                  max_new_tokens)
+
+
+def _push(i, tok, outs, chains, done, stop_ids, max_new_tokens) -> None:
+    outs[i].append(tok)
+    chains[i].append(tok)
+    if tok in stop_ids:
+        done[i] = "eos"
+    elif len(outs[i]) >= max_new_tokens:
+        done[i] = "length"
 
 
 def _seed_of(*parts) -> int:
@@ -101,13 +127,14 @@ def encode_prompt(tok, messages) -> list:
 def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = None, num: Optional[int] = None,
                  max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                  heldout_fraction: float = 0.1, device: str = "cpu", dtype: str = "float32",
-                 progress: bool = True) -> dict:
-    """Regenerate responses for the first ``num`` prompts (resumable). Returns counts
+                 progress: bool = True, batch_size: int = 8) -> dict:
+    """Regenerate responses for the first ``num`` prompts, ``batch_size`` streams at a time (resumable: records
+    are appended per finished batch; a rerun skips finished ids). Returns counts
     {written, skipped_done, skipped_too_long, total_records}."""
     from specopd.models import load_target
 
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1; got {max_new_tokens}")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"--max-new-tokens and --batch-size must be >= 1; got {max_new_tokens}, {batch_size}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need --temperature >= 0 and 0 < --top-p <= 1; got {temperature}, {top_p}")
     if not 0 <= heldout_fraction < 1:
@@ -141,23 +168,32 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
     counts = dict(written=0, skipped_done=len(prompts) - len(pending), skipped_too_long=0)
     from tqdm import tqdm
 
-    bar = tqdm(pending, desc="references", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(pending), desc="references", unit="prompt", disable=not progress)
     n_tok, t0 = 0, time.perf_counter()
     with open(data_path, "a") as f:
-        for pid, msgs in bar:
-            ids = encode_prompt(tok, msgs)
-            if limit is not None and len(ids) + max_new_tokens > int(limit):
-                counts["skipped_too_long"] += 1
+        for b in range(0, len(pending), batch_size):
+            batch = []
+            for pid, msgs in pending[b: b + batch_size]:
+                ids = encode_prompt(tok, msgs)
+                if limit is not None and len(ids) + max_new_tokens > int(limit):
+                    counts["skipped_too_long"] += 1
+                    bar.update(1)
+                else:
+                    batch.append((pid, ids))
+            if not batch:
                 continue
-            g = torch.Generator().manual_seed(_seed_of(seed, pid))
-            resp, finish = generate_response(target, torch.tensor(ids, device=target.device), max_new_tokens,
-                                             temperature, top_p, g, stops)
-            append_record(f, {"id": pid, "split": split_of(pid, seed, heldout_fraction), "input_ids": ids + resp,
-                              "response_start": len(ids), "prompt_len": len(ids), "finish": finish,
-                              "response": tok.decode(resp)})
-            counts["written"] += 1
-            n_tok += len(resp)
+            gens = [torch.Generator().manual_seed(_seed_of(seed, pid)) for pid, _ in batch]
+            res = generate_batch(target, [torch.tensor(ids) for _, ids in batch], max_new_tokens, temperature,
+                                 top_p, gens, stops)
+            for (pid, ids), (resp, finish) in zip(batch, res):
+                append_record(f, {"id": pid, "split": split_of(pid, seed, heldout_fraction),
+                                  "input_ids": ids + resp, "response_start": len(ids), "prompt_len": len(ids),
+                                  "finish": finish, "response": tok.decode(resp)})
+                counts["written"] += 1
+                n_tok += len(resp)
+            bar.update(len(batch))
             bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}", skipped=counts["skipped_too_long"])
+    bar.close()
     counts["total_records"] = len(read_records(data_path))
     return counts
 
@@ -183,6 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--heldout-fraction", type=float, default=0.1)
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
+    d.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (one packed pass a step)")
     return p
 
 
@@ -200,7 +237,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         src = os.path.splitext(os.path.basename(args.prompts))[0] if args.prompts else "chitchat"
         args.out = os.path.join(cache_root(args.cache_dir), "data", f"{src}-{os.path.basename(os.path.normpath(target))}")
     counts = prepare_data(target, args.out, args.prompts, args.num, args.max_new_tokens, args.temperature,
-                          args.top_p, args.seed, args.heldout_fraction, args.device, args.dtype)
+                          args.top_p, args.seed, args.heldout_fraction, args.device, args.dtype,
+                          batch_size=args.batch_size)
     print(f"[specopd] references in {args.out}/{DATA_FILE}: {counts}")
     return 0
 

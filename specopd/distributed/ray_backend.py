@@ -280,6 +280,8 @@ class RayGroup:
             raise ValueError(f"call({method!r}) got {len(per_worker_args)} argument sets for "
                              f"{self.world_size} workers")
         self._check_open()
+        if method == "take_spans":  # the loop's per-step span drain: also drain the actors' NVML samples
+            return self._take_spans()
         refs = [a.run.remote(method, tuple(args), {})
                 for a, args in zip(self.actors, per_worker_args)]
         return self._wait(refs, method)
@@ -296,6 +298,25 @@ class RayGroup:
         samples = [s for o in out for s in o[1]]
         notes = [o[2] for o in out if o[2]]
         return spans, samples, (notes[0] if notes and not samples else None)
+
+    def _take_spans(self) -> list:
+        """Spans per worker (what Worker.take_spans returns). GPU samples and the workers' GPU note go
+        straight to <output_dir>/profile/ (gpu.jsonl, meta.json), where profiling.render reads them: the
+        controller may have no GPU while the workers do."""
+        import json
+
+        from specopd.profiling import append_spans
+
+        out = self._wait([a.profile_take.remote() for a in self.actors], "take_spans")
+        samples = [x for o in out for x in o[1]]
+        if samples:
+            append_spans(self.output_dir, [], samples)
+        notes = [o[2] for o in out if o[2]]
+        meta = Path(self.output_dir) / "profile" / "meta.json"
+        if notes and not meta.exists():
+            meta.parent.mkdir(parents=True, exist_ok=True)
+            meta.write_text(json.dumps({"gpu_note": f"{notes[0]} (on the Ray workers)"}))
+        return [list(o[0]) for o in out]
 
     def shutdown(self) -> None:
         if self._closed:
@@ -386,3 +407,80 @@ class RayGroup:
 
 def live_groups() -> list:
     return list(_LIVE_GROUPS)
+
+
+# -- the dry-run plan (``specopd train RECIPE --dry-run`` calls this for runtime.backend=ray) -------------
+
+def _drafter_params(cfg, tcfg: dict) -> int:
+    """DFlash / DSpark trainable parameters from the target's config.json (sizes default to the target's)."""
+    d = int(tcfg["hidden_size"])
+    h = int(tcfg.get("num_attention_heads") or max(1, d // 64))
+    kv = int(tcfg.get("num_key_value_heads") or h)
+    hd = int(tcfg.get("head_dim") or d // h)
+    inter = int(tcfg.get("intermediate_size") or 4 * d)
+    L = int(tcfg["num_hidden_layers"])
+    nf = len(cfg.drafter.feature_layers) if cfg.drafter.feature_layers else max(1, min(5, L - 1 if L > 1 else 1))
+    layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * inter + 2 * d + 2 * hd
+    n = nf * d * d + 3 * d + cfg.drafter.num_layers * layer
+    if cfg.drafter.kind == "dspark":  # Markov head W1 Embedding(V, 256) + W2 Linear(256, V), confidence head
+        n += 2 * int(tcfg["vocab_size"]) * 256 + 2 * d + 256
+    return int(n)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def extend_plan(cfg, p: dict) -> dict:
+    """Add the Ray placement (one STRICT_PACK placement group per node) and the drafter's share of the
+    memory estimate (weights + grads + AdamW states, q logits with their gradients) to the trainer's plan."""
+    import math
+
+    r = cfg.runtime
+    n, cpus, gpus = int(r.num_workers), float(r.cpus_per_worker), float(r.gpus_per_worker)
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+    notes = p.setdefault("notes", [])
+    p["ray"] = {"address": r.address or "local (ray.init on this machine)", "bundle": bundle,
+                "bundles": n, "strategy": "one STRICT_PACK placement group per node, workers packed node by node",
+                "total": {"CPU": n * cpus, "GPU": n * gpus},
+                "process_group": "nccl" if gpus > 0 else "gloo", "roles": r.roles}
+    notes.append(f"ray: {n} actors x {bundle} = {n * cpus:g} CPU, {n * gpus:g} GPU "
+                 f"({p['ray']['strategy']}; drafter gradients summed with {p['ray']['process_group']})")
+    if not r.address:
+        try:
+            import torch
+
+            here_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except Exception:  # pragma: no cover
+            here_gpu = 0
+        here_cpu = os.cpu_count() or 1
+        fits = n * cpus <= here_cpu and n * gpus <= here_gpu
+        notes.append(f"this machine: {here_cpu} CPU, {here_gpu} GPU -> the run "
+                     f"{'fits here' if fits else 'does NOT fit here (needs a node with the resources above, or runtime.address of a cluster)'}")
+    if getattr(getattr(cfg, "pipeline", None), "enabled", False):
+        notes.append("pipeline: the main job prepares model.target and writes data.path on first use "
+                     "(specopd.mainjob), then warms up, trains and evaluates")
+    mem = p.get("memory_estimate_per_worker_bytes")
+    tg = p.get("target", {})
+    if mem and tg.get("params"):
+        from specopd.models.loading import read_config
+        from specopd.train.tiny import _tiny_config
+
+        m = cfg.model
+        tcfg = _tiny_config(m.target[len("tiny:"):], dict(m.tiny))[0] if m.is_tiny else read_config(m.target)
+        bpe = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
+        dp = _drafter_params(cfg, tcfg)
+        per_worker_seqs = math.ceil(cfg.data.batch_size / n)
+        q = per_worker_seqs * cfg.trainer.anchors_per_seq * cfg.drafter.block_size * int(tcfg["vocab_size"]) * 4 * 3
+        mem["drafter_params"] = dp
+        mem["drafter_weights_grads_adamw"] = 4 * dp * bpe
+        mem["drafter_q_logits_probs_grads"] = q
+        mem["total"] = int(mem["total"] + 4 * dp * bpe + q)
+        notes.append(f"memory: + drafter {dp / 1e6:.2f}M params (weights, grads, 2 AdamW states: "
+                     f"{_human(4 * dp * bpe)}) + q logits/probs/grads in fp32 {_human(q)} -> ~{_human(mem['total'])} "
+                     f"per worker if its whole share of the batch is live at once")
+    return p

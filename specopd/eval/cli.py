@@ -97,7 +97,14 @@ def _device(name: str) -> str:
 
 
 def latest_checkpoint(output_dir: str) -> Optional[str]:
-    """Newest ``<output_dir>/checkpoints/step-N`` holding a drafter (config.json + model.safetensors)."""
+    """Newest complete ``<output_dir>/checkpoints/step-N`` (the trainer's ``find_latest``; else any step
+    folder holding config.json + model.safetensors)."""
+    try:
+        from specopd.train.checkpoint import find_latest
+    except ImportError:
+        find_latest = None
+    if find_latest is not None:
+        return find_latest(output_dir)
     root = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(root):
         return None

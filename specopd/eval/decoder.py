@@ -87,10 +87,11 @@ def _check_length(target, prompt_len: int, max_new: int, extra: int) -> None:
 
 class SpeculativeDecoder:
     """Draft with ``drafter``, verify with ``target``; temperature 0.0 = greedy (exact match), > 0 = lossless
-    rejection sampling. ``block_size`` verifies only the first k <= W draft tokens (None: all W)."""
+    rejection sampling. ``block_size`` verifies only the first k <= W draft tokens (None: all W).
+    ``stop_token_ids``: generation ends after one of them (what the round drafted beyond it is dropped)."""
 
     def __init__(self, target, drafter, temperature: float = 1.0, block_size: Optional[int] = None,
-                 stop_token_ids: Sequence[int] = ()):
+                 stop_token_ids: Sequence[int] = (), gdn_checkpoint_every: int = 64):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {temperature}")
         w = int(drafter.block_size)
@@ -100,6 +101,7 @@ class SpeculativeDecoder:
         self.temperature = float(temperature)
         self.block_size = int(block_size) if block_size is not None else w
         self.stop_token_ids = set(int(t) for t in stop_token_ids)
+        self.gdn_checkpoint_every = int(gdn_checkpoint_every)
 
     # ------------------------------------------------------------------ one round
     def _accept(self, drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor,
@@ -139,12 +141,13 @@ class SpeculativeDecoder:
         out: list = []
         if prompt.numel() == 1:
             # No trunk before the last token: run it once and sample the first new token from its logits.
-            cache = target.prefill(prompt, feature_layers=fl)
+            cache = target.prefill(prompt, feature_layers=fl, gdn_checkpoint_every=self.gdn_checkpoint_every)
             last = self._first_token(cache.logits[-1], generator)
             cache = dataclasses.replace(cache, logits=None)
             out.append(last)
         else:
-            cache = target.prefill(prompt[:-1], feature_layers=fl, keep_logits=False)
+            cache = target.prefill(prompt[:-1], feature_layers=fl, keep_logits=False,
+                                   gdn_checkpoint_every=self.gdn_checkpoint_every)
             last = int(prompt[-1])
         times["prefill"] = time.perf_counter() - t_start
         accept_lengths, accepted_at = [], [0] * k
@@ -191,17 +194,18 @@ class SpeculativeDecoder:
 
 @torch.no_grad()
 def autoregressive(target, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
-                   generator: Optional[torch.Generator] = None, stop_token_ids: Sequence[int] = ()
-                   ) -> GenerationResult:
+                   generator: Optional[torch.Generator] = None, stop_token_ids: Sequence[int] = (),
+                   gdn_checkpoint_every: int = 64) -> GenerationResult:
     """Plain decoding with the same cache machinery (one ``target.prefill`` per token): the baseline."""
     prompt = _as_prompt(prompt_ids, target.device)
     _check_length(target, prompt.numel(), max_new_tokens, 0)
     stops = set(int(t) for t in stop_token_ids)
     t_start = time.perf_counter()
-    cache = target.prefill(prompt[:-1], keep_logits=False) if prompt.numel() > 1 else None
+    cache = (target.prefill(prompt[:-1], keep_logits=False, gdn_checkpoint_every=gdn_checkpoint_every)
+             if prompt.numel() > 1 else None)
     last, out, stopped = prompt[-1:], [], "length"
     while len(out) < max_new_tokens:
-        cache = target.prefill(last, cache=cache, keep_logits=True)
+        cache = target.prefill(last, cache=cache, keep_logits=True, gdn_checkpoint_every=gdn_checkpoint_every)
         logits = cache.logits[-1]
         cache = dataclasses.replace(cache, logits=None)
         tok = int(logits.argmax()) if temperature == 0.0 else _sample(_probs(logits, temperature), generator)

@@ -123,11 +123,15 @@ class Rotary:
     def __init__(self, cfg: dict, head_dim: int, layer_type: str | None = None):
         self.params = rope_parameters(cfg, layer_type)
         self.head_dim = head_dim
-        self.inv_freq = rope_inv_freq(self.params, head_dim)  # CPU fp32; moved per call
+        self.inv_freq = rope_inv_freq(self.params, head_dim)  # CPU fp32
+        self._on_device: dict = {}  # device -> inv_freq copy (a plain dict, not a buffer)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [B, T, H, hd], k [B, T, Hkv, hd], positions [B, T] -> rotated (q, k)."""
-        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+        inv = self._on_device.get(positions.device)
+        if inv is None:
+            inv = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        cos, sin = rope_cos_sin(positions, inv, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
@@ -181,7 +185,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Experts stored as 3D tensors (HF 5.x layout): gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+    """Experts stored as 3D tensors (HF 5.x in-memory layout): gate_up_proj [E, 2I, D] (gate rows first),
+    down_proj [E, D, I]. Checkpoints store experts one by one (``experts.<e>.gate_proj.weight``): models
+    stack them when loading (see qwen3_next.py)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, act: str = "silu"):
         super().__init__()
@@ -191,7 +197,7 @@ class Experts(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D], idx/weights [N, k] -> [N, D] (experts in ascending order, like HF)."""
+        """x [N, D], idx/weights [N, k] -> [N, D] (experts in ascending order, index_add_, like HF)."""
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)
@@ -204,8 +210,8 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Sparse MoE block (HF qwen3_moe; with ``shared_intermediate`` > 0 also qwen3_next's shared expert
     gated by ``sigmoid(shared_expert_gate(x))``). [B, T, D] -> [B, T, D].
-    Parameter names: gate.weight, experts.gate_up_proj, experts.down_proj, shared_expert.*,
-    shared_expert_gate.weight."""
+    Parameter names (HF 5.x in memory): gate.weight, experts.gate_up_proj, experts.down_proj,
+    shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_intermediate: int,
                  norm_topk_prob: bool = True, shared_intermediate: int = 0, act: str = "silu"):
@@ -239,27 +245,48 @@ class MoE(nn.Module):
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scaling: float) -> torch.Tensor:
+                     scaling: float, max_scores: int = 1 << 26) -> torch.Tensor:
     """Dense attention with GQA head groups, HF eager numerics (scores * scaling, softmax in fp32,
     probabilities cast back to q.dtype).
 
     q [B, Tq, H, hd], k/v [B, Tk, Hkv, hd], mask [B or 1, Tq, Tk] bool (True = may attend) or None
     -> [B, Tq, H, hd]. H must be a multiple of Hkv (query head h reads kv head h // (H / Hkv)).
+    Queries are processed in row chunks so that one score tensor holds at most ``max_scores`` entries
+    (rows are independent, so chunking does not change the result).
     """
     b, tq, h, d = q.shape
     hkv = k.shape[2]
     if h % hkv:
         raise ValueError(f"{h} query heads are not a multiple of {hkv} key/value heads")
     g = h // hkv
-    qh = q.view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Tq, d]
     kh = k.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Tk, d]
     vh = v.permute(0, 2, 1, 3).unsqueeze(2)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scaling  # [B, Hkv, G, Tq, Tk]
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, vh)  # [B, Hkv, G, Tq, d]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, tq, h, v.shape[-1])
+    if tq == 0:
+        return q.new_zeros(b, 0, h, v.shape[-1])
+    rows = max(1, max_scores // max(1, b * h * k.shape[1]))
+    outs = []
+    for s in range(0, tq, rows):
+        qc = q[:, s:s + rows]
+        tc = qc.shape[1]
+        qh = qc.reshape(b, tc, hkv, g, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, tc, d]
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) * scaling  # [B, Hkv, G, tc, Tk]
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None, None, s:s + rows], float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        outs.append(torch.matmul(probs, vh).permute(0, 3, 1, 2, 4).reshape(b, tc, h, v.shape[-1]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scaling: float) -> torch.Tensor:
+    """Same contract as ``masked_attention`` through ``F.scaled_dot_product_attention`` (fused kernels on
+    the GPU; K/V heads are repeated to H so that every backend accepts it)."""
+    g = q.shape[2] // k.shape[2]
+    kk = k.repeat_interleave(g, dim=2).transpose(1, 2)
+    vv = v.repeat_interleave(g, dim=2).transpose(1, 2)
+    m = None if mask is None else mask[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=m, scale=scaling)
+    return out.transpose(1, 2)
 
 
 def causal_mask(t: int, device=None) -> torch.Tensor:

@@ -46,7 +46,7 @@ class Attention(nn.Module):
 
     def finish(self, o: torch.Tensor, extra=None) -> torch.Tensor:
         """o [B, T, H, hd] -> [B, T, D]."""
-        return self.o_proj(o.reshape(*o.shape[:2], -1))
+        return self.o_proj(o.reshape(*o.shape[:2], self.num_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Plain causal attention (the reference): x [B, T, D] -> [B, T, D]."""

@@ -197,7 +197,7 @@ class QSAttention(nn.Module):
         b, t = raw.shape[:2]
         r, dev = self.ratio, raw.device
         g = t // r
-        keys = self.pool_keys(raw[:, : g * r].reshape(b, g, r, -1), positions[:, : g * r: r])  # [B, G, di]
+        keys = self.pool_keys(raw[:, : g * r].reshape(b, g, r, raw.shape[-1]), positions[:, : g * r: r])  # [B, G, di]
         scores = self.index_scores(q_idx, keys.unsqueeze(1))  # [B, T, G]
         last = torch.arange(t, device=dev)
         sel = self.select(scores.reshape(b * t, g), ((last + 1) // r).repeat(b)).view(b, t, self.topk)

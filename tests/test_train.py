@@ -1,0 +1,133 @@
+"""Worker step, baselines, worker-group equivalence and a short learning run (tiny CPU configs)."""
+import json
+import os
+
+import pytest
+import torch
+
+from specopd.train.baselines import verify_block
+from specopd.train.group import LocalGroup
+from specopd.train.loop import reduce_metrics, train
+from specopd.train.tiny import tiny_recipe
+from specopd.train.worker import Worker, lr_lambda
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = lr_lambda(2, 10, 0.1)
+    assert f(0) == pytest.approx(0.5) and f(1) == pytest.approx(1.0) and f(2) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(0.1) and f(50) == pytest.approx(0.1)
+    vals = [f(s) for s in range(2, 11)]
+    assert all(a >= b for a, b in zip(vals, vals[1:]))
+
+
+def test_expected_al_from_alpha_sums():
+    # two branches, W = 2: alphas (0.5, 0.5) and (1.0, 0.0) -> AL = 1 + mean(0.5 + 0.25, 1.0 + 0) = 1.875
+    r = {"branches": 2, "alpha_sum": [1.5, 0.5], "surv_sum": [1.5, 0.25]}
+    m = reduce_metrics([r], 0.0)
+    assert m["expected_al"] == pytest.approx(1.875) and m["alpha"] == pytest.approx([0.75, 0.25])
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    return Worker(tiny_recipe(str(tmp_path_factory.mktemp("w"))))
+
+
+def test_proposals_are_per_sample_and_scores_exact(worker):
+    ids = worker.train_ids[:2]
+    caches = worker.prefill(ids)
+    prop = worker.propose(caches, ids, step=5)
+    W, B = worker.W, worker.cfg.trainer.anchors_per_seq
+    assert prop["tokens"].shape == (2 * B, W)
+    # a sample's anchors and branch tokens do not depend on the other samples of the batch
+    alone = worker.propose(worker.prefill(ids[1:]), ids[1:], step=5)
+    assert torch.equal(alone["anchors"], prop["anchors"][B:]) and torch.equal(alone["tokens"], prop["tokens"][B:])
+    # ...but do depend on the step
+    other = worker.propose(caches, ids, step=6)
+    assert not torch.equal(other["tokens"], prop["tokens"])
+    s0 = worker.sample(ids[0])
+    a = prop["anchors"][:B]
+    assert int(a.min()) >= s0["prompt_len"] - 1 and int(a.max()) + W <= s0["input_ids"].numel() - 1
+    p = worker.score(prop, caches)
+    assert p.shape == (2 * B, W, worker.target.vocab_size)
+    for b in (0, B + 1):  # p[b, k] == target(trunk[:a+1] + tokens[:k])[-1]
+        i = int(prop["trunk_index"][b])
+        trunk = caches[i].token_ids
+        ab = int(prop["anchors"][b])
+        for k in range(W):
+            seq = torch.cat([trunk[: ab + 1], prop["tokens"][b, :k]])
+            ref = worker.target(seq[None])[0, -1]
+            assert torch.allclose(p[b, k], ref, atol=1e-4, rtol=1e-4), (b, k)
+
+
+def test_reference_blocks_use_trunk_logits(worker):
+    ids = worker.train_ids[:1]
+    caches = worker.prefill(ids)
+    prop = worker.propose(caches, ids, step=0, reference=True)
+    trunk = caches[0].token_ids
+    a = int(prop["anchors"][0])
+    assert torch.equal(prop["tokens"][0], trunk[a + 1: a + 1 + worker.W])
+    p = worker.score(prop, caches)
+    assert torch.allclose(p[0, 1], worker.target(trunk[None, : a + 2])[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_verify_block_is_lossless():
+    """Rejection sampling commits tokens distributed as p, whatever q drafted them."""
+    g = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(3, 4, generator=g) * 2
+    q_logits = torch.randn(2, 4, generator=g) * 2
+    q0 = torch.softmax(q_logits[0], -1)
+    counts = torch.zeros(4)
+    n = 6000
+    for _ in range(n):
+        draft = torch.stack([torch.multinomial(torch.softmax(q_logits[j], -1), 1, generator=g)[0] for j in range(2)])
+        _, new = verify_block(p_logits, q_logits, draft, 1.0, g)
+        counts[int(new[0])] += 1
+    p0 = torch.softmax(p_logits[0], -1)
+    assert torch.allclose(counts / n, p0, atol=0.025), (counts / n, p0, q0)
+    # q == p: everything is accepted, plus the bonus token
+    k, new = verify_block(p_logits, p_logits[:2], torch.tensor([1, 2]), 1.0, g)
+    assert k == 2 and new.numel() == 3
+
+
+def test_two_workers_equal_one(tmp_path):
+    """Splitting a batch over 2 in-process workers (summing all-reduce) gives the 1-worker update."""
+    cfg = tiny_recipe(str(tmp_path))
+    g1, g2 = LocalGroup(cfg, 1), LocalGroup(cfg, 2)
+    try:
+        w = g1.workers[0]
+        ids = w.train_ids[:4]
+        denom = 4 * cfg.trainer.anchors_per_seq
+        for step in range(2):
+            m1 = g1.call("train_step", [(ids, step, denom)])
+            m2 = g2.call("train_step", [(ids[:2], step, denom), (ids[2:], step, denom)])
+            assert sum(m["loss"] for m in m2) == pytest.approx(m1[0]["loss"], rel=1e-5, abs=1e-7)
+        for a, b, c in zip(g1.workers[0].drafter.parameters(), g2.workers[0].drafter.parameters(),
+                           g2.workers[1].drafter.parameters()):
+            assert torch.equal(b, c)  # replicas stay identical
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+        assert any(not torch.equal(a, b0) for a, b0 in zip(g1.workers[0].drafter.parameters(),
+                                                             Worker(cfg, target=w.target).drafter.parameters()))
+    finally:
+        g1.shutdown()
+        g2.shutdown()
+
+
+@pytest.mark.parametrize("method", ["draft_opd", "offpolicy_ce", "offpolicy_e2e_tv"])
+def test_baselines_train(tmp_path, method):
+    cfg = tiny_recipe(str(tmp_path), [f"trainer.method={method}", "trainer.max_steps=2", "trainer.eval_heldout=false"])
+    summary = train(cfg, progress=False)
+    lines = [json.loads(x) for x in open(os.path.join(str(tmp_path), "metrics.jsonl"))]
+    assert [m["step"] for m in lines] == [1, 2] and summary["steps"] == 2
+    for m in lines:
+        assert m["supervised_tokens"] == m["branches"] * cfg.drafter.block_size > 0
+        assert m["branches"] <= cfg.data.batch_size * cfg.trainer.anchors_per_seq
+        assert torch.isfinite(torch.tensor(m["loss"])) and m["supervised_tokens_per_s"] > 0
+    assert os.path.isfile(os.path.join(summary["final_checkpoint"], "model.safetensors"))
+
+
+def test_expected_al_rises_on_heldout(tmp_path):
+    """A short SpecOPD run raises the held-out expected acceptance length (bonus included)."""
+    cfg = tiny_recipe(str(tmp_path), ["trainer.max_steps=25", "trainer.lr=3e-2", "data.batch_size=4"])
+    s = train(cfg, progress=False)
+    before, after = s["eval_before"]["expected_al"], s["eval_after"]["expected_al"]
+    assert after > before + 0.05, (before, after)
