@@ -108,6 +108,28 @@ def gdn_replay_table(args, target=None):
 EXTRAS = {"gdn": [gdn_replay_table]}  # kind -> extra tables printed after the main one
 
 
+# ---------------------------------------------------------------------------------------------- qsa
+def _qsa_cfg(args):
+    """qwen4_exp: GDN and QSA layers alternating, 2 hyper-connection streams, MoE, PLE on layer 1;
+    indexer budget 64 (sparse once more than 67 tokens are visible)."""
+    h, n = args.hidden, args.layers
+    return dict(vocab_size=args.vocab, hidden_size=h, num_hidden_layers=n, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=h // 8, linear_num_key_heads=4, linear_num_value_heads=8,
+                linear_key_head_dim=h // 4, linear_value_head_dim=h // 4, linear_conv_kernel_dim=4,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=h, shared_expert_intermediate_size=h,
+                hc_count=2, hc_lowrank=32, ple_layer_ids=[1], ple_embed_dim=h // 2, heads_per_ngram=4,
+                ngram_vocab_size_base=4096, eos_token_id=1, indexer_n_heads=8, indexer_kv_heads=1,
+                indexer_head_dim=h // 4, indexer_budget=64, indexer_compress_ratio=4, rms_norm_eps=1e-6,
+                layer_types=["linear_attention" if i % 2 == 0 else "indexed_attention" for i in range(n)],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
+
+@bench("qsa")
+def qsa_target(args):
+    """qwen4_exp hybrid (QSA + GDN + PLE + hyper-connections)."""
+    return random_target("qwen4_exp_text", _qsa_cfg(args), args.device, args.dtype)
+
+
 def _timeit(fn, repeats, device):
     times, out = [], None
     for _ in range(repeats):

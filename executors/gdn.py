@@ -5,13 +5,14 @@ prefill: runs the recurrence over the trunk (extending ``prev`` exactly) and kee
          state after trunk tokens [0, kC): ceil(T/C) of them), the final state, the trunk's conv inputs
          (what the depth-W causal conv reads) and its decay g and write strength beta.
 score:   a branch forking at anchor a needs the state after trunk[0..a]: it starts from checkpoint
-         (a+1)//C and replays at most C-1 trunk tokens (all anchors of all trunks replay together, one
-         batched step per token). Tree nodes then advance level by level, each child from its parent's
-         state (general trees too). A node's conv reads its ancestors and, above the fork, trunk tokens
-         (``tree.path_back``).
+         (a+1)//C and replays at most C-1 trunk tokens (anchors in one checkpoint segment share one
+         replay; all segments of all trunks step together). Tree nodes then advance level by level, each
+         child from its parent's state (general trees too). A node's conv reads its ancestors and, above
+         the fork, trunk tokens (``tree.path_back``).
 
 The mixer supplies the maths (``specopd.models.qwen3_next.GatedDeltaNet``): project, conv, conv_seq,
-split_qkv, finish, conv_kernel_size. Recurrence steps are ``kernels.gated_delta.naive.gated_delta_step``.
+split_qkv, finish, conv_kernel_size. Recurrence: ``kernels.gated_delta`` (naive torch loop; the Triton fused
+kernel on CUDA, ``options["gdn_backend"]`` = "auto" | "torch" | "triton"). Tree steps use ``gated_delta_step``.
 """
 from __future__ import annotations
 
@@ -186,7 +187,10 @@ class GDNExecutor(Executor):
         u, z, g, beta = mixer.project(x)
         m = x.shape[1]
         # conv windows: inputs 1..W-1 steps back along each node's path (ancestors, then the trunk)
-        node_ref, trunk_pos, _ = tree.path_back(wk - 1, [torch.zeros(len(c), dtype=torch.long) for c in caches])
+        key = ("gdn_path_back", wk - 1)  # the same for every GDN layer of one score call: compute once
+        if key not in tree._cache:
+            tree._cache[key] = tree.path_back(wk - 1, [torch.zeros(len(c), dtype=torch.long) for c in caches])[:2]
+        node_ref, trunk_pos = tree._cache[key]
         node_ref, trunk_pos = node_ref.to(dev), trunk_pos.to(dev)
         tix = tree.trunk_index.to(dev)
         cols = []

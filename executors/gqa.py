@@ -39,18 +39,35 @@ class GQACache:
 BACKENDS = {"dense": masked_attention, "sdpa": sdpa_attention}
 
 
+def _backend(q, options) -> str:
+    backend = (options or {}).get("gqa_backend", "auto")
+    if backend == "auto":
+        backend = "dense" if q.device.type == "cpu" else "sdpa"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown gqa_backend {backend!r}; available: 'auto', {', '.join(map(repr, BACKENDS))}")
+    return backend
+
+
 def attend(q, k, v, mask, scaling, options=None):
     """q [1, Tq, H, hd], k/v [1, Tk, Hkv, hd], mask [1, Tq, Tk] bool -> [1, Tq, H, hd].
 
     ``options["gqa_backend"]``: "auto" (default: dense on the CPU, sdpa on the GPU), "dense" (the exact
     HF-eager numerics of the plain forward), "sdpa" (torch's fused attention with the boolean mask).
     """
-    backend = (options or {}).get("gqa_backend", "auto")
-    if backend == "auto":
-        backend = "dense" if q.device.type == "cpu" else "sdpa"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown gqa_backend {backend!r}; available: 'auto', {', '.join(map(repr, BACKENDS))}")
-    return BACKENDS[backend](q, k, v, mask, scaling)
+    return BACKENDS[_backend(q, options)](q, k, v, mask, scaling)
+
+
+def attend_causal(q, k, v, scaling, options=None):
+    """Causal attention of the last Tq of Tk positions (queries at t0..t0+Tq-1 with t0 = Tk - Tq):
+    q [1, Tq, H, hd], k/v [1, Tk, Hkv, hd] -> [1, Tq, H, hd]. With sdpa, a lower-right causal bias
+    (no dense mask) lets torch pick its flash kernel."""
+    tq, tk = q.shape[1], k.shape[1]
+    if _backend(q, options) == "sdpa" and tq > 0:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return sdpa_attention(q, k, v, None, scaling, bias=causal_lower_right(tq, tk))
+    mask = torch.arange(tk, device=q.device)[None, :] <= torch.arange(tk - tq, tk, device=q.device)[:, None]
+    return attend(q, k, v, mask[None], scaling, options)
 
 
 @register_executor("gqa")
@@ -62,15 +79,11 @@ class GQAExecutor(Executor):
         if x.shape[0] != 1:
             raise ValueError(f"gqa prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
         q, k, v, extra = mixer.project(x, positions)
-        t0 = len(prev) if prev is not None else 0
         if prev is not None:
             k_all, v_all = torch.cat([prev.k, k[0]]), torch.cat([prev.v, v[0]])
         else:
             k_all, v_all = k[0], v[0]
-        t = x.shape[1]
-        dev = x.device
-        mask = torch.arange(t0 + t, device=dev)[None, :] <= torch.arange(t0, t0 + t, device=dev)[:, None]
-        o = attend(q, k_all[None], v_all[None], mask[None], mixer.scaling, options)
+        o = attend_causal(q, k_all[None], v_all[None], mixer.scaling, options)
         return mixer.finish(o, extra), GQACache(k_all, v_all)
 
     def score(self, mixer, x, tree, caches, options=None):

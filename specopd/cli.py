@@ -175,9 +175,13 @@ def cmd_train(args) -> int:
             with open(args.json, "w") as f:
                 json.dump(p, f, indent=1)
         return 0
-    from specopd.train.loop import train
+    pipe = getattr(cfg, "pipeline", None)
+    if pipe is not None and pipe.enabled:  # the main job: prepare target + data, warm up, train, evaluate
+        summary = _lazy("specopd.mainjob", "run")(cfg)
+    else:
+        from specopd.train.loop import train
 
-    summary = train(cfg)
+        summary = train(cfg)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

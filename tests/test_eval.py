@@ -234,3 +234,22 @@ def test_each_attention_kind_decodes_identically_at_t0(kind, tmp_path):
     dflash = build_drafter("dflash", target, num_layers=1, block_size=3, seed=0)
     res = SpeculativeDecoder(target, dflash, temperature=0.0, gdn_checkpoint_every=c).generate(prompt, n)
     assert res.tokens[:n].tolist() == ar.tokens.tolist()
+
+
+def test_main_eval_on_the_tiny_recipe(tmp_path, capsys):
+    import json
+
+    from specopd.config import load_recipe
+    from specopd.eval.cli import main_eval
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_recipe(os.path.join(root, "recipes", "tiny.yaml"), [
+        f"trainer.output_dir={tmp_path}", "eval.checkpoint=none", "eval.prompts=2", "eval.max_new_tokens=6",
+        "data.num_samples=8", "data.seq_len=12", "data.heldout=0.25"])
+    out = tmp_path / "eval.json"
+    r = main_eval(cfg, ["--json", str(out)])
+    assert json.loads(out.read_text())["mean_al"] == pytest.approx(r["mean_al"]) and r["num_prompts"] == 2
+    assert r["mean_al"] >= 1.0 and len(r["survival"]) == cfg.drafter.block_size and "speedup" in r
+    assert "incl. bonus" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="eval.checkpoint=none"):
+        main_eval(load_recipe(os.path.join(root, "recipes", "tiny.yaml"), [f"trainer.output_dir={tmp_path}"]), [])

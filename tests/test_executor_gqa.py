@@ -223,3 +223,18 @@ def test_prefill_empty_extension_and_single_token(target):
     p = target.score(ProposalTree.from_branches([0], [[5, 6]]), one)
     ref = target(torch.tensor([[int(trunk[0]), 5, 6]]))[0, 1:]
     assert rel_err(p[0], ref) <= TOL
+
+
+def test_sdpa_prefill_matches_dense(target):
+    """The GPU prefill path (SDPA with a lower-right causal bias), checked on the CPU, fresh and extending."""
+    ex = get_executor("gqa")
+    attn = target.model.layers[0].self_attn
+    x = torch.randn(1, 23, target.hidden_size, generator=_gen(14))
+    pos = torch.arange(23).view(1, -1)
+    dense, c_dense = ex.prefill(attn, x, pos, options={"gqa_backend": "dense"})
+    assert rel_err(dense, attn(x, pos)) <= TOL
+    sdpa, c_sdpa = ex.prefill(attn, x, pos, options={"gqa_backend": "sdpa"})
+    assert rel_err(sdpa, dense) <= TOL and torch.equal(c_sdpa.k, c_dense.k)
+    _, part = ex.prefill(attn, x[:, :9], pos[:, :9], options={"gqa_backend": "sdpa"})
+    ext, full = ex.prefill(attn, x[:, 9:], pos[:, 9:], prev=part, options={"gqa_backend": "sdpa"})
+    assert rel_err(ext, dense[:, 9:]) <= TOL and len(full) == 23

@@ -12,6 +12,16 @@ T = 160
 TOL = 1e-5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors on a shared 2-core machine: torch's 2-thread ops (e.g. MoE index_add_) stall ~150 ms
+    each waiting for the second core; one thread is ~1000x faster here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module", params=["ple", "no-ple"])
 def target(request, tmp_path_factory):
     ov = {} if request.param == "ple" else {"ple_layer_ids": []}
@@ -31,17 +41,9 @@ def _qsa(tgt):
     return [m for m in tgt.modules() if getattr(m, "kind", None) == "qsa"]
 
 
-def _path(tree, u):
-    out = []
-    while u >= 0:
-        out.append(int(tree.tokens[u]))
-        u = int(tree.parent[u])
-    return out[::-1]
-
-
 def check_tree(tgt, tree, caches, trunks):
-    """Score the tree once; compare each node with a from-scratch plain forward (logits and selections).
-    Returns the node logits [M, V]."""
+    """Score the tree once; compare every node with a from-scratch plain forward (logits and selections).
+    One reference forward per leaf covers the whole path of the leaf. Returns the node logits [M, V]."""
     rec = {}
     for c in caches:
         c.options["qsa_record"] = rec
@@ -50,18 +52,28 @@ def check_tree(tgt, tree, caches, trunks):
         c.options.pop("qsa_record")
     out = out.reshape(tree.num_nodes, -1)
     mods = _qsa(tgt)
-    for u in range(tree.num_nodes):
-        a, ti = int(tree.anchor[u]), int(tree.trunk_index[u])
-        seq = torch.cat([trunks[ti][: a + 1], torch.tensor(_path(tree, u))]).view(1, -1)
+    has_child = torch.zeros(tree.num_nodes, dtype=torch.bool)
+    has_child[tree.parent[tree.parent >= 0]] = True
+    for leaf in torch.nonzero(~has_child).flatten().tolist():
+        nodes = []
+        u = leaf
+        while u >= 0:
+            nodes.append(u)
+            u = int(tree.parent[u])
+        nodes = nodes[::-1]  # root first: node nodes[j] sits at sequence index a + 1 + j
+        a, ti = int(tree.anchor[leaf]), int(tree.trunk_index[leaf])
+        seq = torch.cat([trunks[ti][: a + 1], tree.tokens[nodes]]).view(1, -1)
         for m in mods:
             m.record = []
-        ref = tgt(seq)[0, -1]
-        err = rel_err(out[u], ref)
-        assert err <= TOL, f"node {u} (anchor {a}, depth {int(tree.depth[u])}): rel err {err:.2e}"
+        ref = tgt(seq)[0]
+        for j, u in enumerate(nodes):
+            err = rel_err(out[u], ref[a + 1 + j])
+            assert err <= TOL, f"node {u} (anchor {a}, depth {j}): rel err {err:.2e}"
+            for m in mods:
+                want = m.record[0][0, a + 1 + j]
+                assert torch.equal(rec[m.layer_idx][u], want), \
+                    f"node {u} layer {m.layer_idx}: selection {rec[m.layer_idx][u].tolist()} != {want.tolist()}"
         for m in mods:
-            want = m.record[0][0, -1]
-            assert torch.equal(rec[m.layer_idx][u], want), \
-                f"node {u} layer {m.layer_idx}: selection {rec[m.layer_idx][u].tolist()} != {want.tolist()}"
             m.record = None
     return out
 

@@ -46,6 +46,13 @@ def test_logits_match_transformers(tmp_path, model_type, overrides):
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
 
 
+def test_sharded_moe_checkpoint(tmp_path):
+    """Per-expert tensors spread over several safetensors shards are stacked after loading the index."""
+    path = make_tiny_checkpoint("qwen3_next", tmp_path, shards=True, **_MOE)
+    ids = _ids(256, t=40)
+    assert rel_err(load_target(path)(ids), hf_logits(path, ids)) <= TOL
+
+
 def test_moe_layers_follow_config(tmp_path):
     from specopd.models.common import MoE
 

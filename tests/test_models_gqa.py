@@ -184,3 +184,43 @@ def test_masked_attention_matches_sdpa():
         q.transpose(1, 2), k.repeat_interleave(3, 2).transpose(1, 2), v.repeat_interleave(3, 2).transpose(1, 2),
         is_causal=True).transpose(1, 2)
     assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_meta_construction_has_no_buffers(model_type):
+    from specopd.models import MODEL_TYPES
+
+    cfg = dict(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        m = MODEL_TYPES[model_type](cfg)
+    assert list(m.buffers()) == []
+    assert all(p.is_meta for p in m.parameters())
+    names = {n for n, _ in m.named_parameters()}
+    assert "model.layers.1.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (model_type == "qwen3")
+    assert m.layer_kinds == ["gqa", "gqa"] and m.model.layers[0].self_attn.kind == "gqa"
+
+
+@pytest.mark.slow
+def test_smollm2_real_checkpoint():
+    """The real CPU demo target (SmolLM2-135M, llama, 9 heads / 3 KV heads, tied): logits equal transformers',
+    packed scores equal from-scratch runs."""
+    try:
+        from specopd.data.smollm2 import find_gguf, prepare_smollm2
+
+        find_gguf()
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"SmolLM2 GGUF not available: {e}")
+    from specopd.tree import ProposalTree
+
+    path = prepare_smollm2(verbose=False)
+    m = load_target(path)
+    ids = torch.randint(0, m.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    logits = m(ids)
+    assert rel_err(logits, hf_logits(path, ids)) <= 1e-4
+    anchors, toks = torch.tensor([0, 30, 30, 63]), torch.randint(0, m.vocab_size, (4, 3))
+    p = m.score(ProposalTree.from_branches(anchors, toks), m.prefill(ids[0]))
+    for b, a in enumerate(anchors.tolist()):
+        ref = m(torch.cat([ids[0, :a + 1], toks[b]]).view(1, -1))[0, -3:]
+        assert rel_err(p[b], ref) <= 1e-5

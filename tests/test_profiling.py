@@ -88,3 +88,13 @@ def test_gpu_samples_rendered(tmp_path):
     assert s["gpu_activity_pct"] == pytest.approx(54.5)
     trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
     assert sum(e["ph"] == "C" for e in trace["traceEvents"]) == 10
+
+
+def test_cli_profile_rerenders(tmp_path, capsys):
+    from specopd.cli import main
+
+    write_profile(tmp_path, _fake_run(tmp_path), plot=False)
+    assert not (tmp_path / "profile" / "timeline.png").exists()
+    assert main(["profile", str(tmp_path)]) == 0
+    assert (tmp_path / "profile" / "timeline.png").exists()
+    assert '"workers"' in capsys.readouterr().out

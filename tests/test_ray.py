@@ -51,6 +51,12 @@ def test_cluster_too_small_is_an_error_not_a_hang(ray_session, tmp_path):
     assert live_groups() == []
 
 
+def test_worker_that_fails_to_start_names_rank_node_and_cause(ray_session, tmp_path):
+    with pytest.raises(RuntimeError, match=r"worker rank 0 \(node .*, node id .*\) failed to start: .*nonexistent"):
+        RayGroup(_cfg(tmp_path, "model.target=/nonexistent/target", workers=1))
+    assert live_groups() == []
+
+
 def test_two_ray_workers_train_like_one_local_worker(ray_session, tmp_path):
     """recipes/tiny.yaml, same global batches: 2 Ray actors (1 CPU each, gloo all-reduce) end with the
     drafter of 1 in-process worker that sees the whole batch, up to fp32 rounding of the split gradient

@@ -76,37 +76,41 @@ def test_verify_block_is_lossless():
     p_logits = torch.randn(3, 4, generator=g) * 2
     q_logits = torch.randn(2, 4, generator=g) * 2
     q0 = torch.softmax(q_logits[0], -1)
+    p0 = torch.softmax(p_logits[0], -1)
+    assert float((p0 - q0).abs().max()) > 0.2  # a wrong verifier (committing q's draws) would be caught
     counts = torch.zeros(4)
-    n = 6000
+    n = 1500
     for _ in range(n):
         draft = torch.stack([torch.multinomial(torch.softmax(q_logits[j], -1), 1, generator=g)[0] for j in range(2)])
         _, new = verify_block(p_logits, q_logits, draft, 1.0, g)
         counts[int(new[0])] += 1
-    p0 = torch.softmax(p_logits[0], -1)
-    assert torch.allclose(counts / n, p0, atol=0.025), (counts / n, p0, q0)
+    assert torch.allclose(counts / n, p0, atol=0.045), (counts / n, p0, q0)
     # q == p: everything is accepted, plus the bonus token
     k, new = verify_block(p_logits, p_logits[:2], torch.tensor([1, 2]), 1.0, g)
     assert k == 2 and new.numel() == 3
 
 
 def test_two_workers_equal_one(tmp_path):
-    """Splitting a batch over 2 in-process workers (summing all-reduce) gives the 1-worker update."""
+    """Splitting a batch over 2 in-process workers and summing their gradients (the all-reduce) gives the
+    1-worker gradient; after the optimizer step both replicas are identical."""
     cfg = tiny_recipe(str(tmp_path))
     g1, g2 = LocalGroup(cfg, 1), LocalGroup(cfg, 2)
     try:
-        w = g1.workers[0]
-        ids = w.train_ids[:4]
+        ids = g1.workers[0].train_ids[:4]
         denom = 4 * cfg.trainer.anchors_per_seq
-        for step in range(2):
-            m1 = g1.call("train_step", [(ids, step, denom)])
-            m2 = g2.call("train_step", [(ids[:2], step, denom), (ids[2:], step, denom)])
-            assert sum(m["loss"] for m in m2) == pytest.approx(m1[0]["loss"], rel=1e-5, abs=1e-7)
-        for a, b, c in zip(g1.workers[0].drafter.parameters(), g2.workers[0].drafter.parameters(),
-                           g2.workers[1].drafter.parameters()):
-            assert torch.equal(b, c)  # replicas stay identical
-            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
-        assert any(not torch.equal(a, b0) for a, b0 in zip(g1.workers[0].drafter.parameters(),
-                                                             Worker(cfg, target=w.target).drafter.parameters()))
+        losses = []
+        for grp, parts in ((g1, [ids]), (g2, [ids[:2], ids[2:]])):
+            grp.call("stage", [(p, 0) for p in parts])
+            res = grp.call("loss_backward", [(*w._staged, denom) for w in grp.workers])
+            losses.append(sum(r["loss"] for r in res))
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+        one = [p.grad.clone() for p in g1.workers[0].drafter.parameters()]
+        two = [a.grad + b.grad for a, b in zip(g2.workers[0].drafter.parameters(), g2.workers[1].drafter.parameters())]
+        for a, b in zip(one, two):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
+        g2.call("optimizer_step", [(), ()])
+        for b, c in zip(g2.workers[0].drafter.parameters(), g2.workers[1].drafter.parameters()):
+            assert torch.equal(b, c)  # the all-reduce ran: replicas stay identical
     finally:
         g1.shutdown()
         g2.shutdown()

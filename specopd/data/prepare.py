@@ -41,7 +41,7 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generat
 
 @torch.no_grad()
 def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float, top_p: float,
-                   generators: Sequence, stop_ids: set, commit_every: int = 8) -> list:
+                   generators: Sequence, stop_ids: set, commit_every: int = 8, on_tokens=None) -> list:
     """Sample responses for several prompts at once with our target and its trunk caches.
 
     Each prompt [T_i] is prefilled once (its last logits give token 1). Then every step scores all streams'
@@ -49,17 +49,19 @@ def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int,
     and samples token j+1 from each chain's last node; every ``commit_every`` tokens a stream's chain is
     folded into its cache with ``target.prefill(chain, cache=cache)``. Equal to one-at-a-time decoding (the
     same logits up to rounding). Returns [(response ids, "eos" | "length")] in prompt order.
+    ``on_tokens(k)`` (progress) is told how much of the n * max_new_tokens budget each step used up.
     """
     from specopd.tree import ProposalTree
 
     n = len(prompts)
     caches, chains, outs, done = [], [], [[] for _ in range(n)], [None] * n
+    on_tokens = on_tokens or (lambda k: None)
     for i, p in enumerate(prompts):
         c = target.prefill(torch.as_tensor(p, device=target.device), keep_logits=True)
         caches.append(dataclasses.replace(c, logits=None))
         chains.append([])
-        _push(i, sample_top_p(c.logits[-1], temperature, top_p, generators[i]), outs, chains, done, stop_ids,
-              max_new_tokens)
+        on_tokens(_push(i, sample_top_p(c.logits[-1], temperature, top_p, generators[i]), outs, chains, done,
+                        stop_ids, max_new_tokens))
     while True:
         live = [i for i in range(n) if done[i] is None]
         if not live:
@@ -71,18 +73,20 @@ def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                 chains[i] = chains[i][-1:]
         tree = ProposalTree.pack([ProposalTree.from_branches([len(caches[i]) - 1], [chains[i]]) for i in live])
         logits = tree.split(target.score(tree, [caches[i] for i in live]).reshape(-1, target.vocab_size))
-        for i, lg in zip(live, logits):
-            _push(i, sample_top_p(lg[-1], temperature, top_p, generators[i]), outs, chains, done, stop_ids,
-                  max_new_tokens)
+        on_tokens(sum(_push(i, sample_top_p(lg[-1], temperature, top_p, generators[i]), outs, chains, done,
+                            stop_ids, max_new_tokens) for i, lg in zip(live, logits)))
 
 
-def _push(i, tok, outs, chains, done, stop_ids, max_new_tokens) -> None:
+def _push(i, tok, outs, chains, done, stop_ids, max_new_tokens) -> int:
+    """Append ``tok`` to stream i; -> budget used (1, or the rest of the budget when the stream stops)."""
     outs[i].append(tok)
     chains[i].append(tok)
     if tok in stop_ids:
         done[i] = "eos"
-    elif len(outs[i]) >= max_new_tokens:
+        return max_new_tokens - len(outs[i]) + 1
+    if len(outs[i]) >= max_new_tokens:
         done[i] = "length"
+    return 1
 
 
 def _seed_of(*parts) -> int:
@@ -127,7 +131,7 @@ def encode_prompt(tok, messages) -> list:
 def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = None, num: Optional[int] = None,
                  max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                  heldout_fraction: float = 0.1, device: str = "cpu", dtype: str = "float32",
-                 progress: bool = True, batch_size: int = 8) -> dict:
+                 progress: bool = True, batch_size: int = 4) -> dict:
     """Regenerate responses for the first ``num`` prompts, ``batch_size`` streams at a time (resumable: records
     are appended per finished batch; a rerun skips finished ids). Returns counts
     {written, skipped_done, skipped_too_long, total_records}."""
@@ -168,7 +172,8 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
     counts = dict(written=0, skipped_done=len(prompts) - len(pending), skipped_too_long=0)
     from tqdm import tqdm
 
-    bar = tqdm(total=len(pending), desc="references", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(pending) * max_new_tokens, desc="references (token budget)", unit="tok",
+               disable=not progress)
     n_tok, t0 = 0, time.perf_counter()
     with open(data_path, "a") as f:
         for b in range(0, len(pending), batch_size):
@@ -177,22 +182,22 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
                 ids = encode_prompt(tok, msgs)
                 if limit is not None and len(ids) + max_new_tokens > int(limit):
                     counts["skipped_too_long"] += 1
-                    bar.update(1)
+                    bar.update(max_new_tokens)
                 else:
                     batch.append((pid, ids))
             if not batch:
                 continue
             gens = [torch.Generator().manual_seed(_seed_of(seed, pid)) for pid, _ in batch]
             res = generate_batch(target, [torch.tensor(ids) for _, ids in batch], max_new_tokens, temperature,
-                                 top_p, gens, stops)
+                                 top_p, gens, stops, on_tokens=bar.update)
             for (pid, ids), (resp, finish) in zip(batch, res):
                 append_record(f, {"id": pid, "split": split_of(pid, seed, heldout_fraction),
                                   "input_ids": ids + resp, "response_start": len(ids), "prompt_len": len(ids),
                                   "finish": finish, "response": tok.decode(resp)})
                 counts["written"] += 1
                 n_tok += len(resp)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}", skipped=counts["skipped_too_long"])
+            bar.set_postfix(written=counts["written"], tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}",
+                            skipped=counts["skipped_too_long"])
     bar.close()
     counts["total_records"] = len(read_records(data_path))
     return counts
@@ -219,7 +224,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--heldout-fraction", type=float, default=0.1)
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
-    d.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (one packed pass a step)")
+    d.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (one packed pass a step)")
     return p
 
 

@@ -256,12 +256,12 @@ class RayGroup:
                         f"{PG_READY_TIMEOUT_S:g} s: the resources exist but are in use (available now: "
                         f"{ray.available_resources()}). Free them (other Ray jobs) or lower runtime.num_workers.")
                 for b in range(k):
+                    self.infos.append({"rank": rank, "ip": ip, "node_id": node_id})  # until info() answers
                     strat = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b)
                     self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strat)
                                        .remote(worker_cls, cfg, rank, n, nthreads))
                     rank += 1
             _LIVE_GROUPS.append(self)
-            self.infos = [{"rank": r, "ip": "?", "node_id": "?"} for r in range(n)]
             self.infos = self._wait([a.info.remote() for a in self.actors], "__init__")
             if n > 1:
                 backend = "nccl" if gpus > 0 else "gloo"
@@ -395,8 +395,12 @@ class RayGroup:
         info = self.infos[rank] if rank < len(self.infos) else {}
         ip, node = info.get("ip", "?"), info.get("node_id", "?")
         self.shutdown()
+        lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+        if getattr(err, "_actor_init_failed", False):  # Worker(cfg, rank, world_size) raised: not a fault
+            raise RuntimeError(f"worker rank {rank} (node {ip}, node id {node}) failed to start: "
+                               f"{lines[-1] if lines else type(err).__name__}") from err
         ck = last_checkpoint(self.output_dir)
-        first = (str(err).strip().splitlines() or [""])[0].rstrip(".")
+        first = (lines or [""])[0].rstrip(".")
         msg = (f"worker rank {rank} (node {ip}, node id {node}) died during {method!r}: {type(err).__name__}: "
                f"{first}. The run is stopped (all workers shut down). Last complete checkpoint: "
                f"{ck or 'none yet'}. Fix the cause (out of memory? lower the batch or trainer.* sizes), then "

@@ -278,13 +278,14 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   scaling: float) -> torch.Tensor:
+                   scaling: float, bias=None) -> torch.Tensor:
     """Same contract as ``masked_attention`` through ``F.scaled_dot_product_attention`` (fused kernels on
-    the GPU; K/V heads are repeated to H so that every backend accepts it)."""
+    the GPU; K/V heads are repeated to H so that every backend accepts it). ``bias`` (e.g. torch's
+    ``causal_lower_right``) replaces ``mask`` when given."""
     g = q.shape[2] // k.shape[2]
     kk = k.repeat_interleave(g, dim=2).transpose(1, 2)
     vv = v.repeat_interleave(g, dim=2).transpose(1, 2)
-    m = None if mask is None else mask[:, None]
+    m = bias if bias is not None else (None if mask is None else mask[:, None])
     out = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=m, scale=scaling)
     return out.transpose(1, 2)
 

@@ -162,10 +162,14 @@ class GatedDeltaNet(nn.Module):
 
     # ---------------------------------------------------------------- plain causal forward (the reference)
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D] (positions unused: the recurrence is position-free)."""
+        """x [B, T, D] -> [B, T, D] (positions unused: the recurrence is position-free). fp32 recurrence:
+        the naive loop on the CPU, the Triton fused kernel on CUDA."""
         u, z, g, beta = self.project(x)
         q, k, v = self.split_qkv(self.conv_seq(u))
-        o, _, _ = recurrent_gated_delta_rule(q, k, v, g=g, beta=beta)
+        run = recurrent_gated_delta_rule
+        if x.is_cuda:  # same arithmetic in one Triton launch (tested against the naive loop)
+            from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule as run
+        o, _, _ = run(q, k, v, g=g, beta=beta)
         return self.finish(o, z)
 
 

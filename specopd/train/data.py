@@ -63,7 +63,8 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None) -> 
                 continue
             try:
                 rec = json.loads(line)
-                ids, pl = rec["input_ids"], int(rec["prompt_len"])
+                ids = rec["input_ids"]
+                pl = int(rec["response_start"] if "response_start" in rec else rec["prompt_len"])
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{fp}:{ln}: expected a JSON object with input_ids (list of ints) and "
                                  f"prompt_len (int): {e}") from None
@@ -73,7 +74,10 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None) -> 
                                  f"(data prepared with another tokenizer?)")
             if pl < 1 or ids.numel() <= pl:
                 continue  # no response left after cutting
-            out.append({"input_ids": ids, "prompt_len": pl})
+            rec_out = {"input_ids": ids, "prompt_len": pl}
+            if rec.get("split") in ("train", "heldout"):
+                rec_out["split"] = rec["split"]
+            out.append(rec_out)
     if not out:
         raise ValueError(f"{fp}: no usable sequences (each needs prompt_len >= 1 and a response within "
                          f"data.seq_len={seq_len} tokens)")
@@ -96,6 +100,15 @@ def load_dataset(cfg, target, progress: bool = True) -> list:
     torch.save(samples, tmp)
     os.replace(tmp, fp)
     return samples
+
+
+def split_dataset(samples: list, heldout: float, seed: int) -> tuple:
+    """(train_ids, heldout_ids): the records' own ``split`` fields when the data has held-out records
+    (``specopd prepare data`` writes them), else a seeded split with ``heldout`` fraction."""
+    marked = [s.get("split") for s in samples]
+    if "heldout" in marked:
+        return ([i for i, m in enumerate(marked) if m != "heldout"], [i for i, m in enumerate(marked) if m == "heldout"])
+    return split_ids(len(samples), heldout, seed)
 
 
 def split_ids(n: int, heldout: float, seed: int) -> tuple:

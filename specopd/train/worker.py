@@ -91,7 +91,7 @@ class Worker:
         from specopd.drafters import build_drafter, load_drafter
         from specopd.models import load_target
         from specopd.models.loading import resolve_dtype
-        from specopd.train.data import load_dataset, split_ids
+        from specopd.train.data import load_dataset, num_branches, split_dataset
         from specopd.train.tiny import resolve_target_path
 
         self.cfg, self.rank, self.world_size = cfg, int(rank), int(world_size)
@@ -109,7 +109,16 @@ class Worker:
         self.drafter.train()
         self.W = int(self.drafter.block_size)
         self.dataset = load_dataset(cfg, target, progress=rank == 0)
-        self.train_ids, self.heldout_ids = split_ids(len(self.dataset), cfg.data.heldout, cfg.data.seed)
+        train_ids, heldout_ids = split_dataset(self.dataset, cfg.data.heldout, cfg.data.seed)
+        ok = lambda i: num_branches(int(self.dataset[i]["input_ids"].numel()), int(self.dataset[i]["prompt_len"]),
+                                    self.W, 1) > 0  # noqa: E731
+        self.train_ids, self.heldout_ids = [i for i in train_ids if ok(i)], [i for i in heldout_ids if ok(i)]
+        dropped = len(train_ids) + len(heldout_ids) - len(self.train_ids) - len(self.heldout_ids)
+        if dropped and rank == 0:
+            print(f"[data] {dropped} sequence(s) skipped: response shorter than block_size + 1 = {self.W + 1} tokens")
+        if not self.train_ids:
+            raise ValueError(f"no training sequence has a response of more than block_size={self.W} tokens; "
+                             f"lower drafter.block_size or raise data.seq_len")
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = cfg.trainer
         decay = [p for p in self.params if p.dim() >= 2]

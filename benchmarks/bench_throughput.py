@@ -1,0 +1,121 @@
+"""SpecOPD vs Draft-OPD supervised-token throughput, side by side in one run.
+
+Same target (one shared frozen instance), same initial drafter (same seed), same batches (same sample ids
+per step), same anchors_per_seq B and block size W: SpecOPD samples B branches per sequence in parallel;
+Draft-OPD runs up to B sequential draft-and-verify rounds per sequence from the prompt. Steps of the two
+methods alternate (A, B, A, B, ...) so that load changes on a shared machine hit both alike; the first
+``--warmup`` steps of each are not timed.
+
+    python benchmarks/bench_throughput.py [--recipe recipes/tiny.yaml] [--steps 6] [--warmup 1]
+                                          [--json out.json] [key=value ...]
+
+ratio = SpecOPD supervised tokens/s / Draft-OPD supervised tokens/s (supervised tokens: draft positions
+that enter the loss, W per branch / block).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(recipe: str, overrides: list, steps: int, warmup: int, progress: bool = True) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from specopd.config import load_recipe
+    from specopd.train.data import BatchOrder
+    from specopd.train.worker import Worker
+
+    base = load_recipe(recipe, ["profile.enabled=false", *overrides])
+    torch.manual_seed(base.seed)
+    workers = {}
+    for method in ("specopd", "draft_opd"):
+        cfg = load_recipe(recipe, ["profile.enabled=false", *overrides, f"trainer.method={method}"])
+        shared = next(iter(workers.values())).target if workers else None
+        workers[method] = Worker(cfg, target=shared)
+    w0 = workers["specopd"]
+    order = BatchOrder(w0.train_ids, base.data.batch_size, base.data.seed)
+    stats = {m: {"steps": 0, "supervised_tokens": 0, "seconds": 0.0, "branches": 0, "phase_s": {}} for m in workers}
+    bar = tqdm(total=2 * (steps + warmup), desc="bench (specopd | draft_opd alternating)", disable=not progress)
+    for step in range(steps + warmup):
+        ids = order.next()
+        for method, w in workers.items():
+            t0 = time.perf_counter()
+            n = w.stage(ids, step)["branches"]
+            m = w.finish(n)
+            dt = time.perf_counter() - t0
+            bar.update(1)
+            if step < warmup:
+                continue
+            s = stats[method]
+            s["steps"] += 1
+            s["supervised_tokens"] += m["supervised_tokens"]
+            s["branches"] += m["branches"]
+            s["seconds"] += dt
+            for k, v in m["phase_s"].items():
+                s["phase_s"][k] = s["phase_s"].get(k, 0.0) + v
+    bar.close()
+    for s in stats.values():
+        s["supervised_tokens_per_s"] = s["supervised_tokens"] / s["seconds"] if s["seconds"] > 0 else float("nan")
+    sp, do = stats["specopd"], stats["draft_opd"]
+    return {
+        "specopd_supervised_tokens_per_s": sp["supervised_tokens_per_s"],
+        "draft_opd_supervised_tokens_per_s": do["supervised_tokens_per_s"],
+        "ratio": sp["supervised_tokens_per_s"] / do["supervised_tokens_per_s"],
+        "methods": stats, "timed_steps": steps, "warmup_steps": warmup,
+        "setup": {"recipe": recipe, "overrides": overrides, "target": base.model.target,
+                  "vocab_size": w0.target.vocab_size, "drafter": base.drafter.kind, "block_size": w0.W,
+                  "anchors_per_seq": base.trainer.anchors_per_seq, "batch_size": base.data.batch_size,
+                  "seq_len": base.data.seq_len, "device": str(w0.device), "dtype": base.model.dtype,
+                  "torch_threads": torch.get_num_threads()},
+    }
+
+
+def table(r: dict) -> str:
+    rows = [("method", "steps", "branches", "sup. tokens", "seconds", "sup. tokens/s", "prefill s", "propose s",
+             "score s", "loss+bwd s")]
+    for name, s in r["methods"].items():
+        ph = s["phase_s"]
+        rows.append((name, str(s["steps"]), str(s["branches"]), str(s["supervised_tokens"]), f"{s['seconds']:.2f}",
+                     f"{s['supervised_tokens_per_s']:.1f}", f"{ph.get('prefill', 0):.2f}",
+                     f"{ph.get('propose', 0):.2f}", f"{ph.get('score', 0):.2f}", f"{ph.get('loss_backward', 0):.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"ratio (SpecOPD / Draft-OPD supervised tokens/s) = {r['ratio']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "tiny.yaml"))
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per method")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per method first")
+    ap.add_argument("--output-dir", default=None, help="trainer.output_dir (tiny target + data cache)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.anchors_per_seq=16")
+    args = ap.parse_args(argv)
+    print("command:", " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv))
+    ov = list(args.overrides)
+    if args.output_dir:
+        ov.append(f"trainer.output_dir={args.output_dir}")
+    r = run(args.recipe, ov, args.steps, args.warmup)
+    st = r["setup"]
+    print(f"target {st['target']} (vocab {st['vocab_size']}), drafter {st['drafter']} W={st['block_size']}, "
+          f"B={st['anchors_per_seq']} anchors/rounds per sequence, batch {st['batch_size']} x {st['seq_len']} tokens, "
+          f"{st['device']} {st['dtype']}, {st['torch_threads']} torch threads")
+    print(table(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
