@@ -37,8 +37,8 @@ def random_target(model_type: str, cfg: dict, device, dtype, seed: int = 0):
     model = MODEL_TYPES[model_type]({"model_type": model_type, **cfg})
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.copy_(torch.ones_like(p) * (0.0 if bool((p == 0).all()) else 1.0) + 0.1 * torch.randn_like(p))
+            if p.dim() == 1 and "norm" in name:  # keep the init (1, or 0 for unit-offset norms), add noise
+                p.add_(0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.05)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

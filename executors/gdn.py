@@ -137,9 +137,15 @@ class GDNExecutor(Executor):
         if not bool((r > 0).any()):
             return S
         run = _recurrence(options, S.device)
-        if run is not recurrent_gated_delta_rule:
-            q, k, v, g, beta = self._replay_inputs(mixer, caches, trunk, ck * every, r)
-            return run(q, k, v, g=g, beta=beta, initial_state=S)[1]
+        if run is not recurrent_gated_delta_rule:  # pairs in groups, so the replay inputs stay <= ~256 MiB
+            per_pair = int(r.max()) * mixer.conv_dim * mixer.conv_kernel_size
+            group = max(1, int((options or {}).get("gdn_replay_elems", 1 << 26)) // per_pair)
+            out = []
+            for lo in range(0, S.shape[0], group):
+                sl = slice(lo, lo + group)
+                q, k, v, g, beta = self._replay_inputs(mixer, caches, trunk[sl], ck[sl] * every, r[sl])
+                out.append(run(q, k, v, g=g, beta=beta, initial_state=S[sl])[1])
+            return torch.cat(out)
         # torch path: replay each (trunk, segment) once; pairs capture the state after their r-th step
         need = torch.nonzero(r > 0).flatten()
         seg_key = trunk[need] * (int(ck.max()) + 1) + ck[need]
@@ -187,10 +193,10 @@ class GDNExecutor(Executor):
         u, z, g, beta = mixer.project(x)
         m = x.shape[1]
         # conv windows: inputs 1..W-1 steps back along each node's path (ancestors, then the trunk)
-        key = ("gdn_path_back", wk - 1)  # the same for every GDN layer of one score call: compute once
-        if key not in tree._cache:
-            tree._cache[key] = tree.path_back(wk - 1, [torch.zeros(len(c), dtype=torch.long) for c in caches])[:2]
-        node_ref, trunk_pos = tree._cache[key]
+        memo = ("gdn_path_back", wk - 1)  # the same for every GDN layer of one score call: compute once
+        if memo not in tree._cache:
+            tree._cache[memo] = tree.path_back(wk - 1, [torch.zeros(len(c), dtype=torch.long) for c in caches])[:2]
+        node_ref, trunk_pos = tree._cache[memo]
         node_ref, trunk_pos = node_ref.to(dev), trunk_pos.to(dev)
         tix = tree.trunk_index.to(dev)
         cols = []
@@ -204,8 +210,8 @@ class GDNExecutor(Executor):
         # anchor states of the roots, one per distinct (trunk, anchor)
         parent = tree.parent.to(dev)
         roots = torch.nonzero(parent < 0).flatten()
-        key = tix[roots] * (1 + int(tree.anchor.max())) + tree.anchor.to(dev)[roots]
-        uniq, inv = torch.unique(key, return_inverse=True)
+        pair = tix[roots] * (1 + int(tree.anchor.max())) + tree.anchor.to(dev)[roots]
+        uniq, inv = torch.unique(pair, return_inverse=True)
         first = torch.full((uniq.numel(),), -1, dtype=torch.long, device=dev).scatter_(
             0, inv, roots)  # any root of each pair
         S_anchor = self.anchor_states(mixer, caches, tix[first], tree.anchor.to(dev)[first], options)
@@ -216,8 +222,7 @@ class GDNExecutor(Executor):
         for d, nodes in enumerate(tree.levels()):
             nodes = nodes.to(dev)
             if d == 0:
-                S_in = S_anchor[inv]  # roots are exactly level 0, in order
-                assert torch.equal(nodes, roots)
+                S_in = S_anchor[inv]  # level 0 = the roots, in node order
             else:
                 S_in = S_prev[slot[parent[nodes]]]
             S_prev, o[nodes] = gated_delta_step(S_in, q[nodes], k[nodes], v[nodes], g[nodes], beta[nodes])

@@ -78,12 +78,18 @@ class QSAExecutor(Executor):
         starts = torch.arange(keep, g, device=x.device) * r
         new = mixer.pool_keys(raw[keep * r: g * r].reshape(g - keep, r, raw.shape[-1]), starts)
         pooled = torch.cat([prev.pooled[:keep], new]) if prev is not None else new
-        last = torch.arange(t0, t0 + t, device=x.device)
-        sel = mixer.select(mixer.index_scores(qi[0], pooled.unsqueeze(0)), (last + 1) // r)
-        _record(options, mixer, sel)
-        mask = mixer.token_mask(sel, last, t0 + t)
-        o = masked_attention(q, k.unsqueeze(0), v.unsqueeze(0), mask.unsqueeze(0), mixer.scaling)
-        return mixer.finish(o, gate), QSACache(k, v, raw, pooled)
+        chunk = max(1, int((options or {}).get("qsa_prefill_chunk", 1024)))  # queries per attention block
+        sels, outs = [], []
+        for s0 in range(0, t, chunk):
+            last = torch.arange(t0 + s0, t0 + min(t, s0 + chunk), device=x.device)
+            span = int(last[-1]) + 1  # keys visible to this block
+            sel = mixer.select(mixer.index_scores(qi[0, s0: s0 + chunk], pooled.unsqueeze(0)), (last + 1) // r)
+            mask = mixer.token_mask(sel, last, span)
+            outs.append(masked_attention(q[:, s0: s0 + chunk], k[None, :span], v[None, :span], mask[None],
+                                         mixer.scaling))
+            sels.append(sel)
+        _record(options, mixer, torch.cat(sels))
+        return mixer.finish(torch.cat(outs, dim=1), gate), QSACache(k, v, raw, pooled)
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, D] node inputs -> [1, M, D]; node u as the last token of trunk[:a_u+1] + path(u)."""

@@ -172,14 +172,17 @@ def test_prefill_extension_equals_one_shot(target):
     for lo, hi in [(0, 2), (2, 3), (3, 40), (40, 48), (48, 49), (49, T)]:  # short pieces test the conv history
         cache = target.prefill(trunk[lo:hi], cache, gdn_checkpoint_every=16)
     assert len(cache) == T and torch.equal(cache.token_ids, trunk)
-    scale = float(full.logits.abs().max())
-    assert torch.allclose(cache.logits, full.logits, rtol=0, atol=1e-5 * scale)
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
+    # equal up to fp32 rounding of projections run on pieces vs the whole (measured <= 6e-6 here)
+    assert rel(cache.logits, full.logits) <= 5e-5
     for a, b, kind in zip(cache.layers, full.layers, target.layer_kinds):
         if kind == "gdn":
             assert a.checkpoints.shape == b.checkpoints.shape
-            assert torch.allclose(a.checkpoints, b.checkpoints, atol=1e-5)
-            assert torch.allclose(a.final, b.final, atol=1e-5)
-            assert torch.allclose(a.conv_in, b.conv_in, atol=1e-5)
+            assert rel(a.checkpoints[1:], b.checkpoints[1:]) <= 5e-5 and rel(a.final, b.final) <= 5e-5
+            assert rel(a.conv_in, b.conv_in) <= 5e-5 and rel(a.g, b.g) <= 5e-5
     anchors, tokens = torch.tensor([3, 47, 48, T - 1]), torch.randint(0, V, (4, 2))
     tree = ProposalTree.from_branches(anchors, tokens)
     assert _node_rel_err(target.score(tree, cache), target.score(tree, full)) <= TOL
@@ -226,3 +229,22 @@ def test_moe_hybrid_branches_match_sequential(tmp_path):
     anchors, tokens = torch.tensor([0, 31, 32, 77, T - 1]), torch.randint(0, V, (5, 3))
     p = target.score(ProposalTree.from_branches(anchors, tokens), cache)
     assert _node_rel_err(p, _reference_branches(target, trunk, anchors, tokens)) <= TOL
+
+
+def test_one_token_trunk_and_token_by_token_decoding(target):
+    """A trunk of one token (the anchor is its only position), then extended one token at a time (the
+    speculative decoder's commit path): every step scores like the sequential reference. Tolerance 1e-4:
+    a cache built one token at a time differs from a one-shot forward by fp32 GEMV-vs-GEMM rounding
+    (~3e-7 per projection, ~1e-5 at the logits of this tiny random model: measured for the trunk logits
+    themselves), not by anything the executor does."""
+    V = target.vocab_size
+    trunk = _trunk(V, 20, seed=12)
+    cache = target.prefill(trunk[:1], gdn_checkpoint_every=4)
+    g = torch.Generator().manual_seed(12)
+    for t in range(1, 20):
+        tokens = torch.randint(0, V, (2, 3), generator=g)
+        anchors = torch.tensor([t - 1, max(t - 4, 0)])
+        p = target.score(ProposalTree.from_branches(anchors, tokens), cache)
+        assert _node_rel_err(p, _reference_branches(target, trunk[:t], anchors, tokens)) <= 1e-4
+        cache = target.prefill(trunk[t:t + 1], cache)
+    assert cache.layers[0].checkpoints.shape[0] == math.ceil(20 / 4)

@@ -133,6 +133,7 @@ def _executor_triton_check() -> None:
     for backend in ("torch", "triton"):
         first = target.prefill(trunk[:30], gdn_checkpoint_every=16)
         first.options["gdn_backend"] = backend
+        first.options["gdn_replay_elems"] = 20000  # several replay groups
         cache = target.prefill(trunk[30:], first)
         out[backend] = (cache, target.score(tree, cache))
     (c0, p0), (c1, p1) = out["torch"], out["triton"]
@@ -148,6 +149,26 @@ def test_executor_with_triton_backend():
         _executor_triton_check()
         return
     _run_interpreted("executor")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_scoring_matches_cpu(tmp_path):
+    """The same tiny hybrid on CUDA (Triton prefill + replay) and on the CPU (torch loop): fp32 agreement."""
+    from oracle import make_tiny_checkpoint
+    from specopd.models import load_target
+    from specopd.tree import ProposalTree
+
+    path = make_tiny_checkpoint("qwen3_next", tmp_path)
+    trunk = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(0))
+    tree = ProposalTree.from_branches(torch.tensor([0, 63, 64, 65, 149]), torch.randint(0, 256, (5, 4)))
+    out = []
+    for dev in ("cpu", "cuda"):
+        target = load_target(path, device=dev)
+        cache = target.prefill(trunk.to(dev))
+        out.append((target.score(tree, cache).cpu(), cache.logits.cpu(), target(trunk.view(1, -1).to(dev))[0].cpu()))
+    for a, b in zip(*out):
+        assert _rel(b, a) <= 1e-4
 
 
 def _run_interpreted(what: str) -> None:

@@ -119,8 +119,18 @@ def test_bad_dtype_and_device(good):
 
 def test_sliding_window_qwen3_is_refused(tmp_path):
     p = make_tiny_checkpoint("qwen3", tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
+    with pytest.raises(NotImplementedError, match=r"\['sliding_attention'\] \(sliding-window attention\)"):
         load_target(p)
+    # an old-style config (no layer_types) whose window starts after the last layer has full attention only
+    from specopd.models.llama import Qwen3Target
+
+    cfg = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+               max_window_layers=2)
+    with torch.device("meta"):
+        Qwen3Target(cfg)
+    with pytest.raises(NotImplementedError, match="sliding"), torch.device("meta"):
+        Qwen3Target({**cfg, "max_window_layers": 1})
 
 
 def test_bad_token_ids(good):

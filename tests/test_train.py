@@ -134,4 +134,21 @@ def test_expected_al_rises_on_heldout(tmp_path):
     cfg = tiny_recipe(str(tmp_path), ["trainer.max_steps=25", "trainer.lr=3e-2", "data.batch_size=4"])
     s = train(cfg, progress=False)
     before, after = s["eval_before"]["expected_al"], s["eval_after"]["expected_al"]
-    assert after > before + 0.05, (before, after)
+    assert after > before + 0.1, (before, after)  # measured here: 1.16 -> 1.38
+
+
+@pytest.mark.parametrize("target", ["tiny:qwen3_next", "tiny:qwen4_exp"])
+def test_gdn_and_qsa_targets_train(tmp_path, target):
+    """The same step on GDN (qwen3_next) and QSA (qwen4_exp) targets: branch scores exact, a step runs."""
+    w = Worker(tiny_recipe(str(tmp_path), target=target))
+    ids = w.train_ids[:2]
+    caches = w.prefill(ids)
+    prop = w.propose(caches, ids, step=0)
+    p = w.score(prop, caches)
+    b = 1
+    trunk, a = caches[0].token_ids, int(prop["anchors"][b])
+    for k in range(w.W):
+        ref = w.target(torch.cat([trunk[: a + 1], prop["tokens"][b, :k]])[None])[0, -1]
+        assert torch.allclose(p[b, k], ref, atol=1e-4, rtol=1e-4), k
+    m = w.train_step(ids, 0, None)
+    assert m["branches"] == 2 * w.cfg.trainer.anchors_per_seq and m["loss"] > 0

@@ -82,11 +82,17 @@ class LlamaTarget(TargetModel):
     def __init__(self, cfg: dict):
         super().__init__()
         cfg = dict(cfg)
-        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-        bad = [t for t in (cfg.get("layer_types") or []) if t != "full_attention"]
-        if bad or (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
-            raise NotImplementedError(f"{cfg.get('model_type')}: sliding-window layers are not supported "
-                                      f"(layer_types {sorted(set(bad))}); use a full-attention checkpoint")
+        cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        types = cfg.get("layer_types")
+        if not types:  # old configs: qwen3 makes layers >= max_window_layers sliding when use_sliding_window
+            sliding = cfg.get("use_sliding_window") and cfg.get("sliding_window")
+            mwl = cfg.get("max_window_layers", cfg["num_hidden_layers"])
+            types = ["sliding_attention" if sliding and i >= mwl else "full_attention"
+                     for i in range(cfg["num_hidden_layers"])]
+        bad = sorted(set(t for t in types if t != "full_attention"))
+        if bad:
+            raise NotImplementedError(f"{cfg.get('model_type')}: layer types {bad} (sliding-window attention) are "
+                                      f"not supported; use a checkpoint with full attention in every layer")
         self.config = SimpleNamespace(**cfg)
         self.model = _Backbone(cfg, self.qk_norm)
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)

@@ -124,11 +124,11 @@ class GatedDeltaNet(nn.Module):
     def conv(self, windows: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + act at one position per window: windows [..., W, Cd] (oldest first,
         zeros before the sequence start) -> [..., Cd]."""
-        w = self.conv1d.weight[:, 0, :].t().to(windows.dtype)  # [W, Cd]
-        out = windows[..., 0, :] * w[0]
+        w = self.conv1d.weight[:, 0, :].t().float()  # [W, Cd]; accumulate in fp32, like conv1d kernels
+        out = windows[..., 0, :].float() * w[0]
         for j in range(1, self.conv_kernel_size):
-            out = out + windows[..., j, :] * w[j]
-        return self.act(out)
+            out = out + windows[..., j, :].float() * w[j]
+        return self.act(out.to(windows.dtype))
 
     def conv_seq(self, u: torch.Tensor, history: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal conv over a sequence: u [B, T, Cd], history [B, W-1, Cd] (the conv inputs just before,

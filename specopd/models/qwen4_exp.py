@@ -432,10 +432,10 @@ class Qwen4ExpTarget(TargetModel):
                        if not cfg.get(k)]
             if missing:
                 raise ValueError(f"qwen4_exp indexed_attention layers need {missing} in config.json")
-        if int(cfg.get("hc_count", 4)) < 1:
-            raise ValueError("hc_count must be >= 1")
         cfg.setdefault("hc_count", 4)
         cfg.setdefault("hc_lowrank", 320)
+        if int(cfg["hc_count"]) < 1:
+            raise ValueError(f"hc_count must be >= 1, got {cfg['hc_count']}")
         ple_ids = sorted(set(cfg.get("ple_layer_ids") or []))
         n = cfg["num_hidden_layers"]
         for lid in ple_ids:
@@ -474,9 +474,12 @@ class Qwen4ExpTarget(TargetModel):
                 shards.setdefault(head + "ngram_embedding.weight", {})[int(tail[: -len(".weight")])] = t
             else:
                 out[name] = t
+        want = (cfg or {}).get("split_ngram_parts")
         for key, parts in shards.items():
-            if sorted(parts) != list(range(len(parts))):
-                raise ValueError(f"{key}: n-gram embedding shards {sorted(parts)} are not 0..{len(parts) - 1}")
+            n = int(want) if want else len(parts)
+            if sorted(parts) != list(range(n)):
+                raise ValueError(f"{key}: the checkpoint has n-gram embedding shards {sorted(parts)}, expected "
+                                 f"0..{n - 1} (split_ngram_parts in config.json); is a safetensors file missing?")
             out[key] = torch.cat([parts[i] for i in range(len(parts))], dim=0)
         return out
 

@@ -22,7 +22,9 @@ from tqdm import tqdm
 
 def _key(cfg) -> str:
     d, m = cfg.data, cfg.model
-    spec = dict(target=m.target, tiny_seed=m.tiny_seed, tiny=dict(m.tiny), num_samples=d.num_samples,
+    from specopd.train.tiny import TINY_VERSION
+
+    spec = dict(target=m.target, tiny_seed=m.tiny_seed, tiny=dict(m.tiny), v=TINY_VERSION, num_samples=d.num_samples,
                 prompt_len=d.prompt_len, seq_len=d.seq_len, t=d.sample_temperature, seed=d.seed)
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 

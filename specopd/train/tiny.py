@@ -35,22 +35,33 @@ TINY_CONFIGS = {
                            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 0,
                            "partial_rotary_factor": 0.25},
-    # qwen4_exp: the QSA owner's tiny test config (tests/oracle.py CONFIGS["qwen4_exp"]) with a small
-    # indexer budget so the sparse selection is exercised on short sequences.
-    "qwen4_exp": None,
+    # qwen4_exp: the QSA owner's tiny test config (tests/oracle.py CONFIGS["qwen4_exp_text"]): QSA layers
+    # with indexer budget 16 (sparse selection from 20 visible tokens on) + GDN, 2 hyper-connection
+    # streams, MoE with a shared expert, PLE on layer 1.
+    "qwen4_exp": lambda: {**{k: v for k, v in _BASE.items() if k != "intermediate_size"},
+                          "model_type": "qwen4_exp", "hidden_size": 32, "head_dim": 16, "num_hidden_layers": 4,
+                          "layer_types": ["linear_attention", "indexed_attention"] * 2,
+                          "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                          "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                          "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24, "hc_count": 2,
+                          "hc_lowrank": 8, "ple_layer_ids": [1], "ple_embed_dim": 16, "heads_per_ngram": 2,
+                          "ngram_vocab_size_base": 1000, "split_ngram_parts": 2, "eos_token_id": 3, "indexer_n_heads": 8,
+                          "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
+                          "indexer_compress_ratio": 4, "rope_theta": 10000.0,
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                              "mrope_interleaved": True}},
 }
 
 # keys of ``model.tiny`` consumed by the initializer (not written to config.json)
-INIT_KEYS = {"init_head_scale": 4.0, "init_embed_std": 1.0}
+INIT_KEYS = {"init_head_scale": 2.0, "init_embed_std": 1.0}
+TINY_VERSION = 2  # bump when the construction changes: cached tiny targets / data are rebuilt
 
 
 def _tiny_config(model_type: str, overrides: dict) -> tuple:
     if model_type not in TINY_CONFIGS:
         raise ValueError(f"no tiny config for model type {model_type!r}; known: {sorted(TINY_CONFIGS)}")
-    build = TINY_CONFIGS[model_type]
-    if build is None:
-        build = _qwen4_exp_config
-    cfg = build()
+    cfg = TINY_CONFIGS[model_type]()
     init = dict(INIT_KEYS)
     for k, v in dict(overrides or {}).items():
         if k in init:
@@ -58,17 +69,6 @@ def _tiny_config(model_type: str, overrides: dict) -> tuple:
         else:
             cfg[k] = v
     return cfg, init
-
-
-def _qwen4_exp_config() -> dict:
-    from specopd.models import MODEL_TYPES
-
-    cls = MODEL_TYPES.get("qwen4_exp")
-    tiny = getattr(cls, "TINY_CONFIG", None) if cls is not None else None
-    if tiny is None:
-        raise ValueError("tiny:qwen4_exp needs the qwen4_exp model (specopd/models/qwen4_exp.py) with a "
-                         "TINY_CONFIG dict; it is not built yet. Use model.target=tiny:llama or tiny:qwen3_next.")
-    return {**dict(tiny), "model_type": "qwen4_exp"}
 
 
 def _param_init(name: str, shape, seed: int, hidden: int, init: dict) -> torch.Tensor:
@@ -102,7 +102,8 @@ def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: d
 
     from specopd.models import MODEL_TYPES
 
-    spec = {"model_type": model_type, "seed": int(seed), "overrides": dict(overrides or {})}
+    spec = {"model_type": model_type, "seed": int(seed), "overrides": dict(overrides or {}), "version": TINY_VERSION,
+            "init": _tiny_config(model_type, dict(overrides or {}))[1]}
     marker = os.path.join(out_dir, "tiny.json")
     if os.path.isfile(marker):
         with open(marker) as f:
