@@ -143,6 +143,9 @@ class GDNExecutor(Executor):
             out = []
             for lo in range(0, S.shape[0], group):
                 sl = slice(lo, lo + group)
+                if not bool((r[sl] > 0).any()):
+                    out.append(S[sl])
+                    continue
                 q, k, v, g, beta = self._replay_inputs(mixer, caches, trunk[sl], ck[sl] * every, r[sl])
                 out.append(run(q, k, v, g=g, beta=beta, initial_state=S[sl])[1])
             return torch.cat(out)
@@ -182,7 +185,7 @@ class GDNExecutor(Executor):
         g = _gather_trunk(caches, tr, flat, "g")
         beta = _gather_trunk(caches, tr, flat, "beta")
         q, k, v = (t.view(p_, r_, *t.shape[1:]) for t in (q, k, v))
-        return q, k, v, g.view(p_, r_, -1), beta.view(p_, r_, -1)
+        return q, k, v, g.view(p_, r_, g.shape[-1]), beta.view(p_, r_, beta.shape[-1])
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, D] inputs of the M tree nodes; caches: one GDNCache per trunk -> out [1, M, D]."""

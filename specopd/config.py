@@ -269,13 +269,21 @@ class RecipeConfig:
     seed: int = 0
     """Seed of the drafter init and of all per-sample anchor / branch generators."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The frozen target model."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    """The drafter being trained."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Reference sequences and batching."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Method, optimisation, checkpoints, logging."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Workers and where they run."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """``specopd eval``: speculative decoding with the trained drafter."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Per-phase spans and GPU sampling."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """The main job (prepare, warm up, train, evaluate); off by default."""
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -137,7 +137,7 @@ def test_expected_al_rises_on_heldout(tmp_path):
     assert after > before + 0.1, (before, after)  # measured here: 1.16 -> 1.38
 
 
-@pytest.mark.parametrize("target", ["tiny:qwen3_next", "tiny:qwen4_exp"])
+@pytest.mark.parametrize("target", ["tiny:qwen3_next", pytest.param("tiny:qwen4_exp", marks=pytest.mark.slow)])
 def test_gdn_and_qsa_targets_train(tmp_path, target):
     """The same step on GDN (qwen3_next) and QSA (qwen4_exp) targets: branch scores exact, a step runs."""
     w = Worker(tiny_recipe(str(tmp_path), target=target))

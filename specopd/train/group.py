@@ -49,6 +49,13 @@ class LocalGroup:
         self.workers = [first] + [Worker(cfg, rank=r, world_size=n, target=first.target) for r in range(1, n)]
         self._pool = ThreadPoolExecutor(max_workers=n) if n > 1 else None
         self._ar = ThreadAllReduce(n) if n > 1 else None
+        self.output_dir = cfg.trainer.output_dir
+        try:  # NVML utilisation samples (profile.nvml on a GPU); None and a reason otherwise
+            from specopd.profiling import start_gpu_sampler
+
+            self.sampler, self.gpu_note = start_gpu_sampler(cfg, "local")
+        except ImportError:
+            self.sampler, self.gpu_note = None, None
         for r, w in enumerate(self.workers if n > 1 else []):
             w.set_allreduce(self._ar.fn(r))
 
@@ -63,6 +70,10 @@ class LocalGroup:
         per_worker_args = list(per_worker_args)
         if len(per_worker_args) != self.num_workers:
             raise ValueError(f"call({method!r}): {len(per_worker_args)} argument tuples for {self.num_workers} workers")
+        if method == "take_spans" and self.sampler is not None:  # drain the NVML samples with the spans
+            from specopd.profiling import append_spans
+
+            append_spans(self.output_dir, [], self.sampler.take())
         if self._pool is None:
             return [getattr(self.workers[0], method)(*per_worker_args[0])]
         futs = [self._pool.submit(self._run, w, method, a) for w, a in zip(self.workers, per_worker_args)]
@@ -72,6 +83,9 @@ class LocalGroup:
         return self.call(method, [args] * self.num_workers)
 
     def shutdown(self) -> None:
+        if getattr(self, "sampler", None) is not None:
+            self.sampler.stop()
+            self.sampler = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

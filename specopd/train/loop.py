@@ -195,7 +195,8 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
             from specopd.profiling import write_profile
 
             try:
-                write_profile(out, [e for r in group.call("take_spans", [()] * n) for e in r])
+                write_profile(out, [e for r in group.call("take_spans", [()] * n) for e in r],
+                              gpu_note=getattr(group, "gpu_note", None))
             except Exception as e:  # noqa: BLE001  (plots are a convenience; the raw spans are saved)
                 print(f"profile rendering failed ({e}); raw spans are in {out}/profile/spans.jsonl")
         tmp = os.path.join(out, "train_summary.json.tmp")
