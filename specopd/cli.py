@@ -82,8 +82,17 @@ def plan(cfg) -> dict:
         where = f"built on the fly under {os.path.join(t.output_dir, 'tiny-target-' + m.target[5:])}"
     else:
         where = m.target
+        folder = m.target
+        if not os.path.isdir(folder):  # a `specopd prepare model` name (e.g. smollm2-135m), once prepared
+            try:
+                from specopd.data.smollm2 import MODEL_NAME, default_model_dir, is_prepared
+
+                if folder == MODEL_NAME and is_prepared(default_model_dir()):
+                    folder = where = default_model_dir()
+            except ImportError:
+                pass
         try:
-            tcfg = read_config(m.target)
+            tcfg = read_config(folder)
         except FileNotFoundError as e:
             tcfg = None
             notes.append(f"no memory estimate: {e}")
@@ -191,12 +200,14 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     cfg = _load(args.recipe, args.overrides)
     fn = _lazy("specopd.eval.cli", "main_eval")
-    return int(fn(cfg, args) or 0)
+    rc = fn(cfg, args)
+    return rc if isinstance(rc, int) else 0
 
 
 def cmd_prepare(args) -> int:
     fn = _lazy("specopd.data.prepare", "main")
-    return int(fn([args.what] + list(args.rest)) or 0)
+    rc = fn([args.what] + list(args.rest))
+    return rc if isinstance(rc, int) else 0
 
 
 def cmd_profile(args) -> int:
@@ -222,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("recipe")
     ev.add_argument("overrides", nargs="*")
     ev.add_argument("--json", help="write the results to this file")
+    ev.add_argument("--no-baseline", action="store_true", help="skip the autoregressive timing")
+    ev.add_argument("--block-size", type=int, default=None, help="verify only the first k draft tokens")
     ev.set_defaults(fn=cmd_eval)
     pr = sub.add_parser("prepare", help="prepare a model (`prepare model NAME`) or data (`prepare data ...`)")
     pr.add_argument("what", choices=["model", "data"])

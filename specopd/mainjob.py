@@ -185,7 +185,7 @@ def run(cfg, progress: bool = True) -> dict:
         r = evaluate_al(target, d, eval_prompts, cfg.eval.max_new_tokens, cfg.eval.temperature, seed=cfg.eval.seed,
                         stop_token_ids=stops, progress=progress)
         results.append({"drafter": label, "checkpoint": path, **{k: r[k] for k in (
-            "mean_al", "rounds", "new_tokens", "per_position_acceptance", "spec_tokens_per_s")}})
+            "mean_al", "rounds", "new_tokens", "per_position_acceptance", "spec_tokens_per_s", "times")}})
     times["eval"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_all
 

@@ -83,3 +83,15 @@ def test_cli_missing_module_says_not_built(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_lazy", lambda module, func: real("specopd.not_a_module_yet", func))
     assert main(["prepare", "data", "x"]) == 2
     assert "not built yet" in capsys.readouterr().err
+
+
+def test_cli_dispatch_passes_arguments_through(monkeypatch):
+    import specopd.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_lazy", lambda module, func: (lambda *a: seen.setdefault(module, a)))
+    assert main(["prepare", "data", "--num", "48", "--max-new-tokens", "64"]) == 0
+    assert seen["specopd.data.prepare"] == (["data", "--num", "48", "--max-new-tokens", "64"],)
+    assert main(["eval", os.path.join(ROOT, "recipes", "tiny.yaml"), "--json", "x.json", "eval.prompts=3"]) == 0
+    cfg, args = seen["specopd.eval.cli"]
+    assert cfg.eval.prompts == 3 and args.json == "x.json"

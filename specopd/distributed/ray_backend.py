@@ -315,7 +315,7 @@ class RayGroup:
         meta = Path(self.output_dir) / "profile" / "meta.json"
         if notes and not meta.exists():
             meta.parent.mkdir(parents=True, exist_ok=True)
-            meta.write_text(json.dumps({"gpu_note": f"{notes[0]} (on the Ray workers)"}))
+            meta.write_text(json.dumps({"gpu_note": f"Ray workers: {notes[0]}"}))
         return [list(o[0]) for o in out]
 
     def shutdown(self) -> None:

@@ -167,11 +167,6 @@ class SpeculativeDecoder:
             n, nxt = self._accept(drafts, q_logits, p_logits, generator)
             t3 = time.perf_counter()
             committed = [last] + [int(t) for t in drafts[:n]]
-            cache = target.prefill(torch.tensor(committed, device=target.device), cache=cache, keep_logits=False)
-            times["draft"] += t1 - t0
-            times["verify"] += t2 - t1
-            times["sample"] += t3 - t2
-            times["commit"] += time.perf_counter() - t3
             new = committed[1:] + [nxt]
             for j, t in enumerate(new):  # a stop token ends the response: drop what follows it
                 if t in self.stop_token_ids:
@@ -182,6 +177,13 @@ class SpeculativeDecoder:
             for i in range(n):
                 accepted_at[i] += 1
             last = nxt
+            if len(out) < max_new_tokens and stopped == "length":  # the last round needs no commit
+                cache = target.prefill(torch.tensor(committed, device=target.device), cache=cache,
+                                       keep_logits=False)
+            times["draft"] += t1 - t0
+            times["verify"] += t2 - t1
+            times["sample"] += t3 - t2
+            times["commit"] += time.perf_counter() - t3
         return GenerationResult(
             tokens=torch.tensor(out, dtype=torch.long), accept_lengths=accept_lengths, accepted_at=accepted_at,
             block_size=k, wall_time=time.perf_counter() - t_start, times=times, stopped_by=stopped)
