@@ -178,6 +178,11 @@ def cmd_train(args) -> int:
             except ModuleNotFoundError:
                 extend = None
         if extend is not None:
+            folder = p["target"].get("source")
+            if not cfg.model.is_tiny and folder and folder != cfg.model.target:  # a resolved model name
+                import dataclasses
+
+                cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=folder))
             p = extend(cfg, p)
         _print_plan(p)
         if args.json:

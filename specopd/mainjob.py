@@ -58,7 +58,7 @@ def _references(cfg, target_dir: str) -> tuple:
               f"(cached in {ref_dir}; an interrupted run resumes)", flush=True)
         dev = "cpu" if cfg.model.device == "auto" else cfg.model.device
         prepare_data(target_dir, ref_dir, None, pl.data_num, pl.data_max_new_tokens, temperature=1.0, top_p=1.0,
-                     seed=0, heldout_fraction=0.1, device=dev, dtype=cfg.model.dtype)
+                     seed=0, heldout_fraction=0.1, device=dev, dtype=cfg.model.dtype, batch_size=16)
     else:
         print(f"[specopd] references cached in {ref_dir} ({len(want)} prompts)")
     return ref_dir, prompts

@@ -185,3 +185,14 @@ def test_smollm2_conversion_matches_transformers(tmp_path):
     with torch.no_grad():
         a, b = target(ids), ref(ids).logits
     assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+
+
+def test_prepare_cli(target_dir, tmp_path, monkeypatch):
+    pf = write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
+    out = str(tmp_path / "cli")
+    assert P.main(["data", "--target", target_dir, "--prompts", pf, "--out", out, "--max-new-tokens", "3",
+                   "--temperature", "0", "--batch-size", "2"]) == 0
+    assert len(R.load_references(out, "all")) == 2
+    monkeypatch.setenv("SPECOPD_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(SystemExit, match="specopd prepare model smollm2-135m"):
+        P.main(["data", "--prompts", pf])

@@ -48,6 +48,8 @@ def test_cluster_too_small_is_an_error_not_a_hang(ray_session, tmp_path):
         RayGroup(_cfg(tmp_path, workers=3))
     with pytest.raises(ClusterTooSmallError, match="1 GPU.*0 GPU"):
         RayGroup(_cfg(tmp_path, "runtime.gpus_per_worker=1", workers=1))
+    with pytest.raises(NotImplementedError, match="runtime.roles='split' is not implemented.*colocated"):
+        RayGroup(_cfg(tmp_path, "runtime.roles=split"))
     assert live_groups() == []
 
 

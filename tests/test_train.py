@@ -152,3 +152,19 @@ def test_gdn_and_qsa_targets_train(tmp_path, target):
         assert torch.allclose(p[b, k], ref, atol=1e-4, rtol=1e-4), k
     m = w.train_step(ids, 0, None)
     assert m["branches"] == 2 * w.cfg.trainer.anchors_per_seq and m["loss"] > 0
+
+
+def test_dspark_drafter_trains(tmp_path):
+    """DSpark: Markov head sampled left to right with per-sample generators; confidence loss included."""
+    cfg = tiny_recipe(str(tmp_path), ["drafter.kind=dspark", "trainer.max_steps=2", "trainer.eval_heldout=false"])
+    w = Worker(cfg)
+    ids = w.train_ids[:2]
+    caches = w.prefill(ids)
+    prop = w.propose(caches, ids, step=0)
+    alone = w.propose(w.prefill(ids[1:]), ids[1:], step=0)
+    B = cfg.trainer.anchors_per_seq
+    assert torch.equal(alone["tokens"], prop["tokens"][B:])
+    s = train(cfg, progress=False)
+    from specopd.drafters import load_drafter
+
+    assert load_drafter(s["final_checkpoint"], w.target).kind == "dspark"

@@ -9,9 +9,10 @@
 Start-up, in order: join or start Ray; check that num_workers x {CPU, GPU} fit the cluster (a clear error
 instead of Ray's silent wait); one placement group per node (STRICT_PACK of bundles {CPU: cpus_per_worker,
 GPU: gpus_per_worker}, pinned to the node); one actor per worker hosting ``Worker(cfg, rank, world_size)``;
-a torch.distributed process group over the actors (gloo on CPU, nccl on GPU; rank 0's actor gives the
-master address and port); ``worker.set_allreduce(fn)`` with fn summing the drafter gradients in place, so
-every replica takes the same optimizer step and stays identical.
+a torch.distributed process group over the actors (gloo on CPU, nccl for CUDA tensors when every worker
+has a whole GPU; rank 0's actor gives the master address and port); ``worker.set_allreduce(fn)`` with fn
+summing the drafter gradients in place (in fp32), so every replica takes the same optimizer step and stays
+identical. A Python error in a worker method stops the run too and is re-raised with its own type.
 
 Faults: an actor that dies (killed, OOM, node lost) ends the run: every survivor is killed (they would
 otherwise wait in the all-reduce) and ``WorkerLostError`` names the rank, its node (ip and id), the
@@ -119,7 +120,7 @@ class _WorkerHost:
         import torch
         import torch.distributed as dist
 
-        if backend == "nccl":
+        if "nccl" in backend:
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
@@ -264,7 +265,8 @@ class RayGroup:
             _LIVE_GROUPS.append(self)
             self.infos = self._wait([a.info.remote() for a in self.actors], "__init__")
             if n > 1:
-                backend = "nccl" if gpus > 0 else "gloo"
+                # nccl for CUDA tensors (one GPU per rank), gloo for CPU tensors
+                backend = "cpu:gloo,cuda:nccl" if gpus >= 1 else "gloo"
                 addr, port = ray.get(self.actors[0].master_endpoint.remote())
                 timeout = float(_get(cfg, "runtime.dist_timeout_s", 1800))
                 self._wait([a.init_dist.remote(addr, port, backend, timeout) for a in self.actors], "init_dist")
@@ -387,8 +389,10 @@ class RayGroup:
                     self._lost(rank, method, e)
                 except RayTaskError as e:
                     self.shutdown()
-                    cause = e.as_instanceof_cause()
-                    raise cause from RuntimeError(f"worker rank {rank} raised in {method!r}")
+                    cause = e.as_instanceof_cause()  # an instance of the worker's exception type too
+                    if hasattr(cause, "add_note"):
+                        cause.add_note(f"(raised by Ray worker rank {rank} in {method!r}; the run is stopped)")
+                    raise cause from None
         return results
 
     def _lost(self, rank: int, method: str, err: Exception):
@@ -451,7 +455,7 @@ def extend_plan(cfg, p: dict) -> dict:
     p["ray"] = {"address": r.address or "local (ray.init on this machine)", "bundle": bundle,
                 "bundles": n, "strategy": "one STRICT_PACK placement group per node, workers packed node by node",
                 "total": {"CPU": n * cpus, "GPU": n * gpus},
-                "process_group": "nccl" if gpus > 0 else "gloo", "roles": r.roles}
+                "process_group": "nccl (CUDA) + gloo (CPU)" if gpus >= 1 else "gloo", "roles": r.roles}
     notes.append(f"ray: {n} actors x {bundle} = {n * cpus:g} CPU, {n * gpus:g} GPU "
                  f"({p['ray']['strategy']}; drafter gradients summed with {p['ray']['process_group']})")
     if not r.address:

@@ -141,10 +141,12 @@ def load_eval_drafter(cfg, target):
 
 def heldout_prompt_ids(cfg, target, num: int) -> list:
     """The prompts of the run's held-out samples (the trainer's own dataset and split)."""
-    from specopd.train.data import load_dataset, split_ids
+    from specopd.train import data as D
 
-    samples = load_dataset(cfg, target)
-    _, held = split_ids(len(samples), cfg.data.heldout, cfg.data.seed)
+    samples = D.load_dataset(cfg, target)
+    split = getattr(D, "split_dataset", None)  # honours the records' own split fields when present
+    _, held = (split(samples, cfg.data.heldout, cfg.data.seed) if split is not None
+               else D.split_ids(len(samples), cfg.data.heldout, cfg.data.seed))
     if not held:
         raise ValueError("the run has no held-out samples (data.heldout=0); set data.heldout > 0 to evaluate")
     return [samples[i]["input_ids"][: samples[i]["prompt_len"]] for i in held[:num]]
@@ -172,6 +174,13 @@ def main_eval(cfg, args=None) -> dict:
     ns = _parse_args(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
+    if not os.path.isdir(path):  # a `specopd prepare model` name (e.g. smollm2-135m): prepared once, cached
+        from specopd.data.prepare import MODELS
+
+        if path not in MODELS:
+            raise FileNotFoundError(f"model.target={path!r} is neither a folder nor a `specopd prepare model` "
+                                    f"name ({sorted(MODELS)})")
+        path = MODELS[path]()
     target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device))
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)

@@ -16,7 +16,7 @@ import time
 
 from tqdm import tqdm
 
-from specopd.config import RecipeConfig, to_yaml
+from specopd.config import RecipeConfig, to_dict, to_yaml
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder, num_branches
 
@@ -79,6 +79,23 @@ def _resume_path(cfg: RecipeConfig):
     return r
 
 
+def _changed(old, new, sections=("seed", "model", "drafter", "data", "trainer.method", "trainer.anchors_per_seq",
+                                  "trainer.temperature")) -> list:
+    """Keys that define the experiment and differ between a checkpoint's recipe and this one."""
+    if not old:
+        return []
+    out = []
+    for sec in sections:
+        a, b = old, new
+        for part in sec.split("."):
+            a, b = (a or {}).get(part), (b or {}).get(part)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{sec}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            out.append(sec)
+    return out
+
+
 def _trim_metrics(path: str, step: int) -> None:
     """On resume: keep metric lines of steps <= step; move later ones (from the interrupted run) aside."""
     if not os.path.isfile(path):
@@ -128,6 +145,9 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                      list(c["state"].get("resumed_from", []))}
             _trim_metrics(metrics_path, step)
             print(f"resumed from {path} (step {step})")
+            for k in _changed(c["state"].get("recipe"), to_dict(cfg)):
+                print(f"warning: {k} differs from the checkpoint's recipe; the resumed run is not a continuation "
+                      f"of the same experiment (use trainer.resume=none or another output_dir to start fresh)")
         else:
             if os.path.isfile(metrics_path):  # a fresh run in a used folder: keep the old metrics aside
                 os.replace(metrics_path, metrics_path + f".before-{int(time.time())}")
@@ -140,7 +160,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         def save():
             ws = group.call("state_dict", [()] * n)[0]
             k = int(ws["steps_done"])  # what the workers really completed (an interrupt may hit mid-step)
-            st = {**state, "data_position": positions[k], "method": t.method}
+            st = {**state, "data_position": positions[k], "method": t.method, "recipe": to_dict(cfg)}
             return ck.save_checkpoint(out, k, ws, st, t.keep_last), k
 
         bar = tqdm(total=t.max_steps, initial=step, desc=f"train {t.method}", unit="step", disable=not progress)

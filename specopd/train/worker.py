@@ -208,10 +208,10 @@ class Worker:
                 raise ValueError(f"samples {list(sample_ids)} have no valid anchor (responses shorter than "
                                  f"block_size + 1 tokens); lower drafter.block_size or use longer sequences")
             trunks = [c.token_ids for c in caches]
-            anchor_tokens = torch.stack([trunks[int(t)][int(a)] for a, t in zip(anchors.tolist(), tix.tolist())])
+            anchor_tokens = torch.cat([trunks[i][anchors[r]] for i, r in enumerate(rows)])
             if reference:
                 offs = anchors[:, None] + 1 + torch.arange(self.W, device=self.device)
-                tokens = torch.stack([trunks[int(t)][o] for t, o in zip(tix.tolist(), offs)])
+                tokens = torch.cat([trunks[i][offs[r]] for i, r in enumerate(rows)])
             else:
                 gens = [self._gen("branch", step, int(s)) for s in sample_ids]
                 feats = [c.features for c in caches]
@@ -228,10 +228,14 @@ class Worker:
 
         a, tix, tok = proposals["anchors"], proposals["trunk_index"], proposals["tokens"]
         with self._span("score"):
+            if bool((tix[1:] < tix[:-1]).any()):
+                raise ValueError("score: branches must be grouped by trunk (trunk_index non-decreasing), as "
+                                 "propose() returns them; the packed tree lists trunk 0's branches first")
+            rows = [torch.nonzero(tix == i).flatten() for i in range(len(caches))]
             if proposals.get("reference"):
                 offs = a[:, None] + torch.arange(self.W, device=a.device)
-                return torch.stack([caches[int(t)].logits[o] for t, o in zip(tix.tolist(), offs)])
-            p0 = torch.stack([caches[int(t)].logits[int(x)] for x, t in zip(a.tolist(), tix.tolist())])[:, None]
+                return torch.cat([caches[i].logits[offs[r]] for i, r in enumerate(rows)])
+            p0 = torch.cat([caches[i].logits[a[r]] for i, r in enumerate(rows)])[:, None]
             if self.W == 1:
                 return p0
             trees = [ProposalTree.from_branches(a[tix == i].cpu(), tok[tix == i, : self.W - 1].cpu())
