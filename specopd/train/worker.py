@@ -103,6 +103,11 @@ class Worker:
         d = cfg.drafter
         if d.init_from:
             self.drafter = load_drafter(d.init_from, target)
+            got = (self.drafter.kind, int(self.drafter.block_size), len(self.drafter.layers))
+            if got != (d.kind, d.block_size, d.num_layers) and rank == 0:
+                print(f"warning: drafter.init_from={d.init_from} is a {got[0]} drafter with block_size={got[1]}, "
+                      f"num_layers={got[2]}; the recipe's drafter.kind/block_size/num_layers "
+                      f"({d.kind}, {d.block_size}, {d.num_layers}) are ignored")
         else:
             self.drafter = build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size,
                                          seed=cfg.seed, feature_layers=d.feature_layers)
