@@ -17,15 +17,6 @@ T = 150
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors on a shared 2-core machine: one intra-op thread is several times faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
 def target(request, tmp_path_factory):
     path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))

@@ -12,16 +12,6 @@ T = 160
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors on a shared 2-core machine: torch's 2-thread ops (e.g. MoE index_add_) stall ~150 ms
-    each waiting for the second core; one thread is ~1000x faster here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=["ple", "no-ple"])
 def target(request, tmp_path_factory):
     ov = {} if request.param == "ple" else {"ple_layer_ids": []}

@@ -8,14 +8,6 @@ import torch
 from kernels.gated_delta.naive import gated_delta_step, prepare_qk, recurrent_gated_delta_rule
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _inputs(b=2, t=37, h=3, kd=12, vd=20, seed=0, device="cpu"):
     g_ = torch.Generator().manual_seed(seed)
     q, k = prepare_qk(torch.randn(b, t, h, kd, generator=g_), torch.randn(b, t, h, kd, generator=g_))

@@ -16,15 +16,6 @@ T = 160
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors on a shared 2-core machine: one intra-op thread is several times faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _ids(vocab, t=T, seed=0):
     return torch.randint(0, vocab, (1, t), generator=torch.Generator().manual_seed(seed))
 

@@ -15,16 +15,6 @@ from tests.oracle import hf_logits, load_hf, make_tiny_checkpoint, rel_err
 T = 160  # > budget + 3 = 19 visible tokens: selection is sparse for most queries
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors on a shared 2-core machine: torch's 2-thread ops (e.g. MoE index_add_) stall ~150 ms
-    each waiting for the second core; one thread is ~1000x faster here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def perturb_ple_conv(path: str, seed: int = 5) -> str:
     """transformers initialises PLE's dilated conv to zero; give it weights (in every shard) so it is tested."""
     g = torch.Generator().manual_seed(seed)
