@@ -257,11 +257,14 @@ class PipelineConfig:
     """Response tokens generated per prompt."""
     warmup_steps: int = 20
     """Off-policy CE steps of the warm drafter (0: start SpecOPD from a random drafter)."""
+    warmup_lr: float = 3e-3
+    """Peak learning rate of the warm-up (trainer.lr is the SpecOPD fine-tuning rate)."""
 
     def __post_init__(self):
         _check_range("pipeline", "data_num", self.data_num, lo=2)
         _check_range("pipeline", "data_max_new_tokens", self.data_max_new_tokens, lo=1)
         _check_range("pipeline", "warmup_steps", self.warmup_steps, lo=0)
+        _check_range("pipeline", "warmup_lr", self.warmup_lr, lo=0, lo_open=True)
 
 
 @dataclass

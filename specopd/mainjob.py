@@ -143,6 +143,7 @@ def run(cfg, progress: bool = True) -> dict:
         else:
             train(_sub(cfg, model__target=target_dir, trainer__method="offpolicy_ce", trainer__output_dir=wout,
                        trainer__max_steps=cfg.pipeline.warmup_steps, trainer__save_every=0,
+                       trainer__lr=cfg.pipeline.warmup_lr,
                        trainer__eval_heldout=False, trainer__warmup_steps=min(cfg.trainer.warmup_steps,
                                                                               cfg.pipeline.warmup_steps),
                        profile__enabled=False), progress=progress)
