@@ -10,6 +10,7 @@ non-torch kernel path, a fix-up to ``FORCE_TORCH_PATH``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 from typing import Callable
@@ -21,12 +22,17 @@ _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_la
              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
+def _base() -> dict:
+    """A fresh copy: transformers' configs edit nested dicts (rope_parameters) in place."""
+    return copy.deepcopy(_BASE)
+
+
 def _llama(**o):
-    return {**_BASE, "tie_word_embeddings": True, **o}
+    return {**_base(), "tie_word_embeddings": True, **o}
 
 
 def _qwen3(**o):
-    return {**_BASE, "head_dim": 16, **o}
+    return {**_base(), "head_dim": 16, **o}
 
 
 _GDN = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -35,15 +41,15 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shar
 
 
 def _qwen3_next(**o):  # dense unless num_experts > 0 (pass **_MOE for the MoE variant)
-    return {**_BASE, **_GDN, "num_experts": 0, **o}
+    return {**_base(), **_GDN, "num_experts": 0, **o}
 
 
 def _qwen3_5_text(**o):
-    return {**_BASE, **_GDN, **o}
+    return {**_base(), **_GDN, **o}
 
 
 def _qwen3_5_moe_text(**o):
-    return {**{k: v for k, v in _BASE.items() if k != "intermediate_size"}, **_GDN, **_MOE, **o}
+    return {**{k: v for k, v in _base().items() if k != "intermediate_size"}, **_GDN, **_MOE, **o}
 
 
 def qwen3_5_composite(**o):
@@ -94,7 +100,8 @@ def make_tiny_checkpoint(model_type: str, tmp_path, shards: bool = False, seed: 
 
     if model_type not in CONFIGS:
         raise ValueError(f"no tiny config for {model_type!r} in tests/oracle.py CONFIGS (have {sorted(CONFIGS)})")
-    cfg = AutoConfig.for_model(model_type, **CONFIGS[model_type](**overrides))
+    # deep copy: transformers may edit nested dicts (rope_parameters) in place, which would leak between tests
+    cfg = AutoConfig.for_model(model_type, **copy.deepcopy(CONFIGS[model_type](**overrides)))
     torch.manual_seed(seed)
     with _no_fla():
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
@@ -143,7 +150,7 @@ def _qwen4_exp_text(**o):
     turns it off). 8 indexer heads make exact score ties (every head's ReLU = 0) rare, so transformers'
     torch.topk tie order does not matter. Note: PLE's conv starts at zero in transformers (see
     tests/test_models_qsa.py ``perturb_ple_conv``)."""
-    c = {k: v for k, v in _BASE.items() if k != "intermediate_size"}
+    c = {k: v for k, v in _base().items() if k != "intermediate_size"}
     c.update(hidden_size=32, head_dim=16, num_hidden_layers=4,
              layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
