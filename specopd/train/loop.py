@@ -17,6 +17,7 @@ import time
 from tqdm import tqdm
 
 from specopd.config import RecipeConfig, to_dict, to_yaml
+from specopd.profiling import Profiler
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder, num_branches
 
@@ -149,19 +150,28 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                 print(f"warning: {k} differs from the checkpoint's recipe; the resumed run is not a continuation "
                       f"of the same experiment (use trainer.resume=none or another output_dir to start fresh)")
         else:
+            stamp = int(time.time())
             if os.path.isfile(metrics_path):  # a fresh run in a used folder: keep the old metrics aside
-                os.replace(metrics_path, metrics_path + f".before-{int(time.time())}")
+                os.replace(metrics_path, metrics_path + f".before-{stamp}")
+            if os.path.isdir(os.path.join(out, "profile")):  # ... and the old profile, so spans do not pile up
+                os.replace(os.path.join(out, "profile"), os.path.join(out, f"profile.before-{stamp}"))
             state = {"eval_before": evaluate_heldout(group, info["heldout_ids"]) if t.eval_heldout else None}
             if state["eval_before"]:
                 print(f"held-out expected AL (incl. bonus) before training: {state['eval_before']['expected_al']:.4f}")
 
         positions = {step: order.position}  # data position after `k` completed steps
 
+        ctrl = Profiler("controller", enabled=cfg.profile.enabled)  # the controller's own phase: checkpoint
+
         def save():
-            ws = group.call("state_dict", [()] * n)[0]
-            k = int(ws["steps_done"])  # what the workers really completed (an interrupt may hit mid-step)
-            st = {**state, "data_position": positions[k], "method": t.method, "recipe": to_dict(cfg)}
-            return ck.save_checkpoint(out, k, ws, st, t.keep_last), k
+            with ctrl.span("checkpoint"):
+                ws = group.call("state_dict", [()] * n)[0]
+                k = int(ws["steps_done"])  # what the workers really completed (an interrupt may hit mid-step)
+                st = {**state, "data_position": positions[k], "method": t.method, "recipe": to_dict(cfg)}
+                return ck.save_checkpoint(out, k, ws, st, t.keep_last), k
+
+        def spans():
+            return [e for r in group.call("take_spans", [()] * n) for e in r] + ctrl.take()
 
         bar = tqdm(total=t.max_steps, initial=step, desc=f"train {t.method}", unit="step", disable=not progress)
         last = {}
@@ -182,7 +192,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
             if cfg.profile.enabled:
                 from specopd.profiling import append_spans
 
-                append_spans(out, [e for r in group.call("take_spans", [()] * n) for e in r])
+                append_spans(out, spans())
             if step % t.log_every == 0 or step == t.max_steps:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(last) + "\n")
@@ -215,7 +225,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
             from specopd.profiling import write_profile
 
             try:
-                write_profile(out, [e for r in group.call("take_spans", [()] * n) for e in r],
+                write_profile(out, spans(),
                               gpu_note=getattr(group, "gpu_note", None))
             except Exception as e:  # noqa: BLE001  (plots are a convenience; the raw spans are saved)
                 print(f"profile rendering failed ({e}); raw spans are in {out}/profile/spans.jsonl")
