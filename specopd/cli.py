@@ -103,8 +103,7 @@ def plan(cfg) -> dict:
                 "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers,
                             "block_size": cfg.drafter.block_size},
                 "workers": r.num_workers, "backend": r.backend, "roles": r.roles,
-                "placement": [{"worker": i, "device": m.device, "cpus": r.cpus_per_worker,
-                               "gpus": r.gpus_per_worker} for i in range(r.num_workers)],
+                "placement": _placement(r, m.device),
                 "per_step": {"sequences": d.batch_size, "sequences_per_worker": -(-d.batch_size // r.num_workers),
                              "branches": d.batch_size * t.anchors_per_seq,
                              "supervised_tokens": d.batch_size * t.anchors_per_seq * cfg.drafter.block_size},
@@ -127,8 +126,7 @@ def plan(cfg) -> dict:
         "method": t.method, "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers,
                                         "block_size": w},
         "workers": r.num_workers, "backend": r.backend, "roles": r.roles,
-        "placement": [{"worker": i, "device": m.device, "cpus": r.cpus_per_worker, "gpus": r.gpus_per_worker}
-                      for i in range(r.num_workers)],
+        "placement": _placement(r, m.device),
         "per_step": {"sequences": d.batch_size, "sequences_per_worker": per_worker_batch,
                      "branches": d.batch_size * b, "supervised_tokens": d.batch_size * b * w},
         "memory_estimate_per_worker_bytes": {"target_weights": n_params * bpe,
@@ -136,6 +134,13 @@ def plan(cfg) -> dict:
                                              "total": n_params * bpe + act},
         "steps": t.max_steps, "output_dir": t.output_dir, "resume": t.resume, "notes": notes,
     }
+
+
+def _placement(r, device: str) -> list:
+    """One entry per worker; runtime.roles=split: a drafter worker and a target worker per pair."""
+    roles = ["drafter", "target"] if r.roles == "split" else ["prefill+propose+score+update"]
+    return [{"worker": i, "role": role, "device": device, "cpus": r.cpus_per_worker, "gpus": r.gpus_per_worker}
+            for role in roles for i in range(r.num_workers)]
 
 
 def _print_plan(p: dict) -> None:
@@ -148,9 +153,13 @@ def _print_plan(p: dict) -> None:
     dr = p["drafter"]
     print(f"drafter  {dr['kind']}, {dr['num_layers']} layer(s), block W={dr['block_size']}")
     print(f"method   {p['method']}, {p['steps']} steps, output {p['output_dir']} (resume={p['resume']})")
-    print(f"workers  {p['workers']} x {p['backend']} ({p['roles']})")
+    if p["roles"] == "split":
+        print(f"workers  {p['workers']} target + {p['workers']} drafter x {p['backend']} (roles split)")
+    else:
+        print(f"workers  {p['workers']} x {p['backend']} ({p['roles']})")
     for pl in p["placement"]:
-        print(f"  worker {pl['worker']}: device={pl['device']} cpus={pl['cpus']} gpus={pl['gpus']}")
+        print(f"  worker {pl['worker']} ({pl.get('role', 'all phases')}): device={pl['device']} cpus={pl['cpus']} "
+              f"gpus={pl['gpus']}")
     ps = p["per_step"]
     print(f"per step {ps['sequences']} sequences ({ps['sequences_per_worker']}/worker), up to {ps['branches']} "
           f"branches, {ps['supervised_tokens']} supervised tokens")

@@ -191,7 +191,8 @@ class RuntimeConfig:
     backend: str = "local"
     """local (in-process workers) | ray (one Ray actor per worker)."""
     num_workers: int = 1
-    """Data-parallel drafter replicas; each global batch is split by sample across them."""
+    """Data-parallel workers; each global batch is split by sample across them. With roles=split this
+    counts target workers, and each one is paired with its own drafter worker (2 x num_workers in all)."""
     address: Optional[str] = None
     """Ray cluster address (null: start a local Ray instance)."""
     cpus_per_worker: float = 1.0
@@ -199,8 +200,9 @@ class RuntimeConfig:
     gpus_per_worker: float = 0.0
     """Ray: GPUs reserved per worker actor."""
     roles: str = "colocated"
-    """colocated (each worker hosts target + drafter) | split (target scoring and drafter training in
-    separate actors; ray backend only)."""
+    """colocated (each worker runs every phase) | split (target workers prefill and score, keeping the trunk
+    caches; drafter workers sample proposals, compute the loss and take the all-reduced optimizer step; the
+    controller moves trunk ids + features, proposals and p logits between them). Not for draft_opd."""
 
     def __post_init__(self):
         _check_choice("runtime", "backend", self.backend, ["local", "ray"])
@@ -208,8 +210,6 @@ class RuntimeConfig:
         _check_range("runtime", "cpus_per_worker", self.cpus_per_worker, lo=0)
         _check_range("runtime", "gpus_per_worker", self.gpus_per_worker, lo=0)
         _check_choice("runtime", "roles", self.roles, ["colocated", "split"])
-        if self.roles == "split" and self.backend != "ray":
-            raise RecipeError("runtime.roles=split needs runtime.backend=ray")
 
 
 @dataclass
@@ -287,6 +287,11 @@ class RecipeConfig:
     """Per-phase spans and GPU sampling."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """The main job (prepare, warm up, train, evaluate); off by default."""
+
+    def __post_init__(self):
+        if self.runtime.roles == "split" and self.trainer.method == "draft_opd":
+            raise RecipeError("runtime.roles=split does not support trainer.method=draft_opd (its rollout "
+                              "interleaves drafting and verification); use runtime.roles=colocated")
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -48,7 +48,7 @@ def test_cluster_too_small_is_an_error_not_a_hang(ray_session, tmp_path):
         RayGroup(_cfg(tmp_path, workers=3))
     with pytest.raises(ClusterTooSmallError, match="1 GPU.*0 GPU"):
         RayGroup(_cfg(tmp_path, "runtime.gpus_per_worker=1", workers=1))
-    with pytest.raises(NotImplementedError, match="runtime.roles='split' is not implemented.*colocated"):
+    with pytest.raises(ClusterTooSmallError, match=r"2 target \+ 2 drafter workers.*4 workers x \(1 CPU"):
         RayGroup(_cfg(tmp_path, "runtime.roles=split"))
     assert live_groups() == []
 
@@ -78,6 +78,23 @@ def test_two_ray_workers_train_like_one_local_worker(ray_session, tmp_path):
         s["workers"]["worker1"]["phases"])
     assert s["gpu_activity_pct"] is None and "no GPU" in s["gpu_note"]
     assert (prof / "timeline.png").exists() and (prof / "trace.json").exists()
+
+
+def test_split_roles_train_like_one_local_worker(ray_session, tmp_path):
+    """runtime.roles=split: 1 target actor (prefill, trunk caches, packed scoring) + 1 drafter actor
+    (proposals, loss, optimizer), 1 CPU each, end with the drafter of 1 colocated in-process worker."""
+    from specopd.train.loop import train
+
+    train(_cfg(tmp_path / "local", backend="local", workers=1), progress=False)
+    train(_cfg(tmp_path / "split", "runtime.roles=split", workers=1), progress=False)
+    ref, got = _weights(tmp_path / "local"), _weights(tmp_path / "split")
+    assert set(ref) == set(got)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=2e-5, rtol=0)
+    s = json.loads((tmp_path / "split" / "profile" / "summary.json").read_text())
+    assert {"prefill", "score"} <= set(s["workers"]["target0"]["phases"])
+    assert {"propose", "loss_backward", "optimizer"} <= set(s["workers"]["worker0"]["phases"])
+    assert not {"prefill", "score"} & set(s["workers"]["worker0"]["phases"])
 
 
 @pytest.mark.slow

@@ -182,3 +182,25 @@ def test_loop_with_two_local_workers(tmp_path):
     for a, b in zip(m1, m2):
         assert b["branches"] == a["branches"] == cfg1.data.batch_size * cfg1.trainer.anchors_per_seq
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+def test_split_roles_in_process_equal_colocated(tmp_path):
+    """runtime.roles=split in-process: target workers keep the trunk caches and score, drafter workers
+    propose and train; a step and a held-out evaluation equal the colocated worker's exactly."""
+    col = LocalGroup(tiny_recipe(str(tmp_path)))
+    split = LocalGroup(tiny_recipe(str(tmp_path), ["runtime.roles=split"]))
+    try:
+        assert split.targets[0].role == "target" and split.workers[0].role == "drafter"
+        ids = col.workers[0].train_ids[:4]
+        denom = 4 * col.workers[0].cfg.trainer.anchors_per_seq
+        a, b = col.call("train_step", [(ids, 0, denom)])[0], split.call("train_step", [(ids, 0, denom)])[0]
+        assert b["loss"] == a["loss"] and b["alpha_sum"] == a["alpha_sum"]
+        assert {"prefill", "score", "propose", "loss_backward"} <= set(b["phase_s"])
+        assert split.targets[0]._trunks is None  # the trunk caches are dropped after scoring
+        for p, q in zip(col.workers[0].drafter.parameters(), split.workers[0].drafter.parameters()):
+            assert torch.equal(p, q)
+        held = col.workers[0].heldout_ids[:2]
+        assert split.call("evaluate", [(held,)]) == col.call("evaluate", [(held,)])
+    finally:
+        col.shutdown()
+        split.shutdown()

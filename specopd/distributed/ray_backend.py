@@ -18,8 +18,11 @@ Faults: an actor that dies (killed, OOM, node lost) ends the run: every survivor
 otherwise wait in the all-reduce) and ``WorkerLostError`` names the rank, its node (ip and id), the
 method, the last complete checkpoint and ``trainer.resume=auto``.
 
-Roles: every actor runs all phases of a step (``runtime.roles: colocated``). Split roles (separate tree
-builder / trunk prefill / branch scorer actors) are not implemented; asking for them is an error.
+Roles: with ``runtime.roles: colocated`` every actor runs all phases of a step. With ``split`` there are
+2 x num_workers actors: actors 0..n-1 are drafter workers (``Worker(role="drafter")``: proposals, loss,
+backward, the all-reduced optimizer step; the process group spans only them) and actors n..2n-1 target
+workers (``role="target"``: prefill, keeping the trunk caches, and packed scoring). ``call`` runs a step as
+``specopd.train.group.split_call`` (pair i = target n+i with drafter i); other methods go to the drafters.
 """
 from __future__ import annotations
 
@@ -91,12 +94,13 @@ def last_checkpoint(output_dir) -> Optional[str]:
 class _WorkerHost:
     """Runs in the actor process: hosts one Worker and its share of the process group."""
 
-    def __init__(self, worker_cls, cfg, rank: int, world_size: int, num_threads: int):
+    def __init__(self, worker_cls, cfg, rank: int, world_size: int, num_threads: int, role: Optional[str] = None):
         import torch
 
         torch.set_num_threads(max(1, num_threads))
         self.rank, self.world_size = rank, world_size
-        self.worker = _resolve(worker_cls)(cfg, rank, world_size)
+        kw = {"role": role} if role else {}  # colocated: the plain constructor (custom worker classes too)
+        self.worker = _resolve(worker_cls)(cfg, rank, world_size, **kw)
         from specopd.profiling import start_gpu_sampler
 
         self.sampler, self.gpu_note = start_gpu_sampler(cfg, f"worker{rank}")
@@ -202,12 +206,12 @@ class RayGroup:
         cpus = float(_get(cfg, "runtime.cpus_per_worker", 1))
         gpus = float(_get(cfg, "runtime.gpus_per_worker", 0))
         roles = str(_get(cfg, "runtime.roles", "colocated"))
-        if roles != "colocated":
-            raise NotImplementedError(
-                f"runtime.roles={roles!r} is not implemented: every Ray worker runs all phases (prefill, propose, "
-                f"score, update) of its share of the batch. Use runtime.roles=colocated.")
+        if roles not in ("colocated", "split"):
+            raise ValueError(f"runtime.roles must be colocated | split, got {roles!r}")
         if n < 1:
             raise ValueError(f"runtime.num_workers must be >= 1, got {n}")
+        self.split = roles == "split"
+        total_actors = 2 * n if self.split else n  # split: n drafter actors, then n target actors
         self.output_dir = _get(cfg, "trainer.output_dir", ".")
         self.actors: list = []
         self.pgs: list = []
@@ -221,7 +225,7 @@ class RayGroup:
             self._started_ray = True
         total = ray.cluster_resources()
         have_cpu, have_gpu = total.get("CPU", 0.0), total.get("GPU", 0.0)
-        plan, left = [], n
+        plan, left = [], total_actors
         caps = _node_capacity(ray.nodes(), cpus, gpus)
         for node_id, ip, cap in caps:
             k = min(cap, left)
@@ -232,9 +236,11 @@ class RayGroup:
             biggest = max((c for _, _, c in caps), default=0)
             self._stop_ray()
             raise ClusterTooSmallError(
-                f"runtime asks for {n} workers x ({cpus:g} CPU, {gpus:g} GPU) = {n * cpus:g} CPU, {n * gpus:g} GPU, "
+                (f"runtime.roles=split: {n} target + {n} drafter workers; " if self.split else "") +
+                f"runtime asks for {total_actors} workers x ({cpus:g} CPU, {gpus:g} GPU) = {total_actors * cpus:g} CPU, "
+                f"{total_actors * gpus:g} GPU, "
                 f"but the Ray cluster{' at ' + address if address else ' (local)'} has {have_cpu:g} CPU, "
-                f"{have_gpu:g} GPU on {len(caps)} node(s), and whole workers fit for only {n - left} "
+                f"{have_gpu:g} GPU on {len(caps)} node(s), and whole workers fit for only {total_actors - left} "
                 f"(largest node: {biggest}). Lower runtime.num_workers / runtime.cpus_per_worker / "
                 f"runtime.gpus_per_worker, or add nodes (ray start --address=...).")
 
@@ -259,8 +265,9 @@ class RayGroup:
                 for b in range(k):
                     self.infos.append({"rank": rank, "ip": ip, "node_id": node_id})  # until info() answers
                     strat = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b)
+                    role = (None if not self.split else "drafter" if rank < n else "target")
                     self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strat)
-                                       .remote(worker_cls, cfg, rank, n, nthreads))
+                                       .remote(worker_cls, cfg, rank % n, n, nthreads, role))
                     rank += 1
             _LIVE_GROUPS.append(self)
             self.infos = self._wait([a.info.remote() for a in self.actors], "__init__")
@@ -269,7 +276,7 @@ class RayGroup:
                 backend = "cpu:gloo,cuda:nccl" if gpus >= 1 else "gloo"
                 addr, port = ray.get(self.actors[0].master_endpoint.remote())
                 timeout = float(_get(cfg, "runtime.dist_timeout_s", 1800))
-                self._wait([a.init_dist.remote(addr, port, backend, timeout) for a in self.actors], "init_dist")
+                self._wait([a.init_dist.remote(addr, port, backend, timeout) for a in self.actors[:n]], "init_dist")
         except BaseException:
             self.shutdown()
             raise
@@ -284,13 +291,23 @@ class RayGroup:
         self._check_open()
         if method == "take_spans":  # the loop's per-step span drain: also drain the actors' NVML samples
             return self._take_spans()
+        if self.split:
+            from specopd.train.group import split_call
+
+            return split_call(self, method, per_worker_args)
+        return self.call_role("drafter", method, per_worker_args)
+
+    def call_role(self, role: str, method: str, per_worker_args: Sequence) -> list:
+        """``method`` on the drafter actors (colocated: all actors) or, split, on the target actors."""
+        self._check_open()
+        base = self.world_size if role == "target" else 0
         refs = [a.run.remote(method, tuple(args), {})
-                for a, args in zip(self.actors, per_worker_args)]
-        return self._wait(refs, method)
+                for a, args in zip(self.actors[base: base + self.world_size], per_worker_args)]
+        return self._wait(refs, method, base)
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
         self._check_open()
-        return self._wait([a.run.remote(method, args, kwargs) for a in self.actors], method)
+        return self._wait([a.run.remote(method, args, kwargs) for a in self.actors[:self.world_size]], method)
 
     def profile_take(self):
         """(spans, gpu_samples, gpu_note) gathered from every worker since the last call."""
@@ -367,9 +384,9 @@ class RayGroup:
             raise RuntimeError("this RayGroup is shut down (a worker died or shutdown() was called); "
                                "start a new run, with trainer.resume=auto to continue from the last checkpoint")
 
-    def _wait(self, refs: list, method: str) -> list:
+    def _wait(self, refs: list, method: str, base: int = 0) -> list:
         """ray.get in rank order, but fail fast: the first dead actor ends the wait (others may block in
-        the all-reduce forever otherwise)."""
+        the all-reduce forever otherwise). ``base``: the actor index of refs[0] (for error messages)."""
         import ray
         from ray.exceptions import (ActorDiedError, ActorUnavailableError, NodeDiedError, OutOfMemoryError,
                                     RayActorError, RayTaskError, WorkerCrashedError)
@@ -382,9 +399,9 @@ class RayGroup:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             for r in ready:
-                rank = rank_of[r]
+                rank = base + rank_of[r]
                 try:
-                    results[rank] = ray.get(r)
+                    results[rank - base] = ray.get(r)
                 except lost as e:
                     self._lost(rank, method, e)
                 except RayTaskError as e:
@@ -398,14 +415,17 @@ class RayGroup:
     def _lost(self, rank: int, method: str, err: Exception):
         info = self.infos[rank] if rank < len(self.infos) else {}
         ip, node = info.get("ip", "?"), info.get("node_id", "?")
+        label = str(rank)
+        if getattr(self, "split", False):  # actor index -> its role (drafters first, then targets)
+            label = f"{rank % self.world_size} ({'target' if rank >= self.world_size else 'drafter'} role)"
         self.shutdown()
         lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
         if getattr(err, "_actor_init_failed", False):  # Worker(cfg, rank, world_size) raised: not a fault
-            raise RuntimeError(f"worker rank {rank} (node {ip}, node id {node}) failed to start: "
+            raise RuntimeError(f"worker rank {label} (node {ip}, node id {node}) failed to start: "
                                f"{lines[-1] if lines else type(err).__name__}") from err
         ck = last_checkpoint(self.output_dir)
         first = (lines or [""])[0].rstrip(".")
-        msg = (f"worker rank {rank} (node {ip}, node id {node}) died during {method!r}: {type(err).__name__}: "
+        msg = (f"worker rank {label} (node {ip}, node id {node}) died during {method!r}: {type(err).__name__}: "
                f"{first}. The run is stopped (all workers shut down). Last complete checkpoint: "
                f"{ck or 'none yet'}. Fix the cause (out of memory? lower the batch or trainer.* sizes), then "
                f"rerun the same command with trainer.resume=auto to continue from "
@@ -450,6 +470,9 @@ def extend_plan(cfg, p: dict) -> dict:
 
     r = cfg.runtime
     n, cpus, gpus = int(r.num_workers), float(r.cpus_per_worker), float(r.gpus_per_worker)
+    pairs = n
+    if r.roles == "split":  # n drafter actors + n target actors
+        n = 2 * pairs
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
     notes = p.setdefault("notes", [])
     p["ray"] = {"address": r.address or "local (ray.init on this machine)", "bundle": bundle,
@@ -458,6 +481,10 @@ def extend_plan(cfg, p: dict) -> dict:
                 "process_group": "nccl (CUDA) + gloo (CPU)" if gpus >= 1 else "gloo", "roles": r.roles}
     notes.append(f"ray: {n} actors x {bundle} = {n * cpus:g} CPU, {n * gpus:g} GPU "
                  f"({p['ray']['strategy']}; drafter gradients summed with {p['ray']['process_group']})")
+    if r.roles == "split":
+        notes.append(f"roles split: {pairs} drafter actor(s) (propose, loss, all-reduced optimizer step) + {pairs} "
+                     f"target actor(s) (prefill, trunk caches, packed scoring); per step the controller moves "
+                     f"trunk ids + features -> drafter, anchors + tokens -> target, p logits [N, W, V] -> drafter")
     if not r.address:
         try:
             import torch

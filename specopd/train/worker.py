@@ -10,6 +10,15 @@ one by one (each becomes an actor method unchanged):
     metrics   = w.optimizer_step()                       all-reduce (set_allreduce), clip, AdamW, schedule
     metrics   = w.train_step(sample_ids, step, denom)    all of the above
 
+Split roles (``runtime.roles: split``; the controller is ``specopd.train.group.split_call``): a target worker
+(``role="target"``) keeps the trunk caches where they were built and a drafter worker (``role="drafter"``)
+samples, trains and all-reduces; only token ids + features, proposals and p logits move between them:
+
+    trunks    = t.stage_trunks(sample_ids)               [{token_ids [T], features [T, F]}]; caches stay in t
+    light     = d.stage_proposals(trunks, sample_ids, step)   {anchors, trunk_index, tokens, reference}
+    p, phases = t.score_staged(light)                    p [N, W, V] (row k = 0: the trunk logits at the anchor)
+    metrics   = d.finish_scored(p, denom)                loss/backward, all-reduced optimizer step
+
 Randomness is per sample: anchors and branch tokens of sample s at step t come from generators seeded
 from (seed, t, s), so splitting a batch across workers does not change any sample's proposals. The loss is
 a sum over branches divided by ``denom`` (the global branch count), so per-worker gradients add up to the
@@ -87,14 +96,19 @@ def sample_branches(drafter, features, anchors, trunk_index, anchor_tokens, temp
 class Worker:
     """Hosts the target, a drafter replica, AdamW and the LR schedule. See the module docstring."""
 
-    def __init__(self, cfg, rank: int = 0, world_size: int = 1, target=None):
+    def __init__(self, cfg, rank: int = 0, world_size: int = 1, target=None, role: str = "both"):
+        """role: "both" (colocated) | "target" | "drafter" (split roles; both still build the target and a
+        drafter: the drafter worker needs the frozen embeddings / lm_head, the target worker the drafter's
+        feature layers)."""
         from specopd.drafters import build_drafter, load_drafter
         from specopd.models import load_target
         from specopd.models.loading import resolve_dtype
         from specopd.train.data import load_dataset, num_branches, split_dataset
         from specopd.train.tiny import resolve_target_path
 
-        self.cfg, self.rank, self.world_size = cfg, int(rank), int(world_size)
+        if role not in ("both", "target", "drafter"):
+            raise ValueError(f"Worker role must be both | target | drafter, got {role!r}")
+        self.cfg, self.rank, self.world_size, self.role = cfg, int(rank), int(world_size), role
         self.device = resolve_device(cfg.model.device)
         if target is None:
             path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
@@ -133,10 +147,11 @@ class Worker:
             lr=t.lr, betas=tuple(t.betas), eps=1e-8)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t.warmup_steps, t.max_steps, t.min_lr_ratio))
-        self.prof = Profiler(f"worker{rank}", enabled=cfg.profile.enabled)
+        self.prof = Profiler(f"target{rank}" if role == "target" else f"worker{rank}", enabled=cfg.profile.enabled)
         self._phase: dict = {}
         self._allreduce: Optional[Callable] = None
         self._staged = None
+        self._trunks = None  # split roles, target side: trunk caches between stage_trunks and score_staged
         self.steps_done = 0  # optimizer steps applied to this replica (checkpoints are labelled with it)
 
     # ------------------------------------------------------------------ helpers
@@ -335,12 +350,95 @@ class Worker:
         self.stage(sample_ids, step)
         return self.finish(denom)
 
+    # ------------------------------------------------------------------ split roles (see the module docstring)
+    def stage_trunks(self, sample_ids) -> list:
+        """Target side: prefill and keep the caches here; return what the drafter needs of each trunk."""
+        self._phase = {}
+        self._trunks = self.prefill(sample_ids)
+        return [{"token_ids": c.token_ids, "features": c.features} for c in self._trunks]
+
+    def score_staged(self, light: Optional[dict]):
+        """Target side: p logits for the proposals on the kept trunks (then drops them), and phase times."""
+        caches, self._trunks = self._trunks, None
+        if light is None:  # an empty share (held-out evaluation)
+            return None, {}
+        prop = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in light.items()}
+        return self.score(prop, caches), dict(self._phase)
+
+    def _trunk_views(self, trunks) -> list:
+        import types
+
+        return [types.SimpleNamespace(token_ids=t["token_ids"].to(self.device), features=t["features"].to(self.device))
+                for t in trunks]
+
+    @staticmethod
+    def _light(prop: dict) -> dict:
+        return {k: prop[k] for k in ("anchors", "trunk_index", "tokens", "reference")}
+
+    def stage_proposals(self, trunks, sample_ids, step) -> dict:
+        """Drafter side: proposals on the received trunks (kept here with the features); returns the part
+        the target worker scores."""
+        if self.cfg.trainer.method == "draft_opd":
+            raise NotImplementedError("runtime.roles=split does not support trainer.method=draft_opd")
+        self._phase = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        prop = self.propose(self._trunk_views(trunks), sample_ids, step,
+                            reference=self.cfg.trainer.method.startswith("offpolicy"))
+        self._staged = (prop, None)
+        return self._light(prop)
+
+    def finish_scored(self, p_logits: torch.Tensor, denom) -> dict:
+        """Drafter side: attach the target's p logits to the staged proposals, then ``finish``."""
+        if self._staged is None:
+            raise RuntimeError("finish_scored() called without stage_proposals(): nothing to train on")
+        self._staged = (self._staged[0], p_logits.to(self.device))
+        return self.finish(denom)
+
+    @torch.no_grad()
+    def propose_eval(self, trunks, sample_ids, anchors_per_seq: Optional[int] = None) -> Optional[dict]:
+        """Drafter side of ``evaluate``: the held-out proposals (kept here); None for an empty share."""
+        if not sample_ids:
+            self._staged = None
+            return None
+        was, keep = self.drafter.training, self._phase
+        self.drafter.eval()
+        try:
+            prop = self.propose(self._trunk_views(trunks), sample_ids, "eval",
+                                anchors_per_seq or self.cfg.trainer.eval_anchors_per_seq)
+        finally:
+            self.drafter.train(was)
+            self._phase = keep
+        self._staged = (prop, None)
+        return self._light(prop)
+
+    @torch.no_grad()
+    def evaluate_scored(self, p_logits: Optional[torch.Tensor]) -> dict:
+        """Drafter side of ``evaluate``: alpha sums of the staged held-out proposals against p."""
+        prop, self._staged = (self._staged or (None, None))[0], None
+        if prop is None:
+            return {"branches": 0, "alpha_sum": [0.0] * self.W, "surv_sum": [0.0] * self.W}
+        return self._eval_sums(prop, p_logits.to(self.device))
+
+    @torch.no_grad()
+    def _eval_sums(self, prop: dict, p: torch.Tensor) -> dict:
+        from specopd.losses import prefix_survival, tv_alpha
+
+        was = self.drafter.training
+        self.drafter.eval()
+        try:
+            with self._autocast():
+                q = self.drafter(prop["features"], prop["anchors"], prop["trunk_index"], prop["anchor_tokens"],
+                                 torch.cat([prop["anchor_tokens"][:, None], prop["tokens"][:, :-1]], 1))
+            alpha = tv_alpha(q, p.to(q.device), temperature=self.cfg.trainer.temperature)
+        finally:
+            self.drafter.train(was)
+        return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
+                "surv_sum": prefix_survival(alpha).sum(0).tolist()}
+
     @torch.no_grad()
     def evaluate(self, sample_ids, anchors_per_seq: Optional[int] = None) -> dict:
         """On-policy acceptance on held-out samples with fixed anchors/branches (independent of the step):
         sums of alpha and of prod_{i<=j} alpha_i per draft position, and the branch count."""
-        from specopd.losses import prefix_survival, tv_alpha
-
         if not sample_ids:
             return {"branches": 0, "alpha_sum": [0.0] * self.W, "surv_sum": [0.0] * self.W}
         was = self.drafter.training
@@ -350,15 +448,10 @@ class Worker:
             caches = self.prefill(sample_ids)
             prop = self.propose(caches, sample_ids, "eval", anchors_per_seq or self.cfg.trainer.eval_anchors_per_seq)
             p = self.score(prop, caches)
-            with self._autocast():
-                q = self.drafter(prop["features"], prop["anchors"], prop["trunk_index"], prop["anchor_tokens"],
-                                 torch.cat([prop["anchor_tokens"][:, None], prop["tokens"][:, :-1]], 1))
-            alpha = tv_alpha(q, p.to(q.device), temperature=self.cfg.trainer.temperature)
         finally:
             self.drafter.train(was)
             self._phase = keep
-        return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
-                "surv_sum": prefix_survival(alpha).sum(0).tolist()}
+        return self._eval_sums(prop, p)
 
     # ------------------------------------------------------------------ state
     def drafter_config(self) -> dict:
