@@ -45,7 +45,7 @@ class ConvExecutor(Executor):
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, C] node inputs -> [1, M, C]: each node convolves its own path."""
-        dev, m, c = x.device, x.shape[1], x.shape[-1]
+        dev, c = x.device, x.shape[-1]
         taps = mixer.taps()
         span = max(b for b, _ in taps)
         lens = [len(cc) for cc in caches]

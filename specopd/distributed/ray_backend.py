@@ -30,7 +30,6 @@ import importlib
 import os
 import re
 import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
