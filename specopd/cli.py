@@ -271,8 +271,10 @@ def main(argv=None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return int(args.fn(args) or 0)
-    except FileNotFoundError as e:
-        return _fail(str(e))
+    except (FileNotFoundError, ValueError) as e:  # bad input: say what and how to fix it, no traceback
+        if os.environ.get("SPECOPD_DEBUG"):
+            raise
+        return _fail(f"{type(e).__name__}: {e}  (SPECOPD_DEBUG=1 shows the traceback)")
     except SystemExit as e:
         return int(e.code or 0) if isinstance(e.code, int) else 2
     except KeyboardInterrupt:

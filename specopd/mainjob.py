@@ -100,6 +100,17 @@ def _heldout_prompts(cfg, target_dir, held: list, prompts: list, vocab: int) -> 
     return out[: cfg.eval.prompts]
 
 
+def pipeline_heldout_prompts(cfg, target_dir: str, vocab: int) -> list:
+    """The main job's held-out prompts (what its before/after table measures), for ``specopd eval``."""
+    from specopd.data.references import DATA_FILE, read_records
+
+    ref_dir, prompts = _references(cfg, target_dir)  # cached after the first run
+    want = {pid for pid, _ in prompts[: cfg.pipeline.data_num]}
+    held = [r for r in read_records(os.path.join(ref_dir, DATA_FILE)) if r["id"] in want
+            and r.get("split") == "heldout"]
+    return _heldout_prompts(cfg, target_dir, held, prompts, vocab)
+
+
 def _sub(cfg, **kw):
     """A copy of cfg with section.key overrides given as section__key=value; pipeline off."""
     c = copy.deepcopy(cfg)

@@ -184,7 +184,12 @@ def main_eval(cfg, args=None) -> dict:
     target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device))
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)
-    prompts = heldout_prompt_ids(cfg, target, cfg.eval.prompts)
+    if getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job's own held-out prompts
+        from specopd.mainjob import pipeline_heldout_prompts
+
+        prompts = pipeline_heldout_prompts(cfg, path, target.vocab_size)
+    else:
+        prompts = heldout_prompt_ids(cfg, target, cfg.eval.prompts)
     stops = () if cfg.model.is_tiny else _eos_ids(target)
     r = evaluate_al(target, drafter, prompts, cfg.eval.max_new_tokens, cfg.eval.temperature, cfg.eval.seed,
                     block_size=getattr(ns, "block_size", None), baseline=not getattr(ns, "no_baseline", False),
