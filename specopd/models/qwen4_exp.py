@@ -29,8 +29,8 @@ from torch import nn
 
 from specopd.models import register_model
 from specopd.models.base import RunContext, TargetModel
-from specopd.models.common import MoE, RMSNorm, masked_attention, rope_cos_sin, rope_inv_freq, rope_parameters
-from specopd.models.qwen3_next import GatedDeltaNet, stack_expert_tensors
+from specopd.models.common import MoE, RMSNorm, masked_attention, rope_cos_sin
+from specopd.models.qwen3_next import GatedAttention, GatedDeltaNet, stack_expert_tensors
 
 # ----------------------------------------------------------------------------------------- helpers
 
@@ -99,36 +99,24 @@ class QSAIndexer(nn.Module):
         self.k_layernorm = RMSNorm(self.head_dim, eps, unit_offset=True)
 
 
-class QSAttention(nn.Module):
-    """qwen4_exp ``indexed_attention`` (kind "qsa"). Pieces the executor uses: ``project`` / ``finish``
-    (gated attention, like qwen3_5), ``index_project``, ``pool_keys``, ``index_scores``, ``select`` (see
-    ``select_groups``), ``scaling``, ``ratio``, ``topk``. ``record``: set to a list to collect plain-forward
-    selections ([B, T, topk] per call)."""
+class QSAttention(GatedAttention):
+    """qwen4_exp ``indexed_attention`` (kind "qsa"): qwen3_5's gated attention (``project`` / ``finish`` /
+    ``scaling`` inherited) plus the QSA indexer. Pieces the executor uses: ``index_project``, ``pool_keys``,
+    ``index_scores``, ``select`` (see ``select_groups``), ``ratio``, ``topk``. ``record``: set to a list to
+    collect plain-forward selections ([B, T, topk] per call)."""
 
     kind = "qsa"
 
     def __init__(self, cfg: dict, layer_idx: int = 0):
-        super().__init__()
+        super().__init__(cfg, layer_idx)
         self.layer_idx = layer_idx
-        d = cfg["hidden_size"]
-        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        self.head_dim = cfg.get("head_dim") or d // self.num_heads
-        self.scaling = self.head_dim ** -0.5
-        bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True)
-        self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True)
         self.indexer = QSAIndexer(cfg)
         self.ratio = int(cfg["indexer_compress_ratio"])
         budget = int(cfg["indexer_budget"])
         if budget % self.ratio:
             raise ValueError(f"indexer_budget ({budget}) must be a multiple of indexer_compress_ratio ({self.ratio})")
         self.topk = budget // self.ratio
-        self.inv_freq = rope_inv_freq(rope_parameters(cfg), self.head_dim)  # CPU fp32 (not a buffer)
+        self.inv_freq = self.rotary.inv_freq  # the indexer uses the attention's RoPE (CPU fp32, not a buffer)
         if self.inv_freq.numel() * 2 > self.indexer.head_dim:
             raise ValueError("the attention's rotary dim must fit the QSA index head (indexer_head_dim)")
         self.record: Optional[list] = None
@@ -137,21 +125,6 @@ class QSAttention(nn.Module):
         return rope_cos_sin(positions, self.inv_freq, dtype)
 
     # ---------------------------------------------------------------- pieces
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [B, T, D], positions [B, T] -> q [B, T, H, hd], k, v [B, T, Hkv, hd] (RoPE'd), gate [B, T, H*hd]."""
-        b, t, _ = x.shape
-        q, gate = torch.chunk(self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        cos, sin = self._cos_sin(positions, q.dtype)
-        q, k = rope_last(q, cos[:, :, None], sin[:, :, None]), rope_last(k, cos[:, :, None], sin[:, :, None])
-        return q, k, v, gate.reshape(b, t, -1)
-
-    def finish(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o [B, T, H, hd], gate [B, T, H*hd] -> [B, T, D]."""
-        return self.o_proj(o.reshape(*o.shape[:2], -1) * torch.sigmoid(gate))
-
     def index_project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, D] -> index queries [B, T, Hi, di] (q_layernorm + RoPE), raw index keys [B, T, di]."""
         b, t, _ = x.shape
