@@ -108,7 +108,6 @@ def _plan(tree, device):
     Built once per tree and device (the same for every layer), kept in the tree's cache."""
     key = ("gqa_plan", str(device))
     if key not in tree._cache:
-        anc = tree.ancestor_mask()
         plan = []
         for i in range(tree.num_trunks):
             nodes = torch.nonzero(tree.trunk_index == i).flatten()
@@ -117,7 +116,7 @@ def _plan(tree, device):
             a = tree.anchor[nodes]
             t_cut = int(a.max()) + 1
             trunk_vis = torch.arange(t_cut)[None, :] <= a[:, None]  # [Mi, t_cut]
-            mask = torch.cat([trunk_vis, anc[nodes][:, nodes]], dim=1)[None]
+            mask = torch.cat([trunk_vis, tree.ancestor_mask(nodes)], dim=1)[None]  # one trunk's block only
             plan.append((i, nodes.to(device), t_cut, mask.to(device)))
         tree._cache[key] = plan
     return tree._cache[key]

@@ -111,11 +111,13 @@ class ProposalTree:
     @property
     def depth(self) -> torch.Tensor:
         """[M] depth below the anchor (0 for a node whose parent is the trunk)."""
-        if "depth" not in self._cache:
+        if "depth" not in self._cache:  # pointer jumping: max-depth vector steps, no loop over nodes
             d = torch.zeros(self.num_nodes, dtype=torch.long)
-            for u in range(self.num_nodes):
-                p = int(self.parent[u])
-                d[u] = 0 if p < 0 else d[p] + 1
+            p = self.parent.clone()
+            while bool((p >= 0).any()):
+                up = p >= 0
+                d += up.long()
+                p = torch.where(up, self.parent[p.clamp(min=0)], p)
             self._cache["depth"] = d
         return self._cache["depth"]
 
@@ -131,15 +133,25 @@ class ProposalTree:
             self._cache["levels"] = [torch.nonzero(d == k).flatten() for k in range(int(d.max()) + 1)]
         return self._cache["levels"]
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """[M, M] bool: ``mask[u, v]`` is True when v is u itself or an ancestor of u."""
-        if "anc" not in self._cache:
-            m = self.num_nodes
-            anc = torch.eye(m, dtype=torch.bool)
-            for lvl in self.levels()[1:]:
-                anc[lvl] |= anc[self.parent[lvl]]
-            self._cache["anc"] = anc
-        return self._cache["anc"]
+    def ancestor_mask(self, nodes: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[M', M'] bool over ``nodes`` (default: all M): ``mask[u, v]`` is True when v is u itself or an
+        ancestor of u. ``nodes`` must hold every ancestor of its members (e.g. one trunk's nodes), so a
+        packed batch never needs the full [M, M] matrix (nodes of different trunks are never related)."""
+        if nodes is None:
+            nodes = torch.arange(self.num_nodes)
+        m = int(nodes.numel())
+        local = torch.full((self.num_nodes,), -1, dtype=torch.long)
+        local[nodes] = torch.arange(m)
+        par = self.parent[nodes]
+        par_local = torch.where(par >= 0, local[par.clamp(min=0)], par)
+        if bool(((par >= 0) & (par_local < 0)).any()):
+            raise ValueError("ancestor_mask: `nodes` must contain every ancestor of its nodes")
+        depth = self.depth[nodes]
+        anc = torch.eye(m, dtype=torch.bool)
+        for d in range(1, int(depth.max()) + 1 if m else 1):
+            lvl = torch.nonzero(depth == d).flatten()
+            anc[lvl] |= anc[par_local[lvl]]
+        return anc
 
     def path_back(self, k: int, trunk_ids: Sequence[torch.Tensor]) -> tuple:
         """What lies 1..k steps before each node along its path.

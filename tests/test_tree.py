@@ -102,6 +102,11 @@ def test_pack_and_split():
     assert [x.tolist() for x in parts] == [[1, 2, 3, 4], [5, 6]]
     anc = p.ancestor_mask()
     assert not anc[4:, :4].any() and not anc[:4, 4:].any()
+    for i in range(2):  # one trunk's block, built alone, equals that block of the full matrix
+        nodes = torch.nonzero(p.trunk_index == i).flatten()
+        assert torch.equal(p.ancestor_mask(nodes), anc[nodes][:, nodes])
+    with pytest.raises(ValueError, match="every ancestor"):
+        p.ancestor_mask(torch.tensor([1]))  # node 1's parent (node 0) is missing
     mixed = ProposalTree.pack([a, c])
     assert mixed.shape is None and mixed.parent.tolist() == [-1, 0, -1, 2, -1, 4]
     w_diff = ProposalTree.pack([a, ProposalTree.from_branches([0], [[1, 2, 3]])])
