@@ -13,17 +13,6 @@ from specopd.data import prepare as P
 from specopd.data import references as R
 from specopd.data import smollm2 as S
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def write_char_tokenizer(folder: str, extra: int = 0) -> int:
     """A character-level tokenizer with a chat template (and ``extra`` unused tokens) -> its size."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

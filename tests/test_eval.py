@@ -12,18 +12,6 @@ from specopd.eval import SpeculativeDecoder, autoregressive
 from specopd.eval.cli import evaluate_al, format_table
 from specopd.models import MODEL_TYPES, load_target
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: thread fan-out only costs time on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """1-layer llama, vocab 8 (so the distribution of two tokens is a 64-cell table)."""

@@ -105,6 +105,15 @@ class RunContext:
             self.features[layer_idx] = h
 
 
+class DecoderLayer(nn.Module):
+    """Base of decoder layers with one token mixer under its HF name: ``self_attn`` (attention kinds) or
+    ``linear_attn`` (GDN). ``mixer`` is whichever the layer has."""
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
+
 class TargetModel(nn.Module):
     """Base of every target. Subclasses set ``config`` (with vocab_size, hidden_size, num_hidden_layers),
     ``layer_kinds`` (one of "gqa"/"qsa"/"gdn" per layer), and implement ``backbone``, ``embed``, ``head``.
@@ -116,18 +125,25 @@ class TargetModel(nn.Module):
     model_type: str = "?"
     layer_kinds: list
 
-    # -- to implement -------------------------------------------------------------------------------
+    # -- defaults for the standard pre-norm decoder stack in HF naming (``model.embed_tokens``,
+    #    ``model.layers[i].{input_layernorm, mixer, post_attention_layernorm, mlp}``, ``model.norm``,
+    #    ``lm_head``); models with another residual structure (qwen4_exp) override them ------------------
     def backbone(self, ctx: RunContext) -> torch.Tensor:
         """[B, T] ids in ctx -> last hidden state [B, T, D], *before* the final norm."""
-        raise NotImplementedError
+        h = self.embed(ctx.input_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = h + ctx.mix(i, layer.mixer, layer.input_layernorm(h))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            ctx.record(i, h)
+        return h
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [..., D] (drafters share them)."""
-        raise NotImplementedError
+        return self.model.embed_tokens(input_ids)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head: [..., D] -> logits [..., V]."""
-        raise NotImplementedError
+        return self.lm_head(self.model.norm(h))
 
     @staticmethod
     def checkpoint_key(name: str) -> Optional[str]:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from specopd.models import register_model
-from specopd.models.base import RunContext, TargetModel
+from specopd.models.base import DecoderLayer as BaseDecoderLayer
+from specopd.models.base import TargetModel
 from specopd.models.common import MLP, RMSNorm, Rotary, causal_mask, masked_attention
 
 
@@ -54,7 +55,7 @@ class Attention(nn.Module):
         return self.finish(masked_attention(q, k, v, causal_mask(x.shape[1], x.device), self.scaling), extra)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(BaseDecoderLayer):
     def __init__(self, cfg: dict, qk_norm: bool):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -99,20 +100,6 @@ class LlamaTarget(TargetModel):
         self.layer_kinds = ["gqa"] * cfg["num_hidden_layers"]
         tie = cfg.get("tie_word_embeddings", False)
         self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(h))
-
-    def backbone(self, ctx: RunContext) -> torch.Tensor:
-        h = self.embed(ctx.input_ids)
-        for i, layer in enumerate(self.model.layers):
-            h = h + ctx.mix(i, layer.self_attn, layer.input_layernorm(h))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            ctx.record(i, h)
-        return h
 
 
 @register_model("qwen3")

@@ -23,7 +23,8 @@ from torch import nn
 
 from kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule
 from specopd.models import register_model
-from specopd.models.base import RunContext, TargetModel
+from specopd.models.base import DecoderLayer as BaseDecoderLayer
+from specopd.models.base import TargetModel
 from specopd.models.common import MLP, MoE, RMSNorm, Rotary, activation, causal_mask, masked_attention
 
 
@@ -228,7 +229,7 @@ def layer_types_of(cfg: dict) -> list:
     return lt
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(BaseDecoderLayer):
     def __init__(self, cfg: dict, layer_idx: int, layer_type: str, moe: bool, fused_qkvz: bool):
         super().__init__()
         d, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
@@ -239,10 +240,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE.from_config(cfg) if moe else MLP(d, cfg["intermediate_size"], cfg.get("hidden_act", "silu"))
         self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
-
-    @property
-    def mixer(self) -> nn.Module:
-        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
 
 class _Backbone(nn.Module):
@@ -328,16 +325,4 @@ class Qwen3NextTarget(TargetModel):
         """Called by the loader before ``checkpoint_key``: per-expert tensors -> stacked experts."""
         return stack_expert_tensors(raw)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(h))
-
-    def backbone(self, ctx: RunContext) -> torch.Tensor:
-        h = self.embed(ctx.input_ids)
-        for i, layer in enumerate(self.model.layers):
-            h = h + ctx.mix(i, layer.mixer, layer.input_layernorm(h))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            ctx.record(i, h)
-        return h

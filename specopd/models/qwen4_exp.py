@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specopd.models import register_model
+from specopd.models.base import DecoderLayer as BaseDecoderLayer
 from specopd.models.base import RunContext, TargetModel
 from specopd.models.common import MoE, RMSNorm, masked_attention, rope_cos_sin
 from specopd.models.qwen3_next import GatedAttention, GatedDeltaNet, stack_expert_tensors
@@ -350,7 +351,7 @@ class PLELayer(nn.Module):
 # ----------------------------------------------------------------------------------------- model
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(BaseDecoderLayer):
     def __init__(self, cfg: dict, layer_idx: int, layer_type: str, ple_index: Optional[int]):
         super().__init__()
         if layer_type == "linear_attention":
@@ -361,10 +362,6 @@ class DecoderLayer(nn.Module):
         self.ple = PLELayer(cfg, ple_index) if ple_index is not None else None
         self.attn_hyper_connection = GatedResidual(cfg)
         self.mlp_hyper_connection = GatedResidual(cfg)
-
-    @property
-    def mixer(self) -> nn.Module:
-        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
 
 class _Backbone(nn.Module):
@@ -456,8 +453,6 @@ class Qwen4ExpTarget(TargetModel):
             out[key] = torch.cat([parts[i] for i in range(len(parts))], dim=0)
         return out
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., D] (the hyper-connection mixer's output) -> logits [..., V]. No separate final norm."""
