@@ -49,7 +49,7 @@ class ConvExecutor(Executor):
         taps = mixer.taps()
         span = max(b for b, _ in taps)
         lens = [len(cc) for cc in caches]
-        node_ref, trunk_pos, _ = tree.path_back(span, [torch.zeros(n, dtype=torch.long) for n in lens])
+        node_ref, trunk_pos = tree.path_refs(span)
         offs = torch.tensor([0] + lens, dtype=torch.long).cumsum(0)
         n_trunk = int(offs[-1])
         table = torch.cat([cc.x.to(device=dev, dtype=x.dtype) for cc in caches] + [x[0], x.new_zeros(1, c)], dim=0)

@@ -196,10 +196,7 @@ class GDNExecutor(Executor):
         u, z, g, beta = mixer.project(x)
         m = x.shape[1]
         # conv windows: inputs 1..W-1 steps back along each node's path (ancestors, then the trunk)
-        memo = ("gdn_path_back", wk - 1)  # the same for every GDN layer of one score call: compute once
-        if memo not in tree._cache:
-            tree._cache[memo] = tree.path_back(wk - 1, [torch.zeros(len(c), dtype=torch.long) for c in caches])[:2]
-        node_ref, trunk_pos = tree._cache[memo]
+        node_ref, trunk_pos = tree.path_refs(wk - 1)  # cached on the tree: computed once per score call
         node_ref, trunk_pos = node_ref.to(dev), trunk_pos.to(dev)
         tix = tree.trunk_index.to(dev)
         cols = []

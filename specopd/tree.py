@@ -153,39 +153,43 @@ class ProposalTree:
             anc[lvl] |= anc[par_local[lvl]]
         return anc
 
-    def path_back(self, k: int, trunk_ids: Sequence[torch.Tensor]) -> tuple:
-        """What lies 1..k steps before each node along its path.
+    def path_refs(self, k: int) -> tuple:
+        """Where the 1..k steps before each node along its path lie (structure only, cached per k).
 
-        Returns (node_ref [M, k], trunk_pos [M, k], token [M, k]): at step s (0-based, s+1 back) either
-        ``node_ref >= 0`` (an ancestor node) or ``trunk_pos >= 0`` (a trunk position of the node's trunk);
-        both -1 (token -1) before the start of the sequence. trunk_ids: one [T_i] id tensor per trunk.
+        Returns (node_ref [M, k], trunk_pos [M, k]): at step s (0-based, s+1 back) either ``node_ref >= 0``
+        (an ancestor node) or ``trunk_pos >= 0`` (a position of the node's trunk); both -1 before the start.
         """
-        m = self.num_nodes
-        node_ref = torch.full((m, k), -1, dtype=torch.long)
-        trunk_pos = torch.full((m, k), -1, dtype=torch.long)
-        token = torch.full((m, k), -1, dtype=torch.long)
-        cur_node = self.parent.clone()  # -1 -> on the trunk
-        cur_pos = torch.where(self.parent < 0, self.anchor, torch.full_like(self.anchor, -1))
-        for s in range(k):
-            on_node = cur_node >= 0
-            node_ref[:, s] = torch.where(on_node, cur_node, torch.full_like(cur_node, -1))
-            trunk_pos[:, s] = torch.where(on_node, torch.full_like(cur_pos, -1), cur_pos)
-            safe = cur_node.clamp(min=0)
-            tok_node = self.tokens[safe]
-            tok_trunk = torch.full((m,), -1, dtype=torch.long)
-            for i, ids in enumerate(trunk_ids):
-                sel = (~on_node) & (cur_pos >= 0) & (self.trunk_index == i)
-                if sel.any():
-                    tok_trunk[sel] = ids.to(torch.long).cpu()[cur_pos[sel]]
-            token[:, s] = torch.where(on_node, tok_node, tok_trunk)
-            # step back
-            nxt_node = torch.where(on_node, self.parent[safe], torch.full_like(cur_node, -1))
-            nxt_pos = torch.where(
-                on_node,
-                torch.where(self.parent[safe] < 0, self.anchor, torch.full_like(cur_pos, -1)),
-                torch.where(cur_pos >= 0, cur_pos - 1, cur_pos),
-            )
-            cur_node, cur_pos = nxt_node, nxt_pos
+        key = ("path_refs", k)
+        if key not in self._cache:
+            m = self.num_nodes
+            node_ref = torch.full((m, k), -1, dtype=torch.long)
+            trunk_pos = torch.full((m, k), -1, dtype=torch.long)
+            cur_node = self.parent.clone()  # -1 -> on the trunk
+            cur_pos = torch.where(self.parent < 0, self.anchor, torch.full_like(self.anchor, -1))
+            for s in range(k):
+                on_node = cur_node >= 0
+                node_ref[:, s] = torch.where(on_node, cur_node, torch.full_like(cur_node, -1))
+                trunk_pos[:, s] = torch.where(on_node, torch.full_like(cur_pos, -1), cur_pos)
+                safe = cur_node.clamp(min=0)
+                nxt_node = torch.where(on_node, self.parent[safe], torch.full_like(cur_node, -1))
+                nxt_pos = torch.where(
+                    on_node,
+                    torch.where(self.parent[safe] < 0, self.anchor, torch.full_like(cur_pos, -1)),
+                    torch.where(cur_pos >= 0, cur_pos - 1, cur_pos),
+                )
+                cur_node, cur_pos = nxt_node, nxt_pos
+            self._cache[key] = (node_ref, trunk_pos)
+        return self._cache[key]
+
+    def path_back(self, k: int, trunk_ids: Sequence[torch.Tensor]) -> tuple:
+        """``path_refs(k)`` plus the tokens there: (node_ref [M, k], trunk_pos [M, k], token [M, k]),
+        token -1 before the start of the sequence. trunk_ids: one [T_i] id tensor per trunk."""
+        node_ref, trunk_pos = self.path_refs(k)
+        token = torch.where(node_ref >= 0, self.tokens[node_ref.clamp(min=0)], torch.full_like(node_ref, -1))
+        for i, ids in enumerate(trunk_ids):
+            sel = (trunk_pos >= 0) & (self.trunk_index == i)[:, None]
+            if sel.any():
+                token[sel] = ids.to(torch.long).cpu()[trunk_pos[sel]]
         return node_ref, trunk_pos, token
 
     def validate(self, trunk_lens: Sequence[int], vocab_size: Optional[int] = None) -> None:
