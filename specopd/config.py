@@ -164,6 +164,16 @@ class TrainerConfig:
     """Evaluate expected acceptance length on the held-out data before and after training."""
     eval_anchors_per_seq: int = 8
     """Anchors per held-out sequence for that evaluation."""
+    max_nonfinite_steps: int = 5
+    """A step whose loss or gradient is NaN / inf is skipped (no update) and logged; this many in a row stop
+    the run (with a checkpoint and a message naming the steps)."""
+    deterministic: bool = False
+    """torch's deterministic algorithms (CUDA: deterministic cuBLAS / cuDNN, an error instead of a
+    non-deterministic kernel): the same recipe on the same workers is bitwise reproducible, resumes too."""
+    batch_invariant: bool = False
+    """Each sample's step runs alone and the gradients add up in a fixed tree over the global batch, so the
+    numbers are bitwise the same for any runtime.num_workers (a resume may change it). Costs one backward per
+    sample and an all-reduce of about num_workers x the drafter's size: for checks and small runs."""
 
     def __post_init__(self):
         _check_choice("trainer", "method", self.method, METHODS)
@@ -184,6 +194,7 @@ class TrainerConfig:
         _check_range("trainer", "keep_last", self.keep_last, lo=2)
         _check_range("trainer", "log_every", self.log_every, lo=1)
         _check_range("trainer", "eval_anchors_per_seq", self.eval_anchors_per_seq, lo=1)
+        _check_range("trainer", "max_nonfinite_steps", self.max_nonfinite_steps, lo=1)
 
 
 @dataclass
@@ -292,6 +303,9 @@ class RecipeConfig:
         if self.runtime.roles == "split" and self.trainer.method == "draft_opd":
             raise RecipeError("runtime.roles=split does not support trainer.method=draft_opd (its rollout "
                               "interleaves drafting and verification); use runtime.roles=colocated")
+        if self.trainer.batch_invariant and (self.runtime.roles == "split" or self.trainer.method == "draft_opd"):
+            raise RecipeError("trainer.batch_invariant=true needs runtime.roles=colocated and a method other than "
+                              "draft_opd (its rollouts form the batch); set trainer.batch_invariant=false")
 
 
 # ---------------------------------------------------------------------------------------------- loading

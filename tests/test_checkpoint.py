@@ -107,5 +107,5 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
         ck.save_checkpoint(str(tmp_path), s, ws, {"data_position": {"epoch": 0, "offset": 0}}, keep_last=2)
     assert [s for s, _ in ck.complete_checkpoints(str(tmp_path))] == [3, 4]
     assert ck.find_latest(str(tmp_path)).endswith("step-4")
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(ck.CheckpointError, match="cannot be used: no such folder"):
         ck.load_checkpoint(str(tmp_path / "checkpoints" / "nope"))

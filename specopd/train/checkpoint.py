@@ -2,25 +2,43 @@
 
 A step folder holds the drafter as ``model.safetensors`` + ``config.json`` (loadable with
 ``specopd.drafters.load_drafter``), ``trainer_state.pt`` (optimizer, scheduler, the worker's and the
-controller's RNG states: python, numpy, torch, cuda), ``state.json`` (step, data position, metrics), and
-the ``COMPLETE`` marker, written last. The folder is written as ``.tmp-step-<N>-<pid>`` and renamed when
-complete; ``checkpoints/latest`` (text: the folder name) is replaced atomically (tmp file + os.replace).
-Only the newest ``keep_last`` complete checkpoints are kept. ``find_latest`` returns the newest *complete*
-checkpoint and ignores half-written ones (tmp folders, folders without the marker).
+controller's RNG states: python, numpy, torch, cuda), ``state.json`` (step, data position, metrics, recipe),
+``manifest.json`` (size and sha256 of every other file) and the ``COMPLETE`` marker (step + the manifest's
+sha256). Each file is fsynced; the manifest and then the marker are written last.
+
+Atomicity: the folder is written as ``.tmp-step-<N>-<pid>`` and renamed when complete; ``checkpoints/latest``
+(text: the folder name) is replaced atomically. A save that fails (an exception, a full disk) removes its
+tmp folder and raises ``CheckpointError``; the previous checkpoints are never touched before the new one
+is complete. Pruning (``keep_last``) renames a folder to ``.prune-*`` before deleting it, so a kill in the
+middle never leaves a half-deleted folder that still looks complete.
+
+Integrity: ``verify(path)`` checks the marker, the manifest, every file's size and (by default) its
+sha256. ``find_latest`` returns the newest complete checkpoint whose file sizes match (cheap); resuming
+(``resume_candidates`` / ``quarantine``) checks checksums and moves a damaged one aside to
+``step-<N>.damaged``, never deleting it.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import time
 from typing import Optional
 
 import torch
 
 MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d+)$")
+_TMP = re.compile(r"^\.(tmp|old|prune)-step-(\d+)-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or is incomplete / damaged; the message names it and the fix."""
 
 
 def ckpt_root(output_dir: str) -> str:
@@ -44,6 +62,22 @@ def set_controller_rng(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+# ---------------------------------------------------------------------------------------------- files
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:  # some filesystems do not allow fsync on a directory
+        pass
+
+
 def _write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
@@ -51,44 +85,95 @@ def _write_json(path: str, obj) -> None:
         os.fsync(f.fileno())
 
 
+def sha256_file(path: str, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def _manifest(folder: str) -> dict:
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        if name in (MANIFEST, MARKER):
+            continue
+        p = os.path.join(folder, name)
+        files[name] = {"bytes": os.path.getsize(p), "sha256": sha256_file(p)}
+    return files
+
+
+# ---------------------------------------------------------------------------------------------- save
 def save_checkpoint(output_dir: str, step: int, worker_state: dict, state: dict, keep_last: int = 2) -> str:
     """Write step-<step> atomically from ``worker_state`` (Worker.state_dict()) and ``state`` (JSON-able:
-    data position, metrics); update ``latest``; prune to ``keep_last``. Returns the folder."""
-    from safetensors.torch import save_file
+    data position, metrics); update ``latest``; prune to ``keep_last``. Returns the folder.
 
+    Raises ``CheckpointError`` (the cause chained) when the folder cannot be written; nothing of the earlier
+    checkpoints is touched then, and the tmp folder is removed."""
     root = ckpt_root(output_dir)
-    os.makedirs(root, exist_ok=True)
     name = f"step-{int(step)}"
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file({k: v.contiguous() for k, v in worker_state["drafter"].items()},
-              os.path.join(tmp, "model.safetensors"),
-              metadata={"format": "pt", "kind": str(worker_state.get("drafter_kind", ""))})
-    _write_json(os.path.join(tmp, "config.json"), worker_state["drafter_config"])
-    torch.save({"optimizer": worker_state.get("optimizer"), "scheduler": worker_state.get("scheduler"),
-                "worker_rng": worker_state.get("rng"), "controller_rng": controller_rng()},
-               os.path.join(tmp, "trainer_state.pt"))
-    _write_json(os.path.join(tmp, "state.json"), {"step": int(step), **state})
-    _write_json(os.path.join(tmp, MARKER), {"step": int(step)})
-    if os.path.isdir(final):  # re-saving the same step: move the old one aside first, then drop it
-        old = os.path.join(root, f".old-{name}-{os.getpid()}")
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    latest_tmp = os.path.join(root, f".latest-{os.getpid()}")
-    with open(latest_tmp, "w") as f:
-        f.write(name + "\n")
-    os.replace(latest_tmp, os.path.join(root, "latest"))
+    try:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        _write_files(tmp, step, worker_state, state)
+        _fsync_dir(tmp)
+        if os.path.isdir(final):  # re-saving the same step: move the old one aside first, then drop it
+            old = os.path.join(root, f".old-{name}-{os.getpid()}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        latest_tmp = os.path.join(root, f".latest-{os.getpid()}")
+        with open(latest_tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(root, "latest"))
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            prev = find_latest(output_dir)
+        except OSError:
+            prev = None
+        hint = ("the disk is full: free space" if isinstance(e, OSError) and e.errno == errno.ENOSPC
+                else "fix the cause")
+        raise CheckpointError(
+            f"checkpoint {name} could not be written to {root}: {type(e).__name__}: {e}. The previous checkpoint "
+            f"({prev or 'none'}) is intact; {hint}, then rerun the same command (trainer.resume=auto continues from "
+            f"{'it' if prev else 'the start'})") from e
     prune(output_dir, keep_last)
     return final
 
 
+def _write_files(tmp: str, step: int, worker_state: dict, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in worker_state["drafter"].items()},
+              os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt", "kind": str(worker_state.get("drafter_kind", ""))})
+    _fsync_file(os.path.join(tmp, "model.safetensors"))
+    _write_json(os.path.join(tmp, "config.json"), worker_state["drafter_config"])
+    with open(os.path.join(tmp, "trainer_state.pt"), "wb") as f:
+        torch.save({"optimizer": worker_state.get("optimizer"), "scheduler": worker_state.get("scheduler"),
+                    "worker_rng": worker_state.get("rng"), "controller_rng": controller_rng()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _write_json(os.path.join(tmp, "state.json"), {"step": int(step), **state})
+    _write_json(os.path.join(tmp, MANIFEST), {"step": int(step), "files": _manifest(tmp)})
+    _write_json(os.path.join(tmp, MARKER), {"step": int(step),
+                                            "manifest_sha256": sha256_file(os.path.join(tmp, MANIFEST))})
+
+
+# ---------------------------------------------------------------------------------------------- find
 def complete_checkpoints(output_dir: str) -> list:
-    """[(step, folder)] of complete checkpoints, oldest first."""
+    """[(step, folder)] of checkpoints with the completion marker, oldest first (not verified)."""
     root = ckpt_root(output_dir)
     if not os.path.isdir(root):
         return []
@@ -101,28 +186,150 @@ def complete_checkpoints(output_dir: str) -> list:
     return sorted(out)
 
 
+def verify(path: str, checksums: bool = True) -> Optional[str]:
+    """None when ``path`` is a complete, undamaged checkpoint; else what is wrong (one line).
+
+    Checks the marker, the manifest (its own sha256 recorded in the marker), every listed file's size and,
+    with ``checksums``, its sha256. Checkpoints written before manifests existed pass if their files are
+    present (there is nothing to compare against)."""
+    if not os.path.isdir(path):
+        return "no such folder"
+    mk = os.path.join(path, MARKER)
+    if not os.path.isfile(mk):
+        return f"no {MARKER} marker (it was not fully written)"
+    mf = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mf):
+        missing = [f for f in ("model.safetensors", "config.json", "trainer_state.pt", "state.json")
+                   if not os.path.isfile(os.path.join(path, f))]
+        return f"missing {', '.join(missing)}" if missing else None
+    try:
+        with open(mk) as f:
+            marker = json.load(f)
+        with open(mf) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MARKER} / {MANIFEST} ({e})"
+    if checksums and marker.get("manifest_sha256") not in (None, sha256_file(mf)):
+        return f"{MANIFEST} does not match the checksum in {MARKER}"
+    for name, meta in files.items():
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            return f"{name} is missing"
+        size = os.path.getsize(p)
+        if size != meta["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {meta['bytes']} (truncated or overwritten)"
+        if checksums and sha256_file(p) != meta["sha256"]:
+            return f"{name} does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
 def find_latest(output_dir: str) -> Optional[str]:
-    ck = complete_checkpoints(output_dir)
-    return ck[-1][1] if ck else None
+    """The newest complete checkpoint whose files have the sizes in its manifest (no checksums: cheap)."""
+    for _, d in reversed(complete_checkpoints(output_dir)):
+        if verify(d, checksums=False) is None:
+            return d
+    return None
+
+
+def quarantine(path: str) -> str:
+    """Move a damaged checkpoint aside (``step-<N>.damaged``, numbered if taken); returns the new path.
+    It no longer counts as a checkpoint, and nothing of it is deleted."""
+    dst = path.rstrip("/") + ".damaged"
+    k = 1
+    while os.path.exists(dst):
+        k += 1
+        dst = path.rstrip("/") + f".damaged-{k}"
+    os.rename(path, dst)
+    return dst
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover(output_dir: str) -> list:
+    """Tidy what a killed save left behind; returns notes of what was done.
+
+    ``.old-step-N-<pid>`` (a re-save of step N killed between its two renames) is renamed back when
+    ``step-N`` is missing; tmp, prune and latest leftovers of dead processes are removed."""
+    root = ckpt_root(output_dir)
+    if not os.path.isdir(root):
+        return []
+    notes = []
+    for n in sorted(os.listdir(root)):
+        p = os.path.join(root, n)
+        if n.startswith(".latest-") and n[len(".latest-"):].isdigit() and not _pid_alive(int(n[len(".latest-"):])):
+            os.remove(p)
+            continue
+        m = _TMP.match(n)
+        if not m or _pid_alive(int(m.group(3))):
+            continue
+        kind, step = m.group(1), m.group(2)
+        final = os.path.join(root, f"step-{step}")
+        if kind == "old" and not os.path.isdir(final):
+            os.rename(p, final)
+            notes.append(f"restored step-{step} (a re-save of it was interrupted)")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    return notes
 
 
 def prune(output_dir: str, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; older ones are renamed, then deleted."""
     ck = complete_checkpoints(output_dir)
-    for _, d in ck[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(d, ignore_errors=True)
+    for step, d in ck[:-keep_last] if keep_last > 0 else []:
+        gone = os.path.join(ckpt_root(output_dir), f".prune-step-{step}-{os.getpid()}")
+        try:
+            os.rename(d, gone)
+        except OSError:
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
 
 
-def load_checkpoint(path: str, map_location="cpu") -> dict:
-    """-> {"worker_state": (for Worker.load_state_dict), "state": state.json, "controller_rng": ...}."""
+def move_aside(output_dir: str, stamp: Optional[int] = None) -> Optional[str]:
+    """A fresh run in a used folder: ``checkpoints/`` -> ``checkpoints.before-<stamp>/`` (kept, not deleted)."""
+    root = ckpt_root(output_dir)
+    if not os.path.isdir(root) or not os.listdir(root):
+        return None
+    dst = f"{root}.before-{stamp or int(time.time())}"
+    os.rename(root, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------- load
+def read_state(path: str) -> dict:
+    """state.json of a checkpoint (step, data position, metrics, recipe); CheckpointError if unreadable."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: state.json is unreadable ({e})") from None
+
+
+def load_checkpoint(path: str, map_location="cpu", checksums: bool = True) -> dict:
+    """-> {"worker_state": (for Worker.load_state_dict), "state": state.json, "controller_rng": ...}.
+
+    Verifies the folder first; raises ``CheckpointError`` naming what is wrong when it is incomplete,
+    damaged or cannot be read."""
     from safetensors.torch import load_file
 
-    if not os.path.isfile(os.path.join(path, MARKER)):
-        raise FileNotFoundError(f"{path!r} is not a complete checkpoint (no {MARKER} marker: it was not fully "
-                                f"written); resume from another one, e.g. trainer.resume=auto")
-    with open(os.path.join(path, "state.json")) as f:
-        state = json.load(f)
-    ts = torch.load(os.path.join(path, "trainer_state.pt"), map_location=map_location, weights_only=False)
-    drafter = load_file(os.path.join(path, "model.safetensors"))
+    why = verify(path, checksums=checksums)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be used: {why}")
+    state = read_state(path)
+    try:
+        ts = torch.load(os.path.join(path, "trainer_state.pt"), map_location=map_location, weights_only=False)
+        drafter = load_file(os.path.join(path, "model.safetensors"))
+    except Exception as e:  # noqa: BLE001  (SafetensorError, unpickling errors, ...)
+        raise CheckpointError(f"checkpoint {path} cannot be read: {type(e).__name__}: {e}") from None
     ws = {"drafter": drafter, "optimizer": ts["optimizer"], "scheduler": ts["scheduler"], "rng": ts["worker_rng"],
           "steps_done": int(state["step"])}
     return {"worker_state": ws, "state": state, "controller_rng": ts.get("controller_rng"), "path": path}

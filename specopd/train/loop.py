@@ -7,19 +7,42 @@ for SpecOPD and the off-policy baselines (``train_step``), and formed after the 
 (``stage`` -> sum -> ``finish``). Writes ``<output_dir>/metrics.jsonl`` (one line per logged step),
 checkpoints (always one when the run ends), profile spans, and ``train_summary.json`` with the held-out
 expected acceptance length before and after training.
+
+Nothing is lost, nothing is overwritten:
+- resume (``trainer.resume``): ``auto`` takes the newest checkpoint that verifies (sizes + sha256) and moves
+  damaged ones aside, saying so; an explicit folder that fails verification is an error. A resume whose
+  recipe changed in a way that makes it another run (target, drafter shape, data, seed, method) is refused;
+  other changes continue and are listed (``recipe_changes``). A finished run says so and how to extend it.
+- ``recipe.yaml`` is written only once the workers are built (the recipe, target and data are valid); a
+  different recipe already there is kept in ``recipe.history/``. A fresh run in a used folder moves the
+  old metrics, profile, checkpoints and summary aside (``*.before-<time>``).
+- a step whose loss or gradient is NaN / inf is skipped on every worker (no update), logged (``skipped`` in
+  its metrics line), and ``trainer.max_nonfinite_steps`` of them in a row stop the run with a checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import time
+from typing import Optional
 
 from tqdm import tqdm
 
-from specopd.config import RecipeConfig, to_dict, to_yaml
+from specopd.config import RecipeConfig, RecipeError, to_dict, to_yaml
 from specopd.profiling import Profiler
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder, num_branches
+
+
+class NonFiniteError(RuntimeError):
+    """``trainer.max_nonfinite_steps`` steps in a row had a NaN / inf loss or gradient; the message names the
+    steps and the checkpoint written."""
+
+
+class RecipeChangeError(RecipeError):
+    """A resume whose recipe differs from the checkpoint's in a way that makes it another run."""
 
 
 def make_group(cfg: RecipeConfig):
@@ -35,32 +58,44 @@ def make_group(cfg: RecipeConfig):
     return LocalGroup(cfg)
 
 
-def shard(ids: list, n: int) -> list:
-    """Split ids into n contiguous, near-equal parts (the first parts get the remainder)."""
-    k, r = divmod(len(ids), n)
+def shard_bounds(n_ids: int, n: int) -> list:
+    """[(lo, hi)] of n contiguous, near-equal parts of n_ids (the first parts get the remainder)."""
+    k, r = divmod(n_ids, n)
     out, i = [], 0
     for w in range(n):
         j = i + k + (1 if w < r else 0)
-        out.append(ids[i:j])
+        out.append((i, j))
         i = j
     return out
 
 
+def shard(ids: list, n: int) -> list:
+    """Split ids into n contiguous, near-equal parts (the first parts get the remainder)."""
+    return [ids[lo:hi] for lo, hi in shard_bounds(len(ids), n)]
+
+
 def reduce_metrics(results: list, wall_s: float) -> dict:
-    """Sum the workers' partial metrics; derive mean alpha per position and expected AL (incl. bonus)."""
-    n = sum(r["branches"] for r in results)
-    alpha = [sum(r["alpha_sum"][j] for r in results) / max(n, 1) for j in range(len(results[0]["alpha_sum"]))]
-    surv = [sum(r["surv_sum"][j] for r in results) / max(n, 1) for j in range(len(results[0]["surv_sum"]))]
-    m = {"branches": n, "alpha": alpha, "expected_al": 1.0 + sum(surv)}
+    """Sum the workers' partial metrics; derive mean alpha per position and expected AL (incl. bonus).
+
+    Sums are ``math.fsum`` (exactly rounded, so independent of order); with ``trainer.batch_invariant`` the
+    workers send per-sample ``parts`` and the metrics are the same for any number of workers."""
+    parts = [p for r in results for p in r["parts"]] if all("parts" in r for r in results) else results
+    n = sum(int(r["branches"]) for r in parts)
+    W = len(parts[0]["alpha_sum"])
+    alpha = [math.fsum(r["alpha_sum"][j] for r in parts) / max(n, 1) for j in range(W)]
+    surv = [math.fsum(r["surv_sum"][j] for r in parts) / max(n, 1) for j in range(W)]
+    m = {"branches": n, "alpha": alpha, "expected_al": 1.0 + math.fsum(surv)}
     if "loss" in results[0]:
-        sup = sum(r["supervised_tokens"] for r in results)
+        sup = sum(r["supervised_tokens"] for r in parts)
         phases = {}
         for r in results:
             for k, v in r.get("phase_s", {}).items():
                 phases[k] = max(phases.get(k, 0.0), v)
-        m.update(loss=sum(r["loss"] for r in results), supervised_tokens=sup, step_s=wall_s,
+        m.update(loss=math.fsum(r["loss"] for r in parts), supervised_tokens=sup, step_s=wall_s,
                  supervised_tokens_per_s=sup / wall_s if wall_s > 0 else float("nan"),
                  lr=results[0]["lr"], grad_norm=results[0]["grad_norm"], phase_s=phases)
+        if any(r.get("skipped") for r in results):
+            m["skipped"] = True
     return m
 
 
@@ -71,97 +106,271 @@ def evaluate_heldout(group, heldout_ids: list) -> dict:
     return {"expected_al": m["expected_al"], "alpha": m["alpha"], "branches": m["branches"]}
 
 
-def _resume_path(cfg: RecipeConfig):
-    r = cfg.trainer.resume
+# ---------------------------------------------------------------------------------------------- resume
+def find_resume(cfg: RecipeConfig) -> Optional[dict]:
+    """The checkpoint to resume from, loaded (``ck.load_checkpoint``), or None for a fresh start.
+
+    ``auto``: the newest checkpoint that verifies; each damaged one on the way is moved aside (named, with
+    what is wrong). An explicit folder that fails verification raises ``CheckpointError``."""
+    r, out = cfg.trainer.resume, cfg.trainer.output_dir
     if r == "none":
         return None
-    if r == "auto":
-        return ck.find_latest(cfg.trainer.output_dir)
-    return r
+    for note in ck.recover(out):
+        print(f"[checkpoint] {note}")
+    if r != "auto":
+        try:
+            return ck.load_checkpoint(r)
+        except ck.CheckpointError as e:
+            raise ck.CheckpointError(f"trainer.resume={r}: {e}. Resume from another step folder, or use "
+                                     f"trainer.resume=auto (the newest checkpoint of trainer.output_dir that "
+                                     f"verifies)") from None
+    damaged = []
+    for step, d in reversed(ck.complete_checkpoints(out)):
+        try:
+            c = ck.load_checkpoint(d)
+        except ck.CheckpointError as e:
+            moved = ck.quarantine(d)
+            damaged.append(d)
+            print(f"warning: {e}; moved it aside to {moved} (kept, not deleted) and trying the previous checkpoint")
+            continue
+        if damaged:
+            print(f"resuming from {d} (step {step}), the newest checkpoint that verifies")
+        return c
+    if damaged:
+        print(f"warning: no checkpoint in {ck.ckpt_root(out)} verifies; starting from step 0")
+    return None
 
 
-def _changed(old, new, sections=("seed", "model", "drafter", "data", "trainer.method", "trainer.anchors_per_seq",
-                                  "trainer.temperature")) -> list:
-    """Keys that define the experiment and differ between a checkpoint's recipe and this one."""
-    if not old:
-        return []
-    out = []
-    for sec in sections:
-        a, b = old, new
-        for part in sec.split("."):
-            a, b = (a or {}).get(part), (b or {}).get(part)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += [f"{sec}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        elif a != b:
-            out.append(sec)
+# keys whose change makes the resumed run another experiment (refused) / that do not change the run
+_REFUSE = ("seed", "model.target", "model.tiny_seed", "model.tiny", "drafter.kind", "drafter.num_layers",
+           "drafter.block_size", "drafter.feature_layers", "data.source", "data.path", "data.num_samples",
+           "data.prompt_len", "data.seq_len", "data.sample_temperature", "data.seed", "data.heldout",
+           "trainer.method")
+_SAME_RUN = ("trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
+             "trainer.eval_heldout", "trainer.eval_anchors_per_seq", "trainer.output_dir", "trainer.resume",
+             "trainer.max_nonfinite_steps", "drafter.init_from", "model.device", "model.gdn_checkpoint_every",
+             "runtime", "profile", "eval", "pipeline")
+
+
+def _flat(d: dict) -> dict:
+    """section.key -> value (one level: a dict-valued key such as model.tiny compares as a whole)."""
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict) and k in ("model", "drafter", "data", "trainer", "runtime", "eval", "profile",
+                                         "pipeline"):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
     return out
 
 
+def target_fingerprint(model_cfg) -> Optional[str]:
+    """sha256 of a target folder's config.json and its weight files' names and sizes (None for tiny
+    targets, whose identity is their recipe keys, and for folders that cannot be read)."""
+    if model_cfg.is_tiny or not os.path.isdir(model_cfg.target):
+        return None
+    try:
+        h = hashlib.sha256(open(os.path.join(model_cfg.target, "config.json"), "rb").read())
+        for n in sorted(os.listdir(model_cfg.target)):
+            if n.endswith((".safetensors", ".bin")):
+                h.update(f"{n}:{os.path.getsize(os.path.join(model_cfg.target, n))}".encode())
+        return h.hexdigest()
+    except OSError:
+        return None
+
+
+def recipe_changes(old: dict, new: dict, old_fp: Optional[str] = None, new_fp: Optional[str] = None) -> tuple:
+    """(refused, same_run, from_here): "key a -> b" strings for keys that differ between a checkpoint's recipe
+    and this one. refused: another experiment (the resume is refused); same_run: bookkeeping that does not
+    change the numbers; from_here: take effect from the resumed step on. Keys unknown to the old recipe are
+    skipped. A moved target folder with the same config.json and weight sizes is not a change of target."""
+    a, b = _flat(old), _flat(new)
+    refused, same, here = [], [], []
+    for k in sorted(set(a) & set(b)):
+        if a[k] == b[k]:
+            continue
+        line = f"{k} {a[k]!r} -> {b[k]!r}"
+        sec = k.split(".")[0]
+        if k == "model.target" and old_fp is not None and old_fp == new_fp:
+            same.append(line + " (the same model: config.json and weight sizes match)")
+        elif k in _REFUSE:
+            refused.append(line)
+        elif k in _SAME_RUN or sec in _SAME_RUN:
+            if k == "trainer.max_steps":
+                line += " (the cosine LR schedule now ends there)"
+            if k == "runtime.num_workers":
+                line += (" (same global batches; bitwise the same numbers with trainer.batch_invariant=true"
+                         if b.get("trainer.batch_invariant") else
+                         " (same global batches; the loss matches to fp32 rounding, bitwise only with "
+                         "trainer.batch_invariant=true")
+                line += ")"
+            if k == "drafter.init_from":
+                line += " (ignored on resume: the checkpoint's weights are loaded)"
+            same.append(line)
+        else:
+            here.append(line)
+    return refused, same, here
+
+
+def check_resume(cfg: RecipeConfig, c: dict) -> None:
+    """Refuse a resume that would be another run; list the other changes (RecipeChangeError / prints)."""
+    st = c["state"]
+    refused, same, here = recipe_changes(st.get("recipe"), to_dict(cfg), st.get("target_fingerprint"),
+                                         target_fingerprint(cfg.model))
+    if refused:
+        raise RecipeChangeError(
+            f"cannot resume from {c['path']} (step {st['step']}): the recipe changed in a way that makes this "
+            f"another run: {'; '.join(refused)}. Undo the change to continue that run, or start a new one: "
+            f"another trainer.output_dir (or trainer.resume=none here: the old run is moved aside, not "
+            f"deleted); to start from its weights without its optimizer state, add drafter.init_from={c['path']}")
+    if same:
+        print(f"resuming with changed settings that do not change the run: {'; '.join(same)}")
+    if here:
+        print(f"resuming with changed settings that take effect from step {st['step'] + 1} on (the run differs "
+              f"from an uninterrupted one from there): {'; '.join(here)}")
+
+
+def _read_summary(out: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(out, "train_summary.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- files
+def write_recipe(out: str, cfg: RecipeConfig) -> Optional[str]:
+    """``<out>/recipe.yaml`` = this run's recipe (tmp + rename). A different recipe already there is kept as
+    ``<out>/recipe.history/recipe-<its time>.yaml``; returns that path (None if nothing was kept)."""
+    text = to_yaml(cfg)
+    path = os.path.join(out, "recipe.yaml")
+    kept = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = f.read()
+        if old == text:
+            return None
+        hist = os.path.join(out, "recipe.history")
+        os.makedirs(hist, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
+        kept = os.path.join(hist, f"recipe-{stamp}.yaml")
+        k = 1
+        while os.path.exists(kept):
+            k += 1
+            kept = os.path.join(hist, f"recipe-{stamp}-{k}.yaml")
+        _atomic_write(kept, old)
+    _atomic_write(path, text)
+    return kept
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def _trim_metrics(path: str, step: int) -> None:
-    """On resume: keep metric lines of steps <= step; move later ones (from the interrupted run) aside."""
+    """On resume: keep metric lines of steps <= step; move later ones (from the interrupted run) aside. A
+    line cut short by a kill is dropped (its step is recomputed)."""
     if not os.path.isfile(path):
         return
     keep, later = [], []
     with open(path) as f:
         for line in f:
-            if line.strip():
-                (keep if json.loads(line).get("step", 0) <= step else later).append(line)
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # half-written by a killed run
+            if not line.endswith("\n"):
+                line += "\n"
+            (keep if rec.get("step", 0) <= step else later).append(line)
     if later:
         with open(path + ".orphaned", "a") as f:
             f.writelines(later)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    _atomic_write(path, "".join(keep))
 
 
+def _fresh_start(out: str) -> None:
+    """A fresh run in a used folder: the old metrics, profile, checkpoints and summary are moved aside."""
+    stamp = int(time.time())
+    moved = []
+    for name in ("metrics.jsonl", "profile", "train_summary.json"):
+        p = os.path.join(out, name)
+        if os.path.exists(p):
+            root, ext = os.path.splitext(name)
+            os.replace(p, os.path.join(out, f"{root}.before-{stamp}{ext}"))
+            moved.append(name)
+    if ck.move_aside(out, stamp):
+        moved.append("checkpoints")
+    if moved:
+        print(f"fresh run in a used folder: the previous {', '.join(moved)} moved aside to *.before-{stamp}")
+
+
+def _log(msg: str, bar) -> None:
+    (tqdm.write if bar is not None and not bar.disable else print)(msg)
+
+
+# ---------------------------------------------------------------------------------------------- train
 def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     """Run the recipe; returns the summary (also written to <output_dir>/train_summary.json)."""
     if getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job (prepare, warm up, train, eval)
         return __import__("specopd.mainjob", fromlist=["run"]).run(cfg, progress=progress)
+    from specopd.train.determinism import apply_deterministic
+
     t, out = cfg.trainer, cfg.trainer.output_dir
     os.makedirs(out, exist_ok=True)
     if cfg.data.batch_size < cfg.runtime.num_workers:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} < runtime.num_workers={cfg.runtime.num_workers}: "
                          f"every worker needs at least one sample per step")
-    with open(os.path.join(out, "recipe.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+    c = find_resume(cfg)
+    if c is not None:
+        check_resume(cfg, c)
+        k, prev = int(c["state"]["step"]), _read_summary(out)
+        if k >= t.max_steps and prev is not None and prev.get("steps") == k:
+            print(f"the run in {out} is complete: its checkpoint {c['path']} is at step {k} "
+                  f"(trainer.max_steps={t.max_steps}); nothing to do. To train further, run the same command with "
+                  f"trainer.max_steps={max(2 * k, k + 1)} (it resumes from step {k}); to start over, "
+                  f"trainer.resume=none (the old run is moved aside) or another trainer.output_dir.")
+            return {**prev, "already_complete": True}
+    apply_deterministic(t.deterministic)
     metrics_path = os.path.join(out, "metrics.jsonl")
     group = make_group(cfg)
     n = group.num_workers
     step, saved_step, state = 0, None, {}
     try:
         info = group.call("data_info", [()] * n)[0]
+        write_recipe(out, cfg)  # the recipe, the target and the data are valid: the workers are built
         W, B = info["block_size"], t.anchors_per_seq
         order = BatchOrder(info["train_ids"], cfg.data.batch_size, cfg.data.seed)
-        path = _resume_path(cfg)
-        if path is not None:
-            c = ck.load_checkpoint(path)
-            group.broadcast("load_state_dict", c["worker_state"])
+        if c is not None:
+            try:
+                group.broadcast("load_state_dict", c["worker_state"])
+            except RuntimeError as e:  # e.g. a drafter of another shape (drafter.init_from changed it)
+                raise RecipeChangeError(f"cannot resume from {c['path']}: its drafter does not fit this recipe's "
+                                        f"({str(e).splitlines()[0][:300]}); use another trainer.output_dir") from None
             if c.get("controller_rng"):
                 ck.set_controller_rng(c["controller_rng"])
             order.set_position(c["state"]["data_position"])
             step = saved_step = int(c["state"]["step"])
-            state = {"eval_before": c["state"].get("eval_before"), "resumed_from": [path] +
+            state = {"eval_before": c["state"].get("eval_before"), "resumed_from": [c["path"]] +
                      list(c["state"].get("resumed_from", []))}
             _trim_metrics(metrics_path, step)
-            print(f"resumed from {path} (step {step})")
-            for k in _changed(c["state"].get("recipe"), to_dict(cfg)):
-                print(f"warning: {k} differs from the checkpoint's recipe; the resumed run is not a continuation "
-                      f"of the same experiment (use trainer.resume=none or another output_dir to start fresh)")
+            print(f"resumed from {c['path']} (step {step})")
+            if step >= t.max_steps:
+                print(f"the run is complete at step {step}; writing the summary it had not finished")
         else:
-            stamp = int(time.time())
-            if os.path.isfile(metrics_path):  # a fresh run in a used folder: keep the old metrics aside
-                os.replace(metrics_path, metrics_path + f".before-{stamp}")
-            if os.path.isdir(os.path.join(out, "profile")):  # ... and the old profile, so spans do not pile up
-                os.replace(os.path.join(out, "profile"), os.path.join(out, f"profile.before-{stamp}"))
+            _fresh_start(out)
             state = {"eval_before": evaluate_heldout(group, info["heldout_ids"]) if t.eval_heldout else None}
             if state["eval_before"]:
                 print(f"held-out expected AL (incl. bonus) before training: {state['eval_before']['expected_al']:.4f}")
+        state["target_fingerprint"] = target_fingerprint(cfg.model)
 
         positions = {step: order.position}  # data position after `k` completed steps
 
-        ctrl = Profiler("controller", enabled=cfg.profile.enabled)  # the controller's own phase: checkpoint
+        ctrl = Profiler("controller", enabled=cfg.profile.enabled)  # the controller's own phases: step, checkpoint
 
         def save():
             with ctrl.span("checkpoint"):
@@ -173,43 +382,65 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         def spans():
             return [e for r in group.call("take_spans", [()] * n) for e in r] + ctrl.take()
 
-        bar = tqdm(total=t.max_steps, initial=step, desc=f"train {t.method}", unit="step", disable=not progress)
-        last = {}
+        bar = tqdm(total=t.max_steps, initial=min(step, t.max_steps), desc=f"train {t.method}", unit="step",
+                   disable=not progress)
+        last, bad = {}, 0
         while step < t.max_steps:
-            ids = order.next()
-            positions[step + 1] = order.position
-            parts = shard(ids, n)
-            t0 = time.perf_counter()
-            if t.method == "draft_opd":
-                denom = sum(r["branches"] for r in group.call("stage", [(p, step) for p in parts]))
-                res = group.call("finish", [(denom,)] * n)
-            else:
-                denom = sum(num_branches(info["lengths"][i], info["prompt_lens"][i], W, B) for i in ids)
-                res = group.call("train_step", [(p, step, denom) for p in parts])
-            last = reduce_metrics(res, time.perf_counter() - t0)
-            step += 1
-            last.update(step=step, time=time.time())
-            if cfg.profile.enabled:
-                from specopd.profiling import append_spans
+            with ctrl.span("step"):
+                ids = order.next()
+                positions[step + 1] = order.position
+                parts = shard(ids, n)
+                t0 = time.perf_counter()
+                if t.method == "draft_opd":
+                    denom = sum(r["branches"] for r in group.call("stage", [(p, step) for p in parts]))
+                    res = group.call("finish", [(denom,)] * n)
+                else:
+                    denom = sum(num_branches(info["lengths"][i], info["prompt_lens"][i], W, B) for i in ids)
+                    if t.batch_invariant:
+                        bounds = shard_bounds(len(ids), n)
+                        res = group.call("train_step_invariant", [(p, step, denom, bounds, len(ids)) for p in parts])
+                    else:
+                        res = group.call("train_step", [(p, step, denom) for p in parts])
+                last = reduce_metrics(res, time.perf_counter() - t0)
+                step += 1
+                last.update(step=step, time=time.time())
+                if cfg.profile.enabled:
+                    from specopd.profiling import append_spans
 
-                append_spans(out, spans())
-            if step % t.log_every == 0 or step == t.max_steps:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(last) + "\n")
-            bar.set_postfix(loss=f"{last['loss']:.4f}", AL=f"{last['expected_al']:.3f}",
-                            sup_tok_s=f"{last['supervised_tokens_per_s']:.0f}")
-            bar.update(1)
-            if t.save_every and step % t.save_every == 0:
-                _, saved_step = save()
+                    append_spans(out, spans())
+                if step % t.log_every == 0 or step == t.max_steps or last.get("skipped"):
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(last) + "\n")
+                bar.set_postfix(loss=f"{last['loss']:.4f}", AL=f"{last['expected_al']:.3f}",
+                                sup_tok_s=f"{last['supervised_tokens_per_s']:.0f}")
+                bar.update(1)
+                bad = bad + 1 if last.get("skipped") else 0
+                if bad:
+                    _log(f"step {step}: loss {last['loss']:.4g}, gradient norm {last['grad_norm']:.4g}: not finite, "
+                         f"update skipped ({bad} in a row; the run stops at trainer.max_nonfinite_steps="
+                         f"{t.max_nonfinite_steps})", bar)
+                if bad and bad >= t.max_nonfinite_steps:
+                    before = ck.find_latest(out)
+                    p, _ = save()
+                    saved_step = step
+                    raise NonFiniteError(
+                        f"stopped at step {step}: the loss or gradient was NaN/inf in {bad} steps in a row "
+                        f"(steps {step - bad + 1}-{step}); their updates were skipped, so the drafter is the one "
+                        f"after step {step - bad}. Checkpoint written: {p} (the one before: {before or 'none'}). "
+                        f"Lower trainer.lr or check the data, then resume (trainer.resume=auto, or "
+                        f"trainer.resume=<an earlier step folder>)")
+                if t.save_every and step % t.save_every == 0:
+                    _, saved_step = save()
         bar.close()
-    except BaseException:
-        if "positions" in locals():  # keep every completed step (unless that checkpoint exists already)
-            try:
+    except BaseException as e:
+        closed = getattr(group, "_closed", False)
+        if "positions" in locals() and not closed and not isinstance(e, (ck.CheckpointError, NonFiniteError)):
+            try:  # keep every completed step (unless that checkpoint exists already)
                 if group.call("state_dict", [()] * n)[0]["steps_done"] not in (saved_step, 0):
                     p, k = save()
                     print(f"run interrupted; checkpoint of step {k} written to {p}")
-            except Exception as e:  # noqa: BLE001
-                print(f"run interrupted and the checkpoint could not be written: {e}")
+            except Exception as e2:  # noqa: BLE001
+                print(f"run interrupted and the checkpoint could not be written: {e2}")
         group.shutdown()
         raise
     try:
@@ -229,10 +460,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                               gpu_note=getattr(group, "gpu_note", None))
             except Exception as e:  # noqa: BLE001  (plots are a convenience; the raw spans are saved)
                 print(f"profile rendering failed ({e}); raw spans are in {out}/profile/spans.jsonl")
-        tmp = os.path.join(out, "train_summary.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=1)
-        os.replace(tmp, os.path.join(out, "train_summary.json"))
+        _atomic_write(os.path.join(out, "train_summary.json"), json.dumps(summary, indent=1))
         return summary
     finally:
         group.shutdown()

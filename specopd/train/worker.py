@@ -293,28 +293,42 @@ class Worker:
         return {"loss": float(loss.detach()), "branches": n, "supervised_tokens": n * int(tokens.shape[1]),
                 "alpha_sum": alpha.sum(0).tolist(), "surv_sum": surv.sum(0).tolist()}
 
-    def optimizer_step(self) -> dict:
-        """All-reduce (sum) gradients, clip the global norm, AdamW step, advance the LR schedule."""
+    def optimizer_step(self, loss_finite: bool = True) -> dict:
+        """All-reduce (sum) gradients, clip the global norm, AdamW step, advance the LR schedule.
+
+        Guard: a NaN / inf gradient norm after the all-reduce (or a non-finite loss on any worker,
+        ``loss_finite=False``: its gradients are made NaN before the all-reduce, so every replica sees it)
+        skips the AdamW step on every replica alike; the schedule and ``steps_done`` still advance (the
+        step's data is consumed) and the result says ``skipped``."""
         grads = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        if self._allreduce is not None:
-            with self._span("allreduce"):
-                self._allreduce(grads)
+        staged_blocks, self._blocks = getattr(self, "_blocks", None), None
+        if staged_blocks is not None:  # trainer.batch_invariant (train_step_invariant)
+            self._reduce_blocks(staged_blocks, grads, loss_finite)
+        else:
+            if not loss_finite:
+                for g in grads:
+                    g.fill_(float("nan"))
+            if self._allreduce is not None:
+                with self._span("allreduce"):
+                    self._allreduce(grads)
         with self._span("optimizer"):
             clip = self.cfg.trainer.grad_clip
             if clip > 0:
                 gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
             else:
                 gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            skipped = not bool(torch.isfinite(gn))
             lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
+            if not skipped:
+                self.optimizer.step()
             self.scheduler.step()
             self.steps_done += 1
             self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(gn), "lr": float(lr)}
+        return {"grad_norm": float(gn), "lr": float(lr), "skipped": skipped}
 
     # ------------------------------------------------------------------ whole steps
     def stage(self, sample_ids, step) -> dict:
@@ -341,7 +355,7 @@ class Worker:
         proposals, p = self._staged
         self._staged = None
         m = self.loss_backward(proposals, p, denom)
-        m.update(self.optimizer_step())
+        m.update(self.optimizer_step(loss_finite=math.isfinite(m["loss"])))
         m["phase_s"] = dict(self._phase)
         return m
 
@@ -477,8 +491,82 @@ class Worker:
         if sd.get("scheduler") is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
         self.steps_done = int(sd.get("steps_done", self.scheduler.last_epoch))
+        self._apply_recipe_hparams()
         rng = sd.get("rng") or {}
         if rng.get("torch") is not None:
             torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def _apply_recipe_hparams(self) -> None:
+        """After a resume: the recipe's lr / schedule / betas / weight decay win over the checkpoint's (loading
+        an optimizer restores its old ones). Unchanged values give exactly the saved learning rate."""
+        t = self.cfg.trainer
+        f = lr_lambda(t.warmup_steps, t.max_steps, t.min_lr_ratio)
+        self.scheduler.lr_lambdas = [f] * len(self.optimizer.param_groups)
+        self.scheduler.base_lrs = [float(t.lr)] * len(self.optimizer.param_groups)
+        for i, g in enumerate(self.optimizer.param_groups):
+            g["initial_lr"] = float(t.lr)
+            g["betas"] = tuple(t.betas)
+            g["weight_decay"] = t.weight_decay if i == 0 else 0.0
+            g["lr"] = float(t.lr) * f(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------ batch-invariant step
+    def train_step_invariant(self, sample_ids, step, denom, bounds, total) -> dict:
+        """``trainer.batch_invariant``: ``train_step`` with each sample run alone (stage + loss_backward)
+        and this shard's gradient kept as blocks of the fixed summation tree of
+        ``specopd.train.determinism``; ``optimizer_step`` exchanges and combines them, so the update is
+        bitwise the same for any number of workers. ``bounds``: every worker's (lo, hi) in the global
+        batch (this worker's is ``bounds[rank]``), ``total``: the global batch size. Metrics carry
+        ``parts`` (one dict per sample) for the controller to add up in a fixed order."""
+        from specopd.train.determinism import all_blocks, block_sum, blocks
+
+        lo, hi = bounds[self.rank]
+        if hi - lo != len(sample_ids):
+            raise ValueError(f"train_step_invariant: rank {self.rank} got {len(sample_ids)} samples for shard "
+                             f"[{lo}, {hi})")
+        parts, phases = [], {}
+
+        def leaf(i: int) -> torch.Tensor:
+            self.stage([sample_ids[i - lo]], step)  # zeroes the gradients, then prefill / propose / score
+            proposals, p = self._staged
+            self._staged = None
+            parts.append(self.loss_backward(proposals, p, denom))
+            for k, v in self._phase.items():
+                phases[k] = phases.get(k, 0.0) + v
+            return torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).detach().reshape(-1).float()
+                              for q in self.params])
+
+        mine = {b: block_sum(*b, leaf, total) for b in blocks(lo, hi, total)}
+        self._blocks = (mine, all_blocks(bounds, total), total)
+        self._phase = {}
+        m = self.optimizer_step(loss_finite=all(math.isfinite(x["loss"]) for x in parts))
+        for k, v in self._phase.items():
+            phases[k] = phases.get(k, 0.0) + v
+        m.update(loss=sum(x["loss"] for x in parts), branches=sum(x["branches"] for x in parts),
+                 supervised_tokens=sum(x["supervised_tokens"] for x in parts), parts=parts, phase_s=phases,
+                 alpha_sum=[sum(c) for c in zip(*(x["alpha_sum"] for x in parts))],
+                 surv_sum=[sum(c) for c in zip(*(x["surv_sum"] for x in parts))])
+        return m
+
+    def _reduce_blocks(self, staged, grads: list, loss_finite: bool) -> None:
+        """Exchange the tree blocks of every worker (summing all-reduce, one buffer per block, zeros but the
+        owner's) and write their fixed-order combination into ``grads``."""
+        from specopd.train.determinism import combine
+
+        mine, every, total = staged
+        numel = sum(g.numel() for g in grads)
+        if not loss_finite:
+            for v in mine.values():
+                v.fill_(float("nan"))
+        if self._allreduce is not None:
+            bufs = [mine[b] if b in mine else torch.zeros(numel, device=grads[0].device) for b in every]
+            with self._span("allreduce"):
+                self._allreduce(bufs)
+            mine = dict(zip(every, bufs))
+        flat = combine({b: v + 0.0 for b, v in mine.items()}, total)  # + 0.0: -0.0 -> +0.0, as an all-reduce does
+        off = 0
+        for g in grads:
+            g.copy_(flat[off: off + g.numel()].view_as(g).to(g.dtype))
+            off += g.numel()
