@@ -76,6 +76,7 @@ def plan(cfg) -> dict:
     from specopd.train.tiny import _tiny_config
 
     m, r, t, d = cfg.model, cfg.runtime, cfg.trainer, cfg.data
+    pipeline = bool(getattr(getattr(cfg, "pipeline", None), "enabled", False))
     notes = []
     if m.is_tiny:
         tcfg, _ = _tiny_config(m.target[len("tiny:"):], dict(m.tiny))
@@ -95,11 +96,30 @@ def plan(cfg) -> dict:
             tcfg = read_config(folder)
         except FileNotFoundError as e:
             tcfg = None
-            notes.append(f"no memory estimate: {e}")
+            notes.append(f"model.target={m.target!r} is prepared by the main job on first use (stage 1, cached); "
+                         f"no memory estimate until then" if pipeline else f"no memory estimate: {e}")
+    if t.resume != "none":
+        from specopd.train.checkpoint import CheckpointError, find_latest, read_state
+
+        found = t.resume if t.resume != "auto" else find_latest(t.output_dir)
+        try:
+            k = int(read_state(found)["step"]) if found else None
+        except (CheckpointError, KeyError, ValueError):
+            k = None
+        if k is not None:
+            notes.append(f"resume: {found} (step {k}): " + (
+                "the run is complete; raise trainer.max_steps to train further" if k >= t.max_steps
+                else f"{t.max_steps - k} steps left"))
     if d.source == "prepared" and not os.path.exists(d.path):
-        notes.append(f"data.path={d.path!r} does not exist yet (run `specopd prepare data ...` before training)")
+        notes.append(f"data.path={d.path!r} is written by the main job on first use (stage 2: references)" if pipeline
+                     else f"data.path={d.path!r} does not exist yet (run `specopd prepare data ...` before training)")
+    if pipeline:
+        notes.append("pipeline: the main job (specopd.mainjob) prepares the target and the references when missing, "
+                     "warms the drafter up, trains and evaluates; no separate `specopd prepare` step is needed")
     if tcfg is None:
-        return {"target": {"model_type": None, "source": where}, "method": t.method, "notes": notes,
+        return {"target": {"model_type": None, "source": where,
+                           "pending": "prepared by the main job on first use" if pipeline else None},
+                "method": t.method, "notes": notes,
                 "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers,
                             "block_size": cfg.drafter.block_size},
                 "workers": r.num_workers, "backend": r.backend, "roles": r.roles,
@@ -149,7 +169,7 @@ def _print_plan(p: dict) -> None:
         print(f"target   {tg['model_type']} ({tg['source']}): {tg['params'] / 1e6:.2f}M params, "
               f"{tg['layers']} layers, hidden {tg['hidden_size']}, vocab {tg['vocab']}")
     else:
-        print(f"target   {tg['source']} (config.json not readable here)")
+        print(f"target   {tg['source']} ({tg.get('pending') or 'config.json not readable here'})")
     dr = p["drafter"]
     print(f"drafter  {dr['kind']}, {dr['num_layers']} layer(s), block W={dr['block_size']}")
     print(f"method   {p['method']}, {p['steps']} steps, output {p['output_dir']} (resume={p['resume']})")
@@ -198,13 +218,22 @@ def cmd_train(args) -> int:
             with open(args.json, "w") as f:
                 json.dump(p, f, indent=1)
         return 0
-    pipe = getattr(cfg, "pipeline", None)
-    if pipe is not None and pipe.enabled:  # the main job: prepare target + data, warm up, train, evaluate
-        summary = _lazy("specopd.mainjob", "run")(cfg)
-    else:
-        from specopd.train.loop import train
+    from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError
+    from specopd.train.checkpoint import CheckpointError
+    from specopd.train.loop import NonFiniteError, RecipeChangeError
 
-        summary = train(cfg)
+    pipe = getattr(cfg, "pipeline", None)
+    try:
+        if pipe is not None and pipe.enabled:  # the main job: prepare target + data, warm up, train, evaluate
+            summary = _lazy("specopd.mainjob", "run")(cfg)
+        else:
+            from specopd.train.loop import train
+
+            summary = train(cfg)
+    except (CheckpointError, NonFiniteError, RecipeChangeError, WorkerLostError, ClusterTooSmallError) as e:
+        if os.environ.get("SPECOPD_DEBUG"):
+            raise
+        return _fail(str(e), 1)  # the message names the cause, the checkpoint and the fix
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -1,10 +1,53 @@
-"""Test-suite settings. One intra-op thread: on 2-core CI machines torch's default thread pool makes tiny
-ops wait for the other core (~100 ms each), which dominates tiny-model tests."""
-import os
+"""Test-suite settings.
 
+- One intra-op thread: on 2-core CI machines torch's default thread pool makes tiny ops wait for the other
+  core (~100 ms each), which dominates tiny-model tests.
+- Tests write only to temporary folders: $SPECOPD_CACHE (prepared models and data, e.g. the ~0.5 GB SmolLM2
+  conversion), matplotlib's and Triton's caches point into one session folder, removed at the end
+  (``SPECOPD_TEST_CACHE=DIR`` keeps a persistent cache for the tests instead, e.g. to skip re-converting
+  SmolLM2 on every run). Ray gets its auth token from the environment, so it writes no ~/.ray/auth_token.
+  A session check fails if the tests created anything in the repository's top level or in the user's
+  ~/.cache/specopd.
+"""
+import os
+import secrets
+import shutil
+import tempfile
+
+import pytest
 import torch
 
+_SESSION_DIR = tempfile.mkdtemp(prefix="specopd-tests-")
+os.environ["SPECOPD_CACHE"] = os.environ.get("SPECOPD_TEST_CACHE") or os.path.join(_SESSION_DIR, "cache")
+os.environ["MPLCONFIGDIR"] = os.path.join(_SESSION_DIR, "matplotlib")
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SESSION_DIR, "triton"))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+if not os.environ.get("RAY_AUTH_TOKEN_PATH") and not os.path.isfile(os.path.expanduser("~/.ray/auth_token")):
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))  # else Ray writes ~/.ray/auth_token
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_USER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "specopd")
+
+
+def _snapshot() -> tuple:
+    top = {n for n in os.listdir(_REPO) if n not in (".pytest_cache", "__pycache__")}
+    cache = sorted((os.path.relpath(os.path.join(d, f), _USER_CACHE), os.path.getmtime(os.path.join(d, f)))
+                   for d, _, fs in os.walk(_USER_CACHE) for f in fs) if os.path.isdir(_USER_CACHE) else []
+    return top, cache
+
+
+@pytest.fixture(scope="session", autouse=True)
+def writes_only_to_temporary_folders():
+    before = _snapshot()
+    yield
+    after = _snapshot()
+    new_top = sorted(after[0] - before[0])
+    assert not new_top, f"tests created {new_top} in the repository ({_REPO}); write to tmp_path instead"
+    assert after[1] == before[1], f"tests wrote to the user's cache {_USER_CACHE}; use $SPECOPD_CACHE (tmp)"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)

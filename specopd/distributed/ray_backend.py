@@ -97,12 +97,15 @@ class _WorkerHost:
         import torch
 
         torch.set_num_threads(max(1, num_threads))
+        from specopd.train.determinism import apply_deterministic
+
+        apply_deterministic(bool(_get(cfg, "trainer.deterministic", False)))  # before any CUDA work
         self.rank, self.world_size = rank, world_size
         kw = {"role": role} if role else {}  # colocated: the plain constructor (custom worker classes too)
         self.worker = _resolve(worker_cls)(cfg, rank, world_size, **kw)
         from specopd.profiling import start_gpu_sampler
 
-        self.sampler, self.gpu_note = start_gpu_sampler(cfg, f"worker{rank}")
+        self.sampler, self.gpu_note = start_gpu_sampler(cfg, f"{'target' if role == 'target' else 'worker'}{rank}")
 
     def info(self) -> dict:
         import ray
@@ -179,6 +182,18 @@ class _WorkerHost:
 
 # -- the controller side ---------------------------------------------------------------------------------
 
+def quiet_ray_kwargs() -> dict:
+    """Extra ``ray.init`` arguments that keep Ray's own info lines out of a run's output; also silences the
+    notice that Ray turned on token authentication for a local cluster (its default: the setting itself
+    is unchanged). Ray's other warnings and errors still show; ``SPECOPD_RAY_VERBOSE=1`` keeps everything."""
+    import logging
+
+    if os.environ.get("SPECOPD_RAY_VERBOSE"):
+        return {}
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    return {"logging_level": logging.WARNING}
+
+
 def _node_capacity(nodes: list, cpus: float, gpus: float) -> list:
     """[(node_id, ip, workers that fit)] for alive nodes, most capacity first."""
     out = []
@@ -220,7 +235,7 @@ class RayGroup:
 
         address = _get(cfg, "runtime.address", None)
         if not ray.is_initialized():
-            ray.init(address=address or None, include_dashboard=False, log_to_driver=True)
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=True, **quiet_ray_kwargs())
             self._started_ray = True
         total = ray.cluster_resources()
         have_cpu, have_gpu = total.get("CPU", 0.0), total.get("GPU", 0.0)
@@ -495,9 +510,6 @@ def extend_plan(cfg, p: dict) -> dict:
         fits = n * cpus <= here_cpu and n * gpus <= here_gpu
         notes.append(f"this machine: {here_cpu} CPU, {here_gpu} GPU -> the run "
                      f"{'fits here' if fits else 'does NOT fit here (needs a node with the resources above, or runtime.address of a cluster)'}")
-    if getattr(getattr(cfg, "pipeline", None), "enabled", False):
-        notes.append("pipeline: the main job prepares model.target and writes data.path on first use "
-                     "(specopd.mainjob), then warms up, trains and evaluates")
     mem = p.get("memory_estimate_per_worker_bytes")
     tg = p.get("target", {})
     if mem and tg.get("params"):

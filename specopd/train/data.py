@@ -5,7 +5,8 @@ index. Two sources:
 - synthetic: random prompts + responses sampled from the target itself (so a drafter can learn them),
   deterministic in ``data.seed``; cached under ``<output_dir>/data/`` (written atomically).
 - prepared: ``data.path`` is a .jsonl file (or a folder with ``data.jsonl``), one JSON object per line with
-  ``input_ids`` (list of ints) and ``prompt_len`` (int); sequences are cut to ``data.seq_len``.
+  ``input_ids`` (list of ints) and ``prompt_len`` (int); sequences are cut to ``data.seq_len`` and to the
+  target's context (max_position_embeddings); records whose prompt does not fit it are dropped and counted.
 The train / held-out split is a seeded permutation; held-out samples are never trained on.
 """
 from __future__ import annotations
@@ -53,11 +54,19 @@ def sample_references(target, num_samples: int, prompt_len: int, seq_len: int, t
     return out
 
 
-def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None) -> list:
+def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, context: Optional[int] = None,
+                  stats: Optional[dict] = None) -> list:
+    """Records of a prepared .jsonl, cut to ``min(seq_len, context)`` tokens (``context``: the target's
+    max_position_embeddings). Dropped, and counted in ``stats`` (when given): records whose prompt does not
+    fit the target's context (``prompt_too_long``) and records with no response token left after the cut
+    (``no_response``); ``cut_to_context`` counts records shortened to the context."""
     fp = os.path.join(path, "data.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(fp):
         raise FileNotFoundError(f"prepared data {fp!r} not found (run `specopd prepare data ...`, or point "
                                 f"data.path at a .jsonl with input_ids / prompt_len per line)")
+    st = stats if stats is not None else {}
+    st.update(records=0, prompt_too_long=0, no_response=0, cut_to_context=0)
+    limit = min(seq_len, context) if context else seq_len
     out = []
     with open(fp) as f:
         for ln, line in enumerate(f, 1):
@@ -70,26 +79,62 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None) -> 
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{fp}:{ln}: expected a JSON object with input_ids (list of ints) and "
                                  f"prompt_len (int): {e}") from None
-            ids = torch.tensor(ids[:seq_len], dtype=torch.long)
+            st["records"] += 1
+            if context and pl >= context:
+                st["prompt_too_long"] += 1  # the response would start beyond the target's context
+                continue
+            if context and len(ids) > context and seq_len > context:
+                st["cut_to_context"] += 1
+            ids = torch.tensor(ids[:limit], dtype=torch.long)
             if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
                 raise ValueError(f"{fp}:{ln}: token id {int(ids.max())} >= target vocab {vocab_size} "
                                  f"(data prepared with another tokenizer?)")
             if pl < 1 or ids.numel() <= pl:
-                continue  # no response left after cutting
+                st["no_response"] += 1  # no response left after cutting
+                continue
             rec_out = {"input_ids": ids, "prompt_len": pl}
             if rec.get("split") in ("train", "heldout"):
                 rec_out["split"] = rec["split"]
             out.append(rec_out)
     if not out:
-        raise ValueError(f"{fp}: no usable sequences (each needs prompt_len >= 1 and a response within "
-                         f"data.seq_len={seq_len} tokens)")
+        raise ValueError(f"{fp}: no usable sequences of {st['records']} (each needs prompt_len >= 1 and a response "
+                         f"within data.seq_len={seq_len} tokens{f' and the target context of {context}' if context else ''}"
+                         f"; {st['prompt_too_long']} had a longer prompt than the target's context)")
     return out
+
+
+def drop_note(st: dict, seq_len: int, context: Optional[int]) -> Optional[str]:
+    """One line saying what ``read_prepared`` dropped or cut (None when nothing)."""
+    said = []
+    if st.get("prompt_too_long"):
+        said.append(f"{st['prompt_too_long']} dropped: prompt of >= {context} tokens, longer than the target's "
+                    f"context (max_position_embeddings={context})")
+    if st.get("no_response"):
+        said.append(f"{st['no_response']} dropped: no response token within data.seq_len={seq_len}")
+    if st.get("cut_to_context"):
+        said.append(f"{st['cut_to_context']} cut to the target's context of {context} tokens")
+    return f"[data] of {st['records']} records, " + "; ".join(said) if said else None
+
+
+def target_context(target) -> Optional[int]:
+    """The target's context length (config max_position_embeddings), or None when it does not say."""
+    c = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    return int(c) if c else None
 
 
 def load_dataset(cfg, target, progress: bool = True) -> list:
     """The run's samples (list indexed by sample id), built once and cached for synthetic data."""
+    ctx = target_context(target)
     if cfg.data.source == "prepared":
-        return read_prepared(cfg.data.path, cfg.data.seq_len, target.vocab_size)
+        st: dict = {}
+        out = read_prepared(cfg.data.path, cfg.data.seq_len, target.vocab_size, context=ctx, stats=st)
+        note = drop_note(st, cfg.data.seq_len, ctx)
+        if note and progress:
+            print(note, flush=True)
+        return out
+    if ctx and cfg.data.seq_len > ctx:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than the target's context ({ctx} tokens, "
+                         f"max_position_embeddings): lower data.seq_len")
     cache_dir = os.path.join(cfg.trainer.output_dir, "data")
     fp = os.path.join(cache_dir, f"synthetic-{_key(cfg)}.pt")
     if os.path.isfile(fp):

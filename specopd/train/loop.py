@@ -386,7 +386,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                    disable=not progress)
         last, bad = {}, 0
         while step < t.max_steps:
-            with ctrl.span("step"):
+            with ctrl.span("step", step=step + 1):
                 ids = order.next()
                 positions[step + 1] = order.position
                 parts = shard(ids, n)
