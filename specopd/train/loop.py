@@ -420,13 +420,15 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                          f"update skipped ({bad} in a row; the run stops at trainer.max_nonfinite_steps="
                          f"{t.max_nonfinite_steps})", bar)
                 if bad and bad >= t.max_nonfinite_steps:
-                    before = ck.find_latest(out)
                     p, _ = save()
+                    good = [d for k, d in ck.complete_checkpoints(out) if k <= step - bad]
                     saved_step = step
                     raise NonFiniteError(
                         f"stopped at step {step}: the loss or gradient was NaN/inf in {bad} steps in a row "
                         f"(steps {step - bad + 1}-{step}); their updates were skipped, so the drafter is the one "
-                        f"after step {step - bad}. Checkpoint written: {p} (the one before: {before or 'none'}). "
+                        f"after step {step - bad}. Checkpoint written: {p} ("
+                        + (f"the last one before these steps: {good[-1]}" if good else
+                           f"none from before these steps is kept, trainer.keep_last={t.keep_last}") + "). "
                         f"Lower trainer.lr or check the data, then resume (trainer.resume=auto, or "
                         f"trainer.resume=<an earlier step folder>)")
                 if t.save_every and step % t.save_every == 0:

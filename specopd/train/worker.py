@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 import zlib
 from typing import Callable, Optional
 
@@ -325,7 +326,9 @@ class Worker:
             lr = self.scheduler.get_last_lr()[0]
             if not skipped:
                 self.optimizer.step()
-            self.scheduler.step()
+            with warnings.catch_warnings():  # a skipped first step: "lr_scheduler.step() before optimizer.step()"
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()
             self.steps_done += 1
             self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(gn), "lr": float(lr), "skipped": skipped}
@@ -486,8 +489,10 @@ class Worker:
 
     def load_state_dict(self, sd: dict) -> None:
         self.drafter.load_state_dict({k: v.to(self.device) for k, v in sd["drafter"].items()}, strict=True)
-        if sd.get("optimizer") is not None:
-            self.optimizer.load_state_dict(sd["optimizer"])
+        if sd.get("optimizer") is not None:  # a copy: in-process replicas get the same dict (their AdamW
+            import copy                      # moments must not share tensors)
+
+            self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
         if sd.get("scheduler") is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
         self.steps_done = int(sd.get("steps_done", self.scheduler.last_epoch))
