@@ -98,3 +98,89 @@ def test_cli_profile_rerenders(tmp_path, capsys):
     assert main(["profile", str(tmp_path)]) == 0
     assert (tmp_path / "profile" / "timeline.png").exists()
     assert '"workers"' in capsys.readouterr().out
+
+
+def _stepped_run(n_steps=60, workers=2):
+    """Spans as the training loop records them: a controller ``step`` span per step (with its number), the
+    workers' phases inside it, a checkpoint every 20 steps; 1 ms per phase (synthetic clock)."""
+    spans, t = [], 1000.0
+    for k in range(1, n_steps + 1):
+        t0 = t
+        for w in range(workers):
+            tw = t0
+            for i, name in enumerate(("prefill", "propose", "score", "loss_backward", "allreduce", "optimizer")):
+                d = 0.001 * (1 + i) * (1 + w)
+                spans.append((f"worker{w}", name, tw, tw + d))
+                tw += d
+        t = t0 + 0.05
+        if k % 20 == 0:
+            spans.append(("controller", "checkpoint", t, t + 0.01))
+            t += 0.01
+        spans.append(("controller", "step", t0, t, {"step": k}))
+        t += 0.001
+    return spans
+
+
+def test_step_table_aggregates_phases_per_step():
+    spans = [profiling._as_span(e) for e in _stepped_run()]
+    table = profiling.step_table(spans)
+    assert [r["step"] for r in table] == list(range(1, 61))
+    r = table[0]
+    assert r["phases"]["score"] == pytest.approx(0.003 * 2)  # the slowest worker's time in the phase
+    assert r["phases"]["other"] == pytest.approx(0.05 - sum(0.001 * (1 + i) * 2 for i in range(6)))
+    assert table[19]["phases"]["checkpoint"] == pytest.approx(0.01) and "checkpoint" not in table[18]["phases"]
+    # a resumed run repeats steps: the last run of a step counts
+    again = spans + [{"worker": "controller", "name": "step", "start": 5000.0, "end": 5001.0, "step": 60}]
+    assert profiling.step_table(again)[-1]["wall_s"] == pytest.approx(1.0)
+
+
+def test_timeline_of_a_60_step_run_with_cpu_use(tmp_path):
+    """The figure a 60-step CPU run gets: per-step bars, shares per worker, and CPU use (not an empty GPU
+    panel); the summary carries the per-step table and the CPU means; trace.json the CPU counters."""
+    cpu = [{"worker": "worker0", "t": 1000.0 + 0.25 * i, "cpu_cores": 0.9, "machine_cores": 1.8, "ncpu": 2,
+            "rss_bytes": 1 << 28} for i in range(14)]
+    s = write_profile(tmp_path, _stepped_run(), cpu, gpu_note="no GPU (test)")
+    d = tmp_path / "profile"
+    assert (d / "cpu.jsonl").exists() and not (d / "gpu.jsonl").exists()
+    assert s["steps"]["count"] == 60 and s["gpu_activity_pct"] is None
+    assert s["cpu"]["mean_cores_per_worker"]["worker0"] == pytest.approx(0.9)
+    assert s["cpu"]["machine_mean_cores"] == pytest.approx(1.8)
+    trace = json.loads((d / "trace.json").read_text())
+    assert sum(e["name"] == "cpu_cores_busy" for e in trace["traceEvents"]) == 14
+    assert any(e["name"] == "step 60" for e in trace["traceEvents"])
+    assert (d / "timeline.png").stat().st_size > 20_000
+    # a killed run leaves half a line: the profile still renders
+    with open(d / "spans.jsonl", "a") as f:
+        f.write('{"worker": "worker0", "name": "pre')
+    assert render(tmp_path)["steps"]["count"] == 60
+
+
+def test_cpu_sampler_records_this_process():
+    pytest.importorskip("psutil")
+    from specopd.profiling import CpuSampler
+
+    c = CpuSampler("w", interval_s=0.05).start()
+    t = time.time()
+    while time.time() - t < 0.3:
+        sum(i * i for i in range(20000))  # keep a core busy
+    c.stop()
+    got = c.take()
+    assert len(got) >= 3 and c.note is None
+    assert all(x["worker"] == "w" and x["ncpu"] >= 1 and x["rss_bytes"] > 0 for x in got)
+    assert max(x["cpu_cores"] for x in got) > 0.2  # the busy loop shows up
+
+
+def test_start_gpu_sampler_falls_back_to_cpu_use(tmp_path):
+    from types import SimpleNamespace
+
+    from specopd.profiling import CpuSampler, start_gpu_sampler
+
+    if GpuSampler().available:
+        pytest.skip("a GPU is present")
+    s, note = start_gpu_sampler(SimpleNamespace(profile=SimpleNamespace(enabled=True, nvml=True)), "local")
+    try:
+        assert "no GPU" in note
+        assert isinstance(s, CpuSampler) or s is None  # None only without psutil
+    finally:
+        if s is not None:
+            s.stop()
