@@ -415,3 +415,36 @@ def test_fused_bf16_close_to_fp32():
     ref = e2e_tv_loss(hq @ weight.t(), hp @ weight.t())
     assert abs(float(out.loss.detach()) - float(ref.detach())) < 2e-2
     assert out.alpha.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_cuda_bf16_paper_scale_memory_and_value():
+    """V = 151,936, 4,096 branch rows, bf16 on CUDA: the loss + backward stays within inputs + one chunk, and
+    equals the fp32 full-logit reference to bf16 accuracy."""
+    n, w, d, v, chunk = 256, 16, 1024, 151_936, 256
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(v, d, generator=g) / d ** 0.5).cuda()
+    hq32 = (torch.randn(n, w, d, generator=g) * 3).cuda()
+    hp32 = (torch.randn(n, w, d, generator=g) * 3).cuda()
+    hq = hq32.bfloat16().requires_grad_(True)
+    wb, hp = weight.bfloat16(), hp32.bfloat16()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fused_e2e_tv(hq, wb, hp, temperature=0.8, chunk_rows=chunk)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    # one chunk's fp32 working set (CHUNK_WORKSET_FACTOR x [chunk, V]) + hq's gradient + index / alpha vectors
+    from specopd.losses import CHUNK_WORKSET_FACTOR
+
+    budget = CHUNK_WORKSET_FACTOR * chunk * v * 4 + 2 * n * w * d * 2 + (64 << 20)
+    assert peak <= budget, (peak / 2**20, budget / 2**20)
+    assert peak < n * w * v * 4  # less than a single [N, W, V] fp32 tensor
+    ref_q = (hq32.bfloat16().float() @ wb.float().t()).requires_grad_(True)
+    ref = e2e_tv_loss(ref_q, hp.float() @ wb.float().t(), temperature=0.8)
+    assert abs(float(out.loss.detach()) - float(ref.detach())) < 5e-3
+    (gq,) = torch.autograd.grad(ref, ref_q)
+    g_ref = (gq @ wb.float()).flatten()
+    cos = torch.nn.functional.cosine_similarity(hq.grad.float().flatten(), g_ref, dim=0)
+    assert float(cos) > 0.99
