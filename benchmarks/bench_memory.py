@@ -192,7 +192,8 @@ def main(argv=None) -> int:
         sel = [r for r in rows if r["method"] == method]
         fits[method] = {"linear": fit(sel), "loglog": exponents(sel), "points": len(sel)}
     print("\nfit: peak = a + b * NW + c * V + d * NW * V (bytes); log-log exponents of NW and V")
-    print("| method | points | a MiB | b B per row | c B per vocab entry | d B per [N,W,V] entry | R^2 | exp NW | exp V |")
+    print("| method | points | a MiB | b B per row | c B per vocab entry | d B per [N,W,V] entry | R^2 | exp NW "
+          "| exp V |")
     print("|---|---|---|---|---|---|---|---|---|")
     for method, fx in fits.items():
         lin, ll = fx["linear"], fx["loglog"]

@@ -70,7 +70,8 @@ def plan(cfg, device_bytes=None) -> dict:
     per_worker = -(-d.batch_size // r.num_workers)
     return {
         "target": target, "method": t.method,
-        "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers, "block_size": cfg.drafter.block_size},
+        "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers,
+                    "block_size": cfg.drafter.block_size},
         "workers": r.num_workers, "backend": r.backend, "roles": r.roles, "placement": _placement(r, m.device),
         "per_step": {"sequences": d.batch_size, "sequences_per_worker": per_worker,
                      "branches": d.batch_size * t.anchors_per_seq,

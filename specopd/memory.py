@@ -100,8 +100,8 @@ class MemoryPlan:
         out, covered = [], 0
         fixed = sum(t.bytes for t in self.terms if phase in t.phases and t.key is None)
         if fixed > self.device_bytes:
-            out.append(f"the terms fixed by the model ({_gib(fixed)}) alone exceed the device ({_gib(self.device_bytes)}): "
-                       f"use a GPU with more memory or a smaller model.dtype")
+            out.append(f"the terms fixed by the model ({_gib(fixed)}) alone exceed the device "
+                       f"({_gib(self.device_bytes)}): use a GPU with more memory or a smaller model.dtype")
         for t in sorted((t for t in self.terms if phase in t.phases and t.key), key=lambda t: -t.bytes):
             out.append(f"{t.verb} {t.key} ({t.name}: {_gib(t.bytes)})")
             covered += t.bytes
@@ -259,6 +259,16 @@ def forward_workset(info: TargetInfo, tokens: int, bpe: int) -> int:
     return tokens * ((2 * info.streams + 4) * info.hidden + 2 * proj + 3 * info.mlp_width) * bpe
 
 
+def dense_attention_scores(info: TargetInfo, tq: int, tk: int) -> int:
+    """CPU (dense ``masked_attention``): fp32 scores + probabilities of one query chunk, as it chunks them
+    (at most 2^26 score entries unless one query row alone is larger)."""
+    heads = max((m.num_heads for m in info.mixers if type(m).kind in ("gqa", "qsa")), default=0)
+    if not heads or not tq or not tk:
+        return 0
+    rows = min(tq, max(1, (1 << 26) // (heads * tk)))
+    return 2 * rows * heads * tk * 4
+
+
 def score_extras(info: TargetInfo, trunk_nodes: List[int], branches: int, t: int, bpe: int) -> Tuple[int, str]:
     """The largest per-kind scoring transient (layers run one after another), as the executors compute it:
     gqa: per trunk the tree mask [Mi, T + Mi] (bool, kept on the tree) + SDPA's additive copy (bpe);
@@ -350,11 +360,16 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     nodes_per_trunk = [b * w] * s if on_policy else [0] * s
     score_extra, score_kind = score_extras(info, nodes_per_trunk, n, tt, bpe) if on_policy else (0, "none")
     dact, dlayer = drafter_activation_bytes(drafter, n, w, s * tt, act)
+
+    def cpu_scores(tq, tk):  # CUDA runs fused attention kernels; the CPU path materialises score chunks
+        return 0 if on_gpu else dense_attention_scores(info, tq, tk)
+
     all_, upto_score = PHASES, ("prefill", "propose", "score")
     terms = [
         Term("target weights", info.weight_bytes, all_, None,
              f"{info.params / 1e9:.3f}B params in {m.dtype} (fp32 where the model keeps them)"),
-        Term("drafter weights (fp32)", dparams * dbytes, all_, "drafter.num_layers", f"{dparams / 1e6:.1f}M params x 4 B"),
+        Term("drafter weights (fp32)", dparams * dbytes, all_, "drafter.num_layers",
+             f"{dparams / 1e6:.1f}M params x 4 B"),
         Term("drafter AdamW state", dparams * 2 * dbytes, all_, "drafter.num_layers", "exp_avg + exp_avg_sq, fp32"),
         Term("trunk caches", (cache - ckpt + trunk_hidden) * s, upto_score, "data.batch_size",
              f"{s} seq x T={tt}: per-layer executor caches (gqa K/V, qsa K/V + index keys, gdn conv inputs + "
@@ -366,15 +381,18 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     terms += [
         Term("drafter features", s * tt * feats * hid * bpe, PHASES[:4], "data.batch_size",
              f"{s} seq x T x {feats} layers x D"),
-        Term("prefill working set", forward_workset(info, tt, bpe), ("prefill",), "data.seq_len",
-             "one trunk through one layer at a time (no grad)"),
+        Term("prefill working set", forward_workset(info, tt, bpe) + cpu_scores(tt, tt), ("prefill",), "data.seq_len",
+             "one trunk through one layer at a time (no grad)" + ("" if on_gpu else " + dense attention scores")),
     ]
     if on_policy:
         terms += [
             Term("drafter forward (no grad)", dlayer + s * tt * 2 * hid * act, ("propose",), "trainer.anchors_per_seq",
                  "one drafter layer's activations for the N branches"),
-            Term("scoring pass", forward_workset(info, n * w, bpe) + score_extra, ("score",), "trainer.anchors_per_seq",
-                 f"N * W = {n * w} branch nodes through one layer (hidden states, no logits) + {score_kind}"),
+            Term("scoring pass", forward_workset(info, n * w, bpe) + score_extra + cpu_scores(b * w, tt + b * w),
+                 ("score",),
+                 "trainer.anchors_per_seq",
+                 f"N * W = {n * w} branch nodes through one layer (hidden states, no logits) + {score_kind}"
+                 + ("" if on_gpu else " + dense attention scores of one trunk")),
         ]
     terms += [
         Term("target side hp", n * w * hid * bpe, ("score", "loss"), "trainer.anchors_per_seq",

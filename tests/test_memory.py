@@ -101,7 +101,7 @@ def test_plan_larger_than_device_is_a_clear_error():
 def test_growth_is_linear_in_branches_and_chunk_sized_in_vocab(tmp_path):
     """Doubling anchors doubles the branch terms; the vocabulary reaches the step only through the weights and
     the loss chunk (fixed rows), never through an [N, W, V] term."""
-    base = ["data.batch_size=2", "data.seq_len=64", "trainer.loss_chunk_rows=16"]
+    base = ["data.batch_size=2", "data.seq_len=64", "trainer.loss_chunk_rows=16", "model.device=cuda"]  # GPU plan
     p1, p2, p3 = (memory_plan(_tiny(tmp_path, *base, f"trainer.anchors_per_seq={b}"), device_bytes=10**10)
                   for b in (8, 16, 24))
     assert _term(p2, "target side hp") == 2 * _term(p1, "target side hp")
@@ -145,10 +145,12 @@ def test_unknown_shape_and_bad_shape(tmp_path):
 
 
 def test_cli_dry_run_prints_terms_and_advice(tmp_path, capsys):
-    rc = main(["train", os.path.join(ROOT, "recipes", RECIPES_8GPU[1]), "--dry-run", "--json", str(tmp_path / "p.json")])
+    recipe = os.path.join(ROOT, "recipes", RECIPES_8GPU[1])
+    rc = main(["train", recipe, "--dry-run", "--json", str(tmp_path / "p.json")])
     out = capsys.readouterr().out
     assert rc == 0
-    for name in ("target weights", "gdn state checkpoints", "scoring pass", "drafter activations", "loss / sampling chunk"):
+    for name in ("target weights", "gdn state checkpoints", "scoring pass", "drafter activations",
+                 "loss / sampling chunk"):
         assert name in out
     assert "fits" in out and "peak" in out
     import json
