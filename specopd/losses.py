@@ -188,10 +188,11 @@ def resolve_chunk_rows(chunk_rows, vocab: int, device) -> int:
 
 
 def _chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [R, V] = sum_k x_k[rows] @ w_k^T (each product cast to fp32 before the sum)."""
+    """fp32 logits [R, V] = sum_k x_k[rows] @ w_k^T, each product in w_k's dtype (bf16 on CUDA: fp32
+    accumulation inside the matmul) and cast to fp32 before the sum and the softmax."""
     z = None
     for x, w in zip(xs, ws):
-        t = (x[rows] @ w.t()).float()
+        t = (x[rows].to(w.dtype) @ w.t()).float()
         z = t if z is None else z.add_(t)
     return z
 
@@ -218,6 +219,11 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw):
+        with torch.autocast(rows.device.type, enabled=False):  # precision is set here, not by autocast
+            return _ChunkedHead._forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw)
+
+    @staticmethod
+    def _forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw):
         xs, ws = xw[0::2], xw[1::2]
         dev = rows.device
         alpha = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if hp is not None else None
@@ -240,7 +246,7 @@ class _ChunkedHead(torch.autograd.Function):
                 alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
                 del p
             del zq
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperature, ctx.device_type = chunk, temperature, dev.type
         ctx.has_alpha, ctx.has_nll, ctx.n_terms = alpha is not None, nll is not None, len(xs)
         ctx.save_for_backward(rows, hp, wp, targets, *xw)
         empty = torch.zeros(0, device=dev)
@@ -248,6 +254,11 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_alpha, g_nll):
+        with torch.autocast(ctx.device_type, enabled=False):
+            return _ChunkedHead._backward(ctx, g_alpha, g_nll)
+
+    @staticmethod
+    def _backward(ctx, g_alpha, g_nll):
         rows, hp, wp, targets, *xw = ctx.saved_tensors
         xs, ws = xw[0::2], xw[1::2]
         need = ctx.needs_input_grad[6:]
@@ -280,7 +291,7 @@ class _ChunkedHead(torch.autograd.Function):
                     if dx[k] is not None:
                         dx[k][r] = (g.to(w.dtype) @ w).to(x.dtype)
                     if dw[k] is not None:
-                        dw[k].add_(g.t() @ x[r].float())
+                        dw[k].add_(g.t() @ x[r].float())  # fp32 accumulation over chunks
                 del g, z
         grads = []
         for k in range(len(xs)):

@@ -448,3 +448,16 @@ def test_fused_cuda_bf16_paper_scale_memory_and_value():
     g_ref = (gq @ wb.float()).flatten()
     cos = torch.nn.functional.cosine_similarity(hq.grad.float().flatten(), g_ref, dim=0)
     assert float(cos) > 0.99
+
+
+def test_fused_mixed_dtypes_and_autocast():
+    """fp32 hidden states with a bf16 lm_head (the worker's fp32 drafter + bf16 target) and an ambient autocast:
+    the weight's dtype sets the matmul precision, gradients come back in the input's dtype."""
+    hq, weight, hp, _ = _hidden(13, 4, 3, d=16, v=40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused_e2e_tv(hq, weight.bfloat16(), hp, chunk_rows=5)
+        out.loss.backward()
+    assert hq.grad.dtype == torch.float32
+    ref = fused_e2e_tv(hq.detach().bfloat16().float().requires_grad_(True), weight.bfloat16().float(),
+                       hp.bfloat16().float(), chunk_rows=5)
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < 1e-2
