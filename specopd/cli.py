@@ -45,59 +45,22 @@ def _lazy(module: str, func: str):
 
 
 # ---------------------------------------------------------------------------------------------- the plan
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def estimate_params(c: dict) -> int:
-    """Target parameter count from config.json alone (dense attention + MLP / MoE; approximate for
-    GDN / QSA extras). No weights are read."""
-    d, L, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    h = c.get("num_attention_heads", 1)
-    hd = c.get("head_dim") or d // h
-    kv = c.get("num_key_value_heads", h)
-    attn = d * hd * (2 * h + 2 * kv)
-    if c.get("num_experts"):
-        mlp = c["num_experts"] * 3 * d * c.get("moe_intermediate_size", 0) + 3 * d * (
-            c.get("shared_expert_intermediate_size") or 0)
-    else:
-        mlp = 3 * d * c.get("intermediate_size", 4 * d)
-    emb = v * d * (1 if c.get("tie_word_embeddings") else 2)
-    return int(L * (attn + mlp + 2 * d) + emb + d)
-
-
-def plan(cfg) -> dict:
-    """What a run would do, from the recipe and the target's config.json (no weights loaded)."""
-    from specopd.models.loading import read_config, resolve_dtype
-    from specopd.train.tiny import _tiny_config
+def plan(cfg, device_bytes=None) -> dict:
+    """What a run would do, from the recipe and the target's shape (config.json, or the recipe's model.shape);
+    no weights are loaded. ``memory`` is ``specopd.memory.memory_plan`` of one GPU (None: shape unknown)."""
+    from specopd.memory import memory_plan, target_shape
 
     m, r, t, d = cfg.model, cfg.runtime, cfg.trainer, cfg.data
     pipeline = bool(getattr(getattr(cfg, "pipeline", None), "enabled", False))
     notes = []
+    shape, source = target_shape(cfg)
     if m.is_tiny:
-        tcfg, _ = _tiny_config(m.target[len("tiny:"):], dict(m.tiny))
         where = f"built on the fly under {os.path.join(t.output_dir, 'tiny-target-' + m.target[5:])}"
     else:
-        where = m.target
-        folder = m.target
-        if not os.path.isdir(folder):  # a `specopd prepare model` name (e.g. smollm2-135m), once prepared
-            try:
-                from specopd.data.smollm2 import MODEL_NAME, default_model_dir, is_prepared
-
-                if folder == MODEL_NAME and is_prepared(default_model_dir()):
-                    folder = where = default_model_dir()
-            except ImportError:
-                pass
-        try:
-            tcfg = read_config(folder)
-        except FileNotFoundError as e:
-            tcfg = None
-            notes.append(f"model.target={m.target!r} is prepared by the main job on first use (stage 1, cached); "
-                         f"no memory estimate until then" if pipeline else f"no memory estimate: {e}")
+        where = source.rsplit("/config.json", 1)[0] if source.endswith("/config.json") else m.target
+    if shape is None:
+        notes.append(f"model.target={m.target!r} is prepared by the main job on first use (stage 1, cached); "
+                     f"no memory estimate until then" if pipeline else f"no memory estimate: {source}")
     if t.resume != "none":
         from specopd.train.checkpoint import CheckpointError, find_latest, read_state
 
@@ -116,43 +79,26 @@ def plan(cfg) -> dict:
     if pipeline:
         notes.append("pipeline: the main job (specopd.mainjob) prepares the target and the references when missing, "
                      "warms the drafter up, trains and evaluates; no separate `specopd prepare` step is needed")
-    if tcfg is None:
-        return {"target": {"model_type": None, "source": where,
-                           "pending": "prepared by the main job on first use" if pipeline else None},
-                "method": t.method, "notes": notes,
-                "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers,
-                            "block_size": cfg.drafter.block_size},
-                "workers": r.num_workers, "backend": r.backend, "roles": r.roles,
-                "placement": _placement(r, m.device),
-                "per_step": {"sequences": d.batch_size, "sequences_per_worker": -(-d.batch_size // r.num_workers),
-                             "branches": d.batch_size * t.anchors_per_seq,
-                             "supervised_tokens": d.batch_size * t.anchors_per_seq * cfg.drafter.block_size},
-                "memory_estimate_per_worker_bytes": None, "steps": t.max_steps, "output_dir": t.output_dir,
-                "resume": t.resume}
-    bpe = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
-    _ = resolve_dtype(m.dtype)
-    n_params = estimate_params(tcfg)
-    w, b = cfg.drafter.block_size, t.anchors_per_seq
-    seq = d.seq_len
-    hid, layers, vocab = tcfg["hidden_size"], tcfg["num_hidden_layers"], tcfg["vocab_size"]
-    per_worker_batch = -(-d.batch_size // r.num_workers)
-    kv = 2 * layers * seq * tcfg.get("num_key_value_heads", tcfg.get("num_attention_heads", 1)) * (
-        tcfg.get("head_dim") or hid // tcfg.get("num_attention_heads", 1)) * bpe
-    logits = (seq + b * w) * vocab * 4  # trunk logits + branch p, fp32
-    act = per_worker_batch * (kv + logits)
+    mem = memory_plan(cfg, device_bytes) if shape is not None else None
+    target = {"model_type": None if shape is None else shape.get("model_type"), "source": where,
+              "pending": "prepared by the main job on first use" if pipeline and shape is None else None}
+    if mem is not None:
+        z = mem.sizes
+        target.update(params=z["target_params"], weights_bytes=mem.terms[0].bytes, hidden_size=z["hidden"],
+                      layers=int(shape["num_hidden_layers"]), vocab=z["vocab"], shape_source=mem.shape_source)
+    per_worker = -(-d.batch_size // r.num_workers)
     return {
-        "target": {"model_type": tcfg.get("model_type"), "source": where, "params": n_params,
-                   "weights_bytes": n_params * bpe, "hidden_size": hid, "layers": layers, "vocab": vocab},
-        "method": t.method, "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers,
-                                        "block_size": w},
-        "workers": r.num_workers, "backend": r.backend, "roles": r.roles,
-        "placement": _placement(r, m.device),
-        "per_step": {"sequences": d.batch_size, "sequences_per_worker": per_worker_batch,
-                     "branches": d.batch_size * b, "supervised_tokens": d.batch_size * b * w},
-        "memory_estimate_per_worker_bytes": {"target_weights": n_params * bpe,
-                                             "trunk_caches_and_logits": act,
-                                             "total": n_params * bpe + act},
+        "target": target, "method": t.method,
+        "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers,
+                    "block_size": cfg.drafter.block_size},
+        "workers": r.num_workers, "backend": r.backend, "roles": r.roles, "placement": _placement(r, m.device),
+        "per_step": {"sequences": d.batch_size, "sequences_per_worker": per_worker,
+                     "branches": d.batch_size * t.anchors_per_seq,
+                     "supervised_tokens": d.batch_size * t.anchors_per_seq * cfg.drafter.block_size},
+        "memory": None if mem is None else mem.to_dict(),
+        "memory_estimate_per_worker_bytes": None,  # superseded by "memory" (kept for older readers)
         "steps": t.max_steps, "output_dir": t.output_dir, "resume": t.resume, "notes": notes,
+        "_memory_plan": mem,
     }
 
 
@@ -183,13 +129,12 @@ def _print_plan(p: dict) -> None:
     ps = p["per_step"]
     print(f"per step {ps['sequences']} sequences ({ps['sequences_per_worker']}/worker), up to {ps['branches']} "
           f"branches, {ps['supervised_tokens']} supervised tokens")
-    mem = p["memory_estimate_per_worker_bytes"]
     for note in p.get("notes", []):
         print(f"note     {note}")
-    if mem is None:
-        return
-    print(f"memory   per worker ~{_human(mem['total'])} (weights {_human(mem['target_weights'])}, trunk caches + "
-          f"logits {_human(mem['trunk_caches_and_logits'])})")
+    if p.get("_memory_plan") is not None:
+        from specopd.memory import format_plan
+
+        print("\n".join(format_plan(p["_memory_plan"])))
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -216,7 +161,7 @@ def cmd_train(args) -> int:
         _print_plan(p)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(p, f, indent=1)
+                json.dump({k: v for k, v in p.items() if not k.startswith("_")}, f, indent=1)
         return 0
     from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError
     from specopd.train.checkpoint import CheckpointError

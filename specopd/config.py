@@ -51,6 +51,9 @@ class ModelConfig:
     """Overrides of the tiny target's config.json entries (e.g. ``{hidden_size: 64}``)."""
     gdn_checkpoint_every: int = 64
     """GDN layers: keep a recurrent-state checkpoint every C trunk tokens (branches replay < C steps)."""
+    shape: Dict[str, Any] = field(default_factory=dict)
+    """config.json entries of the target (model_type, hidden_size, vocab_size, ...) for the memory plan of
+    ``specopd train --dry-run`` when the target folder is not on this machine; its config.json wins when it is."""
 
     def __post_init__(self):
         if self.target.startswith(TINY_PREFIX):
@@ -174,6 +177,10 @@ class TrainerConfig:
     """Each sample's step runs alone and the gradients add up in a fixed tree over the global batch, so the
     numbers are bitwise the same for any runtime.num_workers (a resume may change it). Costs one backward per
     sample and an all-reduce of about num_workers x the drafter's size: for checks and small runs."""
+    loss_chunk_rows: Any = "auto"
+    """Rows of [rows, V] fp32 logits the fused loss and the branch sampling hold at once: an integer >= 1, or
+    auto (a budget of 2 GiB on CUDA / 256 MiB on the CPU, lowered to a quarter of the free GPU memory; see
+    specopd.losses.auto_chunk_rows). Lower it if the loss phase runs out of memory."""
 
     def __post_init__(self):
         _check_choice("trainer", "method", self.method, METHODS)
@@ -195,6 +202,10 @@ class TrainerConfig:
         _check_range("trainer", "log_every", self.log_every, lo=1)
         _check_range("trainer", "eval_anchors_per_seq", self.eval_anchors_per_seq, lo=1)
         _check_range("trainer", "max_nonfinite_steps", self.max_nonfinite_steps, lo=1)
+        rows = self.loss_chunk_rows
+        if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise RecipeError(f"trainer.loss_chunk_rows={rows!r} is not valid; give an integer >= 1 (rows of "
+                              f"[rows, V] logits per chunk of the fused loss) or auto")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Drafter losses and acceptance metrics. N branches, W positions, V vocab.
+"""Drafter losses and acceptance metrics. N branches, W positions, V vocab, D hidden size.
 
 Probabilities are ``softmax(logits / temperature)`` computed in fp32 (pass logits already scaled, or
 ``temperature``). The target side ``p`` is always detached: gradients reach the drafter logits only.
@@ -7,17 +7,33 @@ Masks are bool [N, W], True = the position exists (e.g. False past the end of th
 - ``e2e_tv_loss`` / ``acceptance_length``: a False position *ends the branch*: only the valid prefix
   (positions before the first False) counts, W_b = its length. Branch loss
   ``L_b = 1 - (1/W_b) sum_{j<W_b} prod_{i<=j} alpha_{b,i}``.
-- ``ce_loss`` / ``confidence_loss``: False positions are skipped; branch loss = mean over its valid positions.
+- ``ce_loss`` / ``confidence_loss``: False positions are skipped; branch loss = mean over its valid positions
+  (a weighted mean with ``position_weights``).
 Normalisation: the sum of branch losses divided by ``denom`` when given (the global number of branches,
 so losses of batch halves add up to the loss of the whole batch), else by the number of branches with at
 least one valid position. Branches without valid positions add 0.
+
+Two forms of every loss:
+- on full logits [N, W, V] (``e2e_tv_loss``, ``ce_loss``, ``tv_alpha``): the plain references;
+- fused from hidden states (``fused_e2e_tv``, ``fused_ce``, ``sample_from_hidden``): logits
+  ``= (hq @ weight^T [+ e @ w2^T]) / T`` are built ``chunk_rows`` rows at a time and never exist for all
+  N * W rows at once; backward recomputes each chunk's logits. Memory: O(N * W * D) for the inputs and
+  gradients plus O(chunk_rows * V) for one chunk, whatever N * W is. Both forms share the E2E-TV / CE
+  reductions, which work on per-position scalars [N, W] (alpha, nll) only.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+# fp32 [rows, V] buffers one loss chunk holds at its peak (logits of q and p and their bf16 matmul
+# outputs; softmaxes are taken in place). The memory plan and ``auto_chunk_rows`` use it.
+CHUNK_WORKSET_FACTOR = 4
+# Budget of one chunk's working set when ``chunk_rows="auto"`` (bytes), by device type.
+CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 256 << 20}
+DFLASH_POSITION_DECAY = 7.0  # released DFlash CE weights exp(-k / 7) for drafted slot k (0-based)
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -56,7 +72,8 @@ def tv_alpha(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float 
 def align_p_logits(anchor_logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """Target logits aligned with drafter slots: slot j predicts the token after ``trunk[:a+1] + y[:j]``,
     so p[:, 0] = the trunk logits at the anchor (``cache.logits[a]``, [N, V]) and p[:, j] = scored[:, j-1]
-    (``target.score`` output [N, W, V]; its last row is the bonus position and is not used here)."""
+    (``target.score`` output [N, W, V]; its last row is the bonus position and is not used here).
+    The same alignment holds for hidden states ([N, D] and [N, W, D]) feeding ``fused_e2e_tv``."""
     if anchor_logits.dim() != 2 or scored.dim() != 3 or anchor_logits.shape[0] != scored.shape[0]:
         raise ValueError(f"need anchor_logits [N, V] and scored [N, W, V]; got {tuple(anchor_logits.shape)} and "
                          f"{tuple(scored.shape)}")
@@ -77,10 +94,9 @@ def acceptance_length(alpha: torch.Tensor, mask: Optional[torch.Tensor] = None) 
 expected_acceptance_length = acceptance_length
 
 
-def e2e_tv_loss(q_logits: torch.Tensor, p_logits: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                denom=None, temperature: float = 1.0) -> torch.Tensor:
-    """Bebop E2E-TV: mean over branches of ``1 - (1/W_b) sum_j prod_{i<=j} alpha_i`` (see module doc)."""
-    alpha = tv_alpha(q_logits, p_logits, temperature)
+def e2e_tv_from_alpha(alpha: torch.Tensor, mask: Optional[torch.Tensor] = None, denom=None) -> torch.Tensor:
+    """E2E-TV from per-position acceptances alpha [N, W] (see the module doc). Positions of a branch meet only
+    through these scalars, which is what lets the fused loss work one chunk of rows at a time."""
     valid = torch.cumprod(_mask(mask, alpha.shape, alpha.device).long(), dim=1)
     wb = valid.sum(1)
     surv = prefix_survival(alpha, valid.bool()).sum(1)
@@ -88,20 +104,43 @@ def e2e_tv_loss(q_logits: torch.Tensor, p_logits: torch.Tensor, mask: Optional[t
     return _reduce(per_branch, wb > 0, denom)
 
 
-def _masked_branch_mean(values: torch.Tensor, mask, denom) -> torch.Tensor:
+def e2e_tv_loss(q_logits: torch.Tensor, p_logits: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                denom=None, temperature: float = 1.0) -> torch.Tensor:
+    """Bebop E2E-TV: mean over branches of ``1 - (1/W_b) sum_j prod_{i<=j} alpha_i`` (see module doc)."""
+    return e2e_tv_from_alpha(tv_alpha(q_logits, p_logits, temperature), mask, denom)
+
+
+def position_weights(kind, width: int, device=None) -> Optional[torch.Tensor]:
+    """Per-slot CE weights [W]: None | "dflash" (released DFlash: exp(-k / 7) for drafted slot k, 0-based)
+    | a sequence / tensor of W weights."""
+    if kind is None:
+        return None
+    if isinstance(kind, str):
+        if kind != "dflash":
+            raise ValueError(f"position_weights must be None, 'dflash' or [W] weights; got {kind!r}")
+        return torch.exp(-torch.arange(width, dtype=torch.float32, device=device) / DFLASH_POSITION_DECAY)
+    w = torch.as_tensor(kind, dtype=torch.float32, device=device)
+    if tuple(w.shape) != (width,) or bool((w < 0).any()):
+        raise ValueError(f"position_weights must be W = {width} non-negative weights; got {tuple(w.shape)}")
+    return w
+
+
+def _masked_branch_mean(values: torch.Tensor, mask, denom, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     m = _mask(mask, values.shape, values.device)
-    cnt = m.sum(1)
-    per_branch = torch.where(m, values, torch.zeros_like(values)).sum(1) / cnt.clamp(min=1)
+    wt = m.to(values.dtype) if weights is None else m.to(values.dtype) * weights.to(values)[None]
+    cnt = wt.sum(1)
+    per_branch = torch.where(m, values * wt, torch.zeros_like(values)).sum(1) / torch.where(cnt > 0, cnt, 1)
     return _reduce(per_branch, cnt > 0, denom)
 
 
 def ce_loss(q_logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor] = None,
-            denom=None) -> torch.Tensor:
-    """Cross-entropy of the drafter on reference tokens targets [N, W]: per-branch mean of -log q(target)."""
+            denom=None, weights=None) -> torch.Tensor:
+    """Cross-entropy of the drafter on reference tokens targets [N, W]: per-branch (weighted) mean of
+    -log q(target); ``weights``: see ``position_weights``."""
     if tuple(targets.shape) != tuple(q_logits.shape[:2]):
         raise ValueError(f"targets must be [N, W] = {list(q_logits.shape[:2])}; got {list(targets.shape)}")
     nll = -torch.log_softmax(q_logits.float(), -1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    return _masked_branch_mean(nll, mask, denom)
+    return _masked_branch_mean(nll, mask, denom, position_weights(weights, nll.shape[1], nll.device))
 
 
 def confidence_loss(conf_logits: torch.Tensor, alpha: torch.Tensor, mask: Optional[torch.Tensor] = None,
@@ -111,3 +150,304 @@ def confidence_loss(conf_logits: torch.Tensor, alpha: torch.Tensor, mask: Option
         raise ValueError(f"conf_logits {tuple(conf_logits.shape)} and alpha {tuple(alpha.shape)} must both be [N, W]")
     bce = F.binary_cross_entropy_with_logits(conf_logits.float(), alpha.detach().float(), reduction="none")
     return _masked_branch_mean(bce, mask, denom)
+
+
+# ================================================================================ fused, chunked (hidden states)
+def check_chunk_rows(chunk_rows) -> None:
+    """``chunk_rows`` must be "auto" or an int >= 1 (``trainer.loss_chunk_rows``)."""
+    if isinstance(chunk_rows, str):
+        if chunk_rows != "auto":
+            raise ValueError(f"chunk_rows must be 'auto' or an integer >= 1; got {chunk_rows!r}")
+        return
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be an integer >= 1 (rows of [rows, V] logits per chunk) or 'auto'; "
+                         f"got {chunk_rows!r} (trainer.loss_chunk_rows)")
+
+
+def chunk_budget_bytes(device) -> int:
+    """Budget of one chunk's working set for ``chunk_rows="auto"``: ``CHUNK_BUDGET`` for the device type,
+    lowered to a quarter of the free memory when less is free (CUDA)."""
+    device = torch.device(device)
+    budget = CHUNK_BUDGET.get(device.type, CHUNK_BUDGET["cpu"])
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = min(budget, free // 4)
+    return int(budget)
+
+
+def auto_chunk_rows(vocab: int, device="cpu", budget_bytes: Optional[int] = None) -> int:
+    """Rows per chunk so that one chunk's fp32 working set (``CHUNK_WORKSET_FACTOR`` x [rows, V]) fits
+    ``budget_bytes`` (default ``chunk_budget_bytes(device)``); at least 1."""
+    budget = chunk_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
+    return max(1, budget // (CHUNK_WORKSET_FACTOR * 4 * int(vocab)))
+
+
+def resolve_chunk_rows(chunk_rows, vocab: int, device) -> int:
+    check_chunk_rows(chunk_rows)
+    return auto_chunk_rows(vocab, device) if chunk_rows == "auto" else int(chunk_rows)
+
+
+def _chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [R, V] = sum_k x_k[rows] @ w_k^T, each product in w_k's dtype (bf16 on CUDA: fp32
+    accumulation inside the matmul) and cast to fp32 before the sum and the softmax."""
+    z = None
+    for x, w in zip(xs, ws):
+        t = (x[rows].to(w.dtype) @ w.t()).float()
+        z = t if z is None else z.add_(t)
+    return z
+
+
+def _softmax_(z: torch.Tensor) -> torch.Tensor:
+    """In-place softmax over the last dim of fp32 z [R, V]; returns (z, logsumexp [R])."""
+    m = z.amax(-1, keepdim=True)
+    z.sub_(m).exp_()
+    s = z.sum(-1, keepdim=True)
+    z.div_(s)
+    return z, (m + s.log()).squeeze(-1)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """Per-row statistics of q = softmax(sum_k x_k @ w_k^T / T), computed ``chunk`` rows at a time.
+
+    Outputs for the flat rows ``rows`` [R]: alpha [R] = sum_v min(q, p) with p = softmax(hp @ wp^T / T)
+    (when hp is given), nll [R] = -log softmax(z)[target] at temperature 1 (when targets are given).
+    Backward gets dL/dalpha, dL/dnll [R] and recomputes each chunk's logits:
+        dalpha/dz_v = q_v (ind_v - sum_u q_u ind_u) / T,   ind = 1[q < p] + 1/2 1[q == p]  (torch.minimum's rule)
+        dnll/dz_v   = softmax(z)_v - 1[v == target]
+    then G [R, V] -> dx_k = G @ w_k, dw_k = G^T x_k (for the inputs that need them).
+    """
+
+    @staticmethod
+    def forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw):
+        with torch.autocast(rows.device.type, enabled=False):  # precision is set here, not by autocast
+            return _ChunkedHead._forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw)
+
+    @staticmethod
+    def _forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw):
+        xs, ws = xw[0::2], xw[1::2]
+        dev = rows.device
+        alpha = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if hp is not None else None
+        nll = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if targets is not None else None
+        for s in range(0, rows.numel(), chunk):
+            r = rows[s: s + chunk]
+            zq = _chunk_logits(xs, ws, r)  # [R, V] fp32
+            if nll is not None:
+                t = targets[r].long()
+                zt = zq.gather(1, t[:, None]).squeeze(1)
+                if alpha is None or temperature == 1.0:
+                    q, lse = _softmax_(zq)
+                else:
+                    lse = torch.logsumexp(zq, -1)
+                nll[s: s + chunk] = lse - zt
+            if alpha is not None:
+                if nll is None or temperature != 1.0:
+                    q, _ = _softmax_(zq.div_(temperature))
+                p, _ = _softmax_(_chunk_logits((hp,), (wp,), r).div_(temperature))
+                alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
+                del p
+            del zq
+        ctx.chunk, ctx.temperature, ctx.device_type = chunk, temperature, dev.type
+        ctx.has_alpha, ctx.has_nll, ctx.n_terms = alpha is not None, nll is not None, len(xs)
+        ctx.save_for_backward(rows, hp, wp, targets, *xw)
+        empty = torch.zeros(0, device=dev)
+        return (alpha if alpha is not None else empty), (nll if nll is not None else empty)
+
+    @staticmethod
+    def backward(ctx, g_alpha, g_nll):
+        with torch.autocast(ctx.device_type, enabled=False):
+            return _ChunkedHead._backward(ctx, g_alpha, g_nll)
+
+    @staticmethod
+    def _backward(ctx, g_alpha, g_nll):
+        rows, hp, wp, targets, *xw = ctx.saved_tensors
+        xs, ws = xw[0::2], xw[1::2]
+        need = ctx.needs_input_grad[6:]
+        dx = [torch.zeros_like(x) if need[2 * k] else None for k, x in enumerate(xs)]
+        dw = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[2 * k + 1] else None
+              for k, w in enumerate(ws)]
+        T = ctx.temperature
+        use_a = ctx.has_alpha and g_alpha is not None and bool(g_alpha.ne(0).any())
+        use_n = ctx.has_nll and g_nll is not None and bool(g_nll.ne(0).any())
+        if (use_a or use_n) and any(n for n in need):
+            for s in range(0, rows.numel(), ctx.chunk):
+                r = rows[s: s + ctx.chunk]
+                z = _chunk_logits(xs, ws, r)  # [R, V] fp32 raw logits
+                g = None
+                if use_n:  # (softmax(z) - onehot) * dL/dnll
+                    g = z.clone() if use_a else z
+                    _softmax_(g)
+                    g[torch.arange(r.numel(), device=g.device), targets[r].long()] -= 1.0
+                    g.mul_(g_nll[s: s + ctx.chunk, None])
+                if use_a:  # q (ind - <q, ind>) * dL/dalpha / T
+                    q, _ = _softmax_(z.div_(T))
+                    p, _ = _softmax_(_chunk_logits((hp,), (wp,), r).div_(T))
+                    ind = torch.lt(q, p).float().masked_fill_(torch.eq(q, p), 0.5)  # [R, V]
+                    del p
+                    qi = torch.einsum("rv,rv->r", q, ind)
+                    ga = ind.sub_(qi[:, None]).mul_(q).mul_(g_alpha[s: s + ctx.chunk, None] / T)
+                    g = ga if g is None else g.add_(ga)
+                    del q, ind
+                for k, (x, w) in enumerate(zip(xs, ws)):
+                    if dx[k] is not None:
+                        dx[k][r] = (g.to(w.dtype) @ w).to(x.dtype)
+                    if dw[k] is not None:
+                        dw[k].add_(g.t() @ x[r].float())  # fp32 accumulation over chunks
+                del g, z
+        grads = []
+        for k in range(len(xs)):
+            grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
+        return (None, None, None, None, None, None, *grads)
+
+
+class FusedOut(NamedTuple):
+    """loss: scalar (with grad); alpha: [N, W] fp32, detached (0 past a branch's valid prefix, or None when
+    no target side was given); nll: [N, W] detached per-position CE (None for E2E-TV)."""
+    loss: torch.Tensor
+    alpha: Optional[torch.Tensor]
+    nll: Optional[torch.Tensor] = None
+
+
+def _flat_terms(hq, weight, markov):
+    """[(x [N*W, K], w [V, K])] for hq (and DSpark's low-rank term), with shape checks."""
+    if hq.dim() != 3:
+        raise ValueError(f"hq must be the drafter's final hidden state [N, W, D]; got {tuple(hq.shape)}")
+    n, w, d = hq.shape
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"weight must be the lm_head weight [V, D = {d}]; got {tuple(weight.shape)}")
+    terms = [hq.reshape(n * w, d), weight]
+    if markov is not None:
+        e, w2 = markov
+        if e.dim() != 3 or tuple(e.shape[:2]) != (n, w) or w2.dim() != 2 or w2.shape != (weight.shape[0], e.shape[2]):
+            raise ValueError(f"markov=(e [N, W, r], w2 [V, r]) with N, W = {n}, {w}, V = {weight.shape[0]}; got "
+                             f"{tuple(e.shape)} and {tuple(w2.shape)}")
+        terms += [e.reshape(n * w, e.shape[2]), w2]
+    return terms
+
+
+def _target_side(hp, p_weight, weight, n, w):
+    if hp is None:
+        return None, None
+    if tuple(hp.shape[:2]) != (n, w) or hp.shape[-1] != (p_weight if p_weight is not None else weight).shape[1]:
+        raise ValueError(f"hp must be the target's hidden state at the scored positions [N, W, D] = [{n}, {w}, "
+                         f"{weight.shape[1]}]; got {tuple(hp.shape)}")
+    return hp.detach().reshape(n * w, hp.shape[-1]), (weight if p_weight is None else p_weight).detach()
+
+
+def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p_weight=None, targets=None):
+    n, w = hq.shape[:2]
+    terms = _flat_terms(hq, weight, markov)
+    hpf, wp = _target_side(hp, p_weight, weight, n, w)
+    chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], hq.device)
+    if hp is not None and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for alpha (T = 0 acceptance is exact match); got {temperature}")
+    rows = torch.nonzero(rows_mask.reshape(-1)).flatten()
+    tflat = None if targets is None else targets.reshape(-1).to(hq.device)
+    a, nl = _ChunkedHead.apply(rows, chunk, float(temperature), hpf, wp, tflat, *terms)
+    alpha = nll = None
+    if hp is not None:
+        alpha = torch.zeros(n * w, dtype=torch.float32, device=hq.device).index_put((rows,), a).view(n, w)
+    if targets is not None:
+        nll = torch.zeros(n * w, dtype=torch.float32, device=hq.device).index_put((rows,), nl).view(n, w)
+    return alpha, nll
+
+
+def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
+                 markov=None, mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0,
+                 chunk_rows="auto") -> FusedOut:
+    """E2E-TV from hidden states, equal to ``e2e_tv_loss(q_logits, p_logits, mask, denom, temperature)`` with
+    ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T`` (p_weight defaults to weight).
+
+    hq [N, W, D]: the drafter's final (normed) hidden state, with grad. weight [V, D]: the frozen lm_head shared
+    by drafter and target (it gets a gradient only if it requires one). hp [N, W, D]: the target's hidden state
+    at the scored positions after whatever the target applies before lm_head, slot-aligned (``align_p_logits``);
+    detached. markov: DSpark's low-rank term ``(e [N, W, r], w2 [V, r])`` with e = W1[x_prev]; e and w2 get
+    gradients. mask [N, W]: False ends the branch (positions after it are not computed). chunk_rows: rows of
+    [rows, V] logits per chunk, or "auto" (``auto_chunk_rows``).
+    Returns ``FusedOut(loss, alpha [N, W] detached)``: alpha feeds the metrics (prefix_survival,
+    acceptance_length, confidence_loss) with no second TV pass.
+    """
+    n, w = hq.shape[:2]
+    valid = torch.cumprod(_mask(mask, (n, w), hq.device).long(), dim=1).bool()
+    alpha, _ = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight)
+    return FusedOut(e2e_tv_from_alpha(alpha, valid, denom), alpha.detach())
+
+
+def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, markov=None,
+             mask: Optional[torch.Tensor] = None, denom=None, weights=None, hp: Optional[torch.Tensor] = None,
+             p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto") -> FusedOut:
+    """Off-policy CE from hidden states, equal to ``ce_loss(q_logits, targets, mask, denom, weights)`` (q at
+    temperature 1, as ``ce_loss``). targets [N, W] reference tokens; weights: None | "dflash" | [W]
+    (``position_weights``). With hp (the target side, as in ``fused_e2e_tv``) the same pass also returns alpha at
+    ``temperature`` for the metrics (no gradient through it). Rows with mask False are not computed."""
+    n, w = hq.shape[:2]
+    if tuple(targets.shape) != (n, w):
+        raise ValueError(f"targets must be [N, W] = [{n}, {w}]; got {list(targets.shape)}")
+    m = _mask(mask, (n, w), hq.device)
+    alpha, nll = _run_head(hq, weight, markov, m, chunk_rows, temperature, hp=hp, p_weight=p_weight, targets=targets)
+    loss = _masked_branch_mean(nll, m, denom, position_weights(weights, w, hq.device))
+    return FusedOut(loss, None if alpha is None else alpha.detach(), nll.detach())
+
+
+@torch.no_grad()
+def logits_at(h: torch.Tensor, weight: torch.Tensor, index: Optional[torch.Tensor] = None, *,
+              temperature: float = 1.0) -> torch.Tensor:
+    """fp32 logits [len(index), V] (or [M, V]) of the rows ``index`` of hidden states h [M, D] (e.g. the target's
+    p at a few anchors). Only for few rows: the result is materialised."""
+    rows = torch.arange(h.shape[0], device=h.device) if index is None else torch.as_tensor(index, device=h.device)
+    z = _chunk_logits((h,), (weight,), rows)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+@torch.no_grad()
+def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float, rows: Sequence[torch.Tensor],
+                       generators: Sequence[Optional[torch.Generator]], *, markov=None,
+                       chunk_rows="auto") -> torch.Tensor:
+    """Tokens [N, ...] drawn from softmax((h @ weight^T [+ e @ w2^T]) / T) in chunks of rows; argmax at T = 0.
+
+    h [N, ..., D] (e.g. [N, W, D], or [N, D] for one DSpark slot); markov = (e [N, ..., r], w2 [V, r]).
+    rows[i]: indices into dim 0 drawn with generators[i] (one generator per sample, as the worker seeds them).
+    Inverse-CDF sampling with one uniform per token: generator i draws ``u`` for all of its tokens at once
+    (rows[i] in order, then the trailing dims row-major), so the tokens do not depend on ``chunk_rows`` or on
+    which other samples share the batch. The CDF is accumulated in fp64; the drawn token always has p > 0.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature}")
+    lead = h.shape[:-1]
+    hf = h.reshape(-1, h.shape[-1])
+    terms = [hf, weight]
+    if markov is not None:
+        e, w2 = markov
+        if tuple(e.shape[:-1]) != tuple(lead):
+            raise ValueError(f"markov e must be [{', '.join(map(str, lead))}, r]; got {tuple(e.shape)}")
+        terms += [e.reshape(-1, e.shape[-1]), w2]
+    xs, ws = terms[0::2], terms[1::2]
+    chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
+    per = int(torch.tensor(lead[1:]).prod()) if len(lead) > 1 else 1
+    n = int(lead[0]) if len(lead) else 1
+    out = torch.full((n * per,), -1, dtype=torch.long, device=h.device)
+    u = torch.zeros(n * per, dtype=torch.float64, device=h.device)
+    flat_rows = []
+    for r, g in zip(rows, generators):
+        r = torch.as_tensor(r, dtype=torch.long, device=h.device).reshape(-1)
+        if r.numel() == 0:
+            continue
+        fr = (r[:, None] * per + torch.arange(per, device=h.device)).reshape(-1)  # flat rows, row-major
+        if temperature > 0:
+            gdev = g.device if g is not None else h.device
+            u[fr] = torch.rand(fr.numel(), generator=g, dtype=torch.float64, device=gdev).to(h.device)
+        flat_rows.append(fr)
+    if not flat_rows:
+        return out.view(lead)
+    todo = torch.cat(flat_rows)
+    for s in range(0, todo.numel(), chunk):
+        r = todo[s: s + chunk]
+        z = _chunk_logits(xs, ws, r)  # [R, V] fp32
+        if temperature == 0:
+            out[r] = z.argmax(-1)
+            continue
+        p, _ = _softmax_(z.div_(temperature))
+        cdf = torch.cumsum(p, -1, dtype=torch.float64)  # [R, V]
+        target = (u[r] * cdf[:, -1]).unsqueeze(1)
+        out[r] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
+        del p, cdf, z
+    return out.view(lead)

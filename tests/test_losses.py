@@ -142,3 +142,322 @@ def test_align_p_logits():
     a, sc = torch.randn(2, V), torch.randn(2, W, V)
     p = align_p_logits(a, sc)
     assert torch.equal(p[:, 0], a) and torch.equal(p[:, 1:], sc[:, :-1])
+
+
+# ------------------------------------------------------------------------------ fused, chunked (hidden states)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from specopd.losses import (auto_chunk_rows, check_chunk_rows, e2e_tv_from_alpha, fused_ce,  # noqa: E402
+                            fused_e2e_tv, logits_at, position_weights, sample_from_hidden)
+
+
+def _hidden(seed, n, w, d=8, v=13, r=0, ties=()):
+    """hq (grad), lm_head weight, hp (detached), optional markov (e, w2) with grad; rows in ``ties`` get hp == hq."""
+    g = torch.Generator().manual_seed(seed)
+    hq = torch.randn(n, w, d, generator=g)
+    hp = torch.randn(n, w, d, generator=g)
+    for b in ties:
+        hp[b] = hq[b]
+    weight = torch.randn(v, d, generator=g)
+    markov = None
+    if r:
+        markov = (torch.randn(n, w, r, generator=g).requires_grad_(True),
+                  (torch.randn(v, r, generator=g) * 0.5).requires_grad_(True))
+    return hq.requires_grad_(True), weight, hp, markov
+
+
+def _ref_logits(hq, weight, hp, markov):
+    q = (hq @ weight.t()).float()
+    if markov is not None:
+        q = q + (markov[0] @ markov[1].t()).float()
+    return q, (hp @ weight.t()).float()
+
+
+def _grads(loss, inputs):
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+def _close(a, b, rtol=1e-5):
+    scale = max(float(b.abs().max()), 1e-6)
+    assert float((a - b).abs().max()) <= rtol * scale, (float((a - b).abs().max()), scale)
+
+
+CASES = [  # n, w, temperature, chunk, markov rank, mask kind, denom, ties
+    (5, 4, 1.0, 3, 0, None, None, ()),
+    (5, 4, 0.6, 7, 3, "holes", 9, ()),
+    (7, 1, 1.3, 2, 0, "holes", None, ()),  # a single drafted token
+    (4, 3, 1.0, 5, 0, "empty", 6, (0, 2)),  # ties q == p on whole rows, an empty branch
+    (6, 5, 0.9, 1, 0, "holes", 11, (3,)),
+    (3, 4, 1.0, 1000, 4, None, 3, ()),  # one chunk holds everything
+]
+
+
+def _case_mask(kind, n, w, seed):
+    if kind is None:
+        return None
+    m = torch.rand(n, w, generator=torch.Generator().manual_seed(seed)) > 0.25
+    if kind == "empty":
+        m[1] = False
+    return m
+
+
+@pytest.mark.parametrize("n,w,temp,chunk,rank,mask_kind,denom,ties", CASES)
+def test_fused_e2e_tv_equals_full_logits(n, w, temp, chunk, rank, mask_kind, denom, ties):
+    hq, weight, hp, markov = _hidden(n * 10 + w, n, w, r=rank, ties=ties)
+    mask = _case_mask(mask_kind, n, w, n + w)
+    inputs = [hq] + (list(markov) if markov else [])
+    out = fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=denom, temperature=temp, chunk_rows=chunk)
+    g = _grads(out.loss, inputs)
+    ql, pl = _ref_logits(hq, weight, hp, markov)
+    ref = e2e_tv_loss(ql, pl, mask, denom=denom, temperature=temp)
+    gr = _grads(ref, inputs)
+    assert abs(float(out.loss.detach()) - float(ref.detach())) <= 1e-5 * max(1.0, abs(float(ref.detach())))
+    for a, b in zip(g, gr):
+        _close(a, b)
+    # alpha (the metrics) from the same pass, on the valid prefix; 0 past it
+    valid = torch.cumprod(_mask_or_ones(mask, n, w).long(), 1).bool()
+    alpha_ref = tv_alpha(ql.detach(), pl, temp)
+    _close(out.alpha[valid], alpha_ref[valid])
+    assert bool((out.alpha[~valid] == 0).all()) and not out.alpha.requires_grad
+    for b in ties:
+        assert torch.allclose(out.alpha[b][valid[b]], torch.ones(int(valid[b].sum())), atol=1e-5)
+
+
+def _mask_or_ones(mask, n, w):
+    return torch.ones(n, w, dtype=torch.bool) if mask is None else mask
+
+
+def test_fused_e2e_tv_ties_use_half_gradient():
+    """Partial ties: q_v == p_v exactly on some v, q != p elsewhere. torch.minimum's gradient is 1/2 on a tie;
+    the fused backward must follow it (checked to matter: the rule 1[q <= p] gives another gradient)."""
+    weight = torch.eye(4)  # logits == hidden states, exactly
+    hq = torch.tensor([[[0.0, 0.0, -1.0, -2.0], [1.0, 1.0, 0.5, -0.25]]], requires_grad=True)
+    hp = torch.tensor([[[0.0, 0.0, -2.0, -1.0], [1.0, 1.0, -0.25, 0.5]]])  # entries 2, 3 swapped
+    q, p = torch.softmax(hq.detach(), -1), torch.softmax(hp, -1)
+    assert torch.equal(q[..., :2], p[..., :2]) and not torch.equal(q, p)  # the ties this test is about
+    out = fused_e2e_tv(hq, weight, hp, chunk_rows=1)
+    ref = e2e_tv_loss(hq @ weight.t(), hp @ weight.t())
+    g, gr = _grads(out.loss, [hq])[0], _grads(ref, [hq])[0]
+    torch.testing.assert_close(g, gr, rtol=1e-5, atol=1e-8)
+    # the gradient with ties counted as q < p (ind = 1[q <= p]) differs: the test can tell the rules apart
+    ind = (q <= p).float()
+    alt = q * (ind - (q * ind).sum(-1, keepdim=True)) * _dl_dalpha(tv_alpha(hq.detach(), hp))[..., None]
+    assert float((alt - gr).abs().max()) > 1e-3
+
+
+def _dl_dalpha(alpha):
+    a = alpha.clone().requires_grad_(True)
+    return torch.autograd.grad(e2e_tv_from_alpha(a), a)[0]
+
+
+def test_fused_lm_head_gradient_when_trainable():
+    hq, weight, hp, _ = _hidden(5, 3, 4)
+    weight.requires_grad_(True)
+    out = fused_e2e_tv(hq, weight, hp, temperature=0.8, chunk_rows=5)
+    # the target side is a constant: p from a detached copy of the weight
+    ref = e2e_tv_loss(hq @ weight.t(), hp @ weight.detach().t(), temperature=0.8)
+    for a, b in zip(_grads(out.loss, [hq, weight]), _grads(ref, [hq, weight])):
+        _close(a, b)
+
+
+def test_fused_all_masked_and_denom_split():
+    hq, weight, hp, markov = _hidden(6, 4, 3, r=2)
+    none = torch.zeros(4, 3, dtype=torch.bool)
+    out = fused_e2e_tv(hq, weight, hp, markov=markov, mask=none, chunk_rows=2)
+    assert float(out.loss.detach()) == 0.0
+    whole = fused_e2e_tv(hq, weight, hp, markov=markov, chunk_rows=4).loss
+    halves = [fused_e2e_tv(hq[s], weight, hp[s], markov=(markov[0][s], markov[1]), denom=4, chunk_rows=4).loss
+              for s in (slice(0, 1), slice(1, 4))]
+    torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("weights", [None, "dflash", [0.5, 1.0, 0.0, 2.0]])
+def test_fused_ce_equals_full_logits(weights):
+    n, w = 6, 4
+    hq, weight, hp, markov = _hidden(11, n, w, r=3)
+    targets = torch.randint(0, 13, (n, w), generator=torch.Generator().manual_seed(3))
+    mask = _case_mask("empty", n, w, 5)
+    out = fused_ce(hq, weight, targets, markov=markov, mask=mask, denom=8, weights=weights, hp=hp,
+                   temperature=0.7, chunk_rows=5)
+    ql, pl = _ref_logits(hq, weight, hp, markov)
+    ref = ce_loss(ql, targets, mask, denom=8, weights=weights)
+    assert abs(float(out.loss.detach()) - float(ref.detach())) <= 1e-5 * max(1.0, abs(float(ref.detach())))
+    inputs = [hq, *markov]
+    for a, b in zip(_grads(out.loss, inputs), _grads(ref, inputs)):
+        _close(a, b)
+    # alpha for the metrics comes from the same pass (at the sampling temperature), on valid positions
+    _close(out.alpha[mask], tv_alpha(ql.detach(), pl, 0.7)[mask])
+    no_alpha = fused_ce(hq, weight, targets, chunk_rows=3)
+    assert no_alpha.alpha is None
+
+
+def test_position_weights_dflash():
+    w = position_weights("dflash", 4)
+    torch.testing.assert_close(w, torch.tensor([1.0, math.exp(-1 / 7), math.exp(-2 / 7), math.exp(-3 / 7)]))
+    with pytest.raises(ValueError, match="position_weights"):
+        position_weights("linear", 4)
+    with pytest.raises(ValueError, match="position_weights"):
+        position_weights([1.0, 2.0], 4)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, "big", None])
+def test_chunk_rows_below_one_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="chunk_rows"):
+        check_chunk_rows(bad)
+    hq, weight, hp, _ = _hidden(1, 2, 2)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        fused_e2e_tv(hq, weight, hp, chunk_rows=bad)
+
+
+def test_auto_chunk_rows_fits_budget():
+    v = 151_936
+    rows = auto_chunk_rows(v, "cpu", budget_bytes=1 << 30)
+    assert rows * 4 * v * 4 <= 1 << 30 < (rows + 1) * 4 * v * 4
+    assert auto_chunk_rows(v, "cpu", budget_bytes=10) == 1
+    assert auto_chunk_rows(v, "cpu") >= 1
+
+
+def test_bad_shapes_are_clear_errors():
+    hq, weight, hp, _ = _hidden(2, 3, 2)
+    with pytest.raises(ValueError, match="lm_head weight"):
+        fused_e2e_tv(hq, weight[:, :4], hp)
+    with pytest.raises(ValueError, match="hp must be"):
+        fused_e2e_tv(hq, weight, hp[:2])
+    with pytest.raises(ValueError, match="markov"):
+        fused_e2e_tv(hq, weight, hp, markov=(torch.zeros(3, 2, 2), torch.zeros(5, 2)))
+    with pytest.raises(ValueError, match="temperature"):
+        fused_e2e_tv(hq, weight, hp, temperature=0.0)
+
+
+class _MaxNumel(TorchDispatchMode):
+    """Records the largest tensor any op produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_fused_never_materialises_all_rows_of_logits():
+    n, w, v, chunk = 12, 5, 97, 7
+    hq, weight, hp, markov = _hidden(9, n, w, v=v, r=3)
+    targets = torch.randint(0, v, (n, w))
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    with _MaxNumel() as rec:
+        out = fused_e2e_tv(hq, weight, hp, markov=markov, chunk_rows=chunk, temperature=0.9)
+        out.loss.backward()
+        fused_ce(hq, weight, targets, markov=markov, hp=hp, chunk_rows=chunk).loss.backward()
+        sample_from_hidden(hq.detach(), weight, 1.0, [torch.arange(6), torch.arange(6, 12)], gens,
+                           markov=(markov[0].detach(), markov[1].detach()), chunk_rows=chunk)
+    # the largest tensors are one chunk's logits and the frozen / low-rank weights' gradients, never [N, W, V]
+    assert rec.max_numel <= max(chunk * v, v * 8), rec.max_numel
+    assert rec.max_numel < n * w * v // 4
+
+
+# ------------------------------------------------------------------------------ chunked sampling
+def test_sample_greedy_is_argmax():
+    hq, weight, _, markov = _hidden(4, 6, 3, r=2)
+    h, m = hq.detach(), (markov[0].detach(), markov[1].detach())
+    toks = sample_from_hidden(h, weight, 0.0, [torch.arange(6)], [None], markov=m, chunk_rows=4)
+    torch.testing.assert_close(toks, (h @ weight.t() + m[0] @ m[1].t()).argmax(-1))
+
+
+def test_sample_independent_of_chunks_and_other_samples():
+    hq, weight, _, _ = _hidden(8, 9, 4)
+    h = hq.detach()
+    rows = [torch.arange(0, 4), torch.arange(4, 9)]
+
+    def draw(chunk, seeds=(1, 2), which=(0, 1)):
+        gens = [torch.Generator().manual_seed(seeds[i]) for i in which]
+        return sample_from_hidden(h, weight, 0.8, [rows[i] for i in which], gens, chunk_rows=chunk)
+
+    ref = draw(1000)
+    for chunk in (1, 3, 5, 36):
+        assert torch.equal(draw(chunk), ref)
+    # sample 0's tokens depend only on its own generator, not on sample 1's seed or presence
+    assert torch.equal(draw(4, seeds=(1, 99))[:4], ref[:4])
+    assert torch.equal(draw(4, which=(0,))[:4], ref[:4])
+    assert bool((draw(4, which=(0,))[4:] == -1).all())  # rows of no sample are not drawn
+
+
+def test_sample_distribution_and_zero_probability():
+    """Empirical frequencies match softmax(logits / T); tokens with p == 0 in fp32 are never drawn."""
+    v, d, n = 6, 4, 4000
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(v, d, generator=g)
+    weight[2] = -1e4 * torch.ones(d)  # logit -4e4: p underflows to 0
+    h = torch.ones(n, d)
+    toks = sample_from_hidden(h, weight, 1.5, [torch.arange(n)], [torch.Generator().manual_seed(5)], chunk_rows=333)
+    p = torch.softmax((h[0] @ weight.t()) / 1.5, -1)
+    freq = torch.bincount(toks, minlength=v).float() / n
+    assert int((toks == 2).sum()) == 0 and float(p[2]) == 0.0
+    # 4000 draws: each frequency within 5 standard errors of its probability
+    se = (p * (1 - p) / n).sqrt()
+    assert bool(((freq - p).abs() <= 5 * se + 1e-6).all()), (freq, p)
+
+
+def test_logits_at_rows():
+    h, weight = torch.randn(7, 5), torch.randn(11, 5)
+    torch.testing.assert_close(logits_at(h, weight, torch.tensor([6, 0, 3]), temperature=0.5),
+                               (h[[6, 0, 3]] @ weight.t()) / 0.5)
+
+
+def test_fused_bf16_close_to_fp32():
+    """bf16 inputs: the chunk's logits are cast to fp32 before the softmax (fp32 accumulation per chunk)."""
+    hq, weight, hp, _ = _hidden(12, 6, 4, d=32, v=50)
+    out = fused_e2e_tv(hq.detach().bfloat16().requires_grad_(True), weight.bfloat16(), hp.bfloat16(), chunk_rows=5)
+    ref = e2e_tv_loss(hq @ weight.t(), hp @ weight.t())
+    assert abs(float(out.loss.detach()) - float(ref.detach())) < 2e-2
+    assert out.alpha.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_cuda_bf16_paper_scale_memory_and_value():
+    """V = 151,936, 4,096 branch rows, bf16 on CUDA: the loss + backward stays within inputs + one chunk, and
+    equals the fp32 full-logit reference to bf16 accuracy."""
+    n, w, d, v, chunk = 256, 16, 1024, 151_936, 256
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(v, d, generator=g) / d ** 0.5).cuda()
+    hq32 = (torch.randn(n, w, d, generator=g) * 3).cuda()
+    hp32 = (torch.randn(n, w, d, generator=g) * 3).cuda()
+    hq = hq32.bfloat16().requires_grad_(True)
+    wb, hp = weight.bfloat16(), hp32.bfloat16()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fused_e2e_tv(hq, wb, hp, temperature=0.8, chunk_rows=chunk)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    # one chunk's fp32 working set (CHUNK_WORKSET_FACTOR x [chunk, V]) + hq's gradient + index / alpha vectors
+    from specopd.losses import CHUNK_WORKSET_FACTOR
+
+    budget = CHUNK_WORKSET_FACTOR * chunk * v * 4 + 2 * n * w * d * 2 + (64 << 20)
+    assert peak <= budget, (peak / 2**20, budget / 2**20)
+    assert peak < n * w * v * 4  # less than a single [N, W, V] fp32 tensor
+    ref_q = (hq32.bfloat16().float() @ wb.float().t()).requires_grad_(True)
+    ref = e2e_tv_loss(ref_q, hp.float() @ wb.float().t(), temperature=0.8)
+    assert abs(float(out.loss.detach()) - float(ref.detach())) < 5e-3
+    (gq,) = torch.autograd.grad(ref, ref_q)
+    g_ref = (gq @ wb.float()).flatten()
+    cos = torch.nn.functional.cosine_similarity(hq.grad.float().flatten(), g_ref, dim=0)
+    assert float(cos) > 0.99
+
+
+def test_fused_mixed_dtypes_and_autocast():
+    """fp32 hidden states with a bf16 lm_head (the worker's fp32 drafter + bf16 target) and an ambient autocast:
+    the weight's dtype sets the matmul precision, gradients come back in the input's dtype."""
+    hq, weight, hp, _ = _hidden(13, 4, 3, d=16, v=40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused_e2e_tv(hq, weight.bfloat16(), hp, chunk_rows=5)
+        out.loss.backward()
+    assert hq.grad.dtype == torch.float32
+    ref = fused_e2e_tv(hq.detach().bfloat16().float().requires_grad_(True), weight.bfloat16().float(),
+                       hp.bfloat16().float(), chunk_rows=5)
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < 1e-2

@@ -1,0 +1,466 @@
+"""Memory plan: one GPU's estimated peak for one SpecOPD step, term by term, before anything is loaded.
+
+``memory_plan(cfg)`` reads the target's shape (its config.json when the folder exists, else the recipe's
+``model.shape``; tiny targets from their built-in config), builds the target and the drafter on the meta
+device (exact parameter counts, layer kinds and mixer sizes, no weights read) and adds up what each phase
+of a step holds:
+
+    prefill    trunk caches growing + one trunk's forward working set
+    propose    trunk caches + the drafter's no-grad forward + one sampling chunk
+    score      trunk caches + the packed scoring pass over the N * W branch nodes (hidden states, no logits)
+    loss       drafter activations saved for backward + the target side hp [N, W, D] + one loss chunk
+    optimizer  gradients + AdamW temporaries
+
+Terms held by every phase (target weights, drafter weights, AdamW state) are added to each. The peak is the
+largest phase. Sizes per GPU: S = ceil(data.batch_size / runtime.num_workers) sequences of T = data.seq_len
+tokens, N = S * trainer.anchors_per_seq branches of W = drafter.block_size drafted tokens. The plan assumes
+the step after issue 10's integration: the target keeps hidden states (never [T, V] or [N, W, V] logits), the
+loss is ``specopd.losses.fused_e2e_tv`` in chunks of ``trainer.loss_chunk_rows`` rows, and the drafter
+shares each trunk's context K/V across its branches (issue 9) with a fused attention kernel (no
+[N, H, W, T] score tensor). Activations are bf16 on CUDA (autocast), the drafter's master weights, gradients
+and AdamW state fp32.
+
+Growth: linear in S * T (caches, features) and in N * W (branch activations, hp); the vocabulary enters
+only through the weights and the [chunk, V] loss chunk. ``check_memory(cfg)`` raises ``MemoryPlanError``
+naming the recipe keys to lower when the peak exceeds the device (the trainer calls it before any work).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+DEFAULT_DEVICE_BYTES = 80 * 10**9
+"""Device memory assumed when no CUDA device is visible: 80 GB (decimal). An "80 GB" H100 / A100 reports
+79.2 GiB (85.0e9 bytes), so this leaves ~5 GB for fragmentation beyond ``RUNTIME_OVERHEAD``."""
+RUNTIME_OVERHEAD = 1 << 30
+"""CUDA context, cuBLAS / NCCL workspaces and allocator slack, counted in every phase on CUDA."""
+PHASES = ("prefill", "propose", "score", "loss", "optimizer")
+ROLE_PHASES = {"target": ("prefill", "score"), "drafter": ("propose", "loss", "optimizer")}
+GDN_SCORE_STATES = 6
+"""fp32 [H, K, V] GDN states per branch a scoring layer holds at once: the anchor state, the level's input and
+output, and the step's temporaries (decayed state, k d^T, their sum; ``kernels.gated_delta.gated_delta_step``)."""
+
+
+class MemoryPlanError(ValueError):
+    """The planned peak does not fit the device; the message names the recipe keys to lower."""
+
+
+@dataclass
+class Term:
+    name: str
+    bytes: int
+    phases: Tuple[str, ...]  # the phases during which it is alive
+    key: Optional[str]  # the recipe key that lowers it (None: fixed by the model)
+    how: str  # the formula, in words
+    verb: str = "lower"  # what to do with ``key`` to shrink the term ("raise" for a checkpoint interval)
+
+
+@dataclass
+class MemoryPlan:
+    terms: List[Term]
+    device_bytes: int
+    device_source: str
+    shape_source: str
+    sizes: dict  # S, T, N, W, V, D, chunk_rows, ...
+    roles: str = "colocated"
+    notes: List[str] = field(default_factory=list)
+
+    def phase_bytes(self, phases=PHASES) -> dict:
+        return {p: sum(t.bytes for t in self.terms if p in t.phases) for p in phases}
+
+    def role_peaks(self) -> dict:
+        """{role: (peak bytes, phase)}: one entry (colocated) or the target and drafter GPUs (split)."""
+        pb = self.phase_bytes()
+        roles = {"colocated": PHASES} if self.roles != "split" else ROLE_PHASES
+        return {r: max(((pb[p], p) for p in ph), key=lambda x: x[0]) for r, ph in roles.items()}
+
+    @property
+    def peak(self) -> int:
+        return max(b for b, _ in self.role_peaks().values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.role_peaks().values(), key=lambda x: x[0])[1]
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.device_bytes
+
+    def advice(self) -> List[str]:
+        """The recipe keys whose terms, largest first, cover the excess of the peak phase."""
+        excess = self.peak - self.device_bytes
+        if excess <= 0:
+            return []
+        phase = self.peak_phase
+        out, covered = [], 0
+        fixed = sum(t.bytes for t in self.terms if phase in t.phases and t.key is None)
+        if fixed > self.device_bytes:
+            out.append(f"the terms fixed by the model ({_gib(fixed)}) alone exceed the device "
+                       f"({_gib(self.device_bytes)}): use a GPU with more memory or a smaller model.dtype")
+        for t in sorted((t for t in self.terms if phase in t.phases and t.key), key=lambda t: -t.bytes):
+            out.append(f"{t.verb} {t.key} ({t.name}: {_gib(t.bytes)})")
+            covered += t.bytes
+            if covered >= excess:
+                break
+        return out
+
+    def to_dict(self) -> dict:
+        rp = self.role_peaks()
+        return {"terms": [asdict(t) for t in self.terms], "phases": self.phase_bytes(),
+                "roles": {r: {"peak": b, "phase": p} for r, (b, p) in rp.items()},
+                "peak": self.peak, "peak_phase": self.peak_phase, "device_bytes": self.device_bytes,
+                "device_source": self.device_source, "fits": self.fits, "advice": self.advice(),
+                "shape_source": self.shape_source, "sizes": dict(self.sizes), "notes": list(self.notes)}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def human(n: float) -> str:
+    """Bytes in B / KiB / MiB / GiB / TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def target_shape(cfg) -> Tuple[Optional[dict], str]:
+    """(config.json entries of the target, where they came from); (None, why) when no shape is known."""
+    from specopd.models.loading import read_config
+
+    m = cfg.model
+    if m.is_tiny:
+        from specopd.train.tiny import _tiny_config
+
+        return _tiny_config(m.target[len("tiny:"):], dict(m.tiny))[0], f"built-in tiny config ({m.target})"
+    folder = m.target
+    if not os.path.isdir(folder):
+        try:  # a `specopd prepare model` name (e.g. smollm2-135m), once prepared
+            from specopd.data.smollm2 import MODEL_NAME, default_model_dir, is_prepared
+
+            if folder == MODEL_NAME and is_prepared(default_model_dir()):
+                folder = default_model_dir()
+        except ImportError:
+            pass
+    if os.path.isdir(folder):
+        return read_config(folder), f"{folder}/config.json"
+    if m.shape:
+        shape = dict(m.shape)
+        if "text_config" in shape:  # the composite layout of a real config.json
+            shape = {**{k: v for k, v in shape.items() if k != "text_config"}, **shape["text_config"]}
+        return shape, "recipe model.shape (the target folder is not on this machine)"
+    return None, (f"target folder {m.target!r} is not on this machine and the recipe has no model.shape "
+                  f"(add the config.json entries of the target under model.shape)")
+
+
+def device_memory(cfg) -> Tuple[int, str]:
+    """(bytes, source): the GPU's memory when CUDA is visible, host RAM for CPU recipes, else 80 GB."""
+    if cfg.model.device == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+            return kb * 1024, "host RAM (model.device=cpu)"
+        except (OSError, StopIteration):
+            return DEFAULT_DEVICE_BYTES, "default 80 GB (host RAM unknown)"
+    if torch.cuda.is_available():
+        prop = torch.cuda.get_device_properties(0)
+        return int(prop.total_memory), f"cuda:0 ({prop.name})"
+    return DEFAULT_DEVICE_BYTES, "default 80 GB (no CUDA device visible here)"
+
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class TargetInfo:
+    """What the plan reads off the meta-built target."""
+    params: int
+    weight_bytes: int
+    vocab: int
+    hidden: int
+    layers: int
+    mixers: list  # token mixer modules (kind gqa / qsa / gdn / conv), in layer order
+    mlp_width: int  # intermediate width a token passes through (dense, or top-k experts + shared)
+    streams: int  # residual streams (hyper-connections), 1 for a plain pre-norm stack
+    model_type: str
+    model: nn.Module
+
+
+def analyse_target(shape: dict, dtype: str) -> TargetInfo:
+    """Build our model class for ``shape`` on the meta device: exact weights (fp32 where the model keeps them,
+    tied weights once), the token mixers and the MLP width."""
+    from specopd.models import MODEL_TYPES
+
+    mt = shape.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise ValueError(f"model_type {mt!r} of the target shape is not supported; supported: {sorted(MODEL_TYPES)}")
+    try:
+        with torch.device("meta"):
+            model = MODEL_TYPES[mt](dict(shape))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"the target shape lacks an entry our {mt} model needs: {e} (give the config.json "
+                         f"entries under model.shape)") from None
+    bpe = _BYTES[dtype]
+    tied = set(getattr(model, "tied_params", {}))
+    fp32 = tuple(getattr(model, "fp32_params", ()))
+    params = wbytes = 0
+    for name, p in model.named_parameters():
+        if name in tied:
+            continue
+        params += p.numel()
+        wbytes += p.numel() * (4 if any(name.endswith(s) for s in fp32) else bpe)
+    mixers = [m for m in model.modules() if getattr(type(m), "kind", None) in ("gqa", "qsa", "gdn", "conv")]
+    experts = int(shape.get("num_experts") or 0)
+    moe = (int(shape.get("num_experts_per_tok") or 0) * int(shape.get("moe_intermediate_size") or 0)
+           + int(shape.get("shared_expert_intermediate_size") or 0)) if experts else 0
+    return TargetInfo(params, wbytes, int(shape["vocab_size"]), int(shape["hidden_size"]),
+                      int(shape["num_hidden_layers"]), mixers, max(int(shape.get("intermediate_size") or 0), moe),
+                      int(shape.get("hc_count") or 1), mt, model)
+
+
+def _proj_width(mixer: nn.Module) -> int:
+    """Output features of every projection of a mixer (q/k/v/gate, GDN in_proj, indexer) per token."""
+    return sum(m.out_features for m in mixer.modules() if isinstance(m, nn.Linear))
+
+
+def trunk_cache_bytes(mixer: nn.Module, t: int, every: int, bpe: int) -> Tuple[int, int]:
+    """(cache bytes, of which GDN state checkpoints) of one mixer's trunk cache for t tokens, as the executors
+    store it: GQACache k, v [T, Hkv, hd]; QSACache + raw index keys [T, di] + pooled keys [T // r, di];
+    GDNCache conv_in [T, Cd], g, beta [T, H] fp32, checkpoints [ceil(T / C), H, K, V] fp32, final [H, K, V]
+    fp32; ConvCache x [T, C]."""
+    kind = type(mixer).kind
+    if kind in ("gqa", "qsa"):
+        b = 2 * t * mixer.num_kv_heads * mixer.head_dim * bpe
+        if kind == "qsa":
+            di = mixer.indexer.head_dim
+            b += t * di * bpe + (t // mixer.ratio) * di * bpe
+        return b, 0
+    if kind == "gdn":
+        state = mixer.num_v_heads * mixer.head_k_dim * mixer.head_v_dim * 4
+        ckpt = math.ceil(t / every) * state
+        return t * mixer.conv_dim * bpe + 2 * t * mixer.num_v_heads * 4 + ckpt + state, ckpt
+    if kind == "conv":
+        return t * mixer.weight.shape[0] * bpe, 0
+    raise ValueError(f"no cache layout known for mixer kind {kind!r}")
+
+
+def forward_workset(info: TargetInfo, tokens: int, bpe: int) -> int:
+    """One target layer's activations for ``tokens`` tokens, no grad: residual streams + norms, the widest mixer's
+    projections (twice: inputs and outputs of its attention / recurrence), the MLP's gate, up and product."""
+    proj = max((_proj_width(m) for m in info.mixers), default=0)
+    return tokens * ((2 * info.streams + 4) * info.hidden + 2 * proj + 3 * info.mlp_width) * bpe
+
+
+def dense_attention_scores(info: TargetInfo, tq: int, tk: int) -> int:
+    """CPU (dense ``masked_attention``): fp32 scores + probabilities of one query chunk, as it chunks them
+    (at most 2^26 score entries unless one query row alone is larger)."""
+    heads = max((m.num_heads for m in info.mixers if type(m).kind in ("gqa", "qsa")), default=0)
+    if not heads or not tq or not tk:
+        return 0
+    rows = min(tq, max(1, (1 << 26) // (heads * tk)))
+    return 2 * rows * heads * tk * 4
+
+
+def score_extras(info: TargetInfo, trunk_nodes: List[int], branches: int, t: int, bpe: int) -> Tuple[int, str]:
+    """The largest per-kind scoring transient (layers run one after another), as the executors compute it:
+    gqa: per trunk the tree mask [Mi, T + Mi] (bool, kept on the tree) + SDPA's additive copy (bpe);
+    gdn: GDN_SCORE_STATES fp32 states [H, K, V] per branch (chains: one state per branch and tree level);
+    qsa: the gathered keys / values of the selected tokens [M, budget + r - 1, Hkv, hd] x 2, their fp32
+    scores [M, H, keys] and the index scores [M, T / r]."""
+    m = sum(trunk_nodes)
+    best, what = 0, "none"
+    kinds = {type(x).kind: x for x in info.mixers}
+    if "gqa" in kinds or "qsa" in kinds:
+        b = sum(mi * (t + mi) * (1 + bpe) for mi in trunk_nodes)
+        if b > best:
+            best, what = b, "gqa tree masks"
+    if "gdn" in kinds:
+        x = kinds["gdn"]
+        b = GDN_SCORE_STATES * branches * x.num_v_heads * x.head_k_dim * x.head_v_dim * 4
+        if b > best:
+            best, what = b, "gdn branch states"
+    if "qsa" in kinds:
+        x = kinds["qsa"]
+        keys = x.topk * x.ratio + x.ratio - 1
+        b = (2 * m * keys * x.num_kv_heads * x.head_dim * bpe + m * x.num_heads * keys * 4
+             + m * (t // x.ratio + 1) * 4)
+        if b > best:
+            best, what = b, "qsa gathered keys"
+    return best, what
+
+
+def build_meta_drafter(cfg, info: TargetInfo):
+    from specopd.drafters import build_drafter
+
+    d = cfg.drafter
+    with torch.device("meta"):
+        return build_drafter(d.kind, info.model, num_layers=d.num_layers, block_size=d.block_size,
+                             feature_layers=d.feature_layers)
+
+
+def drafter_activation_bytes(drafter, n: int, w: int, ctx_rows: int, act: int) -> Tuple[int, int]:
+    """(all layers' activations saved for backward, one layer's) for n branches of w drafted tokens (w + 1 block
+    rows with the anchor) and ctx_rows context rows (each trunk once: shared-context drafter).
+    Per block row and layer: residual, norms and attention / MLP outputs (6 D), q in / normed / roped + attention
+    output (3 H hd), k and v of the block (6 Hkv hd), MLP gate, up, act, product (4 I), fp32 log-sum-exp (H).
+    Per context row and layer: k, v projections, normed, roped (4 Hkv hd). Once: fc output and its norm (2 D)
+    per context row; the final norm's input and output [N, W, D]."""
+    c = drafter.config
+    d, hq, hkv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    rows = n * (w + 1)
+    per_layer = rows * ((6 * d + 3 * hq + 6 * hkv + 4 * i) * act + 4 * c.num_heads) + ctx_rows * 4 * hkv * act
+    once = ctx_rows * 2 * d * act + 2 * n * w * d * act
+    markov = n * w * (getattr(c, "markov_rank", 0) + d) * act if getattr(drafter, "has_confidence", False) else 0
+    return c.num_layers * per_layer + once + markov, per_layer
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]:
+    """The plan of one GPU (one worker) for ``cfg``; None when the target's shape is unknown (see notes of
+    ``target_shape``). ``device_bytes`` overrides the device memory (default: ``device_memory(cfg)``)."""
+    from specopd.losses import CHUNK_BUDGET, CHUNK_WORKSET_FACTOR, auto_chunk_rows
+
+    shape, source = target_shape(cfg)
+    if shape is None:
+        return None
+    m, t, d, r = cfg.model, cfg.trainer, cfg.data, cfg.runtime
+    info = analyse_target(shape, m.dtype)
+    drafter = build_meta_drafter(cfg, info)
+    bpe = _BYTES[m.dtype]
+    on_gpu = m.device != "cpu"
+    act = 2 if on_gpu else 4  # autocast bf16 on CUDA; the fp32 drafter's own dtype on the CPU
+    dparams = sum(p.numel() for p in drafter.parameters())
+    dbytes = 4  # master weights fp32 (the drafter is built in fp32)
+    s = -(-d.batch_size // r.num_workers)
+    tt, w, v, hid = d.seq_len, int(cfg.drafter.block_size), info.vocab, info.hidden
+    method = t.method
+    b = t.anchors_per_seq
+    n = s * b
+    on_policy = method in ("specopd", "draft_opd")
+    feats = len(drafter.feature_layers)
+    device_type = "cuda" if on_gpu else "cpu"
+    chunk = (auto_chunk_rows(v, device_type, CHUNK_BUDGET[device_type]) if t.loss_chunk_rows == "auto"
+             else int(t.loss_chunk_rows))
+    chunk = min(chunk, n * w)
+    every = m.gdn_checkpoint_every
+
+    cache = ckpt = 0
+    for x in info.mixers:
+        c, k = trunk_cache_bytes(x, tt, every, bpe)
+        cache, ckpt = cache + c, ckpt + k
+    trunk_hidden = tt * hid * bpe  # final hidden states: p at the anchors comes from them
+    nodes_per_trunk = [b * w] * s if on_policy else [0] * s
+    score_extra, score_kind = score_extras(info, nodes_per_trunk, n, tt, bpe) if on_policy else (0, "none")
+    dact, dlayer = drafter_activation_bytes(drafter, n, w, s * tt, act)
+
+    def cpu_scores(tq, tk):  # CUDA runs fused attention kernels; the CPU path materialises score chunks
+        return 0 if on_gpu else dense_attention_scores(info, tq, tk)
+
+    all_, upto_score = PHASES, ("prefill", "propose", "score")
+    terms = [
+        Term("target weights", info.weight_bytes, all_, None,
+             f"{info.params / 1e9:.3f}B params in {m.dtype} (fp32 where the model keeps them)"),
+        Term("drafter weights (fp32)", dparams * dbytes, all_, "drafter.num_layers",
+             f"{dparams / 1e6:.1f}M params x 4 B"),
+        Term("drafter AdamW state", dparams * 2 * dbytes, all_, "drafter.num_layers", "exp_avg + exp_avg_sq, fp32"),
+        Term("trunk caches", (cache - ckpt + trunk_hidden) * s, upto_score, "data.batch_size",
+             f"{s} seq x T={tt}: per-layer executor caches (gqa K/V, qsa K/V + index keys, gdn conv inputs + "
+             f"g/beta + final state, conv inputs) + final hidden [T, D]"),
+    ]
+    if ckpt:
+        terms.append(Term("gdn state checkpoints", ckpt * s, upto_score, "model.gdn_checkpoint_every",
+                          f"{s} seq x ceil(T / {every}) fp32 states per GDN layer", verb="raise"))
+    terms += [
+        Term("drafter features", s * tt * feats * hid * bpe, PHASES[:4], "data.batch_size",
+             f"{s} seq x T x {feats} layers x D"),
+        Term("prefill working set", forward_workset(info, tt, bpe) + cpu_scores(tt, tt), ("prefill",), "data.seq_len",
+             "one trunk through one layer at a time (no grad)" + ("" if on_gpu else " + dense attention scores")),
+    ]
+    if on_policy:
+        terms += [
+            Term("drafter forward (no grad)", dlayer + s * tt * 2 * hid * act, ("propose",), "trainer.anchors_per_seq",
+                 "one drafter layer's activations for the N branches"),
+            Term("scoring pass", forward_workset(info, n * w, bpe) + score_extra + cpu_scores(b * w, tt + b * w),
+                 ("score",),
+                 "trainer.anchors_per_seq",
+                 f"N * W = {n * w} branch nodes through one layer (hidden states, no logits) + {score_kind}"
+                 + ("" if on_gpu else " + dense attention scores of one trunk")),
+        ]
+    terms += [
+        Term("target side hp", n * w * hid * bpe, ("score", "loss"), "trainer.anchors_per_seq",
+             "[N, W, D] target hidden states at the scored positions"),
+        Term("loss / sampling chunk", CHUNK_WORKSET_FACTOR * chunk * v * 4, ("propose", "loss"),
+             "trainer.loss_chunk_rows", f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V] fp32"),
+        Term("drafter activations", dact + dlayer + n * w * hid * act, ("loss",), "trainer.anchors_per_seq",
+             f"{cfg.drafter.num_layers} layers saved for backward (block rows N * (W + 1), context once per trunk) "
+             f"+ one layer's gradients + the hq gradient [N, W, D]"),
+        Term("drafter gradients (fp32)", dparams * dbytes, ("loss", "optimizer"), "drafter.num_layers",
+             "one per trainable weight"),
+        Term("optimizer temporaries", dparams * dbytes, ("optimizer",), "drafter.num_layers",
+             "AdamW (foreach) sqrt(exp_avg_sq) buffer"),
+    ]
+    if on_gpu:
+        terms += [
+            Term("autocast weight copies", dparams * act, ("propose", "loss"), "drafter.num_layers",
+                 "bf16 copies of the drafter's weights during forward/backward"),
+            Term("CUDA runtime", RUNTIME_OVERHEAD, all_, None, "context, cuBLAS/NCCL workspaces, allocator slack"),
+        ]
+    if device_bytes is None:
+        dev_b, dev_src = device_memory(cfg)
+    else:
+        dev_b, dev_src = int(device_bytes), "given"
+    notes = []
+    if m.shape and not source.startswith("recipe"):
+        notes.append(f"model.shape is ignored: the shape comes from {source}")
+    if method == "draft_opd":
+        notes.append("draft_opd: planned as B = trainer.anchors_per_seq rounds per sequence scored at once "
+                     "(its rollout holds fewer branches at a time)")
+    sizes = {"sequences_per_gpu": s, "seq_len": tt, "anchors_per_seq": b, "branches": n, "W": w, "vocab": v,
+             "hidden": hid, "chunk_rows": chunk, "drafter_params": dparams, "target_params": info.params,
+             "feature_layers": feats, "activation_bytes": act}
+    return MemoryPlan(terms, dev_b, dev_src, source, sizes, r.roles, notes)
+
+
+def check_memory(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]:
+    """Raise ``MemoryPlanError`` when the plan's peak exceeds the device (call before any work starts).
+    Returns the plan (None when the target's shape is unknown: nothing to check)."""
+    p = memory_plan(cfg, device_bytes)
+    if p is not None and not p.fits:
+        raise MemoryPlanError(
+            f"the step needs ~{_gib(p.peak)} per GPU (phase {p.peak_phase}) but the device has "
+            f"{_gib(p.device_bytes)} ({p.device_source}); " + "; ".join(p.advice())
+            + " (`specopd train RECIPE --dry-run` prints the plan term by term)")
+    return p
+
+
+def format_plan(p: MemoryPlan) -> List[str]:
+    """The plan as printed by ``specopd train --dry-run`` (one line per term, then the peak)."""
+    z = p.sizes
+    lines = [f"memory   per GPU ({p.roles}): S={z['sequences_per_gpu']} seq x T={z['seq_len']}, "
+             f"N={z['branches']} branches x W={z['W']}, V={z['vocab']:,}, loss chunk {z['chunk_rows']} rows; "
+             f"shape from {p.shape_source}"]
+    pb = p.phase_bytes()
+    lines.append(f"  {'term':<28} {'bytes':>10}  {'phases':<36} lower with")
+    for t in p.terms:
+        ph = "all" if t.phases == PHASES else ",".join(t.phases)
+        key = "-" if not t.key else (t.key if t.verb == "lower" else f"{t.key} ({t.verb})")
+        lines.append(f"  {t.name:<28} {human(t.bytes):>10}  {ph:<36} {key}")
+    lines.append("  by phase: " + ", ".join(f"{k} {human(v)}" for k, v in pb.items()))
+    for role, (b, ph) in p.role_peaks().items():
+        who = "" if role == "colocated" else f" ({role} GPU)"
+        lines.append(f"  peak{who} {human(b)} in phase {ph}; device {_gib(p.device_bytes)} = "
+                     f"{p.device_bytes / 1e9:.1f} GB ({p.device_source})")
+    if p.fits:
+        lines.append(f"  fits, {human(p.device_bytes - p.peak)} to spare")
+    else:
+        lines.append(f"  DOES NOT FIT by {_gib(p.peak - p.device_bytes)}: " + "; ".join(p.advice()))
+    lines += [f"  note: {n}" for n in p.notes]
+    return lines
