@@ -97,9 +97,10 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, con
                 rec_out["split"] = rec["split"]
             out.append(rec_out)
     if not out:
+        ctx = f" and the target context of {context}" if context else ""
         raise ValueError(f"{fp}: no usable sequences of {st['records']} (each needs prompt_len >= 1 and a response "
-                         f"within data.seq_len={seq_len} tokens{f' and the target context of {context}' if context else ''}"
-                         f"; {st['prompt_too_long']} had a longer prompt than the target's context)")
+                         f"within data.seq_len={seq_len} tokens{ctx}; {st['prompt_too_long']} had a longer prompt "
+                         f"than the target's context)")
     return out
 
 
