@@ -348,7 +348,9 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         if c is not None:
             try:
                 group.broadcast("load_state_dict", c["worker_state"])
-            except RuntimeError as e:  # e.g. a drafter of another shape (drafter.init_from changed it)
+            except RuntimeError as e:  # a drafter of another shape (e.g. drafter.init_from changed it)
+                if "state_dict" not in str(e):  # torch's "Error(s) in loading state_dict ..."; others pass on
+                    raise
                 raise RecipeChangeError(f"cannot resume from {c['path']}: its drafter does not fit this recipe's "
                                         f"({str(e).splitlines()[0][:300]}); use another trainer.output_dir") from None
             if c.get("controller_rng"):
