@@ -448,3 +448,16 @@ def test_dry_run_notes_of_the_main_job_agree(capsys, tmp_path, monkeypatch):
     assert "written by the main job on first use" in text and "prepared by the main job on first use" in text
     assert "before training" not in text and "run `specopd prepare" not in text
     assert not os.path.exists(tmp_path / "run")  # a dry run writes nothing
+
+
+def test_resume_with_a_drafter_of_another_shape_is_refused(straight, tmp_path, capsys):
+    """drafter.init_from (ignored on resume) names a 2-layer drafter: loading the 1-layer checkpoint into it
+    fails with a clear refusal, not a raw state_dict traceback."""
+    other = tmp_path / "two-layers"
+    train(_cfg(other, "drafter.num_layers=2", "trainer.max_steps=1"), progress=False)
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    rc, stdout, err = _cli(capsys, out, f"drafter.init_from={ck.find_latest(str(other))}",
+                           f"trainer.max_steps={STEPS + 1}")
+    assert rc == 1 and "Traceback" not in err
+    assert f"cannot resume from {ck.find_latest(str(out))}: its drafter does not fit this recipe's" in err
