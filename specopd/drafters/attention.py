@@ -102,14 +102,15 @@ class _ChunkedBranchAttention(torch.autograd.Function):
         n_all, s, h, hd = q.shape
         hkv = k_blk.shape[2]
         g = h // hkv
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math (fp64 stays fp64)
         out = torch.empty_like(q)
-        lse = q.new_empty((n_all, hkv, g, s), dtype=torch.float32)
+        lse = q.new_empty((n_all, hkv, g, s), dtype=acc)
         chunks = layout.chunks(h, chunk_elems)
         for b0, b1, c0, amax in chunks:
             n = b1 - b0
-            q5 = q[b0:b1].float().view(n, s, hkv, g, hd)
-            kc, vc = k_ctx[c0:c0 + amax].float(), v_ctx[c0:c0 + amax].float()
-            kb, vb = k_blk[b0:b1].float(), v_blk[b0:b1].float()
+            q5 = q[b0:b1].to(acc).view(n, s, hkv, g, hd)
+            kc, vc = k_ctx[c0:c0 + amax].to(acc), v_ctx[c0:c0 + amax].to(acc)
+            kb, vb = k_blk[b0:b1].to(acc), v_blk[b0:b1].to(acc)
             s_ctx, s_blk = _scores(q5, kc, kb, layout.anchors[b0:b1], scale)
             m = s_blk.amax(-1) if s_ctx is None else torch.maximum(s_blk.amax(-1), s_ctx.amax(-1))  # [n,k,g,S]
             p_blk = torch.exp(s_blk - m[..., None])
@@ -133,16 +134,17 @@ class _ChunkedBranchAttention(torch.autograd.Function):
         n_all, s, h, hd = q.shape
         hkv = k_blk.shape[2]
         g = h // hkv
+        acc = lse.dtype
         dq, dkb, dvb = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
-        dkc = torch.zeros(k_ctx.shape, dtype=torch.float32, device=k_ctx.device)
-        dvc = torch.zeros(v_ctx.shape, dtype=torch.float32, device=v_ctx.device)
+        dkc = torch.zeros(k_ctx.shape, dtype=acc, device=k_ctx.device)
+        dvc = torch.zeros(v_ctx.shape, dtype=acc, device=v_ctx.device)
         for b0, b1, c0, amax in ctx.chunks:
             n = b1 - b0
-            q5 = q[b0:b1].float().view(n, s, hkv, g, hd)
-            do5 = d_out[b0:b1].float().view(n, s, hkv, g, hd)
-            o5 = out[b0:b1].float().view(n, s, hkv, g, hd)
-            kc, vc = k_ctx[c0:c0 + amax].float(), v_ctx[c0:c0 + amax].float()
-            kb, vb = k_blk[b0:b1].float(), v_blk[b0:b1].float()
+            q5 = q[b0:b1].to(acc).view(n, s, hkv, g, hd)
+            do5 = d_out[b0:b1].to(acc).view(n, s, hkv, g, hd)
+            o5 = out[b0:b1].to(acc).view(n, s, hkv, g, hd)
+            kc, vc = k_ctx[c0:c0 + amax].to(acc), v_ctx[c0:c0 + amax].to(acc)
+            kb, vb = k_blk[b0:b1].to(acc), v_blk[b0:b1].to(acc)
             s_ctx, s_blk = _scores(q5, kc, kb, layout.anchors[b0:b1], scale)
             lse_c = lse[b0:b1][..., None]  # [n, k, g, S, 1]
             delta = (do5 * o5).sum(-1).permute(0, 2, 3, 1)[..., None]  # [n, k, g, S, 1]
