@@ -132,7 +132,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     step, saved_step, state = 0, None, {}
     try:
         info = group.call("data_info", [()] * n)[0]
-        W, B = info["block_size"], t.anchors_per_seq
+        W, B = info["draft_len"], t.anchors_per_seq
         order = BatchOrder(info["train_ids"], cfg.data.batch_size, cfg.data.seed)
         path = _resume_path(cfg)
         if path is not None:
