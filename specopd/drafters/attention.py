@@ -83,46 +83,57 @@ class BranchLayout:
 # ------------------------------------------------------------------------------------------- chunked
 
 
-def _scores(q5, k_ctx, k_blk, anchors, scale):
-    """q5 [n, S, Hkv, g, hd] fp32, k_ctx [a, Hkv, hd], k_blk [n, S, Hkv, hd] -> masked scores
-    (ctx [n, Hkv, g, S, a] or None, blk [n, Hkv, g, S, S])."""
-    s_blk = torch.einsum("nskgd,ntkd->nkgst", q5, k_blk) * scale
-    if k_ctx.shape[0] == 0:
+def _heads_major(x: torch.Tensor, hkv: int, acc) -> torch.Tensor:
+    """[n, S, H, hd] -> [Hkv, n, g * S, hd] (rows of one kv head: branch, then query head, then slot)."""
+    n, s, h, hd = x.shape
+    return x.to(acc).view(n, s, hkv, h // hkv, hd).permute(2, 0, 3, 1, 4).reshape(hkv, n, h // hkv * s, hd)
+
+
+def _scores(qh, kc, kb, anchors, scale):
+    """qh [Hkv, n, gS, hd], kc [Hkv, a, hd] (one trunk's context prefix), kb [Hkv, n, S, hd] -> masked scores
+    (ctx [Hkv, n, gS, a] or None, blk [Hkv, n, gS, S]). The context part is one matmul per kv head with all
+    branches of the chunk folded into its rows (no per-branch copy of the context)."""
+    hkv, n, r, hd = qh.shape
+    s_blk = torch.matmul(qh, kb.transpose(-1, -2)).mul_(scale)
+    a = kc.shape[1]
+    if a == 0:
         return None, s_blk
-    s_ctx = torch.einsum("nskgd,ckd->nkgsc", q5, k_ctx) * scale
-    seen = torch.arange(k_ctx.shape[0], device=q5.device)[None, :] < anchors[:, None]  # [n, a]
-    return s_ctx.masked_fill(~seen[:, None, None, None, :], float("-inf")), s_blk
+    s_ctx = torch.bmm(qh.view(hkv, n * r, hd), kc.transpose(1, 2)).mul_(scale).view(hkv, n, r, a)
+    hidden = torch.arange(a, device=qh.device)[None, :] >= anchors[:, None]  # [n, a]: keys p >= a_b
+    return s_ctx.masked_fill_(hidden[None, :, None, :], float("-inf")), s_blk
 
 
 class _ChunkedBranchAttention(torch.autograd.Function):
-    """Exact attention of every block over [its context prefix ; its block], chunk by chunk (see module)."""
+    """Exact attention of every block over [its context prefix ; its block], chunk by chunk (see module).
+    Saves q, k, v, out and the log-sum-exp; the backward recomputes the probabilities per chunk."""
 
     @staticmethod
     def forward(ctx, q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, chunk_elems):
         n_all, s, h, hd = q.shape
         hkv = k_blk.shape[2]
-        g = h // hkv
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math (fp64 stays fp64)
         out = torch.empty_like(q)
-        lse = q.new_empty((n_all, hkv, g, s), dtype=acc)
+        lse = q.new_empty((hkv, n_all, h // hkv * s), dtype=acc)
         chunks = layout.chunks(h, chunk_elems)
         for b0, b1, c0, amax in chunks:
-            n = b1 - b0
-            q5 = q[b0:b1].to(acc).view(n, s, hkv, g, hd)
-            kc, vc = k_ctx[c0:c0 + amax].to(acc), v_ctx[c0:c0 + amax].to(acc)
-            kb, vb = k_blk[b0:b1].to(acc), v_blk[b0:b1].to(acc)
-            s_ctx, s_blk = _scores(q5, kc, kb, layout.anchors[b0:b1], scale)
-            m = s_blk.amax(-1) if s_ctx is None else torch.maximum(s_blk.amax(-1), s_ctx.amax(-1))  # [n,k,g,S]
-            p_blk = torch.exp(s_blk - m[..., None])
-            o = torch.einsum("nkgst,ntkd->nskgd", p_blk, vb)
+            qh = _heads_major(q[b0:b1], hkv, acc)  # [Hkv, n, gS, hd]
+            kc = k_ctx[c0:c0 + amax].to(acc).transpose(0, 1)  # [Hkv, a, hd]
+            vc = v_ctx[c0:c0 + amax].to(acc).transpose(0, 1)
+            kb = k_blk[b0:b1].to(acc).permute(2, 0, 1, 3)  # [Hkv, n, S, hd]
+            vb = v_blk[b0:b1].to(acc).permute(2, 0, 1, 3)
+            s_ctx, s_blk = _scores(qh, kc, kb, layout.anchors[b0:b1], scale)
+            m = s_blk.amax(-1) if s_ctx is None else torch.maximum(s_blk.amax(-1), s_ctx.amax(-1))  # [Hkv, n, gS]
+            p_blk = s_blk.sub_(m[..., None]).exp_()
             z = p_blk.sum(-1)
+            o = torch.matmul(p_blk, vb)  # [Hkv, n, gS, hd]
             if s_ctx is not None:
-                p_ctx = torch.exp(s_ctx - m[..., None])
-                o = o + torch.einsum("nkgsc,ckd->nskgd", p_ctx, vc)
-                z = z + p_ctx.sum(-1)
-            o = o / z.permute(0, 3, 1, 2)[..., None]
-            out[b0:b1] = o.reshape(n, s, h, hd).to(q.dtype)
-            lse[b0:b1] = m + torch.log(z)
+                p_ctx = s_ctx.sub_(m[..., None]).exp_()
+                z += p_ctx.sum(-1)
+                o += torch.bmm(p_ctx.flatten(1, 2), vc).view_as(o)
+            o /= z[..., None]
+            n = b1 - b0
+            out[b0:b1] = o.view(hkv, n, h // hkv, s, hd).permute(1, 3, 0, 2, 4).reshape(n, s, h, hd).to(q.dtype)
+            lse[:, b0:b1] = m + torch.log(z)
         ctx.save_for_backward(q, k_blk, v_blk, k_ctx, v_ctx, out, lse)
         ctx.layout, ctx.scale, ctx.chunks = layout, scale, chunks
         return out
@@ -133,34 +144,37 @@ class _ChunkedBranchAttention(torch.autograd.Function):
         layout, scale = ctx.layout, ctx.scale
         n_all, s, h, hd = q.shape
         hkv = k_blk.shape[2]
-        g = h // hkv
         acc = lse.dtype
         dq, dkb, dvb = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
-        dkc = torch.zeros(k_ctx.shape, dtype=acc, device=k_ctx.device)
-        dvc = torch.zeros(v_ctx.shape, dtype=acc, device=v_ctx.device)
+        dkc = torch.zeros((hkv, k_ctx.shape[0], hd), dtype=acc, device=k_ctx.device)
+        dvc = torch.zeros((hkv, v_ctx.shape[0], hd), dtype=acc, device=v_ctx.device)
         for b0, b1, c0, amax in ctx.chunks:
             n = b1 - b0
-            q5 = q[b0:b1].to(acc).view(n, s, hkv, g, hd)
-            do5 = d_out[b0:b1].to(acc).view(n, s, hkv, g, hd)
-            o5 = out[b0:b1].to(acc).view(n, s, hkv, g, hd)
-            kc, vc = k_ctx[c0:c0 + amax].to(acc), v_ctx[c0:c0 + amax].to(acc)
-            kb, vb = k_blk[b0:b1].to(acc), v_blk[b0:b1].to(acc)
-            s_ctx, s_blk = _scores(q5, kc, kb, layout.anchors[b0:b1], scale)
-            lse_c = lse[b0:b1][..., None]  # [n, k, g, S, 1]
-            delta = (do5 * o5).sum(-1).permute(0, 2, 3, 1)[..., None]  # [n, k, g, S, 1]
-            p_blk = torch.exp(s_blk - lse_c)
-            ds_blk = p_blk * (torch.einsum("nskgd,ntkd->nkgst", do5, vb) - delta)
-            dq5 = torch.einsum("nkgst,ntkd->nskgd", ds_blk, kb)
-            dkb[b0:b1] = (torch.einsum("nkgst,nskgd->ntkd", ds_blk, q5) * scale).to(dkb.dtype)
-            dvb[b0:b1] = torch.einsum("nkgst,nskgd->ntkd", p_blk, do5).to(dvb.dtype)
+            qh, doh = _heads_major(q[b0:b1], hkv, acc), _heads_major(d_out[b0:b1], hkv, acc)  # [Hkv, n, gS, hd]
+            oh = _heads_major(out[b0:b1], hkv, acc)
+            kc = k_ctx[c0:c0 + amax].to(acc).transpose(0, 1)
+            vc = v_ctx[c0:c0 + amax].to(acc).transpose(0, 1)
+            kb = k_blk[b0:b1].to(acc).permute(2, 0, 1, 3)
+            vb = v_blk[b0:b1].to(acc).permute(2, 0, 1, 3)
+            s_ctx, s_blk = _scores(qh, kc, kb, layout.anchors[b0:b1], scale)
+            lse_c = lse[:, b0:b1, :, None]  # [Hkv, n, gS, 1]
+            delta = (doh * oh).sum(-1, keepdim=True)  # [Hkv, n, gS, 1]
+            p_blk = s_blk.sub_(lse_c).exp_()
+            ds_blk = torch.matmul(doh, vb.transpose(-1, -2)).sub_(delta).mul_(p_blk)  # [Hkv, n, gS, S]
+            dqh = torch.matmul(ds_blk, kb)
+            dkb[b0:b1] = (torch.matmul(ds_blk.transpose(-1, -2), qh) * scale).permute(1, 2, 0, 3).to(dkb.dtype)
+            dvb[b0:b1] = torch.matmul(p_blk.transpose(-1, -2), doh).permute(1, 2, 0, 3).to(dvb.dtype)
             if s_ctx is not None:
-                p_ctx = torch.exp(s_ctx - lse_c)
-                ds_ctx = p_ctx * (torch.einsum("nskgd,ckd->nkgsc", do5, vc) - delta)
-                dq5 = dq5 + torch.einsum("nkgsc,ckd->nskgd", ds_ctx, kc)
-                dkc[c0:c0 + amax] += torch.einsum("nkgsc,nskgd->ckd", ds_ctx, q5) * scale
-                dvc[c0:c0 + amax] += torch.einsum("nkgsc,nskgd->ckd", p_ctx, do5)
-            dq[b0:b1] = (dq5 * scale).reshape(n, s, h, hd).to(dq.dtype)
-        return dq, dkb, dvb, dkc.to(k_ctx.dtype), dvc.to(v_ctx.dtype), None, None, None
+                p_ctx = s_ctx.sub_(lse_c).exp_().flatten(1, 2)  # [Hkv, n * gS, a]
+                dof, qf = doh.flatten(1, 2), qh.flatten(1, 2)  # [Hkv, n * gS, hd]
+                ds_ctx = torch.bmm(dof, vc.transpose(1, 2)).sub_(delta.flatten(1, 2)).mul_(p_ctx)
+                dqh += torch.bmm(ds_ctx, kc).view_as(dqh)
+                dkc[:, c0:c0 + amax] += torch.bmm(ds_ctx.transpose(1, 2), qf).mul_(scale)  # summed over branches
+                dvc[:, c0:c0 + amax] += torch.bmm(p_ctx.transpose(1, 2), dof)
+            dq[b0:b1] = (dqh * scale).view(hkv, n, h // hkv, s, hd).permute(1, 3, 0, 2, 4).reshape(
+                n, s, h, hd).to(dq.dtype)
+        return (dq, dkb, dvb, dkc.transpose(0, 1).to(k_ctx.dtype), dvc.transpose(0, 1).to(v_ctx.dtype),
+                None, None, None)
 
 
 def chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float,
