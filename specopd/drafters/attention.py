@@ -19,7 +19,7 @@ Backends (``branch_attention(..., backend=)``):
   ``[context of all trunks ; all blocks]`` with a ``BlockMask`` built from the layout (forward and
   backward by flex). It runs eagerly (unfused, forward only) on the CPU, which the tests use to check the
   mask against the chunked path.
-- ``"auto"``: flex on CUDA when importable, else chunked.
+- ``"auto"``: flex on CUDA when importable, else chunked (env ``SPECOPD_DRAFTER_ATTENTION`` overrides).
 - a callable ``fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale) -> o`` (tests and benchmarks plug the
   per-branch reference in here).
 
@@ -28,6 +28,7 @@ Shapes: q [N, S, H, hd]; k_blk, v_blk [N, S, Hkv, hd]; k_ctx, v_ctx [C, Hkv, hd]
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Union
 
 import torch
@@ -142,7 +143,7 @@ class _ChunkedBranchAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k_blk, v_blk, k_ctx, v_ctx, out, lse = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
-        n_all, s, h, hd = q.shape
+        _, s, h, hd = q.shape
         hkv = k_blk.shape[2]
         acc = lse.dtype
         dq, dkb, dvb = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
@@ -249,8 +250,12 @@ Backend = Union[str, Callable]
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> Backend:
+    """"auto" -> flex on CUDA (when importable), chunked elsewhere; ``SPECOPD_DRAFTER_ATTENTION=chunked|flex``
+    overrides "auto" without touching code (e.g. to fall back to the chunked path on a GPU)."""
     if callable(backend):
         return backend
+    if backend == "auto":
+        backend = os.environ.get("SPECOPD_DRAFTER_ATTENTION", "auto")
     if backend not in ("auto", "chunked", "flex"):
         raise ValueError(f"attention backend must be auto | chunked | flex (or a callable); got {backend!r}")
     if backend == "auto":
@@ -272,7 +277,7 @@ def branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale:
 
 
 def _check(q, k_blk, v_blk, k_ctx, v_ctx, layout):
-    n, s, h, hd = q.shape
+    n, s, h, _ = q.shape
     if k_blk.shape[:2] != (n, s) or v_blk.shape != k_blk.shape or h % k_blk.shape[2]:
         raise ValueError(f"branch attention: q {tuple(q.shape)}, k_blk {tuple(k_blk.shape)}, v_blk "
                          f"{tuple(v_blk.shape)} do not fit ([N, S, H, hd] / [N, S, Hkv, hd], H % Hkv == 0)")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import warnings
 from typing import Optional
 
@@ -385,9 +384,6 @@ def serving_commands(out_dir: str, cfg: DrafterConfig, target_path: Optional[str
     return [f"vllm serve {tgt} --speculative-config '{spec}'",
             f"python -m sglang.launch_server --model-path {tgt} --speculative-algorithm DFLASH "
             f"--speculative-draft-model-path {os.path.abspath(out_dir)} --speculative-num-draft-tokens {cfg.block_size}"]
-
-
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 def resolve_export_source(src: str) -> tuple:
