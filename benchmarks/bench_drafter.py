@@ -10,11 +10,12 @@ Two attention paths, same weights and inputs:
 - shared:     ``specopd.drafters.attention`` (CPU: the exact chunked path; CUDA: flex_attention)
 - per-branch: ``tests.dflash_reference.per_branch_attention`` (each branch gathers its own copy of the
               context K/V, [N, T, Hkv, hd] per layer, and a dense mask: v0.1's way)
+Points: an N sweep at fixed T, a T sweep at fixed N, and a few "cross" points off both lines.
 Memory: every point runs in a fresh subprocess; CPU = peak RSS during forward + backward minus the RSS
 before it (``ru_maxrss``); CUDA = ``torch.cuda.max_memory_allocated`` minus the allocation before. Time =
 median of ``--repeats`` forward + backward. Exponents: least-squares slope of log(memory) and log(time)
-against log(N) (resp. log(T)); a linear fit mem = c0 + c1 * T + c2 * N * S + c3 * N * T shows which term
-each path pays.
+against log(N) (resp. log(T)); a least-squares fit mem = c0 + c1 * T + c2 * N * S + c3 * N * T over all
+points shows which term each path pays (c3: bytes per branch per context row, the per-branch copy).
 """
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ def main() -> None:
     ap.add_argument("--t", type=int, default=2048)
     ap.add_argument("--ns", default="64,128,256,512", help="N sweep (at --t-fixed)")
     ap.add_argument("--ts", default="512,1024,2048,4096", help="T sweep (at --n-fixed)")
+    ap.add_argument("--cross", default="512x512,64x4096", help="NxT points off both sweeps (they make the linear "
+                                                             "fit well posed: on the two sweeps N*T is collinear)")
     ap.add_argument("--t-fixed", type=int, default=2048)
     ap.add_argument("--n-fixed", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="--ns 32,64,128 --ts 256,512,1024 --t-fixed 1024 --n-fixed 64")
@@ -148,12 +151,13 @@ def main() -> None:
         print(json.dumps(run_point(args)))
         return
     if args.quick:
-        args.ns, args.ts, args.t_fixed, args.n_fixed = "32,64,128", "256,512,1024", 1024, 64
+        args.ns, args.ts, args.t_fixed, args.n_fixed, args.cross = "32,64,128", "256,512,1024", 1024, 64, "128x256"
     print("command: python benchmarks/bench_drafter.py " + " ".join(sys.argv[1:]))
     print(f"drafter: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv heads, "
           f"block_size S={args.block}; {args.device}, {args.threads} thread(s); forward + backward of hidden()")
     ns, ts = [int(x) for x in args.ns.split(",")], [int(x) for x in args.ts.split(",")]
-    sweeps = {"N": [(n, args.t_fixed) for n in ns], "T": [(args.n_fixed, t) for t in ts]}
+    sweeps = {"N": [(n, args.t_fixed) for n in ns], "T": [(args.n_fixed, t) for t in ts],
+              "cross": [tuple(int(v) for v in p.split("x")) for p in args.cross.split(",") if p]}
     rows = []
     for name, pts in sweeps.items():
         for n, t in pts:

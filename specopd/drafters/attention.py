@@ -232,16 +232,18 @@ def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, s
     n, s, h, hd = q.shape
     hkv = k_blk.shape[2]
     bm = flex_block_mask(layout, q.device)
-    qf = q.reshape(1, n * s, h, hd).transpose(1, 2)  # [1, H, N*S, hd]
-    k = torch.cat([k_ctx.to(q.dtype), k_blk.reshape(n * s, hkv, hd)]).transpose(0, 1)[None]  # [1, Hkv, C+N*S, hd]
-    v = torch.cat([v_ctx.to(q.dtype), v_blk.reshape(n * s, hkv, hd)]).transpose(0, 1)[None]
+    dev = q.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype  # one dtype for q, k, v
+    qf = q.to(dt).reshape(1, n * s, h, hd).transpose(1, 2)  # [1, H, N*S, hd]
+    k = torch.cat([k_ctx.to(dt), k_blk.to(dt).reshape(n * s, hkv, hd)]).transpose(0, 1)[None]  # [1, Hkv, C+N*S, hd]
+    v = torch.cat([v_ctx.to(dt), v_blk.to(dt).reshape(n * s, hkv, hd)]).transpose(0, 1)[None]
     fn = flex_attention
     if q.device.type == "cuda":
         fn = _FLEX.get("compiled")
         if fn is None:
             fn = _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
     o = fn(qf, k, v, block_mask=bm, scale=float(scale), enable_gqa=h != hkv)
-    return o.transpose(1, 2).reshape(n, s, h, hd)
+    return o.transpose(1, 2).reshape(n, s, h, hd).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- entry

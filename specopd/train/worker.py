@@ -87,10 +87,9 @@ class Worker:
             raise ValueError(f"Worker role must be both | target | drafter, got {role!r}")
         self.cfg, self.rank, self.world_size, self.role = cfg, int(rank), int(world_size), role
         self.device = resolve_device(cfg.model.device)
-        target_dir = None
         if target is None:
-            target_dir = resolve_target_path(cfg.model, cfg.trainer.output_dir)
-            target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device=self.device)
+            path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
+            target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device)
         self.target = target
         d = cfg.drafter
         if d.init_from:  # ours or a released DFlash / DSpark folder
@@ -103,7 +102,8 @@ class Worker:
         else:
             self.drafter = build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size,
                                          seed=cfg.seed, feature_layers=d.feature_layers,
-                                         mask_token_id=d.mask_token_id, target_dir=target_dir)
+                                         mask_token_id=d.mask_token_id,  # the target's tokenizer picks MASK
+                                         target_dir=None if cfg.model.is_tiny else cfg.model.target)
         self.drafter.train()
         self.W = int(self.drafter.draft_len)
         self.dataset = load_dataset(cfg, target, progress=rank == 0)
