@@ -405,14 +405,14 @@ class DFlashDrafter(nn.Module):
             m = self.target.embed(torch.tensor([self.config.mask_token_id], device=self.device))[0].to(self.dtype)
         return torch.cat([a, m.expand(n, w, -1)], 1)
 
-    def _layers(self, anchor_tokens, anchors, layer_kv, layout: BranchLayout) -> torch.Tensor:
+    def _layers(self, anchor_tokens, anchors, layer_kv, layout: BranchLayout, backend=None) -> torch.Tensor:
         """Run the draft layers over the blocks of ``anchors`` [N]. ``layer_kv(i, attn)`` gives layer i's packed
         context (k, v) [C, Hkv, hd]. -> normed hidden [N, W, D] at slots 1..W."""
         h = self._block(anchor_tokens)
         cos, sin = self._rope_cos_sin(anchors[:, None] + torch.arange(self.block_size, device=anchors.device))
         for i, layer in enumerate(self.layers):
             k, v = layer_kv(i, layer.self_attn)
-            h = layer(h, cos, sin, k, v, layout, self.attention_backend)
+            h = layer(h, cos, sin, k, v, layout, backend or self.attention_backend)
         return self.norm(h[:, 1:])
 
     def hidden(self, features, anchors, trunk_index=None, anchor_tokens=None) -> torch.Tensor:
@@ -501,7 +501,8 @@ class DFlashDrafter(nn.Module):
         self._check_tokens(atok, "anchor_token")
         anchors = torch.tensor([t], device=self.device)
         layout = BranchLayout(torch.zeros(1, dtype=torch.long, device=self.device), anchors, t, self.block_size)
-        h = self._layers(atok, anchors, lambda i, attn: ctx.kv(i), layout)
+        # one block over the whole context: no mask to build, so the chunked path on every device
+        h = self._layers(atok, anchors, lambda i, attn: ctx.kv(i), layout, backend="chunked")
         out = self._sample_hidden(h, atok, temperature, generator, None, return_confidence)
         return tuple(x[0] for x in out)
 
