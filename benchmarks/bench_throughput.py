@@ -70,7 +70,7 @@ def run(recipe: str, overrides: list, steps: int, warmup: int, progress: bool = 
         "ratio": sp["supervised_tokens_per_s"] / do["supervised_tokens_per_s"],
         "methods": stats, "timed_steps": steps, "warmup_steps": warmup,
         "setup": {"recipe": recipe, "overrides": overrides, "target": base.model.target,
-                  "vocab_size": w0.target.vocab_size, "drafter": base.drafter.kind, "block_size": w0.W,
+                  "vocab_size": w0.target.vocab_size, "drafter": base.drafter.kind, "draft_len": w0.W,
                   "anchors_per_seq": base.trainer.anchors_per_seq, "batch_size": base.data.batch_size,
                   "seq_len": base.data.seq_len, "device": str(w0.device), "dtype": base.model.dtype,
                   "torch_threads": torch.get_num_threads()},
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         ov.append(f"trainer.output_dir={args.output_dir}")
     r = run(args.recipe, ov, args.steps, args.warmup)
     st = r["setup"]
-    print(f"target {st['target']} (vocab {st['vocab_size']}), drafter {st['drafter']} W={st['block_size']}, "
+    print(f"target {st['target']} (vocab {st['vocab_size']}), drafter {st['drafter']} W={st['draft_len']}, "
           f"B={st['anchors_per_seq']} anchors/rounds per sequence, batch {st['batch_size']} x {st['seq_len']} tokens, "
           f"{st['device']} {st['dtype']}, {st['torch_threads']} torch threads")
     print(table(r))

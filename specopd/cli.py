@@ -4,6 +4,7 @@
     specopd eval RECIPE [key=value ...] [--json PATH]
     specopd prepare model NAME | specopd prepare data ...
     specopd profile RUN_DIR
+    specopd export RUN_DIR|CHECKPOINT OUT_DIR [--dtype bfloat16] [--target PATH]
 
 Overrides are ``section.key=value`` (e.g. ``trainer.max_steps=10 seed=3``). ``train`` is implemented
 here (specopd.train.loop); eval, prepare and profile dispatch to their owners' modules, imported lazily.
@@ -94,7 +95,7 @@ def plan(cfg, device_bytes=None) -> dict:
         "workers": r.num_workers, "backend": r.backend, "roles": r.roles, "placement": _placement(r, m.device),
         "per_step": {"sequences": d.batch_size, "sequences_per_worker": per_worker,
                      "branches": d.batch_size * t.anchors_per_seq,
-                     "supervised_tokens": d.batch_size * t.anchors_per_seq * cfg.drafter.block_size},
+                     "supervised_tokens": d.batch_size * t.anchors_per_seq * (cfg.drafter.block_size - 1)},
         "memory": None if mem is None else mem.to_dict(),
         "memory_estimate_per_worker_bytes": None,  # superseded by "memory" (kept for older readers)
         "steps": t.max_steps, "output_dir": t.output_dir, "resume": t.resume, "notes": notes,
@@ -117,7 +118,8 @@ def _print_plan(p: dict) -> None:
     else:
         print(f"target   {tg['source']} ({tg.get('pending') or 'config.json not readable here'})")
     dr = p["drafter"]
-    print(f"drafter  {dr['kind']}, {dr['num_layers']} layer(s), block W={dr['block_size']}")
+    print(f"drafter  {dr['kind']}, {dr['num_layers']} layer(s), block_size {dr['block_size']} (anchor + "
+          f"W={dr['block_size'] - 1} drafted tokens)")
     print(f"method   {p['method']}, {p['steps']} steps, output {p['output_dir']} (resume={p['resume']})")
     if p["roles"] == "split":
         print(f"workers  {p['workers']} target + {p['workers']} drafter x {p['backend']} (roles split)")
@@ -208,6 +210,43 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _run_target(run_dir) -> str | None:
+    """The target folder a run trained on (its recipe.yaml), for the printed serving commands."""
+    path = os.path.join(run_dir, "recipe.yaml") if run_dir else None
+    if not path or not os.path.isfile(path):
+        return None
+    from omegaconf import OmegaConf
+
+    tgt = OmegaConf.to_container(OmegaConf.load(path)).get("model", {}).get("target")
+    if isinstance(tgt, str) and tgt.startswith("tiny:"):
+        return os.path.join(run_dir, "tiny-target-" + tgt[len("tiny:"):])
+    return tgt
+
+
+def cmd_export(args) -> int:
+    """RUN_DIR (its newest complete checkpoint) | CHECKPOINT | released folder -> the released layout."""
+    from specopd.drafters.layout import DTYPES, export_folder, resolve_export_source, serving_commands
+
+    src, run = resolve_export_source(args.source)
+    if args.max_shard_gb <= 0:
+        return _fail(f"--max-shard-gb must be > 0; got {args.max_shard_gb}")
+    cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
+                        max_shard_bytes=int(args.max_shard_gb * 1024 ** 3))
+    print(f"exported the {cfg.kind} drafter of {src} to {args.out_dir} (released layout: block_size "
+          f"{cfg.block_size} = anchor + {cfg.draft_len} drafted tokens, target_layer_ids {list(cfg.feature_layers)}, "
+          f"mask_token_id {cfg.mask_token_id})")
+    if cfg.learned_mask:
+        print(f"note: this target has no spare token id, so the drafter learned its mask vector "
+              f"({args.out_dir}/mask_embedding.pt); vLLM substitutes it for embed_tokens[{cfg.mask_token_id}]")
+    if cfg.kind == "dspark":
+        print("note: DSpark's Markov / confidence heads need an engine that implements DSparkDraftModel; "
+              "the commands below are the DFlash ones")
+    target = args.target or _run_target(run)
+    print("\nserve it with vLLM:\n  " + serving_commands(args.out_dir, cfg, target)[0])
+    print("or SGLang:\n  " + serving_commands(args.out_dir, cfg, target)[1])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specopd", description="On-policy drafter training without rollouts")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -228,6 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("what", choices=["model", "data"])
     pr.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the prepare step (see `specopd prepare model|data -h`)")
     pr.set_defaults(fn=cmd_prepare)
+    ex = sub.add_parser("export", help="write a trained drafter in the released DFlash layout (vLLM / SGLang)")
+    ex.add_argument("source", help="run folder (trainer.output_dir: its newest complete checkpoint), a checkpoint "
+                                   "step folder, or a drafter folder")
+    ex.add_argument("out_dir", help="empty folder to write config.json + safetensors into")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="weights dtype (default: as trained)")
+    ex.add_argument("--target", default=None, help="target model path for the printed serving commands "
+                                                  "(default: the run's recipe)")
+    ex.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into shards of this size")
+    ex.set_defaults(fn=cmd_export)
     pf = sub.add_parser("profile", help="render profile outputs (trace.json, timeline.png, summary.json)")
     pf.add_argument("run_dir")
     pf.set_defaults(fn=cmd_profile)

@@ -73,23 +73,36 @@ class DrafterConfig:
     """dflash (parallel block drafter) | dspark (DFlash + Markov head + confidence head)."""
     num_layers: int = 1
     """Number of drafter decoder layers."""
-    block_size: int = 4
-    """W: tokens drafted per block (per branch)."""
+    block_size: int = 5
+    """Block length counting the anchor, as released ("b16" = 16): each branch drafts W = block_size - 1
+    tokens (drafter.draft_len). >= 2."""
     feature_layers: Optional[List[int]] = None
-    """Target layer ids whose hidden states the drafter reads; null -> target.default_feature_layers()."""
+    """Target layer ids whose hidden states the drafter reads (released dflash_config.target_layer_ids);
+    null -> the released default for num_layers: round(1 + i * (L - 4) / (n - 1)), one layer: [L // 2]."""
+    mask_token_id: Optional[int] = None
+    """The MASK token whose frozen target embedding fills the drafted slots. null: the first id the target's
+    tokenizer leaves unused (Qwen3: 151669, as released), else (no spare id) a learned mask vector; -1: always
+    a learned vector (exported as mask_embedding.pt)."""
     init_from: Optional[str] = None
-    """A drafter folder (config.json + model.safetensors, e.g. a checkpoint step folder) to start from."""
+    """A drafter folder to start from: ours (a checkpoint step folder) or a released DFlash / DSpark folder
+    (config.json with dflash_config + safetensors, e.g. z-lab/Qwen3-8B-DFlash-b16)."""
     confidence_weight: float = 0.1
     """DSpark: weight of the confidence-head loss (ignored for dflash)."""
 
     def __post_init__(self):
         _check_choice("drafter", "kind", self.kind, ["dflash", "dspark"])
         _check_range("drafter", "num_layers", self.num_layers, lo=1)
-        _check_range("drafter", "block_size", self.block_size, lo=1)
+        if self.block_size < 2:
+            raise RecipeError(f"drafter.block_size={self.block_size!r} is out of range: it counts the anchor, as "
+                              f"released (16 drafts 15 tokens), so it must be >= 2")
+        if self.mask_token_id is not None and self.mask_token_id < -1:
+            raise RecipeError(f"drafter.mask_token_id={self.mask_token_id}: give a token id, -1 (learned vector) "
+                              f"or null (automatic)")
         _check_range("drafter", "confidence_weight", self.confidence_weight, lo=0)
         if self.init_from is not None and not os.path.isdir(self.init_from):
             raise RecipeError(f"drafter.init_from={self.init_from!r}: no such folder (give a drafter folder with "
-                              f"config.json + model.safetensors, e.g. <output_dir>/checkpoints/step-N)")
+                              f"config.json + safetensors: <output_dir>/checkpoints/step-N, or a released "
+                              f"DFlash / DSpark folder)")
 
 
 @dataclass

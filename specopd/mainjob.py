@@ -193,7 +193,8 @@ def run(cfg, progress: bool = True) -> dict:
     for label, path in rows:
         d = load_drafter(path, target) if path else build_drafter(
             cfg.drafter.kind, target, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-            seed=cfg.seed, feature_layers=cfg.drafter.feature_layers)
+            seed=cfg.seed, feature_layers=cfg.drafter.feature_layers, mask_token_id=cfg.drafter.mask_token_id,
+            target_dir=target_dir)
         r = evaluate_al(target, d, eval_prompts, cfg.eval.max_new_tokens, cfg.eval.temperature, seed=cfg.eval.seed,
                         stop_token_ids=stops, progress=progress)
         results.append({"drafter": label, "checkpoint": path, **{k: r[k] for k in (
@@ -201,7 +202,7 @@ def run(cfg, progress: bool = True) -> dict:
     times["eval"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_all
 
-    w = cfg.drafter.block_size
+    w = cfg.drafter.block_size - 1  # W drafted tokens
     print(f"\nHeld-out acceptance length (AL = tokens committed per target verification round, incl. the bonus "
           f"token; max {w + 1})\n{len(eval_prompts)} chitchat prompts never trained on, {cfg.eval.max_new_tokens} new "
           f"tokens each, T={cfg.eval.temperature:g}{' (greedy: exact match)' if cfg.eval.temperature == 0 else ''}, "

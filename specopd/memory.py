@@ -13,7 +13,7 @@ of a step holds:
 
 Terms held by every phase (target weights, drafter weights, AdamW state) are added to each. The peak is the
 largest phase. Sizes per GPU: S = ceil(data.batch_size / runtime.num_workers) sequences of T = data.seq_len
-tokens, N = S * trainer.anchors_per_seq branches of W = drafter.block_size drafted tokens. The plan assumes
+tokens, N = S * trainer.anchors_per_seq branches of W = drafter.block_size - 1 drafted tokens (block_size counts the anchor). The plan assumes
 the step after issue 10's integration: the target keeps hidden states (never [T, V] or [N, W, V] logits), the
 loss is ``specopd.losses.fused_e2e_tv`` in chunks of ``trainer.loss_chunk_rows`` rows, and the drafter
 shares each trunk's context K/V across its branches (issue 9) with a fused attention kernel (no
@@ -340,7 +340,7 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     dparams = sum(p.numel() for p in drafter.parameters())
     dbytes = 4  # master weights fp32 (the drafter is built in fp32)
     s = -(-d.batch_size // r.num_workers)
-    tt, w, v, hid = d.seq_len, int(cfg.drafter.block_size), info.vocab, info.hidden
+    tt, w, v, hid = d.seq_len, int(cfg.drafter.block_size) - 1, info.vocab, info.hidden  # W drafted tokens
     method = t.method
     b = t.anchors_per_seq
     n = s * b

@@ -1,17 +1,21 @@
-"""Drafters (DFlash, DSpark): shapes, context masking against a direct per-branch computation, sampling,
-save/load, and that the target stays frozen and outside the drafter's state."""
+"""Drafters (DFlash, DSpark as released): values against an independent reference of the released model,
+the shared-context branch attention against the per-branch reference (values and gradients), sampling,
+the decoding cache, default layer ids, the mask token, save/load, and that the target stays frozen."""
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from specopd.drafters import DFlashDrafter, build_drafter, load_drafter, shift_tokens
+from specopd.drafters import (DFlashDrafter, build_drafter, choose_mask, default_target_layer_ids, export_drafter,
+                              load_drafter, shift_tokens)
+from specopd.drafters.attention import BranchLayout, chunked_branch_attention, flex_available, flex_branch_attention
 from specopd.models import load_target
-from specopd.models.common import apply_rope, rope_cos_sin
+from tests.dflash_reference import ReleasedReference, per_branch_attention
 from tests.oracle import make_tiny_checkpoint
 
-W = 3
+BS = 4  # block_size (counts the anchor)
+W = BS - 1  # drafted tokens
 
 
 @pytest.fixture(scope="module")
@@ -25,64 +29,179 @@ def target(ckpt):
     return load_target(ckpt)
 
 
+def _feats(target, ids, layers=(1, 1)):
+    return [target.hidden_states(i.view(1, -1), list(layers))[0] for i in ids]
+
+
 @pytest.fixture(scope="module")
 def batch(target):
-    """Two trunks (lengths 7 and 5) with feature rows; 5 branches, one with anchor 0 and one at T."""
+    """Two trunks (7 and 5 rows); 8 branches in no particular order: anchors at 0, at T (the bonus token),
+    three on one anchor, both trunks."""
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 128, (7,), generator=g), torch.randint(0, 128, (5,), generator=g)]
-    fl = target.default_feature_layers()
-    feats = [target.hidden_states(i.view(1, -1), fl)[0] for i in ids]
-    anchors = torch.tensor([3, 0, 6, 5, 2])
-    tix = torch.tensor([0, 0, 0, 1, 1])
+    feats = _feats(target, ids, default_target_layer_ids(4, 2))
+    anchors = torch.tensor([3, 0, 7, 5, 2, 3, 3, 0])
+    tix = torch.tensor([0, 0, 0, 1, 1, 0, 0, 1])
     atok = torch.tensor([int(ids[t][a]) if a < len(ids[t]) else 17 for a, t in zip(anchors, tix)])
     return feats, anchors, tix, atok
 
 
 def _drafter(target, kind="dflash", seed=0, **kw):
-    d = build_drafter(kind, target, num_layers=2, block_size=W, seed=seed, **kw)
-    if kind == "dspark":  # W2 starts at zero; make the Markov head matter
-        with torch.no_grad():
-            d.markov_w2.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed + 7))
+    d = build_drafter(kind, target, num_layers=2, block_size=BS, seed=seed, **kw)
+    with torch.no_grad():  # make the heads and norms matter (W2 starts at zero, norms at one)
+        g = torch.Generator().manual_seed(seed + 7)
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        if kind == "dspark":
+            d.markov_head.markov_w2.weight.normal_(0, 0.5, generator=g)
     return d
 
 
-def _direct(d, target, feat, a, atok):
-    """One branch computed directly: explicit K/V lists, repeated heads, softmax over all keys."""
-    c = d.config
-    inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
-    ctx = d.hidden_norm(d.fc(feat[:a]))[None]  # [1, a, D]
-    cc, cs = rope_cos_sin(torch.arange(a)[None], inv, torch.float32)
-    h = torch.cat([target.embed(torch.tensor([atok])), d.mask_embedding[None].expand(W, -1)])[None]
-    bc, bs = rope_cos_sin(a + torch.arange(W + 1)[None], inv, torch.float32)
-    for layer in d.layers:
-        at, x = layer.self_attn, layer.input_layernorm(h)
-        q = apply_rope(at.q_norm(at.q_proj(x).view(1, W + 1, at.h, at.hd)), bc, bs)[0]
-        kc = apply_rope(at.k_norm(at.k_proj(ctx).view(1, a, at.hkv, at.hd)), cc, cs)[0]
-        kb = apply_rope(at.k_norm(at.k_proj(x).view(1, W + 1, at.hkv, at.hd)), bc, bs)[0]
-        k = torch.cat([kc, kb]).repeat_interleave(at.h // at.hkv, dim=1)  # [a + W + 1, H, hd]
-        v = torch.cat([at.v_proj(ctx).view(a, at.hkv, at.hd), at.v_proj(x)[0].view(W + 1, at.hkv, at.hd)])
-        v = v.repeat_interleave(at.h // at.hkv, dim=1)
-        p = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * at.hd ** -0.5, -1)
-        o = torch.einsum("hqk,khd->qhd", p, v).reshape(1, W + 1, -1)
-        h = h + at.o_proj(o)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return target.head(d.norm(h[0, 1:]))
+def _prev(kind, atok, n):
+    return shift_tokens(atok, (torch.arange(n * W).view(n, W) * 7) % 128) if kind == "dspark" else None
+
+
+# ------------------------------------------------------------------ values: the released model, independently
+
+
+@pytest.mark.parametrize("kind,mask", [("dflash", 5), ("dflash", -1), ("dspark", 9), ("dspark", -1)])
+def test_matches_independent_released_reference(target, batch, kind, mask, tmp_path):
+    feats, anchors, tix, atok = batch
+    d = _drafter(target, kind, mask_token_id=mask)
+    assert d.config.learned_mask == (mask == -1) and ("mask_embedding" in d.state_dict()) == (mask == -1)
+    export_drafter(d, str(tmp_path / "out"))
+    ref = ReleasedReference(str(tmp_path / "out"), target.model.embed_tokens.weight, target.lm_head.weight)
+    prev = _prev(kind, atok, len(anchors))
+    with torch.no_grad():
+        out = d(feats, anchors, tix, atok, prev)
+        assert out.shape == (len(anchors), W, 128) and out.dtype == torch.float32
+        for b in range(len(anchors)):
+            r = ref.logits(feats[tix[b]], int(anchors[b]), int(atok[b]), None if prev is None else prev[b])
+            torch.testing.assert_close(out[b], r, rtol=1e-5, atol=1e-5)
+        if kind == "dspark":
+            _, conf = d(feats, anchors, tix, atok, prev, return_confidence=True)
+            r = torch.stack([ref.confidence(feats[tix[b]], int(anchors[b]), int(atok[b]), prev[b])
+                             for b in range(len(anchors))])
+            torch.testing.assert_close(conf, r, rtol=1e-5, atol=1e-5)
+
+
+def test_hidden_and_head(target, batch):
+    """logits = target.lm_head(hidden) (no target final norm); DSpark = [h ; W1[prev]] @ [W_lm ; W2]^T."""
+    feats, anchors, tix, atok = batch
+    for kind in ("dflash", "dspark"):
+        d = _drafter(target, kind)
+        prev = _prev(kind, atok, len(anchors))
+        with torch.no_grad():
+            h = d.hidden(feats, anchors, tix, atok)
+            assert h.shape == (len(anchors), W, 32)
+            base = h @ target.lm_head.weight.T
+            torch.testing.assert_close(d.logits_from_hidden(h), base)
+            assert (d.logits_from_hidden(h) - target.head(h)).abs().max() > 1e-3  # target's norm not applied
+            if kind == "dflash":
+                torch.testing.assert_close(d(feats, anchors, tix, atok), base)
+            else:
+                wcat = torch.cat([target.lm_head.weight, d.markov_head.markov_w2.weight], 1)  # [V, D + r]
+                fused = torch.cat([h, d.markov_features(prev)], -1) @ wcat.T
+                torch.testing.assert_close(d(feats, anchors, tix, atok, prev), fused, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ shared-context attention vs per-branch
+
+
+def _layout_case(n_trunks=3, lens=(9, 0, 6), per=(5, 2, 4), seed=0, h=4, hkv=2, s=BS, dtype=torch.float64):
+    """Random q/k/v for blocks over several trunks: anchors 0 and T, repeats, one trunk without context."""
+    g = torch.Generator().manual_seed(seed)
+    starts, anchors, off = [], [], 0
+    for t in range(n_trunks):
+        a = torch.randint(0, lens[t] + 1, (per[t],), generator=g).tolist() + [0, lens[t]]
+        if per[t] > 2:
+            a += [a[0]] * 2  # several branches on one anchor
+        a = sorted(a)
+        starts += [off] * len(a)
+        anchors += a
+        off += lens[t]
+    n, c = len(anchors), off
+    layout = BranchLayout(torch.tensor(starts), torch.tensor(anchors), c, s)
+    r = lambda *sh: torch.randn(*sh, generator=g, dtype=dtype, requires_grad=True)  # noqa: E731
+    return layout, (r(n, s, h, 8), r(n, s, hkv, 8), r(n, s, hkv, 8), r(c, hkv, 8), r(c, hkv, 8))
+
+
+@pytest.mark.parametrize("h,hkv,chunk", [(4, 2, 1 << 22), (4, 2, 40), (2, 2, 1), (6, 1, 300)])
+def test_chunked_attention_matches_per_branch(h, hkv, chunk):
+    layout, args = _layout_case(h=h, hkv=hkv)
+    scale = 8 ** -0.5
+    out = chunked_branch_attention(*args, layout, scale, chunk_elems=chunk)
+    ref = per_branch_attention(*args, layout, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    g1 = torch.autograd.grad(out, args, go)
+    g2 = torch.autograd.grad(ref, args, go)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    if chunk < 1000:
+        assert len(layout.chunks(h, chunk)) > 3  # the small budgets really split the work
+
+
+def test_chunked_attention_gradcheck():
+    layout, args = _layout_case(lens=(4, 3), per=(2, 1), n_trunks=2, s=2, h=2, hkv=1)
+    assert torch.autograd.gradcheck(lambda *a: chunked_branch_attention(*a, layout, 0.4, chunk_elems=8), args)
+
+
+def test_chunked_attention_fp32_and_layout_checks():
+    layout, args = _layout_case(dtype=torch.float32)
+    out = chunked_branch_attention(*args, layout, 0.3)
+    torch.testing.assert_close(out, per_branch_attention(*args, layout, 0.3), rtol=1e-5, atol=1e-6)
+    bad = BranchLayout(layout.starts.flip(0), layout.anchors.flip(0), layout.ctx_len, layout.block)
+    with pytest.raises(ValueError, match="sorted by anchor"):
+        chunked_branch_attention(*args, bad, 0.3)
+
+
+@pytest.mark.skipif(not flex_available(), reason="torch without flex_attention")
+def test_flex_mask_matches_chunked_forward():
+    """The flex path's BlockMask (eager, forward only on the CPU) gives the chunked path's values."""
+    import warnings
+
+    layout, args = _layout_case(dtype=torch.float32)
+    args = [a.detach() for a in args]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flex_branch_attention(*args, layout, 0.3)
+        torch.testing.assert_close(out, chunked_branch_attention(*args, layout, 0.3), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_shapes_and_direct_computation(target, batch, kind):
+def test_drafter_values_and_gradients_match_per_branch(ckpt, batch, kind):
+    target = load_target(ckpt, dtype=torch.float64)
     feats, anchors, tix, atok = batch
-    d = _drafter(target, kind)
-    tokens, logits = d.sample(feats, anchors, tix, atok, temperature=1.0, generator=torch.Generator().manual_seed(1))
-    assert tokens.shape == (5, W) and logits.shape == (5, W, 128) and logits.dtype == torch.float32
-    assert d.block_size == W and d.feature_layers == target.default_feature_layers()
+    feats = [f.double() for f in feats]
+    d1, d2 = _drafter(target, kind).double(), _drafter(target, kind).double()
+    d2.attention_backend = per_branch_attention
+    prev = _prev(kind, atok, len(anchors))
+    outs = []
+    for d in (d1, d2):
+        q = d(feats, anchors, tix, atok, prev)
+        (q.logsumexp(-1) * torch.linspace(0.5, 2, q.shape[0] * W, dtype=q.dtype).view(-1, W)).sum().backward()
+        outs.append(q.detach())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
+    for (name, p1), p2 in zip(d1.named_parameters(), d2.parameters()):
+        if name.startswith("confidence_head"):  # not in the logits
+            continue
+        assert p1.grad is not None and p1.grad.abs().sum() > 0, name
+        torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_branch_order_does_not_matter(target, batch):
+    feats, anchors, tix, atok = batch
+    d = _drafter(target)
+    perm = torch.randperm(len(anchors), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        out = d(feats, anchors, tix, atok, shift_tokens(atok, tokens))
-        for b in range(5):
-            ref = _direct(d, target, feats[tix[b]], int(anchors[b]), int(atok[b]))
-            if kind == "dspark":
-                ref = ref + d.markov_w2(d.markov_w1(shift_tokens(atok, tokens)[b]))
-            torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
+        a = d(feats, anchors, tix, atok)
+        b = d(feats, anchors[perm], tix[perm], atok[perm])
+    torch.testing.assert_close(a[perm], b, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ masking, inputs
 
 
 def test_context_masking(target, batch):
@@ -91,21 +210,23 @@ def test_context_masking(target, batch):
     with torch.no_grad():
         base = d(feats, anchors, tix, atok)
         later = [f.clone() for f in feats]
-        later[0][3:] += 5.0  # positions >= 3 of trunk 0: branch 0 (anchor 3) and 1 (anchor 0) must not move
+        later[0][3:] += 5.0  # trunk-0 positions >= 3: only branches anchored after 3 (anchor 7) see them
         out = d(later, anchors, tix, atok)
-        torch.testing.assert_close(out[[0, 1, 3, 4]], base[[0, 1, 3, 4]], rtol=0, atol=1e-6)
-        assert (out[2] - base[2]).abs().max() > 1e-3  # anchor 6 sees them
+        sees = (tix == 0) & (anchors > 3)
+        torch.testing.assert_close(out[~sees], base[~sees], rtol=0, atol=1e-6)
+        assert (out[sees] - base[sees]).abs().amax() > 1e-3
         earlier = [f.clone() for f in feats]
         earlier[0][2] += 5.0  # position 2 < 3
         out = d(earlier, anchors, tix, atok)
-        assert (out[0] - base[0]).abs().max() > 1e-3 and (out[2] - base[2]).abs().max() > 1e-3
-        torch.testing.assert_close(out[[1, 3, 4]], base[[1, 3, 4]], rtol=0, atol=1e-6)
+        sees = (tix == 0) & (anchors > 2)
+        assert (out[sees] - base[sees]).abs().amax(dim=(1, 2)).min() > 1e-3
+        torch.testing.assert_close(out[~sees], base[~sees], rtol=0, atol=1e-6)
         # a branch alone with its own truncated trunk == the same branch in the packed batch
-        alone = d([feats[1][:2]], anchors[4:], None, atok[4:])
+        alone = d([feats[1][:2]], anchors[4:5], None, atok[4:5])
         torch.testing.assert_close(alone[0], base[4], rtol=1e-5, atol=1e-6)
 
 
-def test_anchor_range(target, batch):
+def test_anchor_range_and_inputs(target, batch):
     feats, anchors, tix, atok = batch
     d = _drafter(target)
     d([feats[0]], torch.tensor([7]), None, torch.tensor([1]))  # anchor == T: the bonus token, allowed
@@ -117,12 +238,23 @@ def test_anchor_range(target, batch):
         d([feats[0][:, :10]], torch.tensor([2]), None, torch.tensor([1]))
     with pytest.raises(ValueError, match="anchor_tokens"):
         d([feats[0]], torch.tensor([2]), None, torch.tensor([128]))
-    # TargetCache-like inputs: .features is used, and its feature_layers must be the drafter's
     with torch.no_grad():
         caches = [SimpleNamespace(features=f, feature_layers=d.feature_layers) for f in feats]
         assert torch.equal(d(caches, anchors, tix, atok), d(feats, anchors, tix, atok))
         with pytest.raises(ValueError, match="feature_layers=drafter.feature_layers"):
             d([SimpleNamespace(features=feats[0], feature_layers=(0,))], torch.tensor([2]), None, torch.tensor([1]))
+
+
+def test_block_size_counts_the_anchor(target, batch):
+    feats, anchors, tix, atok = batch
+    d = build_drafter("dflash", target, num_layers=2, block_size=2)
+    assert d.block_size == 2 and d.draft_len == 1
+    assert d(feats, anchors, tix, atok).shape == (len(anchors), 1, 128)
+    with pytest.raises(ValueError, match="block_size"):
+        build_drafter("dflash", target, block_size=1)
+
+
+# ------------------------------------------------------------------ sampling
 
 
 def test_dspark_sample_matches_forward(target, batch):
@@ -137,15 +269,14 @@ def test_dspark_sample_matches_forward(target, batch):
             torch.testing.assert_close(conf, f_conf, rtol=1e-6, atol=1e-6)
             if temp == 0.0:
                 assert torch.equal(tokens, f_logits.argmax(-1))
-        # the Markov head reads the previous token: other prev tokens give other logits
-        other = shift_tokens(atok, (tokens + 1) % 128)
+        other = shift_tokens(atok, (tokens + 1) % 128)  # the Markov head reads the previous token
         assert (d(feats, anchors, tix, atok, other)[:, 1:] - f_logits[:, 1:]).abs().max() > 1e-3
         with pytest.raises(ValueError, match="prev_tokens"):
             d(feats, anchors, tix, atok)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_sampling_greedy_and_seeded(target, batch, kind):
+def test_sampling_greedy_seeded_and_per_row_generators(target, batch, kind):
     feats, anchors, tix, atok = batch
     d = _drafter(target, kind)
     with torch.no_grad():
@@ -155,6 +286,78 @@ def test_sampling_greedy_and_seeded(target, batch, kind):
         s = [d.sample(feats, anchors, tix, atok, temperature=2.0, generator=torch.Generator().manual_seed(s))[0]
              for s in (5, 5, 6)]
         assert torch.equal(s[0], s[1]) and not torch.equal(s[0], s[2])
+        # rows[i] drawn with gens[i]: each group equals sampling that group alone with its generator
+        rows = [torch.nonzero(tix == i).flatten() for i in range(2)]
+        gen = lambda: [torch.Generator().manual_seed(10 + i) for i in range(2)]  # noqa: E731
+        both, _ = d.sample(feats, anchors, tix, atok, temperature=2.0, generator=gen(), rows=rows)
+        for i, r in enumerate(rows):
+            alone, _ = d.sample(feats, anchors[r], tix[r], atok[r], temperature=2.0, generator=gen()[i])
+            assert torch.equal(both[r], alone)
+
+
+# ------------------------------------------------------------------ decoding cache
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_decoding_cache_equals_recomputation(target, kind):
+    d = _drafter(target, kind)
+    ids = torch.randint(0, 128, (22,), generator=torch.Generator().manual_seed(4))
+    f = _feats(target, [ids], d.feature_layers)[0]
+    rows = []
+    d.fc.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    ctx = d.context_cache()
+    caps = []
+    for lo, hi in ((0, 0), (0, 2), (2, 7), (7, 7), (7, 21)):
+        before = [k[:lo].clone() for k in ctx.k] if lo else None
+        rows.clear()
+        ctx.extend(f[lo:hi])
+        assert rows == ([hi - lo] if hi > lo else [])  # only the new positions are projected
+        if before:
+            assert all(torch.equal(b, k[:lo]) for b, k in zip(before, ctx.k))
+        caps.append(ctx.capacity)
+        assert len(ctx) == hi
+        for temp, seed in ((0.0, 0), (1.0, 9)):
+            tok, logits = d.draft(ctx, int(ids[hi]), temperature=temp, generator=torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                rt, rl = d.sample([f[:hi]], torch.tensor([hi]), None, torch.tensor([int(ids[hi])]), temperature=temp,
+                                  generator=torch.Generator().manual_seed(seed))
+            assert tok.shape == (W,) and logits.shape == (W, 128)
+            torch.testing.assert_close(logits, rl[0], rtol=1e-5, atol=1e-5)
+            assert torch.equal(tok, rt[0])
+    assert caps == sorted(caps) and caps[-1] < 2 * 21 + 16  # amortised doubling, no per-token reallocation
+    with pytest.raises(ValueError, match="another drafter"):
+        _drafter(target, kind).draft(ctx, 1)
+
+
+# ------------------------------------------------------------------ defaults: layer ids, mask token
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B, as released
+    assert default_target_layer_ids(36, 1) == (18,)  # one layer: L // 2
+    assert default_target_layer_ids(64, 5) == (1, 16, 31, 46, 61)
+    assert default_target_layer_ids(2, 1) == (1,)  # tiny targets
+    assert default_target_layer_ids(2, 2) == (0, 1)  # the formula would leave [0, L): spread instead
+    assert default_target_layer_ids(4, 2) == (1, 1)
+
+
+def test_mask_token_choice(ckpt, target, tmp_path):
+    tok = {"model": {"vocab": {f"t{i}": i for i in range(100)}}, "added_tokens": [{"id": 100}, {"id": 101}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    assert choose_mask(target, None, str(tmp_path)) == (102, False)  # first id the tokenizer leaves unused
+    d = build_drafter("dflash", target, target_dir=str(tmp_path))
+    assert d.mask_token_id == 102 and not d.config.learned_mask and "mask_embedding" not in d.state_dict()
+    full = {"model": {"vocab": {f"t{i}": i for i in range(128)}}, "added_tokens": []}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(full))
+    eos = json.load(open(f"{ckpt}/config.json"))["eos_token_id"]
+    assert choose_mask(target, None, str(tmp_path)) == (eos, True)  # no spare id: learned vector, served as eos
+    assert choose_mask(target, None, None) == (eos, True)  # no tokenizer at all (tiny targets)
+    assert choose_mask(target, 7) == (7, False) and choose_mask(target, -1)[1] is True
+    with pytest.raises(ValueError, match="vocab"):
+        choose_mask(target, 128)
+
+
+# ------------------------------------------------------------------ save / load, errors, frozen target
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
@@ -163,13 +366,14 @@ def test_save_load_roundtrip(target, batch, kind, tmp_path):
     d = _drafter(target, kind, seed=3)
     d.save(str(tmp_path / "d"))
     cfg = json.load(open(tmp_path / "d" / "config.json"))
-    assert cfg["kind"] == kind and cfg["block_size"] == W and cfg["feature_layers"] == list(d.feature_layers)
-    assert cfg["target"] == {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 4}
+    assert cfg["kind"] == kind and cfg["block_size"] == BS and cfg["feature_layers"] == list(d.feature_layers)
+    assert cfg["target"] == {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 4,
+                             "max_position_embeddings": target.config.max_position_embeddings}
     e = load_drafter(str(tmp_path / "d"), target)
     assert type(e) is type(d) and isinstance(DFlashDrafter.load(str(tmp_path / "d"), target), type(d))
     sd, se = d.state_dict(), e.state_dict()
     assert sd.keys() == se.keys() and all(torch.equal(sd[k], se[k]) for k in sd)
-    prev = shift_tokens(atok, torch.zeros(5, W, dtype=torch.long))
+    prev = _prev(kind, atok, len(anchors))
     with torch.no_grad():
         assert torch.equal(d(feats, anchors, tix, atok, prev), e(feats, anchors, tix, atok, prev))
 
@@ -179,7 +383,7 @@ def test_load_into_mismatched_target(target, tmp_path):
     d.save(str(tmp_path / "d"))
     other = load_target(make_tiny_checkpoint("llama", tmp_path, vocab_size=96, hidden_size=32,
                                              intermediate_size=48, num_hidden_layers=4))
-    with pytest.raises(ValueError, match="vocab_size=128.*vocab_size=96"):
+    with pytest.raises(ValueError, match="vocab size mismatch.*vocab_size=128.*vocab_size=96"):
         load_drafter(str(tmp_path / "d"), other)
 
 
@@ -195,6 +399,7 @@ def test_build_errors_and_seeded_init(target):
     assert not torch.equal(a["fc.weight"], c["fc.weight"])
     d = build_drafter("dflash", target, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=20)
     assert d.layers[0].self_attn.q_proj.weight.shape == (16, 32) and d.layers[0].mlp.up_proj.weight.shape == (20, 32)
+    assert build_drafter("dflash", target, num_layers=3).feature_layers == default_target_layer_ids(4, 3)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
@@ -203,14 +408,12 @@ def test_target_frozen_and_not_in_state(target, batch, kind):
     d = _drafter(target, kind)
     target_ids = {id(p) for p in target.parameters()}
     assert not target_ids & {id(p) for p in d.parameters()}
-    assert not any(k.startswith(("target", "model.", "lm_head")) for k in d.state_dict())
-    n_target = sum(p.numel() for p in target.parameters())
+    assert not any(k.startswith(("target", "model.", "lm_head", "embed")) for k in d.state_dict())
     assert sum(v.numel() for v in d.state_dict().values()) == sum(p.numel() for p in d.parameters())
-    out = d(feats, anchors, tix, atok, shift_tokens(atok, torch.ones(5, W, dtype=torch.long)), **(
-        {"return_confidence": True} if kind == "dspark" else {}))
+    prev = shift_tokens(atok, torch.ones(len(anchors), W, dtype=torch.long))
+    out = d(feats, anchors, tix, atok, prev, **({"return_confidence": True} if kind == "dspark" else {}))
     loss = out[0].logsumexp(-1).sum() + out[1].sum() if kind == "dspark" else out.logsumexp(-1).sum()
     loss.backward()
     assert all(p.grad is None for p in target.parameters())
     for name, p in d.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
-    assert n_target > 0

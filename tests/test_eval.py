@@ -131,7 +131,7 @@ def test_always_accepting_decoder_fails_the_same_check(small, monkeypatch):
 def test_lossless_with_a_real_dflash_drafter(small):
     from specopd.drafters import build_drafter
 
-    d = build_drafter("dflash", small, num_layers=1, block_size=2, seed=3)
+    d = build_drafter("dflash", small, num_layers=1, block_size=3, seed=3)
     dec = SpeculativeDecoder(small, d, temperature=1.0)
     exact = exact_two_tokens(small, PROMPT, 1.0).flatten()
     stat, df = chi2(empirical_two_tokens(dec, PROMPT, 800), exact)
@@ -219,7 +219,7 @@ def test_each_attention_kind_decodes_identically_at_t0(kind, tmp_path):
     assert sum(res.accept_lengths) == res.tokens.numel() and len(set(res.accept_lengths)) > 1
     from specopd.drafters import build_drafter
 
-    dflash = build_drafter("dflash", target, num_layers=1, block_size=3, seed=0)
+    dflash = build_drafter("dflash", target, num_layers=1, block_size=4, seed=0)
     res = SpeculativeDecoder(target, dflash, temperature=0.0, gdn_checkpoint_every=c).generate(prompt, n)
     assert res.tokens[:n].tolist() == ar.tokens.tolist()
 

@@ -282,7 +282,7 @@ def test_recipe_changes_that_matter_are_refused_others_continue(straight, tmp_pa
     shutil.copytree(straight, out)
     ckpt = ck.find_latest(str(out))
     recipe_before = open(out / "recipe.yaml").read() if os.path.isfile(out / "recipe.yaml") else None
-    for change, key in (("drafter.block_size=4", "drafter.block_size 3 -> 4"),
+    for change, key in (("drafter.block_size=5", "drafter.block_size 4 -> 5"),
                         ("model.target=tiny:qwen3_next", "model.target 'tiny:llama' -> 'tiny:qwen3_next'"),
                         ("seed=7", "seed 0 -> 7")):
         rc, stdout, err = _cli(capsys, out, change, "trainer.max_steps=8")

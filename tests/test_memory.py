@@ -35,7 +35,7 @@ def test_plan_terms_by_hand(tmp_path):
     attn = D * H * hd + 2 * D * KV * hd + H * hd * D  # q, k, v, o (llama: no q/k norms)
     target = 2 * V * D + L * (attn + 3 * D * I + 2 * D) + D
     assert p.sizes["target_params"] == target and _term(p, "target weights") == 4 * target
-    S, T, N, W = 3, 40, 15, 4  # ceil(6 / 2) sequences per GPU, 3 x 5 branches
+    S, T, N, W = 3, 40, 15, 3  # ceil(6 / 2) sequences per GPU, 3 x 5 branches of block_size - 1 = 3 drafted tokens
     assert (p.sizes["sequences_per_gpu"], p.sizes["branches"]) == (S, N)
     assert _term(p, "trunk caches") == S * (L * 2 * T * KV * hd * 4 + T * D * 4)  # K/V + final hidden, fp32
     assert _term(p, "drafter features") == S * T * 2 * D * 4

@@ -460,8 +460,7 @@ def _drafter_params(cfg, tcfg: dict) -> int:
     kv = int(tcfg.get("num_key_value_heads") or h)
     hd = int(tcfg.get("head_dim") or d // h)
     inter = int(tcfg.get("intermediate_size") or 4 * d)
-    L = int(tcfg["num_hidden_layers"])
-    nf = len(cfg.drafter.feature_layers) if cfg.drafter.feature_layers else max(1, min(5, L - 1 if L > 1 else 1))
+    nf = len(cfg.drafter.feature_layers) if cfg.drafter.feature_layers else cfg.drafter.num_layers  # released default
     layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * inter + 2 * d + 2 * hd
     n = nf * d * d + 3 * d + cfg.drafter.num_layers * layer
     if cfg.drafter.kind == "dspark":  # Markov head W1 Embedding(V, 256) + W2 Linear(256, V), confidence head
@@ -521,7 +520,7 @@ def extend_plan(cfg, p: dict) -> dict:
         bpe = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
         dp = _drafter_params(cfg, tcfg)
         per_worker_seqs = math.ceil(cfg.data.batch_size / n)
-        q = per_worker_seqs * cfg.trainer.anchors_per_seq * cfg.drafter.block_size * int(tcfg["vocab_size"]) * 4 * 3
+        q = per_worker_seqs * cfg.trainer.anchors_per_seq * (cfg.drafter.block_size - 1) * int(tcfg["vocab_size"]) * 4 * 3
         mem["drafter_params"] = dp
         mem["drafter_weights_grads_adamw"] = 4 * dp * bpe
         mem["drafter_q_logits_probs_grads"] = q

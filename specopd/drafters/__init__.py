@@ -1,10 +1,24 @@
-"""Drafters: ``build_drafter(kind, target, ...)`` and ``load_drafter(dir, target)``.
+"""Drafters: DFlash and DSpark exactly as released, trained at scale, exported for serving.
 
-kinds: "dflash" (parallel block drafter, specopd/drafters/dflash.py) and "dspark" (DFlash + Markov head
-+ confidence head, dspark.py). Common API (N branches, W = block_size, V = vocab):
-``drafter(features, anchors, trunk_index, anchor_tokens, prev_tokens) -> logits [N, W, V]``,
-``drafter.sample(features, anchors, trunk_index, anchor_tokens, temperature, generator) -> (tokens, logits)``,
-``drafter.save(dir)``, ``load_drafter(dir, target)`` (== ``DFlashDrafter.load(dir, target)``).
+    drafter = build_drafter("dflash" | "dspark", target, num_layers=1, block_size=16, seed=0)
+    drafter.block_size              # S: block length counting the anchor, as released ("b16" = 16)
+    drafter.draft_len               # W = S - 1: tokens drafted per block (code outside drafters/ reads this)
+    drafter.feature_layers          # target layer ids (released dflash_config.target_layer_ids)
+    logits = drafter(features, anchors, trunk_index, anchor_tokens[, prev_tokens])   # [N, W, V] fp32
+    h = drafter.hidden(features, anchors, trunk_index, anchor_tokens)               # [N, W, D] normed
+    logits = drafter.logits_from_hidden(h)                                          # target lm_head
+    tokens, logits = drafter.sample(features, anchors, trunk_index, anchor_tokens, temperature, generator,
+                                    rows=None)                                      # [N, W], [N, W, V]
+    ctx = drafter.context_cache(features [T, F]); ctx.extend(new_features [n, F])   # decoding cache
+    tokens, logits = drafter.draft(ctx, anchor_token, temperature, generator)       # [W], [W, V]
+    drafter = load_drafter(folder, target)      # our checkpoints and the released layout
+    export_drafter(drafter, out_dir)            # the released layout (vLLM / SGLang load it)
+
+``features``: a list with one ``[T_i, len(feature_layers) * D]`` tensor per trunk (what
+``target.hidden_states(ids[None], drafter.feature_layers)[0]`` or ``target.prefill(...).features`` gives);
+anchors [N] in [0, T_i] (T_i = inference: the anchor is the bonus token); prev_tokens [N, W] (DSpark:
+``shift_tokens(anchor_tokens, tokens)``). See dflash.py (model), dspark.py (Markov / confidence heads),
+attention.py (shared-context branch attention), layout.py (folders).
 """
 from __future__ import annotations
 
@@ -12,27 +26,33 @@ from typing import Optional, Sequence
 
 import torch
 
-from specopd.drafters.dflash import DFlashDrafter, DrafterConfig, _tcfg, pick_tokens, target_identity, \
-    target_rope_theta
+from specopd.drafters.dflash import (DFlashDrafter, DraftContext, DrafterConfig, _tcfg, choose_mask,
+                                     default_target_layer_ids, pick_tokens, target_identity, target_rope_theta)
 from specopd.drafters.dspark import DSparkDrafter
+from specopd.drafters.layout import export_drafter, export_folder, load_drafter, serving_commands
 
 DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}
 Drafter = DFlashDrafter  # the base class: ``Drafter.load(dir, target)`` loads any kind
 
 _OVERRIDES = {"num_heads": "num_heads", "num_attention_heads": "num_heads", "num_kv_heads": "num_kv_heads",
               "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
-              "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "qk_norm": "qk_norm",
-              "hidden_act": "hidden_act", "markov_rank": "markov_rank"}
+              "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "hidden_act": "hidden_act",
+              "markov_rank": "markov_rank", "confidence_head": "confidence_head",
+              "confidence_with_markov": "confidence_with_markov"}
 
 
 def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, seed: int = 0,
-                  feature_layers: Optional[Sequence[int]] = None, **overrides):
+                  feature_layers: Optional[Sequence[int]] = None, mask_token_id: Optional[int] = None,
+                  target_dir: Optional[str] = None, **overrides):
     """A freshly initialised drafter for ``target`` (weights deterministic in ``seed``).
 
-    Sizes default to the target's (hidden, heads, kv heads, head_dim, intermediate, rms eps, rope theta);
+    block_size counts the anchor (released: 16 drafts 15 tokens; DSpark's release uses 7). feature_layers
+    None -> the released default for ``num_layers`` (``default_target_layer_ids``). mask_token_id: None =
+    automatic (``choose_mask``: the first token id the tokenizer in ``target_dir`` leaves unused, as Qwen3's
+    151669, else a learned vector), an id = that token's frozen embedding, -1 = a learned vector.
+    Sizes default to the target's (heads, kv heads, head_dim, intermediate, rms eps, rope theta);
     ``overrides`` may set num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta,
-    qk_norm, hidden_act, markov_rank (DSpark's r, default 256). feature_layers None ->
-    ``target.default_feature_layers()``.
+    hidden_act, markov_rank (DSpark's r, default 256), confidence_head, confidence_with_markov.
     """
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS)}")
@@ -49,16 +69,12 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
     for k, v in overrides.items():
         sizes[_OVERRIDES[k]] = v
     if feature_layers is None:
-        feature_layers = target.default_feature_layers()
+        feature_layers = default_target_layer_ids(target.num_layers, num_layers)
+    mask_id, learned = choose_mask(target, mask_token_id, target_dir)
     cfg = DrafterConfig(kind=kind, num_layers=int(num_layers), block_size=int(block_size),
                         feature_layers=tuple(int(i) for i in feature_layers), hidden_size=d,
-                        target=target_identity(target), **sizes)
+                        mask_token_id=mask_id, learned_mask=learned, target=target_identity(target), **sizes)
     return DRAFTERS[kind](target, cfg, seed=seed)
-
-
-def load_drafter(path: str, target):
-    """Load a drafter saved with ``drafter.save(path)`` for ``target`` (kind read from config.json)."""
-    return DFlashDrafter.load(path, target)
 
 
 def shift_tokens(anchor_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -66,5 +82,6 @@ def shift_tokens(anchor_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
     return torch.cat([anchor_tokens.reshape(-1, 1).to(tokens), tokens[:, :-1]], 1)
 
 
-__all__ = ["Drafter", "build_drafter", "load_drafter", "shift_tokens", "pick_tokens", "DFlashDrafter", "DSparkDrafter",
-           "DrafterConfig", "DRAFTERS"]
+__all__ = ["Drafter", "build_drafter", "load_drafter", "export_drafter", "export_folder", "serving_commands",
+           "shift_tokens", "pick_tokens", "DFlashDrafter", "DSparkDrafter", "DraftContext", "DrafterConfig",
+           "DRAFTERS", "default_target_layer_ids", "choose_mask"]

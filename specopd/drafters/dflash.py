@@ -1,49 +1,59 @@
-"""DFlash: a parallel block drafter conditioned on target features (one forward for all branches).
+"""DFlash as released (z-lab/dflash ``DFlashDraftModel``; SpecForge ``modeling/draft/dflash.py``).
 
-Shapes: N branches, W = block_size, D = target hidden size, V = vocab, F = len(feature_layers) * D.
+Shapes: N branches, S = block_size (counts the anchor, as released: "b16" = anchor + 15 drafted tokens),
+W = S - 1 = ``drafter.draft_len`` drafted tokens, D = target hidden size, V = vocab,
+F = len(target_layer_ids) * D.
 
-- Context of branch b (anchor a_b on trunk t_b): the target features of trunk positions p < a_b,
-  ``c = RMSNorm(fc(features[:a_b]))`` [a_b, D]. At inference a_b == len(trunk) is allowed (the anchor
-  is the bonus token the target has not run yet); a_b > len(trunk) is an error.
-- Block: ``[anchor token, mask x W]``; the anchor token is embedded with the target's frozen embedding,
-  the W mask slots all start from one *learned* vector ``mask_embedding`` [D] (no mask token id needed).
-  RoPE at semantic positions: context position p -> p, block slot k -> a_b + k (anchor at a_b, mask j
-  at a_b + 1 + j).
-- Each draft layer: ``h += Attn(RMSNorm(h))``, ``h += SwiGLU(RMSNorm(h))``; queries from the block only;
-  keys/values ``[kv_proj(c) ; kv_proj(RMSNorm(h))]`` (per-head q/k RMSNorm as in DFlash / Qwen3);
-  non-causal inside the block, context keys ``p < a_b`` only.
-- Output: the drafter's RMSNorm, then ``target.head`` (the target's own final norm + frozen lm_head)
-  at the W mask slots -> logits [N, W, V] (fp32, raw: no temperature applied).
+- Features: the outputs of the target layers ``feature_layers`` (released ``target_layer_ids``; HF
+  ``hidden_states[id + 1]``) concatenated, ``ctx = hidden_norm(fc(features))`` [T, D], computed once per
+  trunk and shared by every draft layer.
+- Block of branch b (anchor a_b): ``[anchor token, MASK x W]`` embedded with the target's frozen embedding,
+  MASK = ``mask_token_id``. A target without a spare token id uses a learned vector ``mask_embedding`` [D]
+  for the W masked slots instead (exported as ``mask_embedding.pt``, which vLLM substitutes for
+  ``embed_tokens[mask_token_id]``). RoPE at absolute positions: context row p -> p, block slot k -> a_b + k.
+- Each draft layer (a Qwen3 decoder layer): ``h += o_proj(Attn(q, [k_ctx ; k_blk], [v_ctx ; v_blk]))`` on
+  ``input_layernorm(h)``, then ``h += mlp(post_attention_layernorm(h))``; keys/values of context and block
+  use the same ``k_proj`` / ``v_proj``, then ``k_norm`` and RoPE; queries come from the block only; the
+  block is non-causal; block b sees context positions p < a_b (at inference a_b = T is allowed: the anchor
+  is the bonus token, whose features do not exist yet). Context K/V of a trunk are computed once per layer
+  and shared by all its branches (``specopd/drafters/attention.py``; no per-branch copy).
+- Output: the drafter's own final ``norm``, then the target's frozen ``lm_head`` (not the target's final
+  norm) on slots 1..W; slot j predicts the token at a + j. ``hidden`` returns the normed state [N, W, D],
+  ``logits_from_hidden`` applies the lm_head (fp32 logits, no temperature).
 
-The target is kept outside the module tree (``self.__dict__``) so ``state_dict()`` holds only the
-drafter's trainable weights and ``.parameters()`` never yields target weights.
+Weight names are the released ones (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``,
+``layers.{i}.self_attn.{q,k}_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``,
+``layers.{i}.{input,post_attention}_layernorm``, ``norm``; + ``mask_embedding`` when learned), so the
+state dict *is* the released safetensors content. The target is kept outside the module tree
+(``self.__dict__``): ``state_dict()`` and ``parameters()`` never contain target weights.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specopd.models.common import MLP, RMSNorm, apply_rope, rope_cos_sin
+from specopd.drafters.attention import BranchLayout, branch_attention
+from specopd.models.common import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters
 
 INIT_STD = 0.02
+FORMAT = 2  # our checkpoint format: 2 = released semantics (block_size counts the anchor, no target final norm)
 
 
 @dataclass
 class DrafterConfig:
-    """Everything needed to rebuild a drafter (saved as config.json)."""
+    """Everything needed to rebuild a drafter (our checkpoints' config.json is ``dataclasses.asdict`` of it;
+    ``specopd.drafters.layout`` converts to and from the released config.json)."""
 
     kind: str
     num_layers: int
-    block_size: int
-    feature_layers: tuple
+    block_size: int  # counts the anchor: W = block_size - 1 tokens are drafted
+    feature_layers: tuple  # released dflash_config.target_layer_ids
     hidden_size: int
     num_heads: int
     num_kv_heads: int
@@ -51,10 +61,22 @@ class DrafterConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    qk_norm: bool = True
+    rope_scaling: Optional[dict] = None  # HF rope_scaling of the drafter (released: null)
     hidden_act: str = "silu"
-    markov_rank: int = 256  # DSpark only
-    target: dict = field(default_factory=dict)  # model_type, vocab_size, hidden_size, num_hidden_layers
+    mask_token_id: Optional[int] = None  # the MASK token (released dflash_config.mask_token_id)
+    learned_mask: bool = False  # True: a trained vector fills the masked slots (mask_token_id only for serving)
+    markov_rank: int = 256  # DSpark: rank r of the Markov head
+    confidence_head: bool = True  # DSpark: enable_confidence_head
+    confidence_with_markov: bool = True  # DSpark: confidence_head_with_markov ([h ; W1[x_prev]] input)
+    target: dict = field(default_factory=dict)  # model_type, vocab_size, hidden_size, num_hidden_layers, ...
+    format: int = FORMAT
+
+    @property
+    def draft_len(self) -> int:
+        return int(self.block_size) - 1
+
+
+# ------------------------------------------------------------------------------------------- helpers
 
 
 def _tcfg(target, name, default=None):
@@ -64,9 +86,13 @@ def _tcfg(target, name, default=None):
 
 
 def target_identity(target) -> dict:
-    return {"model_type": str(getattr(target, "model_type", None) or _tcfg(target, "model_type", "?")),
-            "vocab_size": int(target.vocab_size), "hidden_size": int(target.hidden_size),
-            "num_hidden_layers": int(target.num_layers)}
+    out = {"model_type": str(getattr(target, "model_type", None) or _tcfg(target, "model_type", "?")),
+           "vocab_size": int(target.vocab_size), "hidden_size": int(target.hidden_size),
+           "num_hidden_layers": int(target.num_layers)}
+    mpe = _tcfg(target, "max_position_embeddings")
+    if mpe is not None:
+        out["max_position_embeddings"] = int(mpe)
+    return out
 
 
 def target_rope_theta(target) -> float:
@@ -77,10 +103,97 @@ def target_rope_theta(target) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
-def pick_tokens(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """logits [..., V] -> tokens [...]: argmax at T = 0, else a draw from softmax(logits / T) with ``generator``."""
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple:
+    """Released default (SpecForge ``build_target_layer_ids``): one layer -> ``[L // 2]``; n layers ->
+    ``round(1 + i * (L - 4) / (n - 1))`` for i < n (Qwen3-8B, 5 layers: [1, 9, 17, 25, 33]).
+    Shallow targets where that leaves [0, L) (e.g. L = 2, n = 2) get ids spread evenly over [0, L - 1]."""
+    L, n = int(num_target_layers), int(num_draft_layers)
+    if L < 1 or n < 1:
+        raise ValueError(f"need >= 1 target and draft layers; got {L}, {n}")
+    if n == 1:
+        return (L // 2,)
+    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    if min(ids) < 0 or max(ids) >= L:
+        ids = [int(round(i * (L - 1) / (n - 1))) for i in range(n)]
+    return tuple(ids)
+
+
+def tokenizer_size(folder: Optional[str]) -> Optional[int]:
+    """Number of token ids the tokenizer in ``folder`` uses (max id + 1 over its vocab and added tokens;
+    tokenizer.json, else vocab.json + tokenizer_config.json), or None when there is no tokenizer."""
+    if not folder or not os.path.isdir(folder):
+        return None
+    ids = []
+    tj = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(tj):
+        with open(tj) as f:
+            tok = json.load(f)
+        vocab = (tok.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict):
+            ids += [int(i) for i in vocab.values()]
+        elif isinstance(vocab, list):  # unigram: [[piece, score], ...]
+            ids.append(len(vocab) - 1)
+        ids += [int(t["id"]) for t in tok.get("added_tokens", [])]
+    else:
+        vj = os.path.join(folder, "vocab.json")
+        if not os.path.isfile(vj):
+            return None
+        with open(vj) as f:
+            ids += [int(i) for i in json.load(f).values()]
+        tc = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(tc):
+            with open(tc) as f:
+                ids += [int(i) for i in (json.load(f).get("added_tokens_decoder") or {})]
+    return max(ids) + 1 if ids else None
+
+
+def choose_mask(target, mask_token_id: Optional[int] = None, target_dir: Optional[str] = None) -> tuple:
+    """-> (mask_token_id, learned_mask). Released drafters embed MASK with a real but unused token id (Qwen3:
+    151669, the first id after the tokenizer's last token). Rule:
+
+    - ``mask_token_id`` >= 0: that token's frozen target embedding (released behaviour).
+    - None (automatic): the first embedding row the tokenizer in ``target_dir`` does not use, when the
+      tokenizer has fewer tokens than vocab_size (this reproduces Qwen3's 151669); otherwise a learned vector.
+      The config's pad token is not used: it is usually a real token (<|endoftext|>, eos).
+    - -1: always a learned vector.
+
+    With a learned vector, mask_token_id is only the id serving engines replace by it (vLLM's
+    ``mask_embedding.pt``): the target's eos token (a served sequence never drafts after eos), else pad/bos.
+    """
+    v = int(target.vocab_size)
+    if mask_token_id is not None and int(mask_token_id) >= 0:
+        if int(mask_token_id) >= v:
+            raise ValueError(f"mask_token_id {mask_token_id} is outside the target's vocab [0, {v})")
+        return int(mask_token_id), False
+    if mask_token_id is None:
+        n_tok = tokenizer_size(target_dir)
+        if n_tok is not None and n_tok < v:
+            return n_tok, False
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        t = _tcfg(target, key)
+        t = t[0] if isinstance(t, (list, tuple)) and t else t
+        if isinstance(t, int) and 0 <= t < v:
+            return t, True
+    return None, True
+
+
+def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows: Optional[Sequence] = None
+                ) -> torch.Tensor:
+    """logits [N, ..., V] -> tokens [N, ...]: argmax at T = 0, else draws from softmax(logits / T).
+
+    ``generator``: one torch.Generator for all rows, or (with ``rows``, a list of index tensors into N) one
+    generator per group: rows[i] is drawn with generator[i] (per-sample randomness in training)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature}")
+    if rows is not None:
+        gens = list(generator) if isinstance(generator, (list, tuple)) else [generator] * len(rows)
+        if len(gens) != len(rows):
+            raise ValueError(f"{len(rows)} row groups but {len(gens)} generators")
+        out = torch.empty(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        for r, g in zip(rows, gens):
+            if r.numel():
+                out[r] = pick_tokens(logits[r], temperature, g)
+        return out
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / float(temperature), dim=-1)
@@ -88,8 +201,11 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator: Optional[to
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
+# ------------------------------------------------------------------------------------------- layers
+
+
 class DraftAttention(nn.Module):
-    """Block queries attend to [context keys of p < a ; all block keys]."""
+    """Qwen3 attention whose keys/values are [k_proj(context) ; k_proj(block)] (same weights)."""
 
     def __init__(self, c: DrafterConfig):
         super().__init__()
@@ -100,26 +216,26 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.hd, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.h * self.hd, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, D] -> k, v [B, T, Hkv, hd] (k normed and rotated)."""
+        """x [N, T, D] block slots (or [T, D] context rows), cos/sin [N, T, hd] (or [T, hd])
+        -> k, v [N, T, Hkv, hd] (or [T, Hkv, hd])."""
+        if x.dim() == 2:
+            k, v = self.kv(x[None], cos[None], sin[None])
+            return k[0], v[0]
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.hkv, self.hd))
         return apply_rope(k, cos, sin), self.v_proj(x).view(b, t, self.hkv, self.hd)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_valid):
-        """x [N, S, D] block; cos/sin [N, S, hd]; ctx_k/ctx_v [N, C, Hkv, hd]; ctx_valid [N, C] bool."""
+    def forward(self, x, cos, sin, k_ctx, v_ctx, layout: BranchLayout, backend="auto"):
+        """x [N, S, D] block (normed); cos/sin [N, S, hd]; k_ctx/v_ctx [C, Hkv, hd] packed context."""
         n, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(n, s, self.h, self.hd)), cos, sin)
         kb, vb = self.kv(x, cos, sin)
-        k = torch.cat([ctx_k, kb], 1).transpose(1, 2)
-        v = torch.cat([ctx_v, vb], 1).transpose(1, 2)
-        mask = torch.cat([ctx_valid, ctx_valid.new_ones(n, s)], 1)[:, None, None, :]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.hd ** -0.5,
-                                           enable_gqa=self.h != self.hkv)
-        return self.o_proj(o.transpose(1, 2).reshape(n, s, self.h * self.hd))
+        o = branch_attention(q, kb, vb, k_ctx, v_ctx, layout, self.hd ** -0.5, backend)
+        return self.o_proj(o.reshape(n, s, self.h * self.hd))
 
 
 class DraftLayer(nn.Module):
@@ -130,13 +246,19 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
-    def forward(self, h, cos, sin, ctx_k, ctx_v, ctx_valid):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_valid)
+    def forward(self, h, cos, sin, k_ctx, v_ctx, layout, backend="auto"):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_ctx, v_ctx, layout, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+# ------------------------------------------------------------------------------------------- the model
+
+
 class DFlashDrafter(nn.Module):
-    """DFlash block drafter. Build with ``specopd.drafters.build_drafter``; see the module docstring."""
+    """DFlash block drafter. Build with ``specopd.drafters.build_drafter``; see the module docstring.
+
+    ``attention_backend``: "auto" (flex_attention on CUDA, the exact chunked path elsewhere) | "chunked" |
+    "flex" | a callable (see ``specopd/drafters/attention.py``)."""
 
     kind = "dflash"
     has_confidence = False
@@ -145,33 +267,44 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.__dict__["target"] = target  # not a submodule: no target weights in state_dict / parameters
         self.config = c = config
+        self.attention_backend = "auto"
         ident = target_identity(target)
         if c.hidden_size != ident["hidden_size"]:
-            raise ValueError(f"drafter hidden_size {c.hidden_size} != target hidden_size {ident['hidden_size']}: "
-                             f"the drafter shares the target's embeddings and head, so they must be equal")
+            raise ValueError(f"hidden_size mismatch: drafter {c.hidden_size}, target {ident['hidden_size']} (the "
+                             f"drafter uses the target's embedding and lm_head, so they must be equal)")
         bad = [i for i in c.feature_layers if not 0 <= int(i) < ident["num_hidden_layers"]]
         if not c.feature_layers or bad:
-            raise ValueError(f"feature_layers {tuple(c.feature_layers)} must be non-empty layer ids in "
-                             f"[0, {ident['num_hidden_layers']}) of the target")
-        if c.block_size < 1 or c.num_layers < 1:
-            raise ValueError(f"block_size ({c.block_size}) and num_layers ({c.num_layers}) must be >= 1")
+            raise ValueError(f"feature_layers (target_layer_ids) {list(c.feature_layers)} must be non-empty layer "
+                             f"ids in [0, {ident['num_hidden_layers']}) of the target")
+        if c.block_size < 2 or c.num_layers < 1:
+            raise ValueError(f"block_size ({c.block_size}, counts the anchor: >= 2) and num_layers "
+                             f"({c.num_layers}, >= 1) are out of range")
+        if c.mask_token_id is None and not c.learned_mask:
+            raise ValueError("a drafter needs mask_token_id or learned_mask=True")
+        if c.mask_token_id is not None and not 0 <= int(c.mask_token_id) < ident["vocab_size"]:
+            raise ValueError(f"mask_token_id {c.mask_token_id} is outside the target's vocab [0, {ident['vocab_size']})")
         d = c.hidden_size
-        self.fc = nn.Linear(len(c.feature_layers) * d, d, bias=False)
-        self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(d))
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.fc = nn.Linear(len(c.feature_layers) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
+        if c.learned_mask:
+            self.mask_embedding = nn.Parameter(torch.zeros(d))
         self._build_extra()
         self._init_weights(seed)
         self.to(target.device)
+        self._rope = rope_inv_freq(rope_parameters({"rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling}),
+                                   c.head_dim)
+        if self._rope.numel() * 2 != c.head_dim:
+            raise ValueError("the drafter's RoPE must rotate the whole head (no partial_rotary_factor)")
 
     def _build_extra(self) -> None:
         """Hook for subclasses (DSpark heads)."""
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
-        """Deterministic in ``seed``: every Linear / Embedding weight and the mask vector ~ N(0, 0.02^2),
-        biases 0, norms 1; subclasses may zero some weights afterwards."""
+        """Deterministic in ``seed``: every Linear / Embedding weight and the learned mask vector
+        ~ N(0, 0.02^2), biases 0, norms 1; subclasses may zero some weights afterwards."""
         g = torch.Generator().manual_seed(int(seed))
         for name, p in self.named_parameters():
             if name.endswith("bias"):
@@ -182,32 +315,50 @@ class DFlashDrafter(nn.Module):
     # -- properties ---------------------------------------------------------------------------------------
     @property
     def block_size(self) -> int:
+        """Block length including the anchor, as released ("b16" = 16)."""
         return int(self.config.block_size)
+
+    @property
+    def draft_len(self) -> int:
+        """W = block_size - 1: tokens drafted per block (what everything outside drafters/ reads)."""
+        return int(self.config.block_size) - 1
 
     @property
     def feature_layers(self) -> tuple:
         return tuple(int(i) for i in self.config.feature_layers)
 
     @property
+    def mask_token_id(self) -> Optional[int]:
+        return self.config.mask_token_id
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    # -- the backbone -------------------------------------------------------------------------------------
-    def _inputs(self, features, anchors, trunk_index, anchor_tokens):
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    # -- inputs -------------------------------------------------------------------------------------------
+    def _features(self, features) -> list:
         feats = []
+        fdim = len(self.feature_layers) * self.config.hidden_size
         for f in ([features] if torch.is_tensor(features) else list(features)):
             if not torch.is_tensor(f):  # a TargetCache
                 if tuple(f.feature_layers) != self.feature_layers:
                     raise ValueError(f"cache features are of layers {tuple(f.feature_layers)}, drafter needs "
                                      f"{self.feature_layers}: prefill(..., feature_layers=drafter.feature_layers)")
                 f = f.features
-            fdim = len(self.feature_layers) * self.config.hidden_size
             if f is None or f.dim() != 2 or f.shape[1] != fdim:
                 raise ValueError(f"features must be [T, {fdim}] (len(feature_layers) * hidden); got "
                                  f"{None if f is None else tuple(f.shape)}; prefill with "
                                  f"feature_layers=drafter.feature_layers")
             feats.append(f)
-        dev = self.fc.weight.device
+        return feats
+
+    def _inputs(self, features, anchors, trunk_index, anchor_tokens):
+        feats = self._features(features)
+        dev = self.device
         anchors = torch.as_tensor(anchors, dtype=torch.long, device=dev).reshape(-1)
         n = anchors.numel()
         trunk_index = (torch.zeros(n, dtype=torch.long, device=dev) if trunk_index is None else
@@ -218,9 +369,7 @@ class DFlashDrafter(nn.Module):
         if trunk_index.numel() != n or anchor_tokens.numel() != n or n == 0:
             raise ValueError(f"anchors, trunk_index and anchor_tokens must all be [N] with N >= 1; got "
                              f"{n}, {trunk_index.numel()}, {anchor_tokens.numel()}")
-        if int(anchor_tokens.min()) < 0 or int(anchor_tokens.max()) >= self.target.vocab_size:
-            raise ValueError(f"anchor_tokens must be token ids in [0, {self.target.vocab_size}); got min "
-                             f"{int(anchor_tokens.min())}, max {int(anchor_tokens.max())}")
+        self._check_tokens(anchor_tokens, "anchor_tokens")
         if int(trunk_index.min()) < 0 or int(trunk_index.max()) >= len(feats):
             raise ValueError(f"trunk_index must be in [0, {len(feats)}) (one features tensor per trunk)")
         lens = torch.tensor([f.shape[0] for f in feats], device=dev)
@@ -232,97 +381,215 @@ class DFlashDrafter(nn.Module):
                              f"may equal the trunk length at inference, never exceed it)")
         return feats, anchors, trunk_index, anchor_tokens
 
-    def backbone(self, features, anchors, trunk_index=None, anchor_tokens=None) -> torch.Tensor:
-        """-> h [N, W, D]: the normed drafter hidden state at the W mask slots (before target.head)."""
-        feats, anchors, tix, atok = self._inputs(features, anchors, trunk_index, anchor_tokens)
-        c, dt, dev = self.config, self.dtype, self.fc.weight.device
-        n, w = anchors.numel(), self.block_size
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float, device=dev) / c.head_dim))
-        # context: trunk i contributes its first max(anchor on i) rows, flattened [sum_i C_i, F]
-        need = torch.zeros(len(feats), dtype=torch.long, device=dev).scatter_reduce(0, tix, anchors, "amax")
-        need_l = need.tolist()
-        cmax = max(need_l)
-        offs = torch.cumsum(need, 0) - need
-        pcol = torch.arange(cmax, device=dev)
-        ctx_valid = pcol[None, :] < anchors[:, None]  # [N, C]
-        if cmax > 0:
-            flat = torch.cat([f[:k].to(device=dev, dtype=dt) for f, k in zip(feats, need_l)])
-            ctx = self.hidden_norm(self.fc(flat))[None]  # [1, sumC, D]
-            fpos = torch.cat([torch.arange(k, device=dev) for k in need_l])[None]
-            fcos, fsin = rope_cos_sin(fpos, inv, dt)
-            gather = offs[tix][:, None] + torch.minimum(pcol[None, :], (need[tix] - 1).clamp(min=0)[:, None])
-        # block: [anchor, mask x W] at positions a .. a + W
-        h = torch.cat([self.target.embed(atok)[:, None].to(dt), self.mask_embedding.to(dt).expand(n, w, -1)], 1)
-        cos, sin = rope_cos_sin(anchors[:, None] + torch.arange(w + 1, device=dev), inv, dt)
-        for layer in self.layers:
-            attn = layer.self_attn
-            if cmax > 0:
-                k, v = attn.kv(ctx, fcos, fsin)
-                ck, cv = k[0][gather], v[0][gather]  # [N, C, Hkv, hd]
-            else:
-                ck = cv = h.new_zeros(n, 0, attn.hkv, attn.hd)
-            h = layer(h, cos, sin, ck, cv, ctx_valid)
+    def _check_tokens(self, tokens: torch.Tensor, name: str) -> None:
+        v = int(self.target.vocab_size)
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+            raise ValueError(f"{name} must be token ids in [0, {v}); got min {int(tokens.min())}, "
+                             f"max {int(tokens.max())}")
+
+    # -- the backbone -------------------------------------------------------------------------------------
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [T, F] -> ``hidden_norm(fc(features))`` [T, D] (shared by all layers)."""
+        return self.hidden_norm(self.fc(features.to(device=self.device, dtype=self.dtype)))
+
+    def _rope_cos_sin(self, positions: torch.Tensor):
+        return rope_cos_sin(positions, self._rope.to(positions.device), self.dtype)
+
+    def _block(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """anchor_tokens [N] -> the embedded block [N, S, D]: target embedding of the anchor, then MASK x W."""
+        n, w = anchor_tokens.numel(), self.draft_len
+        a = self.target.embed(anchor_tokens)[:, None].to(self.dtype)  # [N, 1, D]
+        if self.config.learned_mask:
+            m = self.mask_embedding.to(self.dtype)
+        else:
+            m = self.target.embed(torch.tensor([self.config.mask_token_id], device=self.device))[0].to(self.dtype)
+        return torch.cat([a, m.expand(n, w, -1)], 1)
+
+    def _layers(self, anchor_tokens, anchors, layer_kv, layout: BranchLayout, backend=None) -> torch.Tensor:
+        """Run the draft layers over the blocks of ``anchors`` [N]. ``layer_kv(i, attn)`` gives layer i's packed
+        context (k, v) [C, Hkv, hd]. -> normed hidden [N, W, D] at slots 1..W."""
+        h = self._block(anchor_tokens)
+        cos, sin = self._rope_cos_sin(anchors[:, None] + torch.arange(self.block_size, device=anchors.device))
+        for i, layer in enumerate(self.layers):
+            k, v = layer_kv(i, layer.self_attn)
+            h = layer(h, cos, sin, k, v, layout, backend or self.attention_backend)
         return self.norm(h[:, 1:])
 
+    def hidden(self, features, anchors, trunk_index=None, anchor_tokens=None) -> torch.Tensor:
+        """-> h [N, W, D]: the drafter's normed hidden state at the W drafted slots (the input of lm_head).
+
+        features: list of [T_i, F] (or TargetCaches), anchors [N] in [0, T_i], trunk_index [N], anchor_tokens
+        [N]. Memory: O(sum_i max anchor on trunk i + N * block_size) per layer (no per-branch context)."""
+        feats, anchors, tix, atok = self._inputs(features, anchors, trunk_index, anchor_tokens)
+        dev = self.device
+        # group by trunk and sort by anchor (block-sparse layout); undo at the end
+        key = tix * (int(anchors.max()) + 1) + anchors
+        order = None
+        if bool((key[1:] < key[:-1]).any()):
+            order = torch.argsort(key, stable=True)
+            anchors, tix, atok = anchors[order], tix[order], atok[order]
+        need = torch.zeros(len(feats), dtype=torch.long, device=dev).scatter_reduce(0, tix, anchors, "amax")
+        need_l = need.tolist()
+        starts = torch.cumsum(need, 0) - need
+        c_len = int(sum(need_l))
+        layout = BranchLayout(starts[tix], anchors, c_len, self.block_size)
+        if c_len:
+            ctx = self.context(torch.cat([f[:k] for f, k in zip(feats, need_l) if k]))  # [C, D]
+            cpos = torch.cat([torch.arange(k, device=dev) for k in need_l if k])
+            ccos, csin = self._rope_cos_sin(cpos)
+        else:
+            ctx = ccos = csin = None
+
+        def layer_kv(i, attn):
+            if ctx is None:
+                empty = torch.zeros(0, attn.hkv, attn.hd, device=dev, dtype=self.dtype)
+                return empty, empty
+            return attn.kv(ctx, ccos, csin)
+
+        h = self._layers(atok, anchors, layer_kv, layout)
+        if order is not None:
+            h = h[torch.argsort(order)]
+        return h
+
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., D] -> fp32 logits [..., V] through the target's frozen final norm + lm_head."""
-        return self.target.head(h.to(self.target.dtype)).float()
+        """h [..., D] -> fp32 logits [..., V] = the target's frozen lm_head (its final norm is NOT applied)."""
+        lm_head = self.target.lm_head
+        return lm_head(h.to(lm_head.weight.dtype)).float()
 
     def forward(self, features, anchors, trunk_index=None, anchor_tokens=None, prev_tokens=None,
                 return_confidence: bool = False) -> torch.Tensor:
-        """-> raw logits [N, W, V] (fp32). ``features``: list of [T_i, F] (or TargetCaches), anchors [N],
-        trunk_index [N], anchor_tokens [N]; prev_tokens [N, W] is ignored by DFlash."""
+        """-> raw logits [N, W, V] (fp32). ``prev_tokens`` [N, W] is ignored by DFlash (DSpark reads it)."""
         if return_confidence:
             raise ValueError("DFlash has no confidence head; build a 'dspark' drafter for confidences")
-        return self.logits_from_hidden(self.backbone(features, anchors, trunk_index, anchor_tokens))
+        return self.logits_from_hidden(self.hidden(features, anchors, trunk_index, anchor_tokens))
+
+    # -- sampling -----------------------------------------------------------------------------------------
+    def _sample_hidden(self, h, anchor_tokens, temperature, generator, rows=None, return_confidence=False):
+        """h [N, W, D] -> (tokens [N, W], logits [N, W, V]); DFlash draws all W slots independently."""
+        if return_confidence:
+            raise ValueError("DFlash has no confidence head")
+        logits = self.logits_from_hidden(h)
+        return pick_tokens(logits, temperature, generator, rows), logits
 
     def sample(self, features, anchors, trunk_index=None, anchor_tokens=None, temperature: float = 1.0,
-               generator: Optional[torch.Generator] = None):
-        """-> (tokens [N, W], raw logits [N, W, V]). T = 0: argmax; T > 0: draws from softmax(logits / T)
-        with ``generator`` (on the drafter's device). Autograd is not disabled: wrap in no_grad to propose only."""
-        logits = self(features, anchors, trunk_index, anchor_tokens)
-        return pick_tokens(logits, temperature, generator), logits
+               generator=None, rows=None, return_confidence: bool = False):
+        """-> (tokens [N, W], raw logits [N, W, V]) [+ DSpark confidence logits [N, W]]. T = 0: argmax;
+        T > 0: draws from softmax(logits / T). ``generator``: one Generator, or one per ``rows`` group (see
+        ``pick_tokens``). Autograd is not disabled: wrap in no_grad to propose only."""
+        h = self.hidden(features, anchors, trunk_index, anchor_tokens)
+        atok = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
+        return self._sample_hidden(h, atok, temperature, generator, rows, return_confidence)
+
+    # -- decoding -----------------------------------------------------------------------------------------
+    def context_cache(self, features: Optional[torch.Tensor] = None, capacity: int = 0) -> "DraftContext":
+        """A decoding cache holding every layer's context K/V of one sequence; ``features`` [T, F] (or None)."""
+        ctx = DraftContext(self, capacity)
+        if features is not None:
+            ctx.extend(features)
+        return ctx
+
+    @torch.no_grad()
+    def draft(self, ctx: "DraftContext", anchor_token, temperature: float = 0.0, generator=None,
+              return_confidence: bool = False):
+        """One block at anchor ``len(ctx)`` (the bonus token ``anchor_token``, not yet run by the target)
+        from the cached context K/V -> (tokens [W], raw logits [W, V]) [+ DSpark confidence logits [W]].
+        Equals ``sample([features], [len(ctx)], None, [anchor_token])`` without recomputing the context."""
+        if ctx.drafter is not self:
+            raise ValueError("this DraftContext belongs to another drafter")
+        t = len(ctx)
+        atok = torch.as_tensor(anchor_token, dtype=torch.long, device=self.device).reshape(1)
+        self._check_tokens(atok, "anchor_token")
+        anchors = torch.tensor([t], device=self.device)
+        layout = BranchLayout(torch.zeros(1, dtype=torch.long, device=self.device), anchors, t, self.block_size)
+        # one block over the whole context: no mask to build, so the chunked path on every device
+        h = self._layers(atok, anchors, lambda i, attn: ctx.kv(i), layout, backend="chunked")
+        out = self._sample_hidden(h, atok, temperature, generator, None, return_confidence)
+        return tuple(x[0] for x in out)
 
     # -- save / load --------------------------------------------------------------------------------------
+    def config_dict(self) -> dict:
+        """Our config.json (``dataclasses.asdict`` of the config, lists for tuples)."""
+        cfg = dataclasses.asdict(self.config)
+        cfg["feature_layers"] = list(self.feature_layers)
+        return cfg
+
     def save(self, path: str) -> None:
-        """Write ``config.json`` + ``model.safetensors`` (trainable weights only) into folder ``path``."""
+        """Our checkpoint: ``config.json`` + ``model.safetensors`` (trainable weights, released names)."""
         from safetensors.torch import save_file
 
         os.makedirs(path, exist_ok=True)
-        cfg = dataclasses.asdict(self.config)
-        cfg["feature_layers"] = list(self.feature_layers)
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+            json.dump(self.config_dict(), f, indent=2)
         sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt", "kind": self.kind})
 
     @classmethod
     def load(cls, path: str, target) -> "DFlashDrafter":
-        """Rebuild the drafter saved in ``path`` (any kind) on ``target``'s device."""
-        from safetensors.torch import load_file
+        """Any drafter folder (ours or the released layout); see ``specopd.drafters.load_drafter``."""
+        from specopd.drafters.layout import load_drafter
 
-        from specopd.drafters import DRAFTERS
+        return load_drafter(path, target)
 
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"{path!r} has no config.json: not a saved drafter (drafter.save(dir) writes it)")
-        with open(cfg_path) as f:
-            raw = json.load(f)
-        known = {fl.name for fl in dataclasses.fields(DrafterConfig)}
-        cfg = DrafterConfig(**{k: v for k, v in raw.items() if k in known})
-        cfg.feature_layers = tuple(cfg.feature_layers)
-        if cfg.kind not in DRAFTERS:
-            raise ValueError(f"{cfg_path}: unknown drafter kind {cfg.kind!r}; known: {sorted(DRAFTERS)}")
-        have, saved = target_identity(target), dict(cfg.target)
-        for key in ("vocab_size", "hidden_size"):
-            if key in saved and int(saved[key]) != have[key]:
-                raise ValueError(f"drafter in {path} was trained for a target with {key}={saved[key]}, but this "
-                                 f"target has {key}={have[key]}; load it with the target it was trained for")
-        for key in ("model_type", "num_hidden_layers"):
-            if key in saved and saved[key] != have[key]:
-                warnings.warn(f"drafter in {path} was trained for {key}={saved[key]!r}, this target has "
-                              f"{have[key]!r}; continuing (vocab and hidden size match)")
-        drafter = DRAFTERS[cfg.kind](target, cfg)
-        sd = load_file(os.path.join(path, "model.safetensors"), device=str(target.device))
-        drafter.load_state_dict(sd, strict=True)
-        return drafter
+
+class DraftContext:
+    """Decoding cache of one sequence: every draft layer's context K/V [T, Hkv, hd] (after k_norm and RoPE).
+
+    ``extend(features [n, F])`` projects only the n new positions and appends them (capacity doubles, so
+    growth is amortised O(1) per token); nothing is recomputed over the whole context. ``len(ctx)`` = T =
+    the anchor of the next ``drafter.draft(ctx, ...)``. Only the context is cached: block K/V are never kept
+    (the block changes every round)."""
+
+    def __init__(self, drafter: DFlashDrafter, capacity: int = 0):
+        self.drafter = drafter
+        self.length = 0
+        self.k: list = []
+        self.v: list = []
+        self._alloc(max(int(capacity), 0))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _alloc(self, cap: int) -> None:
+        d = self.drafter
+        new_k, new_v = [], []
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            k = torch.empty(cap, a.hkv, a.hd, device=d.device, dtype=d.dtype)
+            v = torch.empty(cap, a.hkv, a.hd, device=d.device, dtype=d.dtype)
+            if self.k:
+                k[: self.length] = self.k[i][: self.length]
+                v[: self.length] = self.v[i][: self.length]
+            new_k.append(k)
+            new_v.append(v)
+        self.k, self.v = new_k, new_v
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k[0].shape[0]) if self.k else 0
+
+    @torch.no_grad()
+    def extend(self, features: torch.Tensor) -> "DraftContext":
+        """Append the context K/V of positions len(self) .. len(self) + n - 1 from their features [n, F]."""
+        d = self.drafter
+        f = d._features([features])[0]
+        n = int(f.shape[0])
+        if n == 0:
+            return self
+        t0, t1 = self.length, self.length + n
+        if t1 > self.capacity:
+            self._alloc(max(t1, 2 * self.capacity, 16))
+        c = d.context(f)
+        cos, sin = d._rope_cos_sin(torch.arange(t0, t1, device=d.device))
+        for i, layer in enumerate(d.layers):
+            k, v = layer.self_attn.kv(c, cos, sin)
+            self.k[i][t0:t1] = k
+            self.v[i][t0:t1] = v
+        self.length = t1
+        return self
+
+    def kv(self, i: int):
+        """Layer i's context (k, v) [T, Hkv, hd] (views, no copy)."""
+        return self.k[i][: self.length], self.v[i][: self.length]
+
+    def nbytes(self) -> int:
+        return int(sum(t.numel() * t.element_size() for t in self.k + self.v))

@@ -1,14 +1,22 @@
-"""DSpark: the DFlash backbone + a Markov head sampled left to right + a confidence head.
+"""DSpark (SpecForge ``modeling/draft/dspark.py``): the DFlash backbone + a Markov head + a confidence head.
 
-With U [N, W, V] the DFlash logits and x_{k-1} the token before output slot k (x_{-1} = the anchor
-token, i.e. ``prev_tokens[:, 0] == anchor_tokens``):
+With h_k [N, W, D] the backbone's normed hidden state at drafted slot k and x_{k-1} the token before it
+(x_{-1} = the anchor token, i.e. ``prev_tokens[:, 0] == anchor_tokens``):
 
-    logits_k = U_k + W2(W1[x_{k-1}])          W1: Embedding(V, r), W2: Linear(r, V), r = markov_rank (256)
-    conf_k   = Linear([h_k ; W1[x_{k-1}]])    scalar logit per slot (h_k: the normed backbone hidden state)
+    logits_k = lm_head(h_k) + W2(W1[x_{k-1}])    W1 = markov_head.markov_w1: Embedding(V, r),
+                                                  W2 = markov_head.markov_w2: Linear(r, V, bias=False)
+             = [h_k ; W1[x_{k-1}]] @ [W_lm ; W2.weight]^T      (one matmul over D + r columns)
+    conf_k   = confidence_head.proj([h_k ; W1[x_{k-1}]])    scalar logit per slot (Linear(D + r, 1))
 
-``forward`` teacher-forces the given ``prev_tokens``; ``sample`` draws token k from logits_k and feeds it
-to slot k + 1. The backbone runs once either way. W2 starts at zero (DSpark == DFlash at init; W1 gets
-gradient once W2 moves); conf_k's bias starts at 0 (confidence 0.5).
+The second form is what a fused / chunked loss uses: ``drafter.hidden(...)`` gives h [N, W, D],
+``drafter.markov_features(prev_tokens)`` gives W1[x_prev] [N, W, r]; concatenate them and multiply by
+``cat([target.lm_head.weight, drafter.markov_head.markov_w2.weight], 1)`` [V, D + r] chunk by chunk.
+
+``forward`` teacher-forces ``prev_tokens``; sampling is left to right (token k is drawn from logits_k and
+feeds slot k + 1): ``markov_sample`` is the one implementation, used by ``sample``, ``draft`` and the
+trainer (per-sample generators). The backbone runs once either way. W2 starts at zero (DSpark == DFlash at
+init; W1 gets gradient once W2 moves); the confidence bias starts at 0 (confidence 0.5). Config flags as
+SpecForge: ``confidence_head`` (enable_confidence_head), ``confidence_with_markov``.
 """
 from __future__ import annotations
 
@@ -20,29 +28,63 @@ from torch import nn
 from specopd.drafters.dflash import DFlashDrafter, pick_tokens
 
 
+class MarkovHead(nn.Module):
+    """Low-rank previous-token logit bias: W2(W1[x_prev]) [..., V]."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev_tokens)).float()
+
+
+class ConfidenceHead(nn.Module):
+    """Per-slot acceptance logit from [h ; W1[x_prev]] (SpecForge's AcceptRatePredictor)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).squeeze(-1).float()
+
+
 class DSparkDrafter(DFlashDrafter):
     kind = "dspark"
-    has_confidence = True
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.confidence_head is not None
 
     def _build_extra(self) -> None:
         c, v = self.config, int(self.target.vocab_size)
         if c.markov_rank < 1:
             raise ValueError(f"markov_rank must be >= 1; got {c.markov_rank}")
-        self.markov_w1 = nn.Embedding(v, c.markov_rank)
-        self.markov_w2 = nn.Linear(c.markov_rank, v, bias=False)
-        self.conf_head = nn.Linear(c.hidden_size + c.markov_rank, 1)
+        self.markov_head = MarkovHead(v, c.markov_rank)
+        self.confidence_head = (ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0))
+                                if c.confidence_head else None)
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
         super()._init_weights(seed)
-        self.markov_w2.weight.zero_()
+        self.markov_head.markov_w2.weight.zero_()
 
-    def _heads(self, u: torch.Tensor, h: torch.Tensor, prev: torch.Tensor):
-        """u [N, S, V] base logits, h [N, S, D], prev [N, S] -> (logits [N, S, V], conf [N, S])."""
-        e = self.markov_w1(prev)
-        logits = u + self.markov_w2(e).float()
-        conf = self.conf_head(torch.cat([h, e.to(h.dtype)], -1)).squeeze(-1).float()
-        return logits, conf
+    def markov_features(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """prev_tokens [N, W] -> W1[x_prev] [N, W, r] (the extra columns of the fused output matmul)."""
+        return self.markov_head.markov_w1(prev_tokens)
+
+    def _confidence(self, h: torch.Tensor, prev: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.confidence_head is None:
+            return None
+        x = torch.cat([h, self.markov_features(prev).to(h.dtype)], -1) if self.config.confidence_with_markov else h
+        return self.confidence_head(x)
+
+    def logits_from_hidden(self, h: torch.Tensor, prev_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """h [..., D] -> fp32 logits [..., V]: lm_head(h), + W2(W1[prev_tokens]) when prev_tokens [...] is given."""
+        u = super().logits_from_hidden(h)
+        return u if prev_tokens is None else u + self.markov_head(prev_tokens)
 
     def forward(self, features, anchors, trunk_index=None, anchor_tokens=None, prev_tokens=None,
                 return_confidence: bool = False):
@@ -51,7 +93,9 @@ class DSparkDrafter(DFlashDrafter):
         if prev_tokens is None:
             raise ValueError("DSpark's Markov head needs prev_tokens [N, W] (column 0 = anchor_tokens, column k = "
                              "token k-1 of the branch); use sample() to draw a branch left to right")
-        h = self.backbone(features, anchors, trunk_index, anchor_tokens)
+        if return_confidence and self.confidence_head is None:
+            raise ValueError("this DSpark drafter has no confidence head (confidence_head=False)")
+        h = self.hidden(features, anchors, trunk_index, anchor_tokens)
         prev = torch.as_tensor(prev_tokens, dtype=torch.long, device=h.device)
         n, w = h.shape[:2]
         if tuple(prev.shape) != (n, w):
@@ -60,22 +104,30 @@ class DSparkDrafter(DFlashDrafter):
         if not torch.equal(prev[:, 0], atok):
             raise ValueError("prev_tokens[:, 0] must equal anchor_tokens (slot 0 follows the anchor token); "
                              "build it as cat([anchor_tokens[:, None], tokens[:, :-1]], 1)")
-        logits, conf = self._heads(self.logits_from_hidden(h), h, prev)
-        return (logits, conf) if return_confidence else logits
+        self._check_tokens(prev, "prev_tokens")
+        logits = self.logits_from_hidden(h, prev)
+        return (logits, self._confidence(h, prev)) if return_confidence else logits
 
-    def sample(self, features, anchors, trunk_index=None, anchor_tokens=None, temperature: float = 1.0,
-               generator: Optional[torch.Generator] = None, return_confidence: bool = False):
-        """Left to right: token k from logits_k, then it feeds slot k + 1. -> (tokens [N, W], raw logits
-        [N, W, V]) [+ conf logits [N, W]]; the logits equal forward(prev_tokens = shifted tokens)."""
-        h = self.backbone(features, anchors, trunk_index, anchor_tokens)
-        u = self.logits_from_hidden(h)
-        x = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
-        toks, logits, confs = [], [], []
+    def markov_sample(self, h: torch.Tensor, anchor_tokens: torch.Tensor, temperature: float, generator=None,
+                      rows=None, return_logits: bool = True):
+        """The left-to-right sampler (the one implementation). h [N, W, D], anchor_tokens [N] ->
+        (tokens [N, W], logits [N, W, V] or None, confidence logits [N, W] or None). Token k is drawn from
+        ``lm_head(h_k) + W2(W1[x_{k-1}])`` (``pick_tokens``: one generator, or one per ``rows`` group) and
+        feeds slot k + 1. Memory: one [N, V] slice per step unless ``return_logits``."""
+        x = anchor_tokens.reshape(-1).to(device=h.device, dtype=torch.long)
+        toks, logits, prevs = [], [], []
         for k in range(h.shape[1]):
-            lk, ck = self._heads(u[:, k:k + 1], h[:, k:k + 1], x[:, None])
-            x = pick_tokens(lk[:, 0], temperature, generator)
+            lk = self.logits_from_hidden(h[:, k], x)  # [N, V]
+            prevs.append(x)
+            x = pick_tokens(lk, temperature, generator, rows)
             toks.append(x)
-            logits.append(lk)
-            confs.append(ck)
-        tokens, logits = torch.stack(toks, 1), torch.cat(logits, 1)
-        return (tokens, logits, torch.cat(confs, 1)) if return_confidence else (tokens, logits)
+            if return_logits:
+                logits.append(lk)
+        conf = self._confidence(h, torch.stack(prevs, 1))
+        return torch.stack(toks, 1), (torch.stack(logits, 1) if return_logits else None), conf
+
+    def _sample_hidden(self, h, anchor_tokens, temperature, generator, rows=None, return_confidence=False):
+        if return_confidence and self.confidence_head is None:
+            raise ValueError("this DSpark drafter has no confidence head (confidence_head=False)")
+        tokens, logits, conf = self.markov_sample(h, anchor_tokens, temperature, generator, rows)
+        return (tokens, logits, conf) if return_confidence else (tokens, logits)

@@ -203,14 +203,15 @@ class BatchOrder:
         self.epoch, self.offset = int(pos["epoch"]), int(pos["offset"])
 
 
-def num_branches(length: int, prompt_len: int, block_size: int, anchors_per_seq: int) -> int:
+def num_branches(length: int, prompt_len: int, draft_len: int, anchors_per_seq: int) -> int:
     """Branches of one sample per step: min(B, number of valid anchors) (see ``anchor_range``)."""
-    lo, hi = anchor_range(length, prompt_len, block_size)
+    lo, hi = anchor_range(length, prompt_len, draft_len)
     return max(0, min(anchors_per_seq, hi - lo + 1))
 
 
-def anchor_range(length: int, prompt_len: int, block_size: int) -> tuple:
+def anchor_range(length: int, prompt_len: int, draft_len: int) -> tuple:
     """Valid anchors a in [lo, hi]: on the response part (a >= prompt_len - 1, the last prompt token
-    anchors the first response token), at least one context feature (a >= 1), and the W reference tokens
-    after the anchor inside the sequence (a + W <= T - 1), so every method sees the same anchors."""
-    return max(prompt_len - 1, 1), length - 1 - block_size
+    anchors the first response token), at least one context feature (a >= 1), and the W = draft_len
+    (= drafter.block_size - 1) reference tokens after the anchor inside the sequence (a + W <= T - 1), so
+    every method sees the same anchors."""
+    return max(prompt_len - 1, 1), length - 1 - draft_len

@@ -343,7 +343,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     try:
         info = group.call("data_info", [()] * n)[0]
         write_recipe(out, cfg)  # the recipe, the target and the data are valid: the workers are built
-        W, B = info["block_size"], t.anchors_per_seq
+        W, B = info["draft_len"], t.anchors_per_seq
         order = BatchOrder(info["train_ids"], cfg.data.batch_size, cfg.data.seed)
         if c is not None:
             try:

@@ -62,36 +62,13 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callabl
     return f
 
 
-def pick_rows(logits: torch.Tensor, rows: list, temperature: float, gens: list) -> torch.Tensor:
-    """Sample tokens for logits [N, ..., V], rows[i] (index tensor) drawn with generator gens[i]."""
-    from specopd.drafters import pick_tokens
-
-    out = torch.empty(logits.shape[:-1], dtype=torch.long, device=logits.device)
-    for r, g in zip(rows, gens):
-        if r.numel():
-            out[r] = pick_tokens(logits[r], temperature, g)
-    return out
-
-
 def sample_branches(drafter, features, anchors, trunk_index, anchor_tokens, temperature, rows, gens):
     """One drafter forward for all branches; tokens of branch rows[i] drawn with gens[i].
 
-    Returns (tokens [N, W], raw logits [N, W, V]). DSpark's Markov head is sampled left to right (slot k
-    reads token k-1), exactly as ``DSparkDrafter.sample`` but with per-sample generators.
+    Returns (tokens [N, W], raw logits [N, W, V]). ``drafter.sample`` does the drawing (DSpark: its one
+    left-to-right Markov sampler, ``DSparkDrafter.markov_sample``) with per-sample generators.
     """
-    if not hasattr(drafter, "_heads"):  # DFlash: all W slots in parallel
-        logits = drafter(features, anchors, trunk_index, anchor_tokens)
-        return pick_rows(logits, rows, temperature, gens), logits
-    h = drafter.backbone(features, anchors, trunk_index, anchor_tokens)
-    u = drafter.logits_from_hidden(h)
-    x = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
-    toks, logits = [], []
-    for k in range(h.shape[1]):
-        lk, _ = drafter._heads(u[:, k:k + 1], h[:, k:k + 1], x[:, None])
-        x = pick_rows(lk[:, 0], rows, temperature, gens)
-        toks.append(x)
-        logits.append(lk)
-    return torch.stack(toks, 1), torch.cat(logits, 1)
+    return drafter.sample(features, anchors, trunk_index, anchor_tokens, temperature, gens, rows=rows)
 
 
 class Worker:
@@ -116,7 +93,7 @@ class Worker:
             target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device)
         self.target = target
         d = cfg.drafter
-        if d.init_from:
+        if d.init_from:  # ours or a released DFlash / DSpark folder
             self.drafter = load_drafter(d.init_from, target)
             got = (self.drafter.kind, int(self.drafter.block_size), len(self.drafter.layers))
             if got != (d.kind, d.block_size, d.num_layers) and rank == 0:
@@ -125,9 +102,11 @@ class Worker:
                       f"({d.kind}, {d.block_size}, {d.num_layers}) are ignored")
         else:
             self.drafter = build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size,
-                                         seed=cfg.seed, feature_layers=d.feature_layers)
+                                         seed=cfg.seed, feature_layers=d.feature_layers,
+                                         mask_token_id=d.mask_token_id,  # the target's tokenizer picks MASK
+                                         target_dir=None if cfg.model.is_tiny else cfg.model.target)
         self.drafter.train()
-        self.W = int(self.drafter.block_size)
+        self.W = int(self.drafter.draft_len)
         self.dataset = load_dataset(cfg, target, progress=rank == 0)
         train_ids, heldout_ids = split_dataset(self.dataset, cfg.data.heldout, cfg.data.seed)
         ok = lambda i: num_branches(int(self.dataset[i]["input_ids"].numel()), int(self.dataset[i]["prompt_len"]),
@@ -135,10 +114,10 @@ class Worker:
         self.train_ids, self.heldout_ids = [i for i in train_ids if ok(i)], [i for i in heldout_ids if ok(i)]
         dropped = len(train_ids) + len(heldout_ids) - len(self.train_ids) - len(self.heldout_ids)
         if dropped and rank == 0:
-            print(f"[data] {dropped} sequence(s) skipped: response shorter than block_size + 1 = {self.W + 1} tokens")
+            print(f"[data] {dropped} sequence(s) skipped: response shorter than block_size = {self.W + 1} tokens")
         if not self.train_ids:
-            raise ValueError(f"no training sequence has a response of more than block_size={self.W} tokens; "
-                             f"lower drafter.block_size or raise data.seq_len")
+            raise ValueError(f"no training sequence has a response of at least drafter.block_size={self.W + 1} "
+                             f"tokens; lower drafter.block_size or raise data.seq_len")
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = cfg.trainer
         decay = [p for p in self.params if p.dim() >= 2]
@@ -179,7 +158,7 @@ class Worker:
         return {"lengths": [int(s["input_ids"].numel()) for s in self.dataset],
                 "prompt_lens": [int(s["prompt_len"]) for s in self.dataset],
                 "train_ids": list(self.train_ids), "heldout_ids": list(self.heldout_ids),
-                "block_size": self.W, "vocab_size": self.target.vocab_size}
+                "draft_len": self.W, "vocab_size": self.target.vocab_size}
 
     def set_allreduce(self, fn: Optional[Callable]) -> None:
         """fn(list_of_grads) sums gradients across workers in place (None = single worker, no-op)."""
@@ -227,7 +206,7 @@ class Worker:
             anchors, tix = torch.cat(anchors).to(self.device), torch.cat(tix).to(self.device)
             if n == 0:
                 raise ValueError(f"samples {list(sample_ids)} have no valid anchor (responses shorter than "
-                                 f"block_size + 1 tokens); lower drafter.block_size or use longer sequences")
+                                 f"drafter.block_size tokens); lower drafter.block_size or use longer sequences")
             trunks = [c.token_ids for c in caches]
             anchor_tokens = torch.cat([trunks[i][anchors[r]] for i, r in enumerate(rows)])
             if reference:
@@ -473,11 +452,7 @@ class Worker:
     # ------------------------------------------------------------------ state
     def drafter_config(self) -> dict:
         """The drafter's config.json content, as ``drafter.save`` writes it."""
-        import dataclasses
-
-        cfg = dataclasses.asdict(self.drafter.config)
-        cfg["feature_layers"] = list(self.drafter.feature_layers)
-        return cfg
+        return self.drafter.config_dict()
 
     def state_dict(self) -> dict:
         return {"drafter": {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()},

@@ -1,0 +1,289 @@
+"""Branch attention of the DFlash draft layers: many blocks over a shared, packed context.
+
+N blocks (branches) of S = block_size query slots each; block b hangs off trunk t_b at anchor a_b. Its
+queries see the context keys of trunk t_b at positions p < a_b, then all S keys of its own block
+(non-causal). The context K/V of every trunk is computed once per layer and packed: ``k_ctx [C, Hkv, hd]``
+holds trunk 0's rows, then trunk 1's, ...; block b's context is ``k_ctx[start_b : start_b + a_b]``. No
+branch ever gets its own copy of the context.
+
+Layout: branches must be grouped by trunk and sorted by anchor (``BranchLayout`` checks it; the drafter
+sorts before calling), so each group of consecutive queries needs one contiguous prefix of one trunk's
+context and the mask is block-sparse (a staircase over the context plus S x S blocks on the diagonal).
+
+Backends (``branch_attention(..., backend=)``):
+- ``"chunked"`` (CPU default, exact, any device): consecutive branches of one trunk are processed in
+  chunks whose score tensor ``[n, H, S, a_max]`` stays under ``chunk_elems``; the backward recomputes the
+  probabilities chunk by chunk from the saved log-sum-exp (flash-attention style), so nothing of size
+  N x T is kept for the backward either. Memory per layer: O(C + N * S) plus one chunk.
+- ``"flex"`` (CUDA): ``torch.nn.attention.flex_attention`` over one packed key sequence
+  ``[context of all trunks ; all blocks]`` with a ``BlockMask`` built from the layout (forward and
+  backward by flex). It runs eagerly (unfused, forward only) on the CPU, which the tests use to check the
+  mask against the chunked path.
+- ``"auto"``: flex on CUDA when importable, else chunked (env ``SPECOPD_DRAFTER_ATTENTION`` overrides).
+- a callable ``fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale) -> o`` (tests and benchmarks plug the
+  per-branch reference in here).
+
+Shapes: q [N, S, H, hd]; k_blk, v_blk [N, S, Hkv, hd]; k_ctx, v_ctx [C, Hkv, hd]; out [N, S, H, hd]
+(query head h reads kv head h // (H / Hkv), as SDPA's ``enable_gqa``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Union
+
+import torch
+
+CHUNK_ELEMS = 1 << 22  # score elements per chunk of the chunked path (16 MiB in fp32)
+
+
+class BranchLayout:
+    """Which context rows each block sees. starts [N], anchors [N] (long, on the queries' device):
+    block b sees packed context rows ``starts[b] .. starts[b] + anchors[b] - 1``. ``ctx_len`` = C.
+
+    Blocks must be grouped by trunk (non-decreasing ``starts``) and sorted by anchor within a trunk."""
+
+    def __init__(self, starts: torch.Tensor, anchors: torch.Tensor, ctx_len: int, block: int):
+        self.starts, self.anchors = starts, anchors
+        self.ctx_len, self.block = int(ctx_len), int(block)
+        self._host = None
+        self._flex_masks: dict = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.anchors.numel())
+
+    def host(self):
+        """(starts, anchors) as Python lists (one device sync per layout, shared by every layer)."""
+        if self._host is None:
+            s, a = self.starts.tolist(), self.anchors.tolist()
+            for b in range(1, len(s)):
+                if s[b] < s[b - 1] or (s[b] == s[b - 1] and a[b] < a[b - 1]):
+                    raise ValueError("BranchLayout: blocks must be grouped by trunk and sorted by anchor "
+                                     "(the drafter sorts them; call it through DFlashDrafter.hidden)")
+            if s and (min(s) < 0 or max(x + y for x, y in zip(s, a)) > self.ctx_len):
+                raise ValueError(f"BranchLayout: a block's context runs past the packed context ({self.ctx_len} rows)")
+            self._host = (s, a)
+        return self._host
+
+    def chunks(self, heads: int, chunk_elems: int = CHUNK_ELEMS) -> list:
+        """[(b0, b1, c0, a_max)]: consecutive blocks of one trunk whose scores [n, heads, S, a_max] fit
+        ``chunk_elems``; c0 = their trunk's first context row, a_max = the largest anchor among them."""
+        s, a = self.host()
+        per_key = heads * self.block
+        out, b0 = [], 0
+        n = len(s)
+        while b0 < n:
+            b1 = b0 + 1
+            while b1 < n and s[b1] == s[b0] and (b1 + 1 - b0) * per_key * max(a[b1], 1) <= chunk_elems:
+                b1 += 1
+            out.append((b0, b1, s[b0], a[b1 - 1]))
+            b0 = b1
+        return out
+
+
+# ------------------------------------------------------------------------------------------- chunked
+
+
+def _heads_major(x: torch.Tensor, hkv: int, acc) -> torch.Tensor:
+    """[n, S, H, hd] -> [Hkv, n, g * S, hd] (rows of one kv head: branch, then query head, then slot)."""
+    n, s, h, hd = x.shape
+    return x.to(acc).view(n, s, hkv, h // hkv, hd).permute(2, 0, 3, 1, 4).reshape(hkv, n, h // hkv * s, hd)
+
+
+def _scores(qh, kc, kb, anchors, scale):
+    """qh [Hkv, n, gS, hd], kc [Hkv, a, hd] (one trunk's context prefix), kb [Hkv, n, S, hd] -> masked scores
+    (ctx [Hkv, n, gS, a] or None, blk [Hkv, n, gS, S]). The context part is one matmul per kv head with all
+    branches of the chunk folded into its rows (no per-branch copy of the context)."""
+    hkv, n, r, hd = qh.shape
+    s_blk = torch.matmul(qh, kb.transpose(-1, -2)).mul_(scale)
+    a = kc.shape[1]
+    if a == 0:
+        return None, s_blk
+    s_ctx = torch.bmm(qh.view(hkv, n * r, hd), kc.transpose(1, 2)).mul_(scale).view(hkv, n, r, a)
+    hidden = torch.arange(a, device=qh.device)[None, :] >= anchors[:, None]  # [n, a]: keys p >= a_b
+    return s_ctx.masked_fill_(hidden[None, :, None, :], float("-inf")), s_blk
+
+
+class _ChunkedBranchAttention(torch.autograd.Function):
+    """Exact attention of every block over [its context prefix ; its block], chunk by chunk (see module).
+    Saves q, k, v, out and the log-sum-exp; the backward recomputes the probabilities per chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, chunk_elems):
+        n_all, s, h, hd = q.shape
+        hkv = k_blk.shape[2]
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math (fp64 stays fp64)
+        out = torch.empty_like(q)
+        lse = q.new_empty((hkv, n_all, h // hkv * s), dtype=acc)
+        chunks = layout.chunks(h, chunk_elems)
+        for b0, b1, c0, amax in chunks:
+            qh = _heads_major(q[b0:b1], hkv, acc)  # [Hkv, n, gS, hd]
+            kc = k_ctx[c0:c0 + amax].to(acc).transpose(0, 1)  # [Hkv, a, hd]
+            vc = v_ctx[c0:c0 + amax].to(acc).transpose(0, 1)
+            kb = k_blk[b0:b1].to(acc).permute(2, 0, 1, 3)  # [Hkv, n, S, hd]
+            vb = v_blk[b0:b1].to(acc).permute(2, 0, 1, 3)
+            s_ctx, s_blk = _scores(qh, kc, kb, layout.anchors[b0:b1], scale)
+            m = s_blk.amax(-1) if s_ctx is None else torch.maximum(s_blk.amax(-1), s_ctx.amax(-1))  # [Hkv, n, gS]
+            p_blk = s_blk.sub_(m[..., None]).exp_()
+            z = p_blk.sum(-1)
+            o = torch.matmul(p_blk, vb)  # [Hkv, n, gS, hd]
+            if s_ctx is not None:
+                p_ctx = s_ctx.sub_(m[..., None]).exp_()
+                z += p_ctx.sum(-1)
+                o += torch.bmm(p_ctx.flatten(1, 2), vc).view_as(o)
+            o /= z[..., None]
+            n = b1 - b0
+            out[b0:b1] = o.view(hkv, n, h // hkv, s, hd).permute(1, 3, 0, 2, 4).reshape(n, s, h, hd).to(q.dtype)
+            lse[:, b0:b1] = m + torch.log(z)
+        ctx.save_for_backward(q, k_blk, v_blk, k_ctx, v_ctx, out, lse)
+        ctx.layout, ctx.scale, ctx.chunks = layout, scale, chunks
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k_blk, v_blk, k_ctx, v_ctx, out, lse = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        _, s, h, hd = q.shape
+        hkv = k_blk.shape[2]
+        acc = lse.dtype
+        dq, dkb, dvb = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
+        dkc = torch.zeros((hkv, k_ctx.shape[0], hd), dtype=acc, device=k_ctx.device)
+        dvc = torch.zeros((hkv, v_ctx.shape[0], hd), dtype=acc, device=v_ctx.device)
+        for b0, b1, c0, amax in ctx.chunks:
+            n = b1 - b0
+            qh, doh = _heads_major(q[b0:b1], hkv, acc), _heads_major(d_out[b0:b1], hkv, acc)  # [Hkv, n, gS, hd]
+            oh = _heads_major(out[b0:b1], hkv, acc)
+            kc = k_ctx[c0:c0 + amax].to(acc).transpose(0, 1)
+            vc = v_ctx[c0:c0 + amax].to(acc).transpose(0, 1)
+            kb = k_blk[b0:b1].to(acc).permute(2, 0, 1, 3)
+            vb = v_blk[b0:b1].to(acc).permute(2, 0, 1, 3)
+            s_ctx, s_blk = _scores(qh, kc, kb, layout.anchors[b0:b1], scale)
+            lse_c = lse[:, b0:b1, :, None]  # [Hkv, n, gS, 1]
+            delta = (doh * oh).sum(-1, keepdim=True)  # [Hkv, n, gS, 1]
+            p_blk = s_blk.sub_(lse_c).exp_()
+            ds_blk = torch.matmul(doh, vb.transpose(-1, -2)).sub_(delta).mul_(p_blk)  # [Hkv, n, gS, S]
+            dqh = torch.matmul(ds_blk, kb)
+            dkb[b0:b1] = (torch.matmul(ds_blk.transpose(-1, -2), qh) * scale).permute(1, 2, 0, 3).to(dkb.dtype)
+            dvb[b0:b1] = torch.matmul(p_blk.transpose(-1, -2), doh).permute(1, 2, 0, 3).to(dvb.dtype)
+            if s_ctx is not None:
+                p_ctx = s_ctx.sub_(lse_c).exp_().flatten(1, 2)  # [Hkv, n * gS, a]
+                dof, qf = doh.flatten(1, 2), qh.flatten(1, 2)  # [Hkv, n * gS, hd]
+                ds_ctx = torch.bmm(dof, vc.transpose(1, 2)).sub_(delta.flatten(1, 2)).mul_(p_ctx)
+                dqh += torch.bmm(ds_ctx, kc).view_as(dqh)
+                dkc[:, c0:c0 + amax] += torch.bmm(ds_ctx.transpose(1, 2), qf).mul_(scale)  # summed over branches
+                dvc[:, c0:c0 + amax] += torch.bmm(p_ctx.transpose(1, 2), dof)
+            dq[b0:b1] = (dqh * scale).view(hkv, n, h // hkv, s, hd).permute(1, 3, 0, 2, 4).reshape(
+                n, s, h, hd).to(dq.dtype)
+        return (dq, dkb, dvb, dkc.transpose(0, 1).to(k_ctx.dtype), dvc.transpose(0, 1).to(v_ctx.dtype),
+                None, None, None)
+
+
+def chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float,
+                             chunk_elems: int = CHUNK_ELEMS) -> torch.Tensor:
+    """The exact chunked path (any device; forward and backward in fp32, outputs in q's dtype)."""
+    _check(q, k_blk, v_blk, k_ctx, v_ctx, layout)
+    return _ChunkedBranchAttention.apply(q, k_blk, v_blk, k_ctx, v_ctx, layout, float(scale), int(chunk_elems))
+
+
+# ---------------------------------------------------------------------------------------------- flex
+
+_FLEX = {}
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flex_block_mask(layout: BranchLayout, device, compile_mask: Optional[bool] = None):
+    """The BlockMask of the packed problem: queries = the N * S block slots (block-major), keys =
+    [C context rows ; N * S block slots]. Query slot i of block b = i // S sees context key j when
+    ``starts[b] <= j < starts[b] + anchors[b]`` and block key C + i' when ``i' // S == b``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = str(device)
+    if key in layout._flex_masks:
+        return layout._flex_masks[key]
+    starts, anchors = layout.starts.to(device), layout.anchors.to(device)
+    c, s, n = layout.ctx_len, layout.block, layout.num_blocks
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        br = q_idx // s
+        lo = starts[br]
+        in_ctx = (kv_idx >= lo) & (kv_idx < lo + anchors[br])
+        in_blk = (kv_idx >= c) & ((kv_idx - c) // s == br)
+        return in_ctx | in_blk
+
+    if compile_mask is None:
+        compile_mask = torch.device(device).type == "cuda"
+    bm = create_block_mask(mask_mod, None, None, n * s, c + n * s, device=device, _compile=compile_mask)
+    layout._flex_masks[key] = bm
+    return bm
+
+
+def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float) -> torch.Tensor:
+    """flex_attention over one packed key sequence (compiled on CUDA; eager elsewhere, forward only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    _check(q, k_blk, v_blk, k_ctx, v_ctx, layout)
+    n, s, h, hd = q.shape
+    hkv = k_blk.shape[2]
+    bm = flex_block_mask(layout, q.device)
+    dev = q.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype  # one dtype for q, k, v
+    qf = q.to(dt).reshape(1, n * s, h, hd).transpose(1, 2)  # [1, H, N*S, hd]
+    k = torch.cat([k_ctx.to(dt), k_blk.to(dt).reshape(n * s, hkv, hd)]).transpose(0, 1)[None]  # [1, Hkv, C+N*S, hd]
+    v = torch.cat([v_ctx.to(dt), v_blk.to(dt).reshape(n * s, hkv, hd)]).transpose(0, 1)[None]
+    fn = flex_attention
+    if q.device.type == "cuda":
+        fn = _FLEX.get("compiled")
+        if fn is None:
+            fn = _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
+    o = fn(qf, k, v, block_mask=bm, scale=float(scale), enable_gqa=h != hkv)
+    return o.transpose(1, 2).reshape(n, s, h, hd).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+Backend = Union[str, Callable]
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> Backend:
+    """"auto" -> flex on CUDA (when importable), chunked elsewhere; ``SPECOPD_DRAFTER_ATTENTION=chunked|flex``
+    overrides "auto" without touching code (e.g. to fall back to the chunked path on a GPU)."""
+    if callable(backend):
+        return backend
+    if backend == "auto":
+        backend = os.environ.get("SPECOPD_DRAFTER_ATTENTION", "auto")
+    if backend not in ("auto", "chunked", "flex"):
+        raise ValueError(f"attention backend must be auto | chunked | flex (or a callable); got {backend!r}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" and flex_available() else "chunked"
+    if backend == "flex" and not flex_available():
+        raise RuntimeError("attention backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+    return backend
+
+
+def branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float,
+                     backend: Backend = "auto") -> torch.Tensor:
+    """o [N, S, H, hd]: every block over its context prefix and itself (see the module docstring)."""
+    fn = resolve_backend(backend, q.device)
+    if callable(fn):
+        return fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)
+    if fn == "flex":
+        return flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)
+    return chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)
+
+
+def _check(q, k_blk, v_blk, k_ctx, v_ctx, layout):
+    n, s, h, _ = q.shape
+    if k_blk.shape[:2] != (n, s) or v_blk.shape != k_blk.shape or h % k_blk.shape[2]:
+        raise ValueError(f"branch attention: q {tuple(q.shape)}, k_blk {tuple(k_blk.shape)}, v_blk "
+                         f"{tuple(v_blk.shape)} do not fit ([N, S, H, hd] / [N, S, Hkv, hd], H % Hkv == 0)")
+    if k_ctx.shape[0] != layout.ctx_len or v_ctx.shape != k_ctx.shape or layout.num_blocks != n \
+            or layout.block != s:
+        raise ValueError(f"branch attention: context {tuple(k_ctx.shape)} / layout (C={layout.ctx_len}, "
+                         f"N={layout.num_blocks}, S={layout.block}) do not match the queries {tuple(q.shape)}")

@@ -1,0 +1,406 @@
+"""Drafter folders: our checkpoints and the released layout (z-lab DFlash / SpecForge DSpark).
+
+Released layout (what vLLM ``qwen3_dflash.py`` and SGLang ``models/dflash.py`` load):
+- ``config.json``: ``architectures: ["DFlashDraftModel"]`` (DSpark: ``["DSparkDraftModel"]``), ``model_type:
+  "qwen3"``, ``block_size`` (counts the anchor), ``num_target_layers``, ``dflash_config: {mask_token_id,
+  target_layer_ids}`` (DSpark adds ``markov_rank``, ``markov_head_type: "vanilla"``,
+  ``enable_confidence_head``, ``confidence_head_with_markov``, ``projector_type: "dspark"``), the Qwen3
+  fields (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+  rms_norm_eps, rope_theta, max_position_embeddings, vocab_size, tie_word_embeddings: false, ...).
+- weights: bare names (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...; DSpark
+  ``markov_head.markov_w{1,2}.weight``, ``confidence_head.proj.{weight,bias}``) in ``model.safetensors`` or
+  shards + ``model.safetensors.index.json``.
+- a learned mask vector (targets without a spare token id): ``mask_embedding.pt`` =
+  ``{"mask_token_id": id, "embedding": [D]}`` (vLLM substitutes it for ``embed_tokens[mask_token_id]``).
+
+Our checkpoints: ``config.json`` = ``dataclasses.asdict(DrafterConfig)`` (has ``kind`` and ``format``) and
+``model.safetensors`` with the same bare names (+ ``mask_embedding`` when learned). Our exports also carry a
+``specopd`` entry in config.json (kind, target identity) that serving engines ignore, so an exported folder
+loads back exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
+
+ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+KIND_OF_ARCH = {v: k for k, v in ARCH.items()}
+AUTO_MAP = {"dflash": "dflash.DFlashDraftModel", "dspark": "dspark.DSparkDraftModel"}
+MASK_FILE = "mask_embedding.pt"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+def read_json(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"drafter folder {path!r} does not exist")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path!r} has no config.json: not a drafter folder (ours: drafter.save(dir) or a "
+                                f"checkpoint step folder; released: a DFlash / DSpark Hugging Face folder)")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def is_released(raw: dict) -> bool:
+    return "dflash_config" in raw or any(a in KIND_OF_ARCH for a in raw.get("architectures") or [])
+
+
+def read_weights(path: str) -> dict:
+    """All tensors of a folder: ``model.safetensors``, or the shards listed by ``model.safetensors.index.json``,
+    or (neither) every ``*.safetensors`` file in it."""
+    from safetensors.torch import load_file
+
+    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, INDEX_FILE)
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index) as f:
+            wmap = json.load(f).get("weight_map") or {}
+        files = [os.path.join(path, s) for s in sorted(set(wmap.values()))]
+        missing = [s for s in files if not os.path.isfile(s)]
+        if missing:
+            raise FileNotFoundError(f"{index} lists {os.path.basename(missing[0])}, which is not in {path!r}")
+    else:
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path!r} has no safetensors weights (model.safetensors or an index)")
+    sd = {}
+    for fp in files:
+        for k, v in load_file(fp).items():
+            if k in sd:
+                raise ValueError(f"tensor {k!r} appears in two files of {path!r}")
+            sd[k] = v
+    return sd
+
+
+def read_mask_file(path: str) -> Optional[tuple]:
+    """-> (mask_token_id or None, vector [D]) from ``mask_embedding.pt``, or None when absent."""
+    fp = os.path.join(path, MASK_FILE)
+    if not os.path.isfile(fp):
+        return None
+    state = torch.load(fp, map_location="cpu", weights_only=True)
+    if isinstance(state, dict):
+        return state.get("mask_token_id"), state["embedding"].reshape(-1)
+    return None, state.reshape(-1)
+
+
+def _get(raw: dict, name: str, default=None):
+    """A field from dflash_config first, then the top level (as z-lab's ``_draft_value``)."""
+    dc = raw.get("dflash_config") or {}
+    return dc[name] if name in dc else raw.get(name, default)
+
+
+def config_from_released(raw: dict, path: str, target_layers: Optional[int] = None) -> DrafterConfig:
+    """A released config.json -> DrafterConfig (refuses the features we do not implement, naming them)."""
+    archs = raw.get("architectures") or []
+    kinds = [KIND_OF_ARCH[a] for a in archs if a in KIND_OF_ARCH]
+    if not kinds:
+        raise ValueError(f"{path}/config.json: architectures {archs} is not DFlashDraftModel / DSparkDraftModel")
+    kind = kinds[0]
+    if raw.get("model_type") not in ("qwen3", "dspark"):
+        raise ValueError(f"{path}/config.json: model_type {raw.get('model_type')!r}: released DFlash / DSpark drafters "
+                         f"are Qwen3 decoder layers (model_type 'qwen3'); other drafter architectures are not supported")
+    unsupported = []
+    if raw.get("attention_bias"):
+        unsupported.append("attention_bias=true")
+    if any(t != "full_attention" for t in raw.get("layer_types") or []) or _get(raw, "use_swa"):
+        unsupported.append("sliding_attention layers")
+    if raw.get("is_causal") or _get(raw, "causal"):
+        unsupported.append("causal draft attention")
+    for name in ("input_embedding_scale", "output_multiplier"):
+        if float(_get(raw, name, 1.0) or 1.0) != 1.0:
+            unsupported.append(f"{name}={_get(raw, name)}")
+    if _get(raw, "final_logit_softcapping"):
+        unsupported.append("final_logit_softcapping")
+    if kind == "dspark" and str(_get(raw, "markov_head_type", "vanilla")).lower() != "vanilla":
+        unsupported.append(f"markov_head_type={_get(raw, 'markov_head_type')!r}")
+    if _get(raw, "use_aux_hidden_state", True) is False:
+        unsupported.append("use_aux_hidden_state=false")
+    ths = raw.get("target_hidden_size")
+    if ths is not None and int(ths) != int(raw["hidden_size"]):
+        unsupported.append(f"target_hidden_size={ths} != hidden_size={raw['hidden_size']}")
+    if unsupported:
+        raise ValueError(f"{path}/config.json uses {', '.join(unsupported)}, which SpecOPD's DFlash does not implement")
+    n = int(raw["num_hidden_layers"])
+    ntl = raw.get("num_target_layers", target_layers)
+    ids = _get(raw, "target_layer_ids")
+    if ids is None:
+        if ntl is None:
+            raise ValueError(f"{path}/config.json has neither dflash_config.target_layer_ids nor num_target_layers")
+        ids = default_target_layer_ids(int(ntl), n)
+    heads = int(raw["num_attention_heads"])
+    rank = int(_get(raw, "markov_rank", 256) or 0)
+    if kind == "dspark" and rank < 1:
+        raise ValueError(f"{path}/config.json: a DSpark drafter without a Markov head (markov_rank {rank}) is a "
+                         f"DFlash drafter; set architectures to DFlashDraftModel")
+    conf_alpha = float(_get(raw, "confidence_head_alpha", 0.0) or 0.0)
+    rope_scaling = raw.get("rope_scaling")
+    spec = raw.get("specopd") or {}
+    mask_id = _get(raw, "mask_token_id")
+    return DrafterConfig(
+        kind=kind, num_layers=n, block_size=int(_get(raw, "block_size", 16)),
+        feature_layers=tuple(int(i) for i in ids), hidden_size=int(raw["hidden_size"]), num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+        intermediate_size=int(raw["intermediate_size"]), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rope_scaling=dict(rope_scaling) if rope_scaling else None, hidden_act=str(raw.get("hidden_act", "silu")),
+        mask_token_id=None if mask_id is None else int(mask_id), learned_mask=False,
+        markov_rank=rank if kind == "dspark" else 256,
+        confidence_head=bool(_get(raw, "enable_confidence_head", conf_alpha > 0)),
+        confidence_with_markov=bool(_get(raw, "confidence_head_with_markov", False)),
+        target=dict(spec.get("target") or {"vocab_size": int(raw["vocab_size"]), "hidden_size": int(raw["hidden_size"]),
+                                           **({"num_hidden_layers": int(ntl)} if ntl is not None else {})}))
+
+
+def config_from_ours(raw: dict, path: str) -> DrafterConfig:
+    """Our config.json -> DrafterConfig (refuses v0.1 folders, whose block_size and head differ)."""
+    if int(raw.get("format", 1)) != FORMAT:
+        raise ValueError(f"{path}/config.json was written by SpecOPD v0.1 (block_size counted drafted tokens only, "
+                         f"learned mask vector, the target's final norm before lm_head): that drafter computes "
+                         f"something else and cannot be loaded; train it again")
+    known = {fl.name for fl in dataclasses.fields(DrafterConfig)}
+    cfg = DrafterConfig(**{k: v for k, v in raw.items() if k in known})
+    cfg.feature_layers = tuple(int(i) for i in cfg.feature_layers)
+    return cfg
+
+
+def read_config(path: str, target_layers: Optional[int] = None) -> tuple:
+    """-> (DrafterConfig, released: bool) of a drafter folder (ours or released)."""
+    raw = read_json(path)
+    if is_released(raw):
+        return config_from_released(raw, path, target_layers), True
+    if "kind" not in raw:
+        raise ValueError(f"{path}/config.json is neither a SpecOPD drafter (no 'kind') nor a released DFlash / DSpark "
+                         f"drafter (no DFlashDraftModel / DSparkDraftModel in architectures, no dflash_config)")
+    return config_from_ours(raw, path), False
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def check_against_target(cfg: DrafterConfig, target, path: str, sd: Optional[dict] = None) -> None:
+    """Errors that name each mismatch between a drafter folder and ``target`` with both values."""
+    have = target_identity(target)
+    saved = cfg.target or {}
+    for key, what in (("hidden_size", "hidden size"), ("vocab_size", "vocab size"),
+                      ("num_hidden_layers", "number of target layers")):
+        if key in saved and int(saved[key]) != have[key]:
+            raise ValueError(f"{path}: {what} mismatch: the drafter was built for a target with {key}={saved[key]}, "
+                             f"this target has {key}={have[key]}; load it with the target it was trained for")
+    if cfg.hidden_size != have["hidden_size"]:
+        raise ValueError(f"{path}: hidden size mismatch: drafter hidden_size={cfg.hidden_size}, target "
+                         f"hidden_size={have['hidden_size']}")
+    bad = [i for i in cfg.feature_layers if not 0 <= int(i) < have["num_hidden_layers"]]
+    if bad:
+        raise ValueError(f"{path}: target_layer_ids {list(cfg.feature_layers)} are out of range for this target "
+                         f"({have['num_hidden_layers']} layers: ids must be in [0, {have['num_hidden_layers']}))")
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < have["vocab_size"]:
+        raise ValueError(f"{path}: mask_token_id {cfg.mask_token_id} is outside the target's vocab "
+                         f"(vocab_size={have['vocab_size']})")
+    if "model_type" in saved and saved["model_type"] != have["model_type"]:
+        warnings.warn(f"{path}: the drafter was trained on a {saved['model_type']!r} target, this one is "
+                      f"{have['model_type']!r}; continuing (sizes match)")
+    if sd is None:
+        return
+    fc = sd.get("fc.weight")
+    want = len(cfg.feature_layers) * have["hidden_size"]
+    if fc is not None and tuple(fc.shape) != (cfg.hidden_size, want):
+        raise ValueError(f"{path}: fc width mismatch: fc.weight is {list(fc.shape)}, but {len(cfg.feature_layers)} "
+                         f"target_layer_ids x target hidden {have['hidden_size']} needs [{cfg.hidden_size}, {want}]")
+    for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"):
+        t = sd.get(name)
+        if t is not None and have["vocab_size"] not in t.shape:
+            raise ValueError(f"{path}: vocab mismatch: {name} is {list(t.shape)}, the target's vocab_size is "
+                             f"{have['vocab_size']}")
+    own = [k for k in sd if k.split(".")[0] in ("embed_tokens", "lm_head", "model") or "embed_tokens" in k]
+    if own:
+        raise ValueError(f"{path}: the folder ships its own {own[0]!r}; DFlash drafters share the target's "
+                         f"embedding and lm_head (drafters with their own are not supported)")
+
+
+def load_drafter(path: str, target, dtype: Optional[torch.dtype] = None):
+    """A drafter from ``path`` (ours or the released layout) on ``target``'s device, parameters in ``dtype``
+    (default float32: the training precision; bf16 weights convert exactly)."""
+    from specopd.drafters import DRAFTERS
+
+    cfg, released = read_config(path, target_layers=int(target.num_layers))
+    sd = read_weights(path)
+    mask = read_mask_file(path)
+    if released:
+        spec = read_json(path).get("specopd") or {}
+        if mask is not None:  # a learned mask vector (ours, or e.g. MiMo's) replaces embed(mask_token_id)
+            mid, vec = mask
+            if mid is not None and cfg.mask_token_id is not None and int(mid) != cfg.mask_token_id:
+                raise ValueError(f"{path}: {MASK_FILE} is for mask_token_id {mid}, config.json says {cfg.mask_token_id}")
+            cfg.learned_mask = True
+            sd["mask_embedding"] = vec
+        if "target" in spec:
+            cfg.target = dict(spec["target"])
+        for k in list(sd):  # early SpecForge checkpoints nest the DSpark heads under logit_head.
+            if k.startswith("logit_head."):
+                sd[k[len("logit_head."):]] = sd.pop(k)
+    check_against_target(cfg, target, path, sd)
+    if cfg.mask_token_id is None and not cfg.learned_mask:
+        raise ValueError(f"{path}: no dflash_config.mask_token_id and no {MASK_FILE}: the masked slots are undefined")
+    drafter = DRAFTERS[cfg.kind](target, cfg)
+    ours = drafter.state_dict()
+    missing, extra = sorted(set(ours) - set(sd)), sorted(set(sd) - set(ours))
+    if missing or extra:
+        raise ValueError(f"{path}: weights do not match a {cfg.kind} drafter with this config: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}")
+    for k, t in sd.items():
+        if tuple(t.shape) != tuple(ours[k].shape):
+            raise ValueError(f"{path}: tensor {k} is {list(t.shape)}, the config needs {list(ours[k].shape)}")
+    drafter.load_state_dict({k: v.to(device=target.device, dtype=ours[k].dtype) for k, v in sd.items()}, strict=True)
+    if dtype is not None:
+        drafter.to(dtype)
+    return drafter
+
+
+# ------------------------------------------------------------------------------------------- export
+
+
+def released_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
+    """DrafterConfig -> the released config.json (+ a ``specopd`` entry with what engines need not read)."""
+    t = cfg.target or {}
+    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": [int(i) for i in cfg.feature_layers]}
+    if cfg.kind == "dspark":
+        dflash.update(attention_mode="gqa" if cfg.num_kv_heads < cfg.num_heads else "mha",
+                      projector_type="dspark", markov_rank=int(cfg.markov_rank), markov_head_type="vanilla",
+                      enable_confidence_head=bool(cfg.confidence_head),
+                      confidence_head_with_markov=bool(cfg.confidence_with_markov))
+    out = {
+        "architectures": [ARCH[cfg.kind]], "auto_map": {"AutoModel": AUTO_MAP[cfg.kind]}, "model_type": "qwen3",
+        "block_size": int(cfg.block_size), "dflash_config": dflash,
+        "num_target_layers": t.get("num_hidden_layers"),
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": int(t.get("max_position_embeddings") or 40960),
+        "vocab_size": t.get("vocab_size"), "tie_word_embeddings": False, "attention_bias": False,
+        "attention_dropout": 0.0, "layer_types": ["full_attention"] * cfg.num_layers,
+        "max_window_layers": cfg.num_layers, "sliding_window": None, "use_sliding_window": False,
+        "initializer_range": 0.02, "use_cache": True,
+        "dtype": {v: k for k, v in DTYPES.items()}[dtype],
+        "specopd": {"kind": cfg.kind, "format": FORMAT, "target": dict(t), "learned_mask": bool(cfg.learned_mask)},
+    }
+    return out
+
+
+def _write_weights(out_dir: str, sd: dict, max_shard_bytes: int) -> list:
+    """safetensors: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + the index when the
+    weights exceed ``max_shard_bytes``. Returns the file names written."""
+    from safetensors.torch import save_file
+
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    meta = {"format": "pt"}
+    if total <= max_shard_bytes:
+        save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+    shards, cur, size = [], {}, 0
+    for k in sorted(sd):
+        nb = sd[k].numel() * sd[k].element_size()
+        if cur and size + nb > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = sd[k]
+        size += nb
+    shards.append(cur)
+    names, wmap = [], {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, name), metadata=meta)
+        names.append(name)
+        wmap.update({k: name for k in shard})
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": int(total)}, "weight_map": wmap}, f, indent=2)
+    return names + [INDEX_FILE]
+
+
+def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Optional[torch.dtype] = None,
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list:
+    """Write a drafter (config + state dict with our names) in the released layout; returns the files."""
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    mask = sd.pop("mask_embedding", None)
+    if (mask is not None) != bool(cfg.learned_mask):
+        raise ValueError("state dict and config disagree on the learned mask vector")
+    if dtype is None:
+        dtype = next(iter(sd.values())).dtype
+    sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        stale = [n for n in os.listdir(out_dir) if n.endswith(".safetensors") or n in (INDEX_FILE, MASK_FILE)]
+        if stale:
+            raise FileExistsError(f"{out_dir!r} already holds drafter weights ({stale[0]}); export into an empty folder")
+    os.makedirs(out_dir, exist_ok=True)
+    files = _write_weights(out_dir, sd, int(max_shard_bytes))
+    if mask is not None:
+        torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask.to(dtype)}, os.path.join(out_dir, MASK_FILE))
+        files.append(MASK_FILE)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(released_config(cfg, dtype), f, indent=2)
+    return ["config.json"] + files
+
+
+def export_drafter(drafter, out_dir: str, dtype: Optional[torch.dtype] = None,
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+    """Write ``drafter`` in the released layout into ``out_dir`` (weights in ``dtype``, default: as trained).
+    ``load_drafter(out_dir, target)`` gives back the same weights (bit-exact when dtype is kept)."""
+    write_released(out_dir, drafter.config, drafter.state_dict(), dtype, max_shard_bytes)
+    return out_dir
+
+
+def export_folder(src: str, out_dir: str, dtype: Optional[torch.dtype] = None,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> DrafterConfig:
+    """Export a drafter folder (our checkpoint, or a released folder) without loading its target."""
+    cfg, released = read_config(src)
+    sd = read_weights(src)
+    if released:
+        mask = read_mask_file(src)
+        if mask is not None:
+            cfg.learned_mask = True
+            sd["mask_embedding"] = mask[1]
+    write_released(out_dir, cfg, sd, dtype, max_shard_bytes)
+    return cfg
+
+
+def serving_commands(out_dir: str, cfg: DrafterConfig, target_path: Optional[str] = None) -> list:
+    """The vLLM and SGLang command lines that serve ``target_path`` with the exported drafter."""
+    tgt = target_path or "<TARGET_MODEL_DIR>"
+    spec = json.dumps({"method": "dflash", "model": os.path.abspath(out_dir), "num_speculative_tokens": cfg.draft_len})
+    return [f"vllm serve {tgt} --speculative-config '{spec}'",
+            f"python -m sglang.launch_server --model-path {tgt} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {os.path.abspath(out_dir)} --speculative-num-draft-tokens {cfg.block_size}"]
+
+
+def resolve_export_source(src: str) -> tuple:
+    """RUN_DIR (-> its newest complete checkpoint) | a checkpoint / drafter folder -> (folder, run_dir or None)."""
+    from specopd.train.checkpoint import find_latest
+
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"{src!r} does not exist (give a run folder, i.e. a trainer.output_dir, or a "
+                                f"checkpoint / drafter folder)")
+    if os.path.isfile(os.path.join(src, "config.json")):
+        parent = os.path.dirname(os.path.abspath(src))
+        run = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+        return src, run
+    if os.path.isdir(os.path.join(src, "checkpoints")):
+        ck = find_latest(src)
+        if ck is None:
+            raise FileNotFoundError(f"run {src!r} has no complete checkpoint yet (checkpoints/step-N with a COMPLETE "
+                                    f"marker); train longer or give a checkpoint folder")
+        return ck, src
+    raise FileNotFoundError(f"{src!r} is neither a run folder (no checkpoints/) nor a drafter folder (no config.json)")
