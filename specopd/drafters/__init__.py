@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from specopd.drafters.dflash import DFlashDrafter, DrafterConfig, _tcfg, pick_tokens, target_identity, \
-    target_rope_theta
+from specopd.drafters.dflash import DFlashDrafter, DrafterConfig, _tcfg, target_identity, target_rope_theta
 from specopd.drafters.dspark import DSparkDrafter
+from specopd.speculative import pick_tokens  # re-export: it lives with the speculative round
 
 DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}
 Drafter = DFlashDrafter  # the base class: ``Drafter.load(dir, target)`` loads any kind

@@ -184,6 +184,8 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         return int(self.config.block_size)
 
+    draft_len = property(lambda self: self.block_size)  # tokens drafted per round (the drafter rewrite resolves it)
+
     @property
     def feature_layers(self) -> tuple:
         return tuple(int(i) for i in self.config.feature_layers)
