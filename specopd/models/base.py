@@ -315,19 +315,18 @@ class TargetModel(nn.Module):
         the cache keeps them). The given caches keep their contents."""
         caches = [caches] if isinstance(caches, TargetCache) else list(caches)
         paths = self._check_paths(caches, state, paths)
-        tree, out = state.tree, []
+        from executors import get_executor
+
+        tree, out, dev = state.tree, [], self.device
         for cache, path in zip(caches, paths):
             if path.numel() == 0:
                 out.append(cache)
                 continue
-            path_dev = path.to(self.device)
-            new = {}
-            for key, (mixer, nodes) in state.layers.items():
-                from executors import get_executor
-
-                new[key] = get_executor(mixer.kind).commit(mixer, cache.layer_cache(key), nodes, path_dev,
-                                                           options=cache.options)
-            grow = {"token_ids": tree.tokens[path].to(self.device)}
+            path_dev = path.to(dev)
+            new = {key: get_executor(mixer.kind).commit(mixer, cache.layer_cache(key), nodes, path_dev,
+                                                        options=cache.options)
+                   for key, (mixer, nodes) in state.layers.items()}
+            grow = {"token_ids": tree.tokens[path].to(dev)}
             if cache.features is not None and state.features is not None:
                 grow["features"] = state.features[path_dev]
             if cache.logits is not None:
