@@ -232,10 +232,9 @@ class GDNExecutor(Executor):
         t, every = len(cache), cache.every
         replace = {"final": nodes.state[path[-1]]}
         new = dict(conv_in=nodes.conv_in[path], g=nodes.g[path], beta=nodes.beta[path])
-        if cache.keep_checkpoints:
-            before = torch.cat([cache.final[None], nodes.state[path[:-1]]])  # [L, H, K, V]: state before token j
-            j = torch.arange(path.numel(), device=path.device)
-            new["checkpoints"] = before[(t + j) % every == 0]
+        edges = [j for j in range(path.numel()) if (t + j) % every == 0] if cache.keep_checkpoints else []
+        if edges:  # the state before path token j: the trunk's final state (j = 0) or the state after node j-1
+            new["checkpoints"] = torch.stack([cache.final if j == 0 else nodes.state[path[j - 1]] for j in edges])
         return cache.grown(replace, **new)
 
     def _score(self, mixer, x, tree, caches, options=None, keep=False):
