@@ -154,7 +154,7 @@ def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor,
     # p == q up to rounding leaves no residual mass; rejection then had ~zero probability: sample p
     rows = torch.where(((n < k) & (resid.sum(-1) > 0))[:, None], resid, p_n)
     nxt = [torch.multinomial(r.to(g.device if g is not None else dev), 1, generator=g) for r, g in zip(rows, gens)]
-    return n.tolist(), torch.cat(nxt).tolist()
+    return n.tolist(), torch.cat([x.to(dev) for x in nxt]).tolist()
 
 
 def commit(target, seqs: Seq[Sequence], state, accepted: Seq[int], next_tokens: Seq[int],
