@@ -2,12 +2,16 @@
 
 Same target (one shared frozen instance), same initial drafter (same seed), same batches (same sample ids
 per step), same anchors_per_seq B and block size W: SpecOPD samples B branches per sequence in parallel;
-Draft-OPD runs up to B sequential draft-and-verify rounds per sequence from the prompt. Steps of the two
-methods alternate (A, B, A, B, ...) so that load changes on a shared machine hit both alike; the first
-``--warmup`` steps of each are not timed.
+Draft-OPD runs up to B sequential draft-and-verify rounds per sequence from the prompt, the way a serving
+engine rolls out (``specopd.speculative``: prompts prefilled once, one batched target pass per round for all
+active sequences, commits from the verify pass). Steps of the two methods alternate (A, B, A, B, ...) so that
+load changes on a shared machine hit both alike; the first ``--warmup`` steps of each are not timed.
 
     python benchmarks/bench_throughput.py [--recipe recipes/tiny.yaml] [--steps 6] [--warmup 1]
-                                          [--json out.json] [key=value ...]
+                                          [--preset long] [--json out.json] [key=value ...]
+
+``--preset long``: 512-token sequences (32 prompt tokens), B = 64 anchors / rounds per sequence, batch 4,
+where Draft-OPD's rounds are many (overrides given after it win).
 
 ratio = SpecOPD supervised tokens/s / Draft-OPD supervised tokens/s (supervised tokens: draft positions
 that enter the loss, W per branch / block).
@@ -22,6 +26,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = {"long": ["data.seq_len=512", "data.prompt_len=32", "data.num_samples=24", "data.batch_size=4",
+                    "trainer.anchors_per_seq=64"]}
 
 
 def run(recipe: str, overrides: list, steps: int, warmup: int, progress: bool = True) -> dict:
@@ -79,12 +85,13 @@ def run(recipe: str, overrides: list, steps: int, warmup: int, progress: bool = 
 
 def table(r: dict) -> str:
     rows = [("method", "steps", "branches", "sup. tokens", "seconds", "sup. tokens/s", "prefill s", "propose s",
-             "score s", "loss+bwd s")]
+             "score s", "commit s", "loss+bwd s")]
     for name, s in r["methods"].items():
         ph = s["phase_s"]
         rows.append((name, str(s["steps"]), str(s["branches"]), str(s["supervised_tokens"]), f"{s['seconds']:.2f}",
                      f"{s['supervised_tokens_per_s']:.1f}", f"{ph.get('prefill', 0):.2f}",
-                     f"{ph.get('propose', 0):.2f}", f"{ph.get('score', 0):.2f}", f"{ph.get('loss_backward', 0):.2f}"))
+                     f"{ph.get('propose', 0):.2f}", f"{ph.get('score', 0):.2f}", f"{ph.get('commit', 0):.2f}",
+                     f"{ph.get('loss_backward', 0):.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -98,11 +105,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per method")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per method first")
     ap.add_argument("--output-dir", default=None, help="trainer.output_dir (tiny target + data cache)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="recipe overrides for a named setting (see above)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.anchors_per_seq=16")
     args = ap.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv))
-    ov = list(args.overrides)
+
+    ov = (PRESETS[args.preset] if args.preset else []) + list(args.overrides)
     if args.output_dir:
         ov.append(f"trainer.output_dir={args.output_dir}")
     r = run(args.recipe, ov, args.steps, args.warmup)

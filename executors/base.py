@@ -1,20 +1,39 @@
-"""The executor interface (see ``specopd.models.base`` for who calls it).
+"""The executor interface (see ``specopd.models.base`` for who calls it), and the growable cache storage.
 
-An executor is stateless; its caches are plain objects with ``nbytes()``.
+An executor is stateless; its caches are dataclasses (subclasses of ``GrowingCache``) with ``nbytes()``.
 
 ``prefill(mixer, x, positions, prev=None, options={}) -> (out, cache)``
     x: [1, T, D] the mixer's input for trunk tokens (already normed by the layer); positions: [1, T]
     absolute positions; prev: this layer's cache of the trunk so far (incremental extension) or None.
     out: [1, T, D] exactly what ``mixer(x, positions)`` gives for the same (full) sequence.
-    cache: this layer's trunk cache (for prev + these T tokens).
+    cache: this layer's trunk cache (for prev + these T tokens). ``prev`` keeps its contents.
 
 ``score(mixer, x, tree, caches, options={}) -> out``
     x: [1, M, D] mixer inputs of the M tree nodes; tree: ProposalTree (node i belongs to trunk
     ``tree.trunk_index[i]``); caches: this layer's cache of each trunk. out: [1, M, D] where
     out[0, u] equals the mixer output at the last position of ``trunk[:anchor_u + 1] + path(u)`` run
     with the mixer's plain forward.
+
+``verify(mixer, x, tree, caches, options={}) -> (out, nodes)``
+    ``score`` that also keeps what ``commit`` needs of every node (``nodes``: the executor's own dataclass,
+    e.g. the nodes' K/V; GDN: the fp32 state after each node). Training-time scoring calls ``score`` and
+    never pays for it.
+
+``commit(mixer, cache, nodes, path, options={}) -> cache``
+    Extend one trunk's cache by the tokens of ``path`` ([L] node indices of the verified tree, root first,
+    the root anchored at the trunk's last position) with the states ``verify`` computed: no new pass.
+    The result equals ``prefill`` of the same tokens on ``cache``; ``cache`` keeps its contents.
+
+Growth: cache fields that grow along the token dim are views of capacity-doubling buffers (``Rows``), so
+decoding n tokens one round at a time copies O(n) rows in all, not O(n^2).
 """
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
 
 _REGISTRY: dict = {}
 
@@ -27,6 +46,12 @@ class Executor:
 
     def score(self, mixer, x, tree, caches, options=None):
         raise NotImplementedError
+
+    def verify(self, mixer, x, tree, caches, options=None):
+        raise NotImplementedError(f"the {self.kind!r} executor cannot keep node states for commit")
+
+    def commit(self, mixer, cache, nodes, path, options=None):
+        raise NotImplementedError(f"the {self.kind!r} executor cannot commit verified nodes")
 
 
 def register_executor(kind: str):
@@ -45,3 +70,63 @@ def get_executor(kind: str) -> Executor:
         except ModuleNotFoundError as e:
             raise ValueError(f"no executor for attention kind {kind!r} (known: gqa, qsa, gdn)") from e
     return _REGISTRY[kind]
+
+
+# ------------------------------------------------------------------------------------------------ growth
+class Rows:
+    """Capacity-doubling storage of one tensor that grows along dim 0 (a vector's amortised append).
+
+    Successive versions of a cache share it: the version of length n views ``buf[:n]``. An append at n
+    writes in place when no other version has appended past n (``used == n``) and the capacity allows;
+    otherwise it copies into a new buffer of twice the needed rows. Rows a version can see never change.
+    """
+
+    __slots__ = ("buf", "used")
+
+    def __init__(self, buf: torch.Tensor, used: int):
+        self.buf, self.used = buf, int(used)
+
+
+def append_rows(old: Optional[torch.Tensor], new: torch.Tensor, rows: Optional[Rows]) -> tuple:
+    """old [n, ...] (a view of ``rows.buf`` or any tensor), new [m, ...] -> (view [n + m, ...], Rows).
+
+    In place when ``old`` is the newest version of ``rows`` and fits; else one copy into 2 (n + m) rows."""
+    m = int(new.shape[0])
+    if old is None:
+        return new, None
+    n = int(old.shape[0])
+    if m == 0:
+        return old, rows
+    new = new.to(dtype=old.dtype, device=old.device)
+    b = rows.buf if rows is not None else None
+    if (b is not None and n > 0 and rows.used == n and old.data_ptr() == b.data_ptr() and n + m <= b.shape[0]
+            and b.shape[1:] == old.shape[1:] and b.dtype == old.dtype and old.is_contiguous()):
+        b[n:n + m] = new
+        rows.used = n + m
+        return b[:n + m], rows
+    b = old.new_empty(2 * (n + m), *old.shape[1:])
+    b[:n] = old
+    b[n:n + m] = new
+    return b[:n + m], Rows(b, n + m)
+
+
+@dataclass
+class GrowingCache:
+    """Base of the per-layer cache dataclasses: ``grown(name=new_rows, ...)`` appends rows along dim 0 of
+    the named fields (amortised, see ``Rows``) and returns a new cache; the old one keeps its contents."""
+
+    _rows: dict = field(default_factory=dict, repr=False, compare=False, kw_only=True)
+
+    def grown(self, replace: Optional[dict] = None, **new):
+        rows, vals = dict(self._rows), {}
+        for name, t in new.items():
+            vals[name], rows[name] = append_rows(getattr(self, name), t, self._rows.get(name))
+        return dataclasses.replace(self, **vals, **(replace or {}), _rows=rows)
+
+    def nbytes(self) -> int:
+        """Bytes of the cached tensors (their views; spare capacity of the growth buffers not counted)."""
+        return int(sum(t.numel() * t.element_size() for t in self.tensors()))
+
+    def tensors(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)
+                if torch.is_tensor(getattr(self, f.name))]

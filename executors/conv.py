@@ -3,7 +3,8 @@
 Used by qwen4_exp's PLE short conv (``specopd.models.qwen4_exp.DilatedConv``): out[t] = sum_j w[:, j] *
 x[t - back_j] with ``mixer.taps() = [(back_j, j)]``, zeros before the sequence start. The trunk cache keeps
 every trunk input (anchors can be anywhere); a tree node reads its inputs ``back`` steps up its own path
-(ancestor nodes, then trunk positions <= its anchor).
+(ancestor nodes, then trunk positions <= its anchor). verify keeps the nodes' inputs (``ConvNodes``); commit
+appends a path's inputs.
 """
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, register_executor
+from executors.base import Executor, GrowingCache, register_executor
 
 
 @dataclass
-class ConvCache:
+class ConvCache(GrowingCache):
     x: torch.Tensor  # [T, C] conv inputs of every trunk token
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
-    def nbytes(self) -> int:
-        return self.x.numel() * self.x.element_size()
+
+@dataclass
+class ConvNodes:
+    """What ``verify`` keeps of the M tree nodes for ``commit``: their conv inputs x [M, C]."""
+
+    x: torch.Tensor
 
 
 def _weights(mixer, dtype):
@@ -35,16 +40,27 @@ class ConvExecutor(Executor):
 
     def prefill(self, mixer, x, positions, prev=None, options=None):
         """x [1, T, C] -> (out [1, T, C], ConvCache of prev + these T tokens)."""
-        hist = prev.x if prev is not None else x.new_zeros(0, x.shape[-1])
-        full = torch.cat([hist.to(x.dtype), x[0]], dim=0)
+        cache = prev.grown(x=x[0]) if prev is not None else ConvCache(x[0])
+        full = cache.x
         span = max(b for b, _ in mixer.taps())
         t = x.shape[1]
         window = full[max(0, full.shape[0] - t - span):]
-        out = mixer(window.unsqueeze(0))[:, -t:]
-        return out, ConvCache(full)
+        out = mixer(window.unsqueeze(0).to(x.dtype))[:, -t:]
+        return out, cache
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, C] node inputs -> [1, M, C]: each node convolves its own path."""
+        return self._score(mixer, x, tree, caches, options)[0]
+
+    def verify(self, mixer, x, tree, caches, options=None):
+        """``score`` -> (out [1, M, C], ConvNodes of the M nodes)."""
+        return self._score(mixer, x, tree, caches, options)
+
+    def commit(self, mixer, cache, nodes, path, options=None):
+        """Append the inputs of ``path`` ([L] node indices, root first) -> ConvCache of T + L."""
+        return cache.grown(x=nodes.x[path])
+
+    def _score(self, mixer, x, tree, caches, options=None):
         dev, c = x.device, x.shape[-1]
         taps = mixer.taps()
         span = max(b for b, _ in taps)
@@ -65,4 +81,4 @@ class ConvExecutor(Executor):
                 rows = torch.where(nr >= 0, n_trunk + nr, torch.where(tp >= 0, offs[tix] + tp, zero_row))
                 src = table[rows.to(dev)]
             out = out + src * w[:, j]
-        return out.unsqueeze(0)
+        return out.unsqueeze(0), ConvNodes(x[0])

@@ -10,6 +10,12 @@ score:   a branch forking at anchor a needs the state after trunk[0..a]: it star
          child from its parent's state (general trees too). A node's conv reads its ancestors and, above
          the fork, trunk tokens (``tree.path_back``).
 
+verify:  score, also keeping every node's conv input, g, beta and the fp32 state after it (``GDNNodes``);
+         commit appends a path's conv inputs / g / beta, takes the state after its last node as the final
+         state, and adds a checkpoint (the state before the token) wherever the trunk crosses a multiple of C.
+Decoding caches (``keep_checkpoints=False``, option ``gdn_keep_checkpoints``) keep no checkpoints: their
+anchors are always the trunk's last position, whose state is ``final``.
+
 The mixer supplies the maths (``specopd.models.qwen3_next.GatedDeltaNet``): project, conv, conv_seq,
 split_qkv, finish, conv_kernel_size. Recurrence: ``kernels.gated_delta`` (naive torch loop; the Triton fused
 kernel on CUDA, ``options["gdn_backend"]`` = "auto" | "torch" | "triton"). Tree steps use ``gated_delta_step``.
@@ -21,18 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, register_executor
+from executors.base import Executor, GrowingCache, register_executor
 from kernels.gated_delta.naive import gated_delta_step, recurrent_gated_delta_rule
 
 DEFAULT_EVERY = 64
 
 
 @dataclass
-class GDNCache:
+class GDNCache(GrowingCache):
     """One GDN layer's trunk cache (T tokens; H value heads; state K x V per head).
 
     conv_in [T, Cd] conv inputs (model dtype); g, beta [T, H] fp32; checkpoints [ceil(T/C), H, K, V] fp32
-    (checkpoint k = state after the first k*C tokens); final [H, K, V] fp32 (state after all T tokens).
+    (checkpoint k = state after the first k*C tokens; [0, H, K, V] when ``keep_checkpoints`` is False);
+    final [H, K, V] fp32 (state after all T tokens).
     """
 
     conv_in: torch.Tensor
@@ -41,13 +48,21 @@ class GDNCache:
     checkpoints: torch.Tensor
     final: torch.Tensor
     every: int
+    keep_checkpoints: bool = True
 
     def __len__(self) -> int:
         return int(self.conv_in.shape[0])
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv_in, self.g, self.beta, self.checkpoints,
-                                                           self.final))
+
+@dataclass
+class GDNNodes:
+    """What ``verify`` keeps of the M tree nodes for ``commit``: conv_in [M, Cd], g, beta [M, H] fp32 and
+    state [M, H, K, V] fp32, the recurrent state after each node (M x H x K x V x 4 bytes per layer)."""
+
+    conv_in: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    state: torch.Tensor
 
 
 def _recurrence(options, device):
@@ -73,6 +88,10 @@ def _every(options) -> int:
     return c
 
 
+def _keep(options) -> bool:
+    return bool((options or {}).get("gdn_keep_checkpoints", True))
+
+
 def _gather_trunk(caches, trunk: torch.Tensor, pos: torch.Tensor, field: str) -> torch.Tensor:
     """Rows ``getattr(caches[trunk[j]], field)[pos[j]]`` -> [n, ...]; zeros where pos < 0."""
     ref = getattr(caches[0], field)
@@ -92,7 +111,7 @@ class GDNExecutor(Executor):
         """x [1, T, D] -> (out [1, T, D], GDNCache of len(prev) + T tokens). ``prev`` is left untouched."""
         if x.shape[0] != 1:
             raise ValueError(f"gdn prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
-        every = _every(options)
+        every, keep = _every(options), _keep(options)
         u, z, g, beta = mixer.project(x)
         wk = mixer.conv_kernel_size
         t0 = len(prev) if prev is not None else 0
@@ -101,18 +120,22 @@ class GDNExecutor(Executor):
             if prev.every != every:
                 raise ValueError(f"extending a trunk cache built with gdn_checkpoint_every={prev.every} using "
                                  f"{every}; extend with the cache's own options")
+            if prev.keep_checkpoints != keep:
+                raise ValueError(f"extending a trunk cache built with keep_checkpoints={prev.keep_checkpoints} "
+                                 f"using {keep}; extend with the cache's own options")
             hist = prev.conv_in[-(wk - 1):]
             pad = hist.new_zeros(wk - 1 - hist.shape[0], hist.shape[1])
             history = torch.cat([pad, hist])[None]
             init = prev.final[None]
         q, k, v = mixer.split_qkv(mixer.conv_seq(u, history))
         run = _recurrence(options, x.device)
-        o, final, ck = run(q, k, v, g=g, beta=beta, initial_state=init, checkpoint_every=every, start=t0)
+        o, final, ck = run(q, k, v, g=g, beta=beta, initial_state=init, checkpoint_every=every if keep else None,
+                           start=t0)
+        ck = ck[0] if keep else final.new_zeros(0, *final.shape[1:])
         if prev is not None:
-            cache = GDNCache(torch.cat([prev.conv_in, u[0]]), torch.cat([prev.g, g[0]]),
-                             torch.cat([prev.beta, beta[0]]), torch.cat([prev.checkpoints, ck[0]]), final[0], every)
+            cache = prev.grown({"final": final[0]}, conv_in=u[0], g=g[0], beta=beta[0], checkpoints=ck)
         else:
-            cache = GDNCache(u[0], g[0], beta[0], ck[0], final[0], every)
+            cache = GDNCache(u[0], g[0], beta[0], ck, final[0], every, keep)
         return mixer.finish(o, z), cache
 
     def anchor_states(self, mixer, caches, trunk: torch.Tensor, anchor: torch.Tensor, options=None) -> torch.Tensor:
@@ -132,6 +155,13 @@ class GDNExecutor(Executor):
         at_end = n == lens
         ck = torch.where(at_end, torch.zeros_like(n), n // every)
         r = torch.where(at_end, torch.zeros_like(n), n - ck * every)  # replay length < C
+        bare = torch.tensor([not c.keep_checkpoints for c in caches], device=dev)[trunk] & ~at_end
+        if bool(bare.any()):
+            p = int(torch.nonzero(bare)[0])
+            raise ValueError(f"anchor {int(anchor[p])} is not the last position of its trunk (length "
+                             f"{int(lens[p])}), whose cache keeps no GDN checkpoints (prefill(..., "
+                             f"keep_checkpoints=False), for decoding); prefill with keep_checkpoints=True to score "
+                             f"branches inside the trunk")
         S = torch.stack([caches[int(i)].final if bool(e) else caches[int(i)].checkpoints[int(c)]
                          for i, e, c in zip(trunk.tolist(), at_end.tolist(), ck.tolist())])
         if not bool((r > 0).any()):
@@ -189,6 +219,25 @@ class GDNExecutor(Executor):
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, D] inputs of the M tree nodes; caches: one GDNCache per trunk -> out [1, M, D]."""
+        return self._score(mixer, x, tree, caches, options, keep=False)[0]
+
+    def verify(self, mixer, x, tree, caches, options=None):
+        """``score`` -> (out [1, M, D], GDNNodes: every node's conv input, g, beta and state after it)."""
+        return self._score(mixer, x, tree, caches, options, keep=True)
+
+    def commit(self, mixer, cache, nodes, path, options=None):
+        """Extend ``cache`` (T tokens) by ``path`` ([L] node indices, root first, root anchored at T - 1) ->
+        GDNCache of T + L: final = the state after the path's last node; a checkpoint (state *before* the
+        token) at every position T + j that is a multiple of C (unless the cache keeps none)."""
+        t, every = len(cache), cache.every
+        replace = {"final": nodes.state[path[-1]]}
+        new = dict(conv_in=nodes.conv_in[path], g=nodes.g[path], beta=nodes.beta[path])
+        edges = [j for j in range(path.numel()) if (t + j) % every == 0] if cache.keep_checkpoints else []
+        if edges:  # the state before path token j: the trunk's final state (j = 0) or the state after node j-1
+            new["checkpoints"] = torch.stack([cache.final if j == 0 else nodes.state[path[j - 1]] for j in edges])
+        return cache.grown(replace, **new)
+
+    def _score(self, mixer, x, tree, caches, options=None, keep=False):
         if len(caches) != tree.num_trunks:
             raise ValueError(f"tree spans {tree.num_trunks} trunk(s) but {len(caches)} cache(s) were given")
         dev = x.device
@@ -218,6 +267,7 @@ class GDNExecutor(Executor):
         # advance level by level; slot[u] = row of node u's state within its level
         o = torch.empty(m, *v.shape[1:], dtype=torch.float32, device=dev)
         slot = torch.empty(m, dtype=torch.long, device=dev)
+        S_nodes = S_anchor.new_empty(m, *S_anchor.shape[1:]) if keep else None  # [M, H, K, V] fp32
         S_prev = None
         for d, nodes in enumerate(tree.levels()):
             nodes = nodes.to(dev)
@@ -227,4 +277,7 @@ class GDNExecutor(Executor):
                 S_in = S_prev[slot[parent[nodes]]]
             S_prev, o[nodes] = gated_delta_step(S_in, q[nodes], k[nodes], v[nodes], g[nodes], beta[nodes])
             slot[nodes] = torch.arange(nodes.numel(), device=dev)
-        return mixer.finish(o[None], z)
+            if keep:
+                S_nodes[nodes] = S_prev
+        out = mixer.finish(o[None], z)
+        return out, (GDNNodes(u[0], g, beta, S_nodes) if keep else None)

@@ -1,11 +1,12 @@
 """Full (GQA) attention over a trunk and a proposal tree.
 
 prefill: causal attention over the trunk (extending ``prev``); the cache keeps the trunk's K and V
-         ([T, Hkv, hd] each, after q/k norm and RoPE at the trunk positions).
+         ([T, Hkv, hd] each, after q/k norm and RoPE at the trunk positions; growable, see executors.base).
 score:   tree node u (anchor a, trunk i) attends to trunk i's keys at positions <= a, plus its own
          ancestors and itself (``tree.ancestor_mask()``); its q/k use RoPE at its semantic position
          a + 1 + depth. Keys are ordered trunk first, then tree nodes in node order (parents precede
          children), i.e. the same order as the sequential reference ``trunk[:a+1] + path(u)``.
+verify:  score, also keeping the nodes' K/V (``GQANodes``); commit appends a path's K/V to the trunk cache.
 
 Only ``mixer.project``, ``mixer.finish`` and ``mixer.scaling`` are used (see docs/interfaces.md).
 The attention itself goes through ``attend``: dense masked attention with fp32 softmax (exact on the
@@ -18,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, register_executor
+from executors.base import Executor, GrowingCache, register_executor
 from specopd.models.common import masked_attention, sdpa_attention
 
 
 @dataclass
-class GQACache:
-    """One layer's trunk cache. k, v: [T, Hkv, hd] in the model dtype."""
+class GQACache(GrowingCache):
+    """One layer's trunk cache. k, v: [T, Hkv, hd] in the model dtype (after q/k norm and RoPE)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -32,8 +33,13 @@ class GQACache:
     def __len__(self) -> int:
         return int(self.k.shape[0])
 
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+@dataclass
+class GQANodes:
+    """What ``verify`` keeps of the M tree nodes for ``commit``: k, v [M, Hkv, hd] (RoPE'd at their positions)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 BACKENDS = {"dense": masked_attention, "sdpa": sdpa_attention}
@@ -79,15 +85,23 @@ class GQAExecutor(Executor):
         if x.shape[0] != 1:
             raise ValueError(f"gqa prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
         q, k, v, extra = mixer.project(x, positions)
-        if prev is not None:
-            k_all, v_all = torch.cat([prev.k, k[0]]), torch.cat([prev.v, v[0]])
-        else:
-            k_all, v_all = k[0], v[0]
-        o = attend_causal(q, k_all[None], v_all[None], mixer.scaling, options)
-        return mixer.finish(o, extra), GQACache(k_all, v_all)
+        cache = prev.grown(k=k[0], v=v[0]) if prev is not None else GQACache(k[0], v[0])
+        o = attend_causal(q, cache.k[None], cache.v[None], mixer.scaling, options)
+        return mixer.finish(o, extra), cache
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, D] inputs of the M tree nodes; caches: one GQACache per trunk -> out [1, M, D]."""
+        return self._score(mixer, x, tree, caches, options)[0]
+
+    def verify(self, mixer, x, tree, caches, options=None):
+        """``score`` -> (out [1, M, D], GQANodes of the M nodes)."""
+        return self._score(mixer, x, tree, caches, options)
+
+    def commit(self, mixer, cache, nodes, path, options=None):
+        """Append the K/V of ``path`` ([L] node indices, root first) to ``cache`` -> GQACache of T + L."""
+        return cache.grown(k=nodes.k[path], v=nodes.v[path])
+
+    def _score(self, mixer, x, tree, caches, options=None):
         if len(caches) != tree.num_trunks:
             raise ValueError(f"tree spans {tree.num_trunks} trunk(s) but {len(caches)} cache(s) were given")
         dev = x.device
@@ -99,7 +113,7 @@ class GQAExecutor(Executor):
             keys = torch.cat([caches[i].k[:t_cut], k[0, nodes]])[None]  # [1, t_cut + Mi, Hkv, hd]
             vals = torch.cat([caches[i].v[:t_cut], v[0, nodes]])[None]
             o[0, nodes] = attend(q[:, nodes], keys, vals, mask, mixer.scaling, options)[0]
-        return mixer.finish(o, extra)
+        return mixer.finish(o, extra), GQANodes(k[0], v[0])
 
 
 def _plan(tree, device):

@@ -13,6 +13,9 @@ Groups g < (a+1)//4 lie wholly in the trunk and reuse the cached pooled keys; th
 anchor boundary and the path's own groups are rebuilt per node from raw keys (trunk rows <= a, ancestor
 rows above). Selection, tail and attention then follow the sequential rule exactly.
 
+verify / commit: score also keeps the nodes' K/V and raw index keys (``QSANodes``); commit appends a path's
+K/V and raw keys and pools the groups its tokens complete (same ``pool_keys`` as prefill).
+
 ``options["qsa_record"]`` (a dict) receives ``{layer_idx: selected groups [Q, topk]}`` (-1 padded,
 ascending) so tests can compare selections with the sequential path.
 """
@@ -22,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, register_executor
+from executors.base import Executor, GrowingCache, register_executor
 from specopd.models.common import masked_attention
 
 
 @dataclass
-class QSACache:
+class QSACache(GrowingCache):
     k: torch.Tensor  # [T, Hkv, hd] RoPE'd keys
     v: torch.Tensor  # [T, Hkv, hd]
     raw: torch.Tensor  # [T, di] raw index keys
@@ -36,8 +39,23 @@ class QSACache:
     def __len__(self) -> int:
         return int(self.k.shape[0])
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.raw, self.pooled))
+
+@dataclass
+class QSANodes:
+    """What ``verify`` keeps of the M tree nodes for ``commit``: k, v [M, Hkv, hd], raw [M, di]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    raw: torch.Tensor
+
+
+def _pool_new_groups(mixer, raw: torch.Tensor, t0: int, t: int) -> torch.Tensor:
+    """Pooled keys [G, di] of the groups completed by tokens t0 .. t-1 (groups t0 // r .. t // r - 1);
+    raw [t, di] covers the whole trunk."""
+    r = mixer.ratio
+    keep, g = t0 // r, t // r
+    starts = torch.arange(keep, g, device=raw.device) * r
+    return mixer.pool_keys(raw[keep * r: g * r].reshape(g - keep, r, raw.shape[-1]), starts)
 
 
 def _record(options, mixer, sel):
@@ -70,14 +88,11 @@ class QSAExecutor(Executor):
         q, k, v, gate = mixer.project(x, positions)
         qi, raw = mixer.index_project(x, positions)
         if prev is not None:
-            k, v = torch.cat([prev.k, k[0]]), torch.cat([prev.v, v[0]])
-            raw = torch.cat([prev.raw, raw[0]])
+            cache = prev.grown(k=k[0], v=v[0], raw=raw[0])
+            cache = cache.grown(pooled=_pool_new_groups(mixer, cache.raw, t0, t0 + t))
         else:
-            k, v, raw = k[0], v[0], raw[0]
-        g, keep = (t0 + t) // r, t0 // r
-        starts = torch.arange(keep, g, device=x.device) * r
-        new = mixer.pool_keys(raw[keep * r: g * r].reshape(g - keep, r, raw.shape[-1]), starts)
-        pooled = torch.cat([prev.pooled[:keep], new]) if prev is not None else new
+            cache = QSACache(k[0], v[0], raw[0], _pool_new_groups(mixer, raw[0], 0, t))
+        k, v, pooled = cache.k, cache.v, cache.pooled
         chunk = max(1, int((options or {}).get("qsa_prefill_chunk", 1024)))  # queries per attention block
         sels, outs = [], []
         for s0 in range(0, t, chunk):
@@ -89,10 +104,23 @@ class QSAExecutor(Executor):
                                          mixer.scaling))
             sels.append(sel)
         _record(options, mixer, torch.cat(sels))
-        return mixer.finish(torch.cat(outs, dim=1), gate), QSACache(k, v, raw, pooled)
+        return mixer.finish(torch.cat(outs, dim=1), gate), cache
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, D] node inputs -> [1, M, D]; node u as the last token of trunk[:a_u+1] + path(u)."""
+        return self._score(mixer, x, tree, caches, options)[0]
+
+    def verify(self, mixer, x, tree, caches, options=None):
+        """``score`` -> (out [1, M, D], QSANodes of the M nodes)."""
+        return self._score(mixer, x, tree, caches, options)
+
+    def commit(self, mixer, cache, nodes, path, options=None):
+        """Append ``path``'s K/V and raw index keys; pool the groups its tokens complete -> QSACache of T + L."""
+        t0 = len(cache)
+        cache = cache.grown(k=nodes.k[path], v=nodes.v[path], raw=nodes.raw[path])
+        return cache.grown(pooled=_pool_new_groups(mixer, cache.raw, t0, len(cache)))
+
+    def _score(self, mixer, x, tree, caches, options=None):
         dev, m, r = x.device, x.shape[1], mixer.ratio
         anchor, tix = tree.anchor.to(dev), tree.trunk_index.to(dev)
         pos = tree.positions.to(dev)
@@ -147,4 +175,4 @@ class QSAExecutor(Executor):
         k_all = torch.cat([c.k.to(dev) for c in caches] + [k[0]])
         v_all = torch.cat([c.v.to(dev) for c in caches] + [v[0]])
         o = masked_attention(q[0].unsqueeze(1), k_all[idx], v_all[idx], ok.unsqueeze(1), mixer.scaling)
-        return mixer.finish(o.view(1, m, *o.shape[2:]), gate)
+        return mixer.finish(o.view(1, m, *o.shape[2:]), gate), QSANodes(k[0], v[0], raw[0])

@@ -1,6 +1,7 @@
 """Speculative decoding: lossless at T > 0 (distribution of the first tokens), exact at T = 0, AL accounting."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -29,7 +30,7 @@ class RandomDrafter:
     def __init__(self, vocab: int, block_size: int = 3, scale: float = 2.0, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         self.table = scale * torch.randn(vocab, block_size, vocab, generator=g)
-        self.block_size = block_size
+        self.block_size = self.draft_len = block_size
 
     def eval(self):
         return self
@@ -50,7 +51,7 @@ class OracleDrafter(RandomDrafter):
     none), so rounds accept 0..W tokens. Reads only the anchor position a."""
 
     def __init__(self, seq: torch.Tensor, vocab: int, block_size: int = 3):
-        self.seq, self.vocab, self.block_size = seq.tolist(), vocab, block_size
+        self.seq, self.vocab, self.block_size, self.draft_len = seq.tolist(), vocab, block_size, block_size
 
     def sample(self, features, anchors, trunk_index, anchor_tokens, temperature=1.0, generator=None):
         a, w = int(anchors[0]), self.block_size
@@ -115,12 +116,14 @@ def test_lossless_distribution_of_first_two_tokens(small, temperature):
 
 
 def test_always_accepting_decoder_fails_the_same_check(small, monkeypatch):
-    from specopd.eval import decoder as D
+    from specopd import speculative as spec
+    from specopd.drafters import pick_tokens
 
-    def accept_all(self, drafts, q_logits, p_logits, generator):
-        return drafts.numel(), D._sample(D._probs(p_logits[-1], self.temperature), generator)
+    def accept_all(drafts, q_logits, p_logits, temperature, generator):
+        bonus = pick_tokens(p_logits[:, -1], temperature, generator)
+        return [drafts.shape[1]] * drafts.shape[0], bonus.tolist()
 
-    monkeypatch.setattr(SpeculativeDecoder, "_accept", accept_all)
+    monkeypatch.setattr(spec, "accept", accept_all)
     dec = SpeculativeDecoder(small, RandomDrafter(small.vocab_size, block_size=3), temperature=1.0)
     exact = exact_two_tokens(small, PROMPT, 1.0).flatten()
     stat, df = chi2(empirical_two_tokens(dec, PROMPT, 400), exact)
@@ -194,6 +197,18 @@ def test_evaluate_al_table(small):
 
 
 # ---------------------------------------------------------------------------------------------- every attention kind
+@contextlib.contextmanager
+def count_target_passes(target):
+    """Counts target passes (plain, prefill or score) with a forward hook on the first decoder layer's MLP,
+    which every pass runs exactly once. Yields a one-element list holding the count."""
+    n = [0]
+    handle = target.model.layers[0].mlp.register_forward_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+    try:
+        yield n
+    finally:
+        handle.remove()
+
+
 KINDS = {"gqa": ("llama", {}), "gdn": ("qwen3_next", {}), "qsa": ("qwen4_exp_text", {})}
 
 
@@ -214,9 +229,15 @@ def test_each_attention_kind_decodes_identically_at_t0(kind, tmp_path):
     assert ar.tokens.tolist() == ref.tolist()
     longer = autoregressive(target, prompt, n + 4, temperature=0.0, gdn_checkpoint_every=c).tokens
     oracle = OracleDrafter(torch.cat([prompt, longer]), target.vocab_size, 4)
-    res = SpeculativeDecoder(target, oracle, temperature=0.0, gdn_checkpoint_every=c).generate(prompt, n)
+    with count_target_passes(target) as passes:
+        res = SpeculativeDecoder(target, oracle, temperature=0.0, gdn_checkpoint_every=c).generate(prompt, n)
     assert res.tokens[:n].tolist() == ar.tokens.tolist()
     assert sum(res.accept_lengths) == res.tokens.numel() and len(set(res.accept_lengths)) > 1
+    assert passes[0] == res.rounds + 1, f"{passes[0]} target passes for {res.rounds} rounds (+1 prompt prefill)"
+    with count_target_passes(target) as passes:
+        sampled = SpeculativeDecoder(target, RandomDrafter(target.vocab_size, 4), temperature=1.0,
+                                     gdn_checkpoint_every=c).generate(prompt[:1], 12, torch.Generator().manual_seed(0))
+    assert passes[0] == sampled.rounds + 1 and sum(sampled.accept_lengths) == sampled.tokens.numel()
     from specopd.drafters import build_drafter
 
     dflash = build_drafter("dflash", target, num_layers=1, block_size=4, seed=0)
@@ -237,7 +258,7 @@ def test_main_eval_on_the_tiny_recipe(tmp_path, capsys):
     out = tmp_path / "eval.json"
     r = main_eval(cfg, ["--json", str(out)])
     assert json.loads(out.read_text())["mean_al"] == pytest.approx(r["mean_al"]) and r["num_prompts"] == 2
-    assert r["mean_al"] >= 1.0 and len(r["survival"]) == cfg.drafter.block_size and "speedup" in r
+    assert r["mean_al"] >= 1.0 and len(r["survival"]) == cfg.drafter.block_size - 1 and "speedup" in r
     assert "incl. bonus" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="eval.checkpoint=none"):
         main_eval(load_recipe(os.path.join(root, "recipes", "tiny.yaml"), [f"trainer.output_dir={tmp_path}"]), [])

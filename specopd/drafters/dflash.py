@@ -318,6 +318,8 @@ class DFlashDrafter(nn.Module):
         """Block length including the anchor, as released ("b16" = 16)."""
         return int(self.config.block_size)
 
+    draft_len = property(lambda self: self.block_size)  # tokens drafted per round (the drafter rewrite resolves it)
+
     @property
     def draft_len(self) -> int:
         """W = block_size - 1: tokens drafted per block (what everything outside drafters/ reads)."""

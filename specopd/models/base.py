@@ -8,7 +8,9 @@ calls ``ctx.mix(layer_idx, mixer, x)``, and the ``RunContext`` decides how the m
 
 - ``plain``   the mixer's own causal forward over [B, T]           (``target(input_ids)``, the reference)
 - ``prefill`` the mixer's executor builds a per-layer trunk cache   (``target.prefill(trunk_ids)``)
-- ``score``   the executor scores packed tree nodes against caches (``target.score(tree, cache)``)
+- ``score``   the executor scores packed tree nodes against caches (``target.score(tree, cache)``); with
+              ``return_state=True`` each executor also keeps what ``target.commit`` needs to extend a trunk
+              by an accepted path without another pass (speculative decoding: verify, then commit)
 
 Anything else that reads earlier tokens (qwen4_exp's per-layer n-gram embeddings) asks
 ``ctx.prev_tokens(k)``, which follows tree paths into the trunk in ``score`` mode.
@@ -21,16 +23,18 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from executors.base import GrowingCache
 from specopd.tree import ProposalTree
 
 
 @dataclass
-class TargetCache:
-    """What ``prefill`` keeps of one trunk. ``layers[i]`` is layer i's executor cache (has ``nbytes()``)."""
+class TargetCache(GrowingCache):
+    """What ``prefill`` keeps of one trunk. ``layers[i]`` is layer i's executor cache (has ``nbytes()``).
+    token_ids / logits / features grow by amortised appends (``executors.base.Rows``) when extended."""
 
     token_ids: torch.Tensor  # [T] long (on the model's device)
     layers: list  # one executor cache per decoder layer
-    logits: Optional[torch.Tensor] = None  # [T, V] target logits at every trunk position
+    logits: Optional[torch.Tensor] = None  # [T, V] target logits at every trunk position (see prefill)
     features: Optional[torch.Tensor] = None  # [T, len(feature_layers) * D] drafter context features
     feature_layers: tuple = ()
     options: dict = field(default_factory=dict)  # executor options used to build it (e.g. gdn_checkpoint_every)
@@ -48,12 +52,28 @@ class TargetCache:
         return int(sum(c.nbytes() for c in self.layers) + sum(c.nbytes() for c in self.extra.values()))
 
 
+@dataclass
+class VerifyState:
+    """What ``target.score(tree, caches, return_state=True)`` keeps for ``target.commit``.
+
+    tree: the verified tree (M nodes); trunk_lens: the caches' lengths at verify time; layers: per mixer key
+    (layer index, or (layer_idx, name)) the mixer and its executor's node state; logits [M, V] and features
+    [M, F] (at the caches' feature_layers, None without) of every node."""
+
+    tree: ProposalTree
+    trunk_lens: list
+    layers: dict
+    logits: torch.Tensor
+    features: Optional[torch.Tensor] = None
+
+
 class RunContext:
     """How the layers of one target call see their tokens. Built by TargetModel; read by backbones."""
 
     def __init__(self, mode: str, input_ids: torch.Tensor, positions: torch.Tensor, *,
                  tree: Optional[ProposalTree] = None, caches: Sequence[TargetCache] = (),
-                 prev: Optional[TargetCache] = None, feature_layers: Sequence[int] = (), options=None):
+                 prev: Optional[TargetCache] = None, feature_layers: Sequence[int] = (), options=None,
+                 keep_state: bool = False):
         assert mode in ("plain", "prefill", "score")
         self.mode = mode
         self.input_ids = input_ids  # [B, T] (B = 1 for prefill and score; T = M nodes for score)
@@ -65,6 +85,8 @@ class RunContext:
         self.feature_layers = tuple(feature_layers)
         self.layer_caches: dict = {}
         self.features: dict = {}
+        self.keep_state = keep_state  # score mode: keep each executor's node state (for commit)
+        self.node_states: dict = {}
 
     def mix(self, layer_idx: int, mixer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Run token mixer ``mixer`` of layer ``layer_idx`` on x [B, T, D] -> [B, T, D].
@@ -79,7 +101,12 @@ class RunContext:
             out, cache = ex.prefill(mixer, x, self.positions, prev=prev, options=self.options)
             self.layer_caches[layer_idx] = cache
             return out
-        return ex.score(mixer, x, self.tree, [c.layer_cache(layer_idx) for c in self.caches], options=self.options)
+        caches = [c.layer_cache(layer_idx) for c in self.caches]
+        if self.keep_state:
+            out, nodes = ex.verify(mixer, x, self.tree, caches, options=self.options)
+            self.node_states[layer_idx] = (mixer, nodes)
+            return out
+        return ex.score(mixer, x, self.tree, caches, options=self.options)
 
     def prev_tokens(self, k: int) -> torch.Tensor:
         """[B, T, k]: the ids of the tokens 1..k steps before each token along its path (-1 before the start)."""
@@ -202,17 +229,24 @@ class TargetModel(nn.Module):
     @torch.no_grad()
     def prefill(self, trunk_ids: torch.Tensor, cache: Optional[TargetCache] = None, *,
                 feature_layers: Optional[Sequence[int]] = None, gdn_checkpoint_every: int = 64,
-                keep_logits: bool = True) -> TargetCache:
+                keep_logits: bool = True, keep_checkpoints: bool = True) -> TargetCache:
         """Run the trunk [T] once and keep per-layer caches, logits [T, V] and drafter features.
 
         With ``cache`` given, the trunk is *extended* by ``trunk_ids`` (incremental decoding): the
-        returned cache covers ``cache.token_ids + trunk_ids``; ``cache`` itself is not modified.
+        returned cache covers ``cache.token_ids + trunk_ids`` (it keeps the cache's options; its logits cover
+        all T only if ``cache`` had logits, else these tokens'); ``cache`` keeps its contents.
+        ``keep_checkpoints=False`` (decoding): GDN layers keep only their final state, so only anchors at the
+        trunk's last position can be scored.
         """
         trunk_ids = torch.as_tensor(trunk_ids, device=self.device).reshape(-1).to(torch.long)
         self._check_ids(trunk_ids.view(1, -1))
         if feature_layers is None:
             feature_layers = cache.feature_layers if cache is not None else ()
-        opts = dict(cache.options) if cache is not None else {"gdn_checkpoint_every": int(gdn_checkpoint_every)}
+        elif cache is not None and tuple(feature_layers) != tuple(cache.feature_layers):
+            raise ValueError(f"feature_layers {tuple(feature_layers)} differ from the cache's "
+                             f"{tuple(cache.feature_layers)}; extend a cache with its own feature layers")
+        opts = dict(cache.options) if cache is not None else {"gdn_checkpoint_every": int(gdn_checkpoint_every),
+                                                              "gdn_keep_checkpoints": bool(keep_checkpoints)}
         if opts["gdn_checkpoint_every"] < 1:
             raise ValueError("gdn_checkpoint_every must be >= 1")
         t0 = len(cache) if cache is not None else 0
@@ -222,36 +256,126 @@ class TargetModel(nn.Module):
         h = self.backbone(ctx)
         logits = self.head(h)[0] if keep_logits else None
         feats = torch.cat([ctx.features[i][0] for i in feature_layers], dim=-1) if feature_layers else None
+        layers = [ctx.layer_caches[i] for i in range(self.num_layers)]
+        extra = {k: v for k, v in ctx.layer_caches.items() if not isinstance(k, int)}
         if cache is not None:
+            new = {"token_ids": trunk_ids}
             if logits is not None and cache.logits is not None:
-                logits = torch.cat([cache.logits, logits])
+                new["logits"] = logits
             if feats is not None and cache.features is not None:
-                feats = torch.cat([cache.features, feats])
-            trunk_ids = torch.cat([cache.token_ids, trunk_ids])
-        return TargetCache(
-            token_ids=trunk_ids, layers=[ctx.layer_caches[i] for i in range(self.num_layers)],
-            logits=logits, features=feats, feature_layers=tuple(feature_layers), options=opts,
-            extra={k: v for k, v in ctx.layer_caches.items() if not isinstance(k, int)},
-        )
+                new["features"] = feats
+            replace = {"layers": layers, "extra": extra}
+            if "logits" not in new:
+                replace["logits"] = logits  # None, or only these tokens' logits when the cache kept none
+            return cache.grown(replace, **new)
+        return TargetCache(token_ids=trunk_ids, layers=layers, logits=logits, features=feats,
+                           feature_layers=tuple(feature_layers), options=opts, extra=extra)
 
     def score(self, tree: ProposalTree, cache: Union[TargetCache, Sequence[TargetCache]], *,
-              return_hidden: bool = False):
+              return_hidden: bool = False, return_state: bool = False):
         """Logits of every tree node as if each node's path had been run from scratch after its anchor.
 
         tree: ProposalTree (packed over len(caches) trunks). Returns [N, W, V] for chain branches, else
         [M, V]. ``p[b, j] == target(trunk[:a_b + 1] + tokens[b, :j + 1])[-1]``. With return_hidden, also
-        the last hidden states ([N, W, D] / [M, D], before the final norm).
+        the last hidden states ([N, W, D] / [M, D], before the final norm). With return_state (verify), also
+        a ``VerifyState`` for ``commit``: ``logits, state = target.score(tree, caches, return_state=True)``
+        (its size: every node's K/V per attention layer, the fp32 state after every node per GDN layer,
+        M x H x K x V x 4 bytes each, and the nodes' features).
         """
         caches = [cache] if isinstance(cache, TargetCache) else list(cache)
         tree.validate([len(c) for c in caches], self.vocab_size)
+        fl = ()
+        if return_state:
+            fl = caches[0].feature_layers if caches[0].features is not None else ()
+            if any(tuple(c.feature_layers) != tuple(caches[0].feature_layers) or (c.features is None) != (not fl)
+                   for c in caches):
+                raise ValueError("verify (return_state=True) needs every cache built with the same feature_layers")
         ids = tree.tokens.to(self.device).view(1, -1)
         pos = tree.positions.to(self.device).view(1, -1)
-        ctx = RunContext("score", ids, pos, tree=tree, caches=caches, options=caches[0].options)
+        ctx = RunContext("score", ids, pos, tree=tree, caches=caches, options=caches[0].options,
+                         feature_layers=fl, keep_state=return_state)
         h = self.backbone(ctx)[0]
-        logits = tree.reshape_nodes(self.head(h))
+        flat = self.head(h)  # [M, V]
+        out = [tree.reshape_nodes(flat)]
         if return_hidden:
-            return logits, tree.reshape_nodes(h)
-        return logits
+            out.append(tree.reshape_nodes(h))
+        if return_state:
+            feats = torch.cat([ctx.features[i][0] for i in fl], dim=-1) if fl else None
+            out.append(VerifyState(tree=tree, trunk_lens=[len(c) for c in caches], layers=ctx.node_states,
+                                   logits=flat, features=feats))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    @torch.no_grad()
+    def commit(self, caches: Sequence[TargetCache], state: VerifyState, paths: Sequence) -> list:
+        """Extend each trunk by an accepted path of the verified tree, from the verify pass's states (no new
+        target pass). caches: the caches given to ``score`` (one per trunk); paths: per trunk the accepted
+        node indices of ``state.tree`` (packed numbering), root first; the root must hang off the trunk's last
+        position; an empty path leaves the trunk as it is. Returns one TargetCache per trunk, equal to
+        ``prefill(tokens of the path, cache=cache)`` (token ids, every layer's cache, features; logits too if
+        the cache keeps them). The given caches keep their contents."""
+        caches = [caches] if isinstance(caches, TargetCache) else list(caches)
+        paths = self._check_paths(caches, state, paths)
+        from executors import get_executor
+
+        tree, out, dev = state.tree, [], self.device
+        for cache, path in zip(caches, paths):
+            if path.numel() == 0:
+                out.append(cache)
+                continue
+            path_dev = path.to(dev)
+            new = {key: get_executor(mixer.kind).commit(mixer, cache.layer_cache(key), nodes, path_dev,
+                                                        options=cache.options)
+                   for key, (mixer, nodes) in state.layers.items()}
+            grow = {"token_ids": tree.tokens[path].to(dev)}
+            if cache.features is not None and state.features is not None:
+                grow["features"] = state.features[path_dev]
+            if cache.logits is not None:
+                grow["logits"] = state.logits[path_dev].to(cache.logits.dtype)
+            layers = [new.get(i, c) for i, c in enumerate(cache.layers)]
+            extra = {k: new.get(k, c) for k, c in cache.extra.items()}
+            out.append(cache.grown({"layers": layers, "extra": extra}, **grow))
+        return out
+
+    @staticmethod
+    def _check_paths(caches, state: VerifyState, paths) -> list:
+        """paths -> list of [L_i] long CPU tensors; ValueError naming the problem for anything that is not an
+        accepted path of the verified tree extending its trunk."""
+        tree = state.tree
+        if len(caches) != tree.num_trunks or len(paths) != tree.num_trunks:
+            raise ValueError(f"commit: the verified tree spans {tree.num_trunks} trunk(s); got {len(caches)} "
+                             f"cache(s) and {len(paths)} path(s) (one path per trunk, [] to commit nothing)")
+        lens = [len(c) for c in caches]
+        if lens != list(state.trunk_lens):
+            raise ValueError(f"commit: the caches have lengths {lens} but were verified at {list(state.trunk_lens)};"
+                             f" commit with the caches given to score(..., return_state=True)")
+        depth_max = int(tree.depth.max()) + 1
+        out = []
+        for i, p in enumerate(paths):
+            p = torch.as_tensor(p, dtype=torch.long).reshape(-1).cpu()
+            if p.numel() > depth_max:
+                raise ValueError(f"commit: path of trunk {i} has {p.numel()} nodes, deeper than the verified tree "
+                                 f"({depth_max} levels)")
+            if p.numel():
+                bad = (p < 0) | (p >= tree.num_nodes)
+                if bool(bad.any()):
+                    raise ValueError(f"commit: path of trunk {i} names node {int(p[bad][0])}, outside the verified "
+                                     f"tree's {tree.num_nodes} nodes")
+                wrong = tree.trunk_index[p] != i
+                if bool(wrong.any()):
+                    u = int(p[wrong][0])
+                    raise ValueError(f"commit: path of trunk {i} names node {u}, which belongs to trunk "
+                                     f"{int(tree.trunk_index[u])}")
+                if int(tree.parent[p[0]]) >= 0 or int(tree.anchor[p[0]]) != lens[i] - 1:
+                    raise ValueError(f"commit: path of trunk {i} starts at node {int(p[0])}, not a root anchored "
+                                     f"at the trunk's last position {lens[i] - 1} (anchor {int(tree.anchor[p[0]])}, "
+                                     f"parent {int(tree.parent[p[0]])}); a commit extends the trunk at its end")
+                linked = tree.parent[p[1:]] == p[:-1]
+                if not bool(linked.all()):
+                    j = int(torch.nonzero(~linked)[0]) + 1
+                    raise ValueError(f"commit: path of trunk {i} is not a root-first parent chain: node {int(p[j])} "
+                                     f"has parent {int(tree.parent[p[j]])}, not {int(p[j - 1])}")
+            out.append(p)
+        return out
 
     def _check_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2:

@@ -1,0 +1,161 @@
+"""The speculative round, written once and batched over sequences: draft -> verify -> accept -> commit.
+
+Used by ``specopd.eval.decoder.SpeculativeDecoder`` (one sequence) and by Draft-OPD's rollout
+(``specopd.train.baselines``, all sequences of a batch in one target pass per round).
+
+State of a sequence (``Sequence``): ``cache`` covers the tokens the target has run; ``last`` is the pending
+token (committed: the prompt's last token or the previous round's bonus / resampled token) at position
+``len(cache)``, not yet run. One round over A sequences:
+
+1. draft    the caller's drafter drafts k tokens after each sequence's anchor (``draft_inputs``: position
+            ``seq.anchor``, token ``seq.anchor_token``, context features ``cache.features[:anchor]``) with logits q
+2. verify   ONE target pass over every sequence's chain ``[last, d_1..d_k]`` anchored at ``len(cache) - 1``,
+            packed into one tree (``verify``): node j gives p for d_{j+1}, node k the bonus distribution; the
+            pass keeps its per-layer states (``target.score(..., return_state=True)``)
+3. accept   T = 0: d_i accepted while it equals argmax p; T > 0: lossless rejection sampling (accept d_i with
+            prob min(1, p/q); at the first rejection resample from norm(max(0, p - q)); all k accepted -> a
+            bonus token from p at node k) (``accept``)
+4. commit   ``target.commit`` extends each cache by ``[last, d_1..d_n]`` from the verify pass (no new pass);
+            the bonus / resampled token is the new ``last``, run by the next round's verify (``commit``)
+
+So a round costs exactly one target pass. Rejected tokens are never committed: nothing is rolled back.
+A one-token prompt has nothing to prefill without running its token, so ``start`` runs it: then ``last`` is
+None, the chain is ``[d_1..d_k]`` anchored at the prompt token, and p for d_1 is the prompt pass's logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from specopd.tree import ProposalTree
+
+
+@dataclass
+class Sequence:
+    """One sequence between rounds. cache: every token the target has run (a TargetCache with the drafter's
+    features, built with keep_checkpoints=False); last: the pending token at position len(cache), or None when
+    the cache's last token is the anchor (a one-token prompt before its first round); logits [V]: the target's
+    logits after the cache, only when last is None."""
+
+    cache: object
+    last: Optional[int]
+    logits: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        """Committed tokens (the cache plus the pending token)."""
+        return len(self.cache) + (self.last is not None)
+
+    @property
+    def anchor(self) -> int:
+        """Position of the anchor token (the drafter's block starts there)."""
+        return len(self.cache) if self.last is not None else len(self.cache) - 1
+
+    @property
+    def anchor_token(self) -> int:
+        return int(self.last) if self.last is not None else int(self.cache.token_ids[-1])
+
+
+def start(target, prompt_ids, feature_layers: Seq[int] = (), gdn_checkpoint_every: int = 64) -> Sequence:
+    """Prefill a prompt [T0] once (all but its last token, which is pending) -> Sequence. A decoding cache
+    keeps no GDN checkpoints (every anchor is at the end) and no logits."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(target.device)
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty: generation needs at least one prompt token (e.g. BOS)")
+    opts = dict(feature_layers=tuple(feature_layers), gdn_checkpoint_every=gdn_checkpoint_every,
+                keep_checkpoints=False)
+    if ids.numel() == 1:
+        cache = target.prefill(ids, keep_logits=True, **opts)
+        logits, cache.logits = cache.logits[-1], None
+        return Sequence(cache, None, logits)
+    return Sequence(target.prefill(ids[:-1], keep_logits=False, **opts), int(ids[-1]))
+
+
+def draft_inputs(seqs: Seq[Sequence], device=None) -> tuple:
+    """What the drafter needs for one block per sequence: (features [list of [T_i, F]], anchors [A],
+    trunk_index [A] (= arange), anchor_tokens [A])."""
+    device = device if device is not None else seqs[0].cache.token_ids.device
+    return ([s.cache.features for s in seqs], torch.tensor([s.anchor for s in seqs], device=device),
+            torch.arange(len(seqs), device=device), torch.tensor([s.anchor_token for s in seqs], device=device))
+
+
+def verify(target, seqs: Seq[Sequence], drafts: torch.Tensor) -> tuple:
+    """One target pass over all sequences' chains. drafts [A, k] -> (p_logits [A, k + 1, V]: p for d_1..d_k
+    and the bonus position, VerifyState for ``commit``)."""
+    a, k = drafts.shape
+    if a != len(seqs) or k < 1:
+        raise ValueError(f"verify: drafts must be [A={len(seqs)}, k >= 1]; got {tuple(drafts.shape)}")
+    drafts = drafts.detach().to("cpu", torch.long)
+    trees = []
+    for s, d in zip(seqs, drafts):
+        chain = d if s.last is None else torch.cat([torch.tensor([s.last]), d])
+        trees.append(ProposalTree.from_branches(torch.tensor([len(s.cache) - 1]), chain.view(1, -1)))
+    tree = ProposalTree.pack(trees)
+    logits, state = target.score(tree, [s.cache for s in seqs], return_state=True)
+    if all(s.last is not None for s in seqs):
+        return logits, state  # [A, k + 1, V]
+    rows = tree.split(state.logits)  # per sequence [k + 1, V] or [k, V]
+    p = torch.stack([r if s.last is not None else torch.cat([s.logits[None].to(r.dtype), r])
+                     for s, r in zip(seqs, rows)])
+    return p, state
+
+
+def _generator_list(generators, a: int) -> list:
+    if generators is None or isinstance(generators, torch.Generator):
+        return [generators] * a
+    gens = list(generators)
+    if len(gens) != a:
+        raise ValueError(f"accept: {len(gens)} generators for {a} sequences (give one, or one per sequence)")
+    return gens
+
+
+def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float,
+           generators=None) -> tuple:
+    """Verify drafted blocks of A sequences at once.
+
+    drafts [A, k]; q_logits [A, k, V] (the drafter's, raw); p_logits [A, k + 1, V] (the target's, raw);
+    generators: one torch.Generator, or one per sequence (its draws: k uniforms, then one token).
+    Returns (accepted [A] list of int n_a in [0, k], next_tokens [A] list of int: the resampled token at the
+    first rejection, or the bonus token from p at node k when all k were accepted).
+    T = 0: exact match with argmax p. T > 0: lossless rejection sampling on softmax(logits / T).
+    """
+    a, k = drafts.shape
+    if q_logits.shape[:2] != (a, k) or p_logits.shape[:2] != (a, k + 1):
+        raise ValueError(f"accept: drafts {tuple(drafts.shape)}, q {tuple(q_logits.shape)}, p "
+                         f"{tuple(p_logits.shape)}; need [A, k], [A, k, V], [A, k + 1, V]")
+    dev = p_logits.device
+    d = drafts.to(dev, torch.long)
+    ar = torch.arange(a, device=dev)
+    if temperature == 0:
+        best = p_logits.argmax(-1)  # [A, k + 1]
+        n = (d == best[:, :k]).long().cumprod(-1).sum(-1)  # [A]
+        return n.tolist(), best[ar, n].tolist()
+    p = torch.softmax(p_logits.float() / temperature, dim=-1)  # [A, k + 1, V]
+    q = torch.softmax(q_logits.float().to(dev) / temperature, dim=-1)  # [A, k, V]
+    gens = _generator_list(generators, a)
+    u = torch.stack([torch.rand(k, generator=g, device=g.device if g is not None else dev).to(dev)
+                     for g in gens])  # [A, k]
+    pd, qd = p[:, :k].gather(-1, d[..., None])[..., 0], q.gather(-1, d[..., None])[..., 0]
+    n = (u * qd < pd).long().cumprod(-1).sum(-1)  # accept d_i with prob min(1, p/q), in order
+    p_n = p[ar, n]  # [A, V]: p at the first rejected position, or at the bonus node
+    resid = (p_n - q[ar, n.clamp(max=k - 1)]).clamp_min(0)
+    # p == q up to rounding leaves no residual mass; rejection then had ~zero probability: sample p
+    rows = torch.where(((n < k) & (resid.sum(-1) > 0))[:, None], resid, p_n)
+    nxt = [torch.multinomial(r.to(g.device if g is not None else dev), 1, generator=g) for r, g in zip(rows, gens)]
+    return n.tolist(), torch.cat([x.to(dev) for x in nxt]).tolist()
+
+
+def commit(target, seqs: Seq[Sequence], state, accepted: Seq[int], next_tokens: Seq[int],
+           keep: Optional[Seq[bool]] = None) -> list:
+    """Extend each sequence by its verified ``[last, d_1..d_n]`` from the verify pass (``target.commit``, no
+    new pass); ``next_tokens`` become the pending tokens. keep[a] False: sequence a is finished and returned
+    as it was (no commit work for it). Returns the new Sequences."""
+    keep = [True] * len(seqs) if keep is None else list(keep)
+    sizes = torch.bincount(state.tree.trunk_index, minlength=len(seqs)).tolist()  # nodes per chain
+    paths, off = [], 0
+    for s, n, kp, m in zip(seqs, accepted, keep, sizes):
+        paths.append(torch.arange(off, off + n + int(s.last is not None)) if kp else torch.zeros(0, dtype=torch.long))
+        off += m
+    caches = target.commit([s.cache for s in seqs], state, paths)
+    return [Sequence(c, int(t)) if kp else s for c, t, kp, s in zip(caches, next_tokens, keep, seqs)]
