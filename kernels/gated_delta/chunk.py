@@ -210,10 +210,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if t > 0:
         _chunk_o_fwd[(nt, b * h, triton.cdiv(vd, cfg["BV_O"]))](q, k, gc, states, vn, o, t, tp, pad, nt,
                                                                BV=cfg["BV_O"], **common, num_warps=cfg["warps_o"])
-    if checkpoint_every is None:
-        return o, ht, None
+    return o, ht, chunk_checkpoints(states, start, t, bt, checkpoint_every)
+
+
+def chunk_checkpoints(states: torch.Tensor, start: int, t: int, bt: int, every: Optional[int]):
+    """Chunk states [B, NT, H, K, V] of a sequence at absolute positions [start, start + t) whose chunk 0 starts
+    at ``start - start % bt`` -> the checkpoints [B, n, H, K, V] (states before positions that are multiples of
+    ``every`` in [start, start + t)), or None without ``every``."""
+    if every is None:
+        return None
+    pad = start % bt
     base = start - pad  # absolute position where chunk 0 starts
-    keep = [c for c in range(nt) if (base + c * bt) % checkpoint_every == 0 and (c > 0 or pad == 0)
+    keep = [c for c in range(states.shape[1]) if (base + c * bt) % every == 0 and (c > 0 or pad == 0)
             and base + c * bt < start + t]
-    ck = states[:, keep] if keep else states.new_zeros(b, 0, h, kd, vd)
-    return o, ht, ck
+    return states[:, keep] if keep else states.new_zeros(states.shape[0], 0, *states.shape[2:])
