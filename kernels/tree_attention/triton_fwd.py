@@ -15,18 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.softmax import online_softmax_update
 from kernels.tree_attention.plan import TreeAttentionPlan
-
-
-@triton.jit
-def _online_update(m_i, l_i, acc, s, v_tile, DOT_PREC: tl.constexpr):
-    """Fold one block of (already masked, log2-scaled) scores s [BM, BN] and values [BN, D] in."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PREC)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -63,7 +53,7 @@ def _tree_attn_fwd(Q, K, V, TK, TV, O, order, anchor, depth, bits, q_start, q_en
         kt = tl.load(TK + kp[None, :] * stride_tm + kvh * stride_th + d[:, None], mask=dm[:, None], other=0.0)
         vt = tl.load(TV + kp[:, None] * stride_tm + kvh * stride_th + d[None, :], mask=dm[None, :], other=0.0)
         sc = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
-        m_i, l_i, acc = _online_update(m_i, l_i, acc, sc, vt, DOT_PREC)
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, sc, vt, DOT_PREC)
     # trunk keys up to the block's largest anchor: row sees key j <= its anchor
     for start in range((tfull // BN) * BN, tlen, BN):
         j = start + n
@@ -75,7 +65,7 @@ def _tree_attn_fwd(Q, K, V, TK, TV, O, order, anchor, depth, bits, q_start, q_en
                      mask=kin[:, None] & dm[None, :], other=0.0)
         sc = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
         sc = tl.where(j[None, :] <= anc[:, None], sc, float("-inf"))
-        m_i, l_i, acc = _online_update(m_i, l_i, acc, sc, vt, DOT_PREC)
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, sc, vt, DOT_PREC)
     # tree keys: the node blocks holding an ancestor (or the node itself) of some row
     dep = tl.load(depth + s, mask=valid, other=0)
     e0 = tl.load(nb_ptr + qb)
@@ -96,7 +86,7 @@ def _tree_attn_fwd(Q, K, V, TK, TV, O, order, anchor, depth, bits, q_start, q_en
             w = tl.load(bits + e * BMN + i, mask=valid, other=0)
             vis = ((w[:, None] >> n[None, :].to(tl.int64)) & 1) != 0
         sc = tl.where(vis & kin[None, :], sc, float("-inf"))
-        m_i, l_i, acc = _online_update(m_i, l_i, acc, sc, vt, DOT_PREC)
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, sc, vt, DOT_PREC)
     o = acc / l_i[:, None]
     tl.store(O + node[:, None] * stride_om + hq[:, None] * stride_oh + d[None, :], o.to(O.dtype.element_ty),
              mask=valid[:, None] & dm[None, :])
