@@ -119,7 +119,8 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, n_complete: torch.Tensor) 
 
 
 def topk_config(topk: int) -> dict:
-    return dict(BG=min(1024, max(16, triton.next_power_of_2(topk))), num_warps=4)
+    """One 1024-score tile per counting step (G <= 1024 is a single pass; longer rows loop over tiles)."""
+    return dict(BG=1024, num_warps=4)
 
 
 def topk_groups(scores: torch.Tensor, n_complete: torch.Tensor, k: int) -> torch.Tensor:
