@@ -159,7 +159,7 @@ def chunk_size_for(checkpoint_every: Optional[int]) -> int:
 def kernel_config(k_dim: int, v_dim: int) -> dict:
     """Block sizes and warps per kernel (checked for spills by ``benchmarks/aot_check.py``)."""
     bk, bv_full = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
-    return dict(BK=bk, BV_WY=bv_full, BV_H=min(bv_full, 32), BV_O=min(bv_full, 64),
+    return dict(BK=bk, BV_WY=bv_full, BV_H=min(bv_full, 32), BV_O=min(bv_full, 32),
                 warps_wy=8 if bk * bv_full > 64 * 64 else 4, warps_h=4, warps_o=4)
 
 

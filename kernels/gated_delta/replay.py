@@ -234,7 +234,7 @@ def kernel_config(k_dim: int, v_dim: int) -> dict:
     """Block sizes (checked for spills by ``benchmarks/aot_check.py``): the [K, BV] fp32 state slice and the
     anchor copy stay in registers."""
     bk = triton.next_power_of_2(k_dim)
-    return dict(BK=bk, BV=min(triton.next_power_of_2(v_dim), max(16, 4096 // bk)), num_warps=4)
+    return dict(BK=bk, BV=min(triton.next_power_of_2(v_dim), max(16, 8192 // bk)), num_warps=8)
 
 
 def gdn_tree_replay(states0: torch.Tensor, replay_k: torch.Tensor, replay_v: torch.Tensor, replay_g: torch.Tensor,

@@ -33,15 +33,15 @@ def _index_scores_fwd(q, keys, n_complete, scores, Q, G, inv_div, stride_qq, str
         og = g0 + tl.arange(0, BG)
         d = tl.arange(0, BLOCK_D)
         dm = d < DI
-        kt = tl.load(keys + og[None, :].to(tl.int64) * stride_kg + d[:, None], mask=dm[:, None] & (og < G)[None, :],
-                     other=0.0)
+        kt = tl.load(keys + og[None, :] * stride_kg + d[:, None], mask=dm[:, None] & (og < G)[None, :], other=0.0)
         s = tl.zeros([BQ, BG], tl.float32)
-        for h in tl.static_range(HI):
-            qh = tl.load(q + oq[:, None].to(tl.int64) * stride_qq + h * stride_qh + d[None, :],
+        qb = q + (pid_q * BQ).to(tl.int64) * stride_qq  # int64 base, int32 tile offsets
+        for h in range(HI):  # not unrolled: one head's q tile live at a time
+            qh = tl.load(qb + (oq - pid_q * BQ)[:, None] * stride_qq + h * stride_qh + d[None, :],
                          mask=mq[:, None] & dm[None, :], other=0.0)
             s += tl.maximum(tl.dot(qh, kt, input_precision=DOT_PREC), 0.0)
         s = s / inv_div
-        tl.store(scores + oq[:, None].to(tl.int64) * stride_sq + og[None, :], s,
+        tl.store(scores + (pid_q * BQ).to(tl.int64) * stride_sq + (oq - pid_q * BQ)[:, None] * stride_sq + og[None, :], s,
                  mask=mq[:, None] & (og[None, :] < n[:, None]) & (og < G)[None, :])
 
 
@@ -94,7 +94,7 @@ def _topk_groups_fwd(scores, n_complete, out, stride_sq, K_SEL: tl.constexpr, BG
 
 def scores_config(head_dim: int) -> dict:
     block_d = triton.next_power_of_2(head_dim)
-    return dict(BQ=64, BG=64 if block_d <= 128 else 32, BLOCK_D=block_d, num_warps=4)
+    return dict(BQ=64, BG=128 if block_d <= 128 else 64, BLOCK_D=block_d, num_warps=8)
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, n_complete: torch.Tensor) -> torch.Tensor:

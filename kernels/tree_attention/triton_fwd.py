@@ -29,15 +29,20 @@ def _tree_attn_fwd(Q, K, V, TK, TV, O, order, anchor, depth, bits, q_start, q_en
     kvh = tl.program_id(1)
     s0 = tl.load(q_start + qb)
     s1 = tl.load(q_end + qb)
-    toff = tl.load(q_toff + qb).to(tl.int64)
+    toff = tl.load(q_toff + qb)
     tfull = tl.load(t_full + qb)
     tlen = tl.load(t_len + qb)
+    # scalar int64 bases, int32 tile offsets (M * H * D and T * Hkv * D < 2^31: checked by the launcher)
+    TKh = TK + toff.to(tl.int64) * stride_tm + kvh * stride_th
+    TVh = TV + toff.to(tl.int64) * stride_tm + kvh * stride_th
+    Kh = K + kvh * stride_kh
+    Vh = V + kvh * stride_kh
     r = tl.arange(0, BM)
     i = r // G  # node slot of row r
     hq = kvh * G + r % G  # its query head
     s = s0 + i  # sorted position
     valid = (i < BMN) & (s < s1)
-    node = tl.load(order + s, mask=valid, other=0).to(tl.int64)
+    node = tl.load(order + s, mask=valid, other=0)
     anc = tl.load(anchor + s, mask=valid, other=0)
     d = tl.arange(0, BLOCK_D)
     dm = d < HD
@@ -49,20 +54,17 @@ def _tree_attn_fwd(Q, K, V, TK, TV, O, order, anchor, depth, bits, q_start, q_en
     n = tl.arange(0, BN)
     # trunk keys every row sees: no mask
     for start in range(0, (tfull // BN) * BN, BN):
-        kp = (toff + start + n).to(tl.int64)
-        kt = tl.load(TK + kp[None, :] * stride_tm + kvh * stride_th + d[:, None], mask=dm[:, None], other=0.0)
-        vt = tl.load(TV + kp[:, None] * stride_tm + kvh * stride_th + d[None, :], mask=dm[None, :], other=0.0)
+        j = start + n
+        kt = tl.load(TKh + j[None, :] * stride_tm + d[:, None], mask=dm[:, None], other=0.0)
+        vt = tl.load(TVh + j[:, None] * stride_tm + d[None, :], mask=dm[None, :], other=0.0)
         sc = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, sc, vt, DOT_PREC)
     # trunk keys up to the block's largest anchor: row sees key j <= its anchor
     for start in range((tfull // BN) * BN, tlen, BN):
         j = start + n
         kin = j < tlen
-        kp = (toff + j).to(tl.int64)
-        kt = tl.load(TK + kp[None, :] * stride_tm + kvh * stride_th + d[:, None],
-                     mask=dm[:, None] & kin[None, :], other=0.0)
-        vt = tl.load(TV + kp[:, None] * stride_tm + kvh * stride_th + d[None, :],
-                     mask=kin[:, None] & dm[None, :], other=0.0)
+        kt = tl.load(TKh + j[None, :] * stride_tm + d[:, None], mask=dm[:, None] & kin[None, :], other=0.0)
+        vt = tl.load(TVh + j[:, None] * stride_tm + d[None, :], mask=kin[:, None] & dm[None, :], other=0.0)
         sc = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
         sc = tl.where(j[None, :] <= anc[:, None], sc, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, sc, vt, DOT_PREC)
@@ -74,11 +76,9 @@ def _tree_attn_fwd(Q, K, V, TK, TV, O, order, anchor, depth, bits, q_start, q_en
         kb = tl.load(nb_idx + e)
         kpos = kb * BN + n
         kin = kpos < M
-        knode = tl.load(order + kpos, mask=kin, other=0).to(tl.int64)
-        kt = tl.load(K + knode[None, :] * stride_km + kvh * stride_kh + d[:, None],
-                     mask=dm[:, None] & kin[None, :], other=0.0)
-        vt = tl.load(V + knode[:, None] * stride_km + kvh * stride_kh + d[None, :],
-                     mask=kin[:, None] & dm[None, :], other=0.0)
+        knode = tl.load(order + kpos, mask=kin, other=0)
+        kt = tl.load(Kh + knode[None, :] * stride_km + d[:, None], mask=dm[:, None] & kin[None, :], other=0.0)
+        vt = tl.load(Vh + knode[:, None] * stride_km + d[None, :], mask=kin[:, None] & dm[None, :], other=0.0)
         sc = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
         if CHAIN:
             vis = (kpos[None, :] >= (s - dep)[:, None]) & (kpos[None, :] <= s[:, None])
@@ -96,12 +96,10 @@ def kernel_config(head_dim: int, group: int) -> dict:
     """Block sizes for head_dim and G = H / Hkv (rows BM = nodes per block x G, a power of two).
     Checked for registers, shared memory and spills by ``benchmarks/aot_check.py`` on sm_90 / sm_100."""
     block_d = triton.next_power_of_2(head_dim)
-    if block_d <= 64:
-        bm, bn, warps = 64, 64, 4
-    elif block_d <= 128:
-        bm, bn, warps = 64, 64, 4
-    else:
-        bm, bn, warps = 64, 32, 8
+    if block_d <= 128:
+        bm, bn, warps = 128, 64, 8
+    else:  # head_dim 256: q [64, 256] and acc stay in registers; a narrow key block avoids spills on sm_90
+        bm, bn, warps = 64, 16, 8
     bm = max(bm, triton.next_power_of_2(group))  # at least one node per block
     return dict(BM=bm, BN=bn, BMN=bm // group, BLOCK_D=block_d, num_warps=warps, num_stages=2)
 
@@ -130,6 +128,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: t
         raise ValueError(f"tree_attention: the plan was built for block_m={plan.block_m}, block_n={plan.block_n}, "
                          f"{plan.num_nodes} nodes; this call needs {cfg['BMN']}, {cfg['BN']}, {m}: build it with "
                          f"build_tree_plan(..., **plan_blocks(head_dim, num_heads, num_kv_heads))")
+    longest = int((plan.trunk_offsets[1:] - plan.trunk_offsets[:-1]).max())
+    if max(m * h * hd, longest * hkv * hd) >= 2 ** 31:
+        raise ValueError("tree_attention: a tensor is too large for the kernel's int32 offsets (M * H * D and "
+                         "T_i * Hkv * D must stay below 2^31); split the tree")
     if int(plan.trunk_offsets[-1]) > trunk_k.shape[0]:
         raise ValueError(f"tree_attention: the plan's trunks hold {int(plan.trunk_offsets[-1])} keys but trunk_k "
                          f"has {trunk_k.shape[0]} rows")
