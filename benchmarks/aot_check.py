@@ -167,22 +167,28 @@ def compile_one(args) -> dict:
     return row
 
 
-def plan_fraction() -> dict:
-    """The tree-attention plan at the 8B recipe's shapes: T = 2048, 256 anchors x 15 drafted tokens per sequence
-    (block_size 16 counts the anchor), 4 sequences, anchors uniform over the trunk."""
+PLAN_SHAPES = {  # recipe: (trunk T, anchors per sequence, drafted tokens per branch, sequences per GPU, hd, H, Hkv)
+    "8B": (2048, 256, 15, 4, 128, 32, 8),
+    "27B": (2048, 128, 15, 4, 256, 24, 4),
+}
+
+
+def plan_fraction(recipe: str) -> dict:
+    """The tree-attention plan at a recipe's shapes (block_size 16 counts the anchor: 15 drafted tokens per
+    branch), anchors uniform over the trunk: blocks visited against the dense grid."""
     import torch
 
     from kernels.tree_attention import build_tree_plan
     from kernels.tree_attention.triton_fwd import plan_blocks
 
+    t, n, w, seqs, hd, h, hkv = PLAN_SHAPES[recipe]
     g = torch.Generator().manual_seed(0)
-    t, n, w, seqs = 2048, 256, 15, 4
     anchor = torch.cat([torch.sort(torch.randperm(t, generator=g)[:n]).values.repeat_interleave(w)
                         for _ in range(seqs)])
     idx = torch.arange(seqs * n * w).view(seqs * n, w)
     parent = torch.where(torch.arange(w) == 0, -1, idx - 1).flatten()
     tix = torch.arange(seqs).repeat_interleave(n * w)
-    blocks = plan_blocks(128, 32, 8)
+    blocks = plan_blocks(hd, h, hkv)
     st = build_tree_plan(anchor, parent, tix, [t] * seqs, **blocks).stats()
     return {**blocks, **st}
 
@@ -218,11 +224,12 @@ def main(argv=None) -> int:
         print(f"{r['kernel']:<{w}}  {r['arch']:<6} {fmt(r['registers']):>5} {fmt(r['shared_bytes']):>9} "
               f"{fmt(r['local_bytes']):>8}  {'ok' if r['ok'] else 'FAIL: ' + r.get('error', '')}")
     print(f"{len(rows)} compiles in {time.time() - t0:.1f} s")
-    st = plan_fraction()
-    print(f"tree attention plan at the 8B recipe's shapes (T=2048, 256 anchors x 15 tokens, 4 sequences, "
-          f"block {st['block_m']} nodes x {st['block_n']} keys): {st['visited_blocks']} of {st['dense_blocks']} "
-          f"blocks of the dense grid visited ({100 * st['fraction']:.1f}%); {100 * st['density']:.1f}% of the "
-          f"visited score entries are visible")
+    for recipe, (t, n, w, seqs, hd, h, hkv) in PLAN_SHAPES.items():
+        st = plan_fraction(recipe)
+        print(f"tree attention plan at the {recipe} recipe's shapes (T={t}, {n} anchors x {w} tokens, {seqs} "
+              f"sequences, {h}/{hkv} heads, block {st['block_m']} nodes x {st['block_n']} keys): "
+              f"{st['visited_blocks']} of {st['dense_blocks']} blocks of the dense grid visited "
+              f"({100 * st['fraction']:.1f}%); {100 * st['density']:.1f}% of the visited score entries are visible")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: r[k] for k in ("kernel", "arch", "ok", "registers", "shared_bytes", "local_bytes")}
