@@ -46,7 +46,7 @@ def _variants() -> list:
     for name, hd, h, hkv, dt in [("8B", 128, 32, 8, "bf16"), ("27B", 256, 24, 4, "bf16")]:
         cfg = tree.kernel_config(hd, h // hkv)
         for chain in (True, False):
-            ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "TK", "TV", "O")}
+            ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "TK", "TV", "Out")}
             ptrs.update({n: "*i32" for n in ("order", "anchor", "depth", "q_start", "q_end", "q_toff", "t_full",
                                              "t_len", "nb_ptr", "nb_idx")})
             ptrs["bits"] = "*i64" if not chain else "*i32"
@@ -114,7 +114,8 @@ def _resources(cubin: bytes, name: str) -> dict:
         txt = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(path)
-    m = re.search(r"Function " + re.escape(name) + r":\s*\n\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", txt)
+    pat = r":\s*\n\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)"
+    m = re.search(r"Function " + re.escape(name) + pat, txt)
     if not m:
         raise RuntimeError(f"cuobjdump printed no resource line for {name}:\n{txt}")
     reg, stack, shared, local = (int(x) for x in m.groups())

@@ -42,7 +42,8 @@ def test_aot_flags_failures(tmp_path):
         import aot_check
     finally:
         sys.path.pop(0)
-    row = aot_check.compile_one(("broken", "kernels.qsa.indexer", "_topk_groups_fwd", {"nope": "*fp32"}, (), {}, {}, 90))
+    job = ("broken", "kernels.qsa.indexer", "_topk_groups_fwd", {"nope": "*fp32"}, (), {}, {}, 90)
+    row = aot_check.compile_one(job)
     assert row["ok"] is False and "nope" in row["error"]
 
 

@@ -71,6 +71,7 @@ def test_sparse_attention():
 
 def _mixer(seed=0, budget=16):
     from oracle import CONFIGS
+
     from specopd.models.qwen4_exp import QSAttention
 
     torch.manual_seed(seed)
@@ -99,7 +100,8 @@ def check_prefill(t: str, t0: str, chunk: str) -> None:
         q, k, v, gate = mixer.project(x, pos)
         qi, raw = mixer.index_project(x, pos)
         g = t // mixer.ratio
-        pooled = mixer.pool_keys(raw[0, : g * mixer.ratio].reshape(g, mixer.ratio, -1), pos[0, : g * mixer.ratio: mixer.ratio])
+        r = mixer.ratio
+        pooled = mixer.pool_keys(raw[0, : g * r].reshape(g, r, -1), pos[0, : g * r: r])
         last = torch.arange(t0, t)
         o, sel = qsa_prefill(q[0, t0:].to(dev), k[0].to(dev), v[0].to(dev), qi[0, t0:].to(dev), pooled.to(dev),
                              last.to(dev), mixer.topk, mixer.ratio, mixer.scaling, chunk=chunk)
@@ -130,6 +132,15 @@ def test_group_rows_lists_selected_tokens_then_tail():
     mask = mixer.token_mask(sel, last, 24)
     for q in range(3):
         assert idx[q, : n_keys[q]].tolist() == torch.nonzero(mask[q]).flatten().tolist()
+
+
+def test_pack_rows_moves_valid_keys_first():
+    from kernels.qsa.sparse_attention import pack_rows
+
+    rows = torch.tensor([[5, 9, 2, 7], [1, 3, 4, 8]])
+    ok = torch.tensor([[False, True, False, True], [True, True, True, False]])
+    idx, n = pack_rows(rows, ok)
+    assert n.tolist() == [2, 3] and idx[0, :2].tolist() == [9, 7] and idx[1, :3].tolist() == [1, 3, 4]
 
 
 def check_gpu() -> None:

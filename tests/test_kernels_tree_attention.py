@@ -38,7 +38,8 @@ def make_tree(lens, branches, widths, general=False, seed=0):
 
 def make_inputs(lens, m, h, hkv, d, seed=0, dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(seed + 1)
-    q, k, v = torch.randn(m, h, d, generator=g), torch.randn(m, hkv, d, generator=g), torch.randn(m, hkv, d, generator=g)
+    q = torch.randn(m, h, d, generator=g)
+    k, v = torch.randn(m, hkv, d, generator=g), torch.randn(m, hkv, d, generator=g)
     tk = [torch.randn(t, hkv, d, generator=g) for t in lens]
     tv = [torch.randn(t, hkv, d, generator=g) for t in lens]
     cast = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
@@ -152,7 +153,8 @@ def check_triton(name: str) -> None:
     q, k, v, tk, tv = make_inputs(lens, anchor.numel(), h, hkv, d)
     ref = tree_attention_reference(q, k, v, tk, tv, anchor, parent, tix, d ** -0.5)
     cast = lambda x: x.to(dev)  # noqa: E731
-    got = tree_attention(cast(q), cast(k), cast(v), cast(torch.cat(tk)), cast(torch.cat(tv)), plan, d ** -0.5)
+    got = tree_attention(cast(q), cast(k), cast(v), cast(torch.cat(tk)), cast(torch.cat(tv)),
+                         plan.to(dev) if general else plan, d ** -0.5)  # a plan kept on the device, or not
     assert kernel_check.rel(got, ref) <= 1e-5, (name, kernel_check.rel(got, ref))
     with pytest.raises(ValueError, match="plan_blocks"):
         tree_attention(cast(q), cast(k), cast(v), cast(torch.cat(tk)), cast(torch.cat(tv)),

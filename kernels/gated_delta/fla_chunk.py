@@ -76,7 +76,8 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             fla_chunk.chunk_gated_delta_rule_fwd_h = orig
     h = captured.get("h")
     if h is None or h.dtype != torch.float32 or h.dim() != 5:
-        raise RuntimeError("fla did not produce fp32 chunk states [B, NT, H, K, V]; update kernels/gated_delta/fla_chunk.py")
+        raise RuntimeError("fla did not produce fp32 chunk states [B, NT, H, K, V]; update "
+                           "kernels/gated_delta/fla_chunk.py")
     return o[:, pad:].float(), final.float(), chunk_checkpoints(h, start, t, CHUNK, checkpoint_every)
 
 

@@ -104,9 +104,9 @@ def tree_replay_reference(checkpoints, finals, every: int, trunk_k, trunk_v, tru
                 lo = c * every
                 if n > lo:
                     sl = slice(lo, n)
-                    _, S, _ = recurrent_gated_delta_rule(trunk_k[i][None, sl], trunk_k[i][None, sl], trunk_v[i][None, sl],
-                                                         g=trunk_g[i][None, sl], beta=trunk_beta[i][None, sl],
-                                                         initial_state=S)
+                    tk = trunk_k[i][None, sl]  # q is not needed: only the state is kept
+                    _, S, _ = recurrent_gated_delta_rule(tk, tk, trunk_v[i][None, sl], g=trunk_g[i][None, sl],
+                                                         beta=trunk_beta[i][None, sl], initial_state=S)
         S, o_u = gated_delta_step(S, q[u][None], k[u][None], v[u][None], g[u][None], beta[u][None])
         states[u], o[u] = S[0], o_u[0]
     return o, states

@@ -23,7 +23,7 @@ Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (set before importing t
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import triton
@@ -245,7 +245,8 @@ def gdn_tree_replay(states0: torch.Tensor, replay_k: torch.Tensor, replay_v: tor
     states0 [S0, H, K, V] fp32 (``stack_states`` of every trunk's checkpoints + final state); replay inputs of
     the trunk rows ``plan.replay_rows`` (prepared as in the prefill): replay_k [R, HQ, K], replay_v [R, H, V],
     replay_g, replay_beta [R, H]; node inputs q, k [M, HQ, K] (prepared), v [M, H, V], g, beta [M, H].
-    Returns (o [M, H, V] fp32, states [M, H, K, V] fp32 when ``store_states`` else None)."""
+    Returns (o [M, H, V] fp32, states [M, H, K, V] fp32 when ``store_states`` else None). Pass ``plan.to(device)``
+    (once per tree) to avoid a host-to-device copy per layer."""
     m, hq, kd = k.shape
     h, vd = v.shape[1], v.shape[2]
     r = int(plan.replay_rows.numel())
@@ -259,7 +260,7 @@ def gdn_tree_replay(states0: torch.Tensor, replay_k: torch.Tensor, replay_v: tor
     if int(plan.node_id.numel()) != m:
         raise ValueError(f"gdn_tree_replay: the plan covers {int(plan.node_id.numel())} nodes but {m} were given")
     dev = v.device
-    p = plan.to(dev)
+    p = plan if plan.node_id.device == dev and plan.node_id.dtype == torch.int32 else plan.to(dev)
     f32 = dict(dtype=torch.float32, device=dev)
     o = torch.empty(m, h, vd, **f32)
     states = torch.empty(m, h, kd, vd, **f32) if store_states else o

@@ -41,7 +41,8 @@ def _index_scores_fwd(q, keys, n_complete, scores, Q, G, inv_div, stride_qq, str
                          mask=mq[:, None] & dm[None, :], other=0.0)
             s += tl.maximum(tl.dot(qh, kt, input_precision=DOT_PREC), 0.0)
         s = s / inv_div
-        tl.store(scores + (pid_q * BQ).to(tl.int64) * stride_sq + (oq - pid_q * BQ)[:, None] * stride_sq + og[None, :], s,
+        sb = scores + (pid_q * BQ).to(tl.int64) * stride_sq
+        tl.store(sb + (oq - pid_q * BQ)[:, None] * stride_sq + og[None, :], s,
                  mask=mq[:, None] & (og[None, :] < n[:, None]) & (og < G)[None, :])
 
 

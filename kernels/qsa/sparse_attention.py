@@ -101,6 +101,13 @@ def group_rows(sel: torch.Tensor, last: torch.Tensor, ratio: int):
     return idx, n_keys
 
 
+def pack_rows(rows: torch.Tensor, ok: torch.Tensor):
+    """Key rows [Q, S] with a validity mask ok [Q, S] (e.g. the tree path's selected groups then tail, -1 gaps)
+    -> (idx [Q, S] with each row's valid entries first, in their order, n_keys [Q]) for ``sparse_attention``."""
+    order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices
+    return torch.where(ok, rows, torch.zeros_like(rows)).gather(1, order), ok.sum(1)
+
+
 def qsa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, pooled: torch.Tensor,
                 last: torch.Tensor, topk: int, ratio: int, scale: float, chunk: int = 1024):
     """Causal QSA in query chunks. q [Tq, H, D] queries; k, v [N, Hkv, D] keys 0..N-1; q_idx [Tq, Hi, di] index

@@ -44,6 +44,8 @@ class TreeAttentionPlan:
     nb_ptr: torch.Tensor  # [NQB + 1] CSR into nb_idx
     nb_idx: torch.Tensor  # [E] node key blocks to visit (sorted node space)
     nb_bits: Optional[torch.Tensor]  # [E, block_m] int64 visibility bits (general trees), None for chains
+    trunk_total: int = 0  # keys of all trunks together (rows of the packed trunk K/V)
+    trunk_max: int = 0  # keys of the longest trunk
 
     @property
     def num_nodes(self) -> int:
@@ -106,7 +108,8 @@ def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: tor
     if m == 0:
         raise ValueError("build_tree_plan: empty tree")
     if block_n > 64 or block_m < 1:
-        raise ValueError(f"build_tree_plan: block_n must be <= 64 (int64 bitmasks), block_m >= 1; got {block_n}, {block_m}")
+        raise ValueError(f"build_tree_plan: block_n must be <= 64 (int64 bitmasks), block_m >= 1; got {block_n}, "
+                         f"{block_m}")
     if bool((trunk_index < 0).any()) or int(trunk_index.max()) >= lens.numel():
         raise ValueError(f"tree names trunk {int(trunk_index.max())} but {lens.numel()} trunk length(s) were given")
     bad = (anchor < 0) | (anchor >= lens[trunk_index])
@@ -183,7 +186,8 @@ def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: tor
     trunk_offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
     return TreeAttentionPlan(block_m=block_m, block_n=block_n, chain=chain, order=order, anchor=anc_s, depth=depth,
                              trunk_offsets=trunk_offsets, q_start=q_start, q_end=q_end, q_trunk=q_trunk,
-                             t_full=t_full, t_len=t_len, nb_ptr=nb_ptr, nb_idx=nb_idx, nb_bits=bits)
+                             t_full=t_full, t_len=t_len, nb_ptr=nb_ptr, nb_idx=nb_idx, nb_bits=bits,
+                             trunk_total=int(lens.sum()), trunk_max=int(lens.max()))
 
 
 def block_visibility(plan: TreeAttentionPlan, b: int, e: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from kernels.tree_attention.plan import TreeAttentionPlan
 
 
 @triton.jit
-def _tree_attn_fwd(Q, K, V, TK, TV, O, order, anchor, depth, bits, q_start, q_end, q_toff, t_full, t_len,
+def _tree_attn_fwd(Q, K, V, TK, TV, Out, order, anchor, depth, bits, q_start, q_end, q_toff, t_full, t_len,
                    nb_ptr, nb_idx, M, qk_scale,
                    stride_qm, stride_qh, stride_km, stride_kh, stride_tm, stride_th, stride_om, stride_oh,
                    G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr,
@@ -88,7 +88,7 @@ def _tree_attn_fwd(Q, K, V, TK, TV, O, order, anchor, depth, bits, q_start, q_en
         sc = tl.where(vis & kin[None, :], sc, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, sc, vt, DOT_PREC)
     o = acc / l_i[:, None]
-    tl.store(O + node[:, None] * stride_om + hq[:, None] * stride_oh + d[None, :], o.to(O.dtype.element_ty),
+    tl.store(Out + node[:, None] * stride_om + hq[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
              mask=valid[:, None] & dm[None, :])
 
 
@@ -115,7 +115,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: t
     """q [M, H, D] node queries; k, v [M, Hkv, D] node keys/values (node order); trunk_k/v [sum T_i, Hkv, D]
     the trunks' keys packed at ``plan.trunk_offsets`` -> o [M, H, D] (q's dtype unless ``out_dtype``).
 
-    ``plan`` must come from ``build_tree_plan(..., **plan_blocks(D, H, Hkv))``."""
+    ``plan`` must come from ``build_tree_plan(..., **plan_blocks(D, H, Hkv))``; pass ``plan.to(device)`` (kept
+    with the tree, the same for every layer) to avoid a host-to-device copy per call."""
     m, h, hd = q.shape
     hkv = k.shape[1]
     if h % hkv or k.shape != (m, hkv, hd) or v.shape != k.shape or trunk_k.shape[1:] != (hkv, hd) \
@@ -128,15 +129,14 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: t
         raise ValueError(f"tree_attention: the plan was built for block_m={plan.block_m}, block_n={plan.block_n}, "
                          f"{plan.num_nodes} nodes; this call needs {cfg['BMN']}, {cfg['BN']}, {m}: build it with "
                          f"build_tree_plan(..., **plan_blocks(head_dim, num_heads, num_kv_heads))")
-    longest = int((plan.trunk_offsets[1:] - plan.trunk_offsets[:-1]).max())
-    if max(m * h * hd, longest * hkv * hd) >= 2 ** 31:
+    if max(m * h * hd, plan.trunk_max * hkv * hd) >= 2 ** 31:
         raise ValueError("tree_attention: a tensor is too large for the kernel's int32 offsets (M * H * D and "
                          "T_i * Hkv * D must stay below 2^31); split the tree")
-    if int(plan.trunk_offsets[-1]) > trunk_k.shape[0]:
-        raise ValueError(f"tree_attention: the plan's trunks hold {int(plan.trunk_offsets[-1])} keys but trunk_k "
+    if plan.trunk_total > trunk_k.shape[0]:
+        raise ValueError(f"tree_attention: the plan's trunks hold {plan.trunk_total} keys but trunk_k "
                          f"has {trunk_k.shape[0]} rows")
     q, k, v, trunk_k, trunk_v = (x.contiguous() for x in (q, k, v, trunk_k, trunk_v))
-    p = plan.to(q.device) if plan.order.device != q.device or plan.order.dtype != torch.int32 else plan
+    p = plan if plan.order.device == q.device and plan.order.dtype == torch.int32 else plan.to(q.device)
     o = torch.empty(m, h, hd, dtype=out_dtype or q.dtype, device=q.device)
     bits = p.nb_bits if p.nb_bits is not None else p.order  # dummy pointer for chains
     q_toff = p.trunk_offsets[p.q_trunk.long()]
