@@ -74,3 +74,39 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return o, S, None
     ck = torch.stack(ckpts, 1) if ckpts else S.new_zeros(b, 0, h, kd, vd)
     return o, S, ck
+
+
+def tree_replay_reference(checkpoints, finals, every: int, trunk_k, trunk_v, trunk_g, trunk_beta, q, k, v, g, beta,
+                          anchor, parent, trunk_index):
+    """Tree nodes through the recurrence from the trunks' checkpoints (what the GDN executor's torch path and the
+    fused replay kernel compute), one node at a time.
+
+    Per trunk i: checkpoints[i] [n_i, H, K, V] (state after the first j*every tokens), finals[i] [H, K, V],
+    trunk_k[i] [T_i, H, K], trunk_v[i] [T_i, H, V], trunk_g[i], trunk_beta[i] [T_i, H] (prepared inputs). Nodes:
+    q, k [M, H, K], v [M, H, V], g, beta [M, H]; anchor, parent, trunk_index [M] (parents precede children).
+    A root with anchor a starts from the state after trunk tokens 0..a: checkpoint (a+1)//every plus < every
+    replayed tokens, or the final state when a is the last token. Returns (o [M, H, V], states [M, H, K, V]).
+    """
+    m = anchor.numel()
+    o = torch.empty(m, *v.shape[1:], dtype=torch.float32, device=v.device)
+    states = torch.empty(m, *checkpoints[0].shape[1:], dtype=torch.float32, device=v.device)
+    for u in range(m):
+        p = int(parent[u])
+        if p >= 0:
+            S = states[p][None]
+        else:
+            i, n = int(trunk_index[u]), int(anchor[u]) + 1
+            if n == trunk_k[i].shape[0]:
+                S = finals[i].float()[None]
+            else:
+                c = n // every
+                S = checkpoints[i][c].float()[None]
+                lo = c * every
+                if n > lo:
+                    sl = slice(lo, n)
+                    tk = trunk_k[i][None, sl]  # q is not needed: only the state is kept
+                    _, S, _ = recurrent_gated_delta_rule(tk, tk, trunk_v[i][None, sl], g=trunk_g[i][None, sl],
+                                                         beta=trunk_beta[i][None, sl], initial_state=S)
+        S, o_u = gated_delta_step(S, q[u][None], k[u][None], v[u][None], g[u][None], beta[u][None])
+        states[u], o[u] = S[0], o_u[0]
+    return o, states

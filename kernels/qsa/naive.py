@@ -43,3 +43,24 @@ def sequential_attention(mixer, x: torch.Tensor, positions: torch.Tensor) -> tor
         p = torch.softmax(w.float(), dim=-1).to(q.dtype)
         outs.append(torch.einsum("hs,shd->hd", p, vv))
     return mixer.finish(torch.stack(outs).unsqueeze(0), gate)
+
+
+def group_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [Q, Hi, di], keys [G, di] -> [Q, G] fp32: sum_h relu(q_h . k_g) / sqrt(di) (``QSAttention.index_scores``),
+    the reference of ``kernels.qsa.indexer.index_scores``."""
+    s = torch.matmul(q.float(), keys.float().t())  # [Q, Hi, G]
+    return torch.relu(s).sum(dim=-2) / (q.shape[-1] ** 0.5)
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, n_keys: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """q [Q, H, D]; k, v [N, Hkv, D]; idx [Q, S], n_keys [Q] -> [Q, H, D] fp32: query q attends to rows
+    idx[q, :n_keys[q]] (softmax in fp32), the reference of ``kernels.qsa.sparse_attention.sparse_attention``."""
+    nq, h, _ = q.shape
+    rep = h // k.shape[1]
+    ok = torch.arange(idx.shape[1], device=idx.device)[None, :] < n_keys[:, None]  # [Q, S]
+    kk = k[idx].float().repeat_interleave(rep, dim=2)  # [Q, S, H, D]
+    vv = v[idx].float().repeat_interleave(rep, dim=2)
+    w = torch.einsum("qhd,qshd->qhs", q.float(), kk) * scale
+    w = w.masked_fill(~ok[:, None, :], float("-inf"))
+    return torch.einsum("qhs,qshd->qhd", torch.softmax(w, dim=-1), vv)

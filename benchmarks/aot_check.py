@@ -1,0 +1,245 @@
+"""GPU readiness without a GPU: compile every Triton kernel of the project ahead of time for sm_90 (H100 / H200)
+and sm_100 (B200) at the block sizes its launcher picks for the recipes' shapes, and read registers, shared
+memory and local (spill) bytes from the cubin with the cuobjdump bundled in triton.
+
+    python benchmarks/aot_check.py [--json OUT] [--arch 90,100] [--jobs 2]
+
+Prints a table (kernel, arch, registers, shared bytes, local bytes) and the tree-attention block plan's share of
+the dense grid at the 8B recipe's shapes; writes JSON as a list of {"kernel", "arch", "ok", "registers",
+"shared_bytes", "local_bytes"}. Exits non-zero on any compile failure, shared memory over the arch's per-block
+limit, or spills (local bytes > 0). Shapes:
+  8B   (recipes/qwen3-8b-dflash-8gpu.yaml): GQA 32 / 8 heads, head_dim 128
+  27B  (recipes/qwen3.5-27b-dflash-8gpu.yaml, Qwen3.5-27B): gated attention 24 / 4 heads, head_dim 256;
+       GDN 16 key heads / 48 value heads, K = V = 128, C = 64
+  qwen4_exp (recipes/qwen4-exp-dflash-8gpu.yaml): QSA 24 / 2 heads, head_dim 256, indexer 4 heads x 128,
+       budget 2048 (top-k 512 groups of 4); GDN as 27B
+plus head_dim 64 for tree attention. The bundled ptxas is older than the PTX triton emits, so the numbers come
+from the cubin triton builds (its own ptxas), never from re-assembling PTX.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SHARED_LIMIT = {90: 232448, 100: 232448}  # max dynamic shared memory per block (227 KiB) on sm_90 / sm_100
+
+
+def _variants() -> list:
+    """(label, module, kernel name, pointer dtypes by arg, fp32 scalar args, constexprs, launch options)."""
+    from kernels.gated_delta import chunk, replay
+    from kernels.qsa import indexer, sparse_attention
+    from kernels.tree_attention import triton_fwd as tree
+
+    out = []
+    # tree attention: (label, head_dim, H, Hkv, dtype)
+    for name, hd, h, hkv, dt in [("8B", 128, 32, 8, "bf16"), ("27B", 256, 24, 4, "bf16")]:
+        cfg = tree.kernel_config(hd, h // hkv)
+        for chain in (True, False):
+            ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "TK", "TV", "Out")}
+            ptrs.update({n: "*i32" for n in ("order", "anchor", "depth", "q_start", "q_end", "q_toff", "t_full",
+                                             "t_len", "nb_ptr", "nb_idx")})
+            ptrs["bits"] = "*i64" if not chain else "*i32"
+            out.append((f"tree_attention[{name} hd{hd} G{h // hkv} {dt} {'chain' if chain else 'tree'}]",
+                        "kernels.tree_attention.triton_fwd", "_tree_attn_fwd", ptrs, ("qk_scale",),
+                        dict(G=h // hkv, HD=hd, BLOCK_D=cfg["BLOCK_D"], BM=cfg["BM"], BMN=cfg["BMN"], BN=cfg["BN"],
+                             CHAIN=chain, DOT_PREC="ieee" if dt == "fp32" else "tf32"),
+                        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
+    # GDN chunk prefill (27B / qwen4_exp): 16 q/k heads, 48 value heads, K = V = 128, chunk 64
+    hq, h, kd, vd, bt = 16, 48, 128, 128, 64
+    cfg = chunk.kernel_config(kd, vd)
+    for dt in ("bf16",):
+        prec = "tf32"
+        common = dict(H=h, HQ=hq, K=kd, V=vd, BT=bt, BK=cfg["BK"], DOT_PREC=prec)
+        f32 = "*fp32"
+        out.append((f"gdn_chunk_wy[27B {dt}]", "kernels.gated_delta.chunk", "_chunk_wy_fwd",
+                    dict(k=f"*{dt}", v=f"*{dt}", g=f32, beta=f32, gc_out=f32, w_out=f32, u_out=f32), (),
+                    dict(common, BV=cfg["BV_WY"]), dict(num_warps=cfg["warps_wy"])))
+        out.append((f"gdn_chunk_h[27B {dt}]", "kernels.gated_delta.chunk", "_chunk_h_fwd",
+                    dict(k=f"*{dt}", w=f32, u=f32, gc=f32, h0=f32, h_out=f32, vn_out=f32, ht=f32), (),
+                    dict(common, BV=cfg["BV_H"], USE_H0=True), dict(num_warps=cfg["warps_h"])))
+        out.append((f"gdn_chunk_o[27B {dt}]", "kernels.gated_delta.chunk", "_chunk_o_fwd",
+                    dict(q=f"*{dt}", k=f"*{dt}", gc=f32, h=f32, vn=f32, o=f32), (),
+                    dict(common, BV=cfg["BV_O"]), dict(num_warps=cfg["warps_o"])))
+    # GDN fused tree replay
+    cfg = replay.kernel_config(kd, vd)
+    for store in (False, True):
+        ptrs = {n: "*fp32" for n in ("states0", "scratch", "states_out", "o", "rk", "rv", "rg", "rbeta", "nq", "nk",
+                                     "nv", "ng", "nbeta")}
+        ptrs.update({n: "*i32" for n in ("seg_state", "seg_tok", "seg_stop_ptr", "stop_len", "stop_node_ptr",
+                                         "node_id", "node_src", "node_save")})
+        out.append((f"gdn_replay[27B {'store_states' if store else 'train'}]", "kernels.gated_delta.replay",
+                    "_replay_fwd", ptrs, (), dict(H=h, HQ=hq, K=kd, V=vd, BK=cfg["BK"], BV=cfg["BV"],
+                                                  STORE_STATES=store), dict(num_warps=cfg["num_warps"])))
+    # GDN fused recurrent (existing kernel; its launcher expands q/k to the value heads, block_v = 32)
+    out.append(("gdn_fused_recurrent[27B]", "kernels.gated_delta.fused_recurrent", "_fwd_kernel",
+                {n: "*fp32" for n in ("q", "k", "v", "g", "beta", "o", "h0", "ht", "ck")}, (),
+                dict(H=h, K=kd, V=vd, BK=128, BV=32, USE_H0=True, SAVE_CK=True), dict(num_warps=4)))
+    # QSA (qwen4_exp): indexer 4 x 128, top-k 512, attention 24 / 2 heads x 256
+    cfg = indexer.scores_config(128)
+    out.append(("qsa_index_scores[qwen4_exp bf16]", "kernels.qsa.indexer", "_index_scores_fwd",
+                dict(q="*bf16", keys="*bf16", n_complete="*i32", scores="*fp32"), ("inv_div",),
+                dict(HI=4, DI=128, BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"], DOT_PREC="tf32"),
+                dict(num_warps=cfg["num_warps"])))
+    cfg = indexer.topk_config(512)
+    out.append(("qsa_topk[qwen4_exp k512]", "kernels.qsa.indexer", "_topk_groups_fwd",
+                dict(scores="*fp32", n_complete="*i32", out="*i32"), (), dict(K_SEL=512, BG=cfg["BG"]),
+                dict(num_warps=cfg["num_warps"])))
+    cfg = sparse_attention.kernel_config(256, 12)
+    out.append(("qsa_sparse_attention[qwen4_exp hd256 G12 bf16]", "kernels.qsa.sparse_attention", "_sparse_attn_fwd",
+                dict(q="*bf16", k="*bf16", v="*bf16", idx="*i32", n_keys="*i32", o="*bf16"), ("qk_scale",),
+                dict(G=12, BH=cfg["BH"], HD=256, BLOCK_D=cfg["BLOCK_D"], BN=cfg["BN"], DOT_PREC="tf32"),
+                dict(num_warps=cfg["num_warps"])))
+    return out
+
+
+def _resources(cubin: bytes, name: str) -> dict:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        txt = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    pat = r":\s*\n\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)"
+    m = re.search(r"Function " + re.escape(name) + pat, txt)
+    if not m:
+        raise RuntimeError(f"cuobjdump printed no resource line for {name}:\n{txt}")
+    reg, stack, shared, local = (int(x) for x in m.groups())
+    return dict(registers=reg, static_shared=shared, local_bytes=local, stack=stack)
+
+
+def compile_one(args) -> dict:
+    """Compile one (variant, arch) and read its resources; never raises (errors become ok = False)."""
+    label, module, kernel, ptrs, floats, constexprs, options, arch = args
+    row = {"kernel": label, "arch": f"sm_{arch}", "ok": False, "registers": None, "shared_bytes": None,
+           "local_bytes": None}
+    try:
+        import importlib
+
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        fn = getattr(importlib.import_module(module), kernel)
+        sig = {}
+        for n in fn.arg_names:
+            if n in constexprs:
+                sig[n] = "constexpr"
+            elif n in ptrs:
+                sig[n] = ptrs[n]
+            elif n in floats:
+                sig[n] = "fp32"
+            else:
+                sig[n] = "i32"
+        unknown = set(ptrs) - set(fn.arg_names)
+        if unknown:
+            raise ValueError(f"{kernel} has no arguments {sorted(unknown)}")
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}  # as the launcher specialises
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                        attrs=attrs)
+        cc = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+        res = _resources(cc.asm["cubin"], cc.metadata.name)
+        shared = int(cc.metadata.shared) + res["static_shared"]  # dynamic (triton's allocation) + static
+        row.update(registers=res["registers"], shared_bytes=shared, local_bytes=res["local_bytes"] + res["stack"])
+        problems = []
+        if shared > SHARED_LIMIT[arch]:
+            problems.append(f"shared memory {shared} B > {SHARED_LIMIT[arch]} B")
+        if row["local_bytes"] > 0:
+            problems.append(f"spills: {row['local_bytes']} B of local memory / stack")
+        row["ok"] = not problems
+        if problems:
+            row["error"] = "; ".join(problems)
+    except Exception as e:  # noqa: BLE001 - report every failure in the table
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
+    return row
+
+
+PLAN_SHAPES = {  # recipe: (trunk T, anchors per sequence, drafted tokens per branch, sequences per GPU, hd, H, Hkv)
+    "8B": (2048, 256, 15, 4, 128, 32, 8),
+    "27B": (2048, 128, 15, 4, 256, 24, 4),
+}
+
+
+def plan_fraction(recipe: str) -> dict:
+    """The tree-attention plan at a recipe's shapes (block_size 16 counts the anchor: 15 drafted tokens per
+    branch), anchors uniform over the trunk: blocks visited against the dense grid."""
+    import torch
+
+    from kernels.tree_attention import build_tree_plan
+    from kernels.tree_attention.triton_fwd import plan_blocks
+
+    t, n, w, seqs, hd, h, hkv = PLAN_SHAPES[recipe]
+    g = torch.Generator().manual_seed(0)
+    anchor = torch.cat([torch.sort(torch.randperm(t, generator=g)[:n]).values.repeat_interleave(w)
+                        for _ in range(seqs)])
+    idx = torch.arange(seqs * n * w).view(seqs * n, w)
+    parent = torch.where(torch.arange(w) == 0, -1, idx - 1).flatten()
+    tix = torch.arange(seqs).repeat_interleave(n * w)
+    blocks = plan_blocks(hd, h, hkv)
+    st = build_tree_plan(anchor, parent, tix, [t] * seqs, **blocks).stats()
+    return {**blocks, **st}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--arch", default="90,100", help="comma-separated compute capabilities (default 90,100)")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
+    ap.add_argument("--only", default="", help="compile only kernels whose label contains this text")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        print("aot_check compiles real kernels: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, without its warning
+    print("$ python benchmarks/aot_check.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    archs = [int(a) for a in args.arch.split(",") if a]
+    bad = [a for a in archs if a not in SHARED_LIMIT]
+    if bad:
+        print(f"unknown arch {bad}; use 90 and/or 100", file=sys.stderr)
+        return 2
+    jobs = [(*v, a) for v in _variants() for a in archs if args.only in v[0]]
+    t0 = time.time()
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            rows = list(ex.map(compile_one, jobs))
+    else:
+        rows = [compile_one(j) for j in jobs]
+    w = max(len(r["kernel"]) for r in rows) if rows else 10
+    print(f"{'kernel':<{w}}  arch    regs  shared_B  local_B  ok")
+    for r in rows:
+        fmt = lambda x: "-" if x is None else str(x)  # noqa: E731
+        print(f"{r['kernel']:<{w}}  {r['arch']:<6} {fmt(r['registers']):>5} {fmt(r['shared_bytes']):>9} "
+              f"{fmt(r['local_bytes']):>8}  {'ok' if r['ok'] else 'FAIL: ' + r.get('error', '')}")
+    print(f"{len(rows)} compiles in {time.time() - t0:.1f} s")
+    for recipe, (t, n, w, seqs, hd, h, hkv) in PLAN_SHAPES.items():
+        st = plan_fraction(recipe)
+        print(f"tree attention plan at the {recipe} recipe's shapes (T={t}, {n} anchors x {w} tokens, {seqs} "
+              f"sequences, {h}/{hkv} heads, block {st['block_m']} nodes x {st['block_n']} keys): "
+              f"{st['visited_blocks']} of {st['dense_blocks']} blocks of the dense grid visited "
+              f"({100 * st['fraction']:.1f}%); {100 * st['density']:.1f}% of the visited score entries are visible")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: r[k] for k in ("kernel", "arch", "ok", "registers", "shared_bytes", "local_bytes")}
+                       for r in rows], f, indent=1)
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        print(f"{len(failed)} of {len(rows)} failed", file=sys.stderr)
+    return 1 if failed or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

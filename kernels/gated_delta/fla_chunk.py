@@ -1,0 +1,97 @@
+"""Trunk prefill through flash-linear-attention's chunked gated delta rule (CUDA), keeping its per-chunk states
+in fp32 as the GDN checkpoints.
+
+UNTESTED: fla-core is not installed in the development environment and no GPU was available when this was
+written. It follows fla's code as read in fla-org/flash-linear-attention (chunk.py / common/chunk_delta_h.py):
+``chunk_gated_delta_rule_fwd`` calls ``chunk_gated_delta_rule_fwd_h(k=..., w=..., u=..., ...)``, which allocates
+the chunk states ``h`` [B, NT, HV, K, V] in k's dtype and stores the fp32 register state into it. This wrapper
+replaces that name inside ``fla.ops.gated_delta_rule.chunk`` for the duration of one call with a version that
+passes k in fp32, so ``h`` is allocated (and the state update k^T v_new is computed) in fp32, and keeps ``h``.
+If fla changes that call, the wrapper raises instead of returning wrong states. Compare it against
+``kernels.gated_delta.chunk.chunk_gated_delta_rule`` (our own Triton version of the same maths) on a GPU before
+relying on it.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from kernels.gated_delta.chunk import chunk_checkpoints
+
+CHUNK = 64
+_lock = threading.Lock()
+
+
+def fla_available() -> bool:
+    """True when fla's chunked gated delta rule imports (fla-core installed, CUDA build of triton)."""
+    try:
+        import fla.ops.gated_delta_rule.chunk  # noqa: F401
+    except Exception:  # ImportError, or fla failing to initialise without a GPU
+        return False
+    return True
+
+
+def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
+                               checkpoint_every: Optional[int] = None, start: int = 0):
+    """Same contract as ``kernels.gated_delta.chunk.chunk_gated_delta_rule`` (q, k [B, T, HQ, K] prepared, v
+    [B, T, H, V], g, beta [B, T, H]; returns fp32 o, final state and checkpoints), computed by fla on CUDA.
+    ``checkpoint_every`` must be a multiple of 64 (fla's chunk)."""
+    try:
+        import fla.ops.gated_delta_rule.chunk as fla_chunk
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError("gdn prefill through fla needs fla-core (pip install flash-linear-attention) on a CUDA "
+                           "machine; use the Triton chunk kernel (kernels.gated_delta.chunk) instead") from e
+    if checkpoint_every is not None and checkpoint_every % CHUNK:
+        raise ValueError(f"fla keeps states every {CHUNK} tokens: checkpoint_every must be a multiple of {CHUNK} "
+                         f"(got {checkpoint_every})")
+    b, t = k.shape[:2]
+    pad = start % CHUNK
+    if pad:  # align chunks to absolute multiples of 64 with no-op tokens (g = beta = 0, q = k = v = 0)
+        def front(x):
+            return torch.cat([x.new_zeros(b, pad, *x.shape[2:]), x], dim=1)
+        q, k, v, g, beta = (front(x) for x in (q, k, v, g, beta))
+    captured = {}
+    orig = fla_chunk.chunk_gated_delta_rule_fwd_h
+
+    def fwd_h_fp32(*args, **kwargs):
+        if args or "k" not in kwargs:
+            raise RuntimeError("fla's chunk_gated_delta_rule_fwd now takes positional arguments; update "
+                               "kernels/gated_delta/fla_chunk.py")
+        kwargs["k"] = kwargs["k"].float()
+        h, v_new, final = orig(*args, **kwargs)
+        captured["h"] = h
+        return h, v_new, final
+
+    with _lock, torch.no_grad():
+        fla_chunk.chunk_gated_delta_rule_fwd_h = fwd_h_fp32
+        try:
+            o, final = fla_chunk.chunk_gated_delta_rule(
+                q, k, v, g=g.float(), beta=beta.float(), scale=1.0,
+                initial_state=None if initial_state is None else initial_state.float(),
+                output_final_state=True, use_qk_l2norm_in_kernel=False)
+        finally:
+            fla_chunk.chunk_gated_delta_rule_fwd_h = orig
+    h = captured.get("h")
+    if h is None or h.dtype != torch.float32 or h.dim() != 5:
+        raise RuntimeError("fla did not produce fp32 chunk states [B, NT, H, K, V]; update "
+                           "kernels/gated_delta/fla_chunk.py")
+    return o[:, pad:].float(), final.float(), chunk_checkpoints(h, start, t, CHUNK, checkpoint_every)
+
+
+def prefill_backend(name: str):
+    """The sequence recurrence for ``name``: "chunk" (our Triton chunk kernel), "fla" (fla on CUDA; untested) or
+    "recurrent" (the fused recurrent Triton kernel). All share ``naive.recurrent_gated_delta_rule``'s contract."""
+    if name == "chunk":
+        from kernels.gated_delta.chunk import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule
+    if name == "fla":
+        return fla_chunk_gated_delta_rule
+    if name == "recurrent":
+        from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
+
+        return fused_recurrent_gated_delta_rule
+    raise ValueError(f"unknown gdn prefill backend {name!r}; use 'chunk', 'fla' or 'recurrent'")

@@ -1,0 +1,4 @@
+"""Tree attention for scoring proposal trees: ``naive`` (dense masked reference), ``plan`` (the block plan and
+the blocked torch path that uses it) and ``triton_fwd`` (the Triton forward kernel; import it explicitly)."""
+from kernels.tree_attention.naive import tree_attention_reference  # noqa: F401
+from kernels.tree_attention.plan import TreeAttentionPlan, build_tree_plan, tree_attention_blocked  # noqa: F401

@@ -1,0 +1,228 @@
+"""The block plan of tree attention (plain torch): which key blocks each query block can see.
+
+Nodes are sorted by (trunk, anchor) (stable, so parents still precede children) and cut into query blocks of
+``block_m`` nodes that never straddle two trunks. A query block visits
+  * trunk keys [0, t_len) of its trunk, t_len = its largest anchor + 1; keys [0, t_full) (t_full = its
+    smallest anchor + 1) are visible to every row and need no mask;
+  * the node key blocks (``block_n`` keys, in sorted node order) that hold an ancestor of one of its rows.
+    Chains (every parent is the node just before it in sorted order, as ``ProposalTree.from_branches``
+    gives): a node's ancestors are the ``depth`` nodes just before it, so the blocks are a short run near the
+    diagonal and the mask is arithmetic. General trees: the exact set of blocks holding an ancestor, with an
+    int64 bitmask per (listed block, row) (bit j: the row sees key ``block * block_n + j``).
+Every other (query block, key block) pair of the dense [M_i, t_cut + M_i] grid is skipped.
+
+The same plan drives the Triton kernel (``kernels.tree_attention.triton_fwd``) and the blocked torch path
+(``tree_attention_blocked`` here), so both skip exactly the same blocks. Memory: O(M) plus, for general
+trees only, 8 bytes per (listed block, row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence
+
+import torch
+
+from kernels.tree_attention.naive import attend
+
+
+@dataclass
+class TreeAttentionPlan:
+    """All tensors long on the CPU (``to`` moves them as int32 for a kernel). S = sorted node position."""
+
+    block_m: int  # nodes per query block
+    block_n: int  # keys per key block
+    chain: bool  # every node's ancestors are the depth nodes just before it (sorted order)
+    order: torch.Tensor  # [M] node id at sorted position s
+    anchor: torch.Tensor  # [M] anchor of the node at s
+    depth: torch.Tensor  # [M] depth of the node at s (0 for a child of the trunk)
+    trunk_offsets: torch.Tensor  # [n + 1] row of trunk i's first key in the packed trunk K/V
+    q_start: torch.Tensor  # [NQB] first sorted position of each query block
+    q_end: torch.Tensor  # [NQB] one past its last
+    q_trunk: torch.Tensor  # [NQB] its trunk
+    t_full: torch.Tensor  # [NQB] trunk keys [0, t_full) are visible to every row
+    t_len: torch.Tensor  # [NQB] trunk keys [0, t_len) are scanned (largest anchor + 1)
+    nb_ptr: torch.Tensor  # [NQB + 1] CSR into nb_idx
+    nb_idx: torch.Tensor  # [E] node key blocks to visit (sorted node space)
+    nb_bits: Optional[torch.Tensor]  # [E, block_m] int64 visibility bits (general trees), None for chains
+    trunk_total: int = 0  # keys of all trunks together (rows of the packed trunk K/V)
+    trunk_max: int = 0  # keys of the longest trunk
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.order.numel())
+
+    @property
+    def num_qblocks(self) -> int:
+        return int(self.q_start.numel())
+
+    def to(self, device, dtype=torch.int32) -> "TreeAttentionPlan":
+        """Index tensors as ``dtype`` on ``device`` (bits stay int64)."""
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if isinstance(t, torch.Tensor):
+                out[f.name] = t.to(device=device, dtype=torch.int64 if f.name == "nb_bits" else dtype)
+        return replace(self, **out)
+
+    def stats(self) -> dict:
+        """Blocks visited against the dense grid (query blocks x key blocks over [t_cut + M_i] per trunk, what
+        a dense masked kernel computes), and the share of visited score entries that are visible."""
+        bn = self.block_n
+        trunk_blocks = (self.t_len + bn - 1) // bn
+        node_blocks = self.nb_ptr[1:] - self.nb_ptr[:-1]
+        visited = int((trunk_blocks + node_blocks).sum())
+        dense = 0
+        for i in range(self.trunk_offsets.numel() - 1):
+            sel = self.q_trunk == i
+            if not bool(sel.any()):
+                continue
+            m_i = int((self.q_end[sel] - self.q_start[sel]).sum())
+            t_cut = int(self.t_len[sel].max())
+            dense += int(sel.sum()) * -(-(t_cut + m_i) // bn)
+        visible = int((self.anchor + 1 + self.depth + 1).sum())  # trunk keys 0..a plus the path incl. itself
+        return {"visited_blocks": visited, "dense_blocks": dense, "fraction": visited / max(dense, 1),
+                "visible_entries": visible, "visited_entries": visited * self.block_m * bn,
+                "density": visible / max(1, visited * self.block_m * bn)}
+
+
+def _depth(parent: torch.Tensor) -> torch.Tensor:
+    """Depth below the anchor by pointer jumping (parents are earlier nodes)."""
+    d = torch.zeros_like(parent)
+    p = parent.clone()
+    while bool((p >= 0).any()):
+        up = p >= 0
+        d += up.long()
+        p = torch.where(up, parent[p.clamp(min=0)], p)
+    return d
+
+
+def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: torch.Tensor,
+                    trunk_lens: Sequence[int], block_m: int, block_n: int) -> TreeAttentionPlan:
+    """anchor, parent, trunk_index [M] (``ProposalTree`` fields: parent -1 for a child of the trunk, parents
+    precede children); trunk_lens: keys held by each trunk's cache -> the plan (built once per tree and block
+    size; the same for every layer)."""
+    anchor, parent, trunk_index = (torch.as_tensor(x, dtype=torch.long).cpu().reshape(-1)
+                                   for x in (anchor, parent, trunk_index))
+    m = anchor.numel()
+    lens = torch.as_tensor(list(trunk_lens), dtype=torch.long)
+    if m == 0:
+        raise ValueError("build_tree_plan: empty tree")
+    if block_n > 64 or block_m < 1:
+        raise ValueError(f"build_tree_plan: block_n must be <= 64 (int64 bitmasks), block_m >= 1; got {block_n}, "
+                         f"{block_m}")
+    if bool((trunk_index < 0).any()) or int(trunk_index.max()) >= lens.numel():
+        raise ValueError(f"tree names trunk {int(trunk_index.max())} but {lens.numel()} trunk length(s) were given")
+    bad = (anchor < 0) | (anchor >= lens[trunk_index])
+    if bool(bad.any()):
+        u = int(torch.nonzero(bad)[0])
+        raise ValueError(f"node {u}: anchor {int(anchor[u])} is outside its trunk of length "
+                         f"{int(lens[trunk_index[u]])} (anchors must be in [0, T-1])")
+    has_p = parent >= 0
+    if bool((parent >= torch.arange(m)).any()):
+        raise ValueError("a node's parent is not an earlier node")
+    pp = parent.clamp(min=0)
+    if bool((has_p & ((anchor[pp] != anchor) | (trunk_index[pp] != trunk_index))).any()):
+        raise ValueError("a node and its parent have different anchors or trunks")
+    # sort by (trunk, anchor); stable keeps parents before children (same key, earlier index)
+    key = trunk_index * (int(anchor.max()) + 2) + anchor
+    order = torch.sort(key, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(m)
+    par_s = torch.where(has_p[order], rank[pp[order]], torch.full_like(order, -1))  # parent in sorted space
+    depth = _depth(par_s)
+    s_idx = torch.arange(m)
+    chain = bool(((par_s == s_idx - 1) | (par_s < 0)).all())
+    anc_s, tix_s = anchor[order], trunk_index[order]
+    # query blocks: per trunk, runs of block_m sorted nodes
+    counts = torch.bincount(tix_s, minlength=lens.numel())
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    q_start, q_end, q_trunk = [], [], []
+    for i in range(lens.numel()):
+        lo, hi = int(starts[i]), int(starts[i + 1])
+        b = torch.arange(lo, hi, block_m)
+        q_start.append(b)
+        q_end.append((b + block_m).clamp(max=hi))
+        q_trunk.append(torch.full_like(b, i))
+    q_start, q_end, q_trunk = torch.cat(q_start), torch.cat(q_end), torch.cat(q_trunk)
+    t_full = anc_s[q_start] + 1  # sorted by anchor within a trunk: first row has the smallest anchor
+    t_len = anc_s[q_end - 1] + 1
+    nqb = q_start.numel()
+    qb_of = torch.repeat_interleave(torch.arange(nqb), q_end - q_start)  # [M] query block of sorted node s
+    if chain:
+        first = (s_idx - depth) // block_n  # block of the root of each row's branch
+        lo = torch.full((nqb,), m, dtype=torch.long).scatter_reduce(0, qb_of, first, "amin")
+        hi = (q_end - 1) // block_n
+        cnt = hi - lo + 1
+        nb_ptr = torch.cat([torch.zeros(1, dtype=torch.long), cnt.cumsum(0)])
+        nb_idx = torch.repeat_interleave(lo, cnt) + (torch.arange(int(cnt.sum())) -
+                                                     torch.repeat_interleave(nb_ptr[:-1], cnt))
+        bits = None
+    else:
+        # ancestor table in sorted space: anc[s, j] = ancestor of s at depth j (s itself at its depth)
+        dmax = int(depth.max())
+        anc = torch.full((m, dmax + 1), -1, dtype=torch.long)
+        for d in range(dmax + 1):
+            lvl = torch.nonzero(depth == d).flatten()
+            if d > 0:
+                anc[lvl] = anc[par_s[lvl]]
+            anc[lvl, d] = lvl
+        ptr, idx, bit_rows = [0], [], []
+        for b in range(nqb):
+            s0, s1 = int(q_start[b]), int(q_end[b])
+            a = anc[s0:s1]  # [rows, dmax + 1]
+            ok = a >= 0
+            blocks = torch.unique(a[ok] // block_n)  # ascending
+            row_bits = torch.zeros(blocks.numel(), block_m, dtype=torch.long)
+            r, _ = torch.nonzero(ok, as_tuple=True)
+            kb = torch.searchsorted(blocks, a[ok] // block_n)
+            vals = torch.ones_like(kb) << (a[ok] % block_n)  # bit 63 wraps to the sign bit: fine for int64
+            row_bits.index_put_((kb, r), vals, accumulate=True)  # distinct ancestors: sums never carry
+            idx.append(blocks)
+            bit_rows.append(row_bits)
+            ptr.append(ptr[-1] + blocks.numel())
+        nb_ptr = torch.tensor(ptr, dtype=torch.long)
+        nb_idx = torch.cat(idx)
+        bits = torch.cat(bit_rows)
+    trunk_offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    return TreeAttentionPlan(block_m=block_m, block_n=block_n, chain=chain, order=order, anchor=anc_s, depth=depth,
+                             trunk_offsets=trunk_offsets, q_start=q_start, q_end=q_end, q_trunk=q_trunk,
+                             t_full=t_full, t_len=t_len, nb_ptr=nb_ptr, nb_idx=nb_idx, nb_bits=bits,
+                             trunk_total=int(lens.sum()), trunk_max=int(lens.max()))
+
+
+def block_visibility(plan: TreeAttentionPlan, b: int, e: int) -> torch.Tensor:
+    """[rows of query block b, block_n] bool: which keys of the e-th node block listed for b each row sees."""
+    s = torch.arange(int(plan.q_start[b]), int(plan.q_end[b]))
+    kp = int(plan.nb_idx[e]) * plan.block_n + torch.arange(plan.block_n)
+    if plan.chain:
+        return (kp[None, :] >= (s - plan.depth[s])[:, None]) & (kp[None, :] <= s[:, None])
+    w = plan.nb_bits[e, : s.numel()]
+    return ((w[:, None] >> torch.arange(plan.block_n)[None, :]) & 1) != 0
+
+
+def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: torch.Tensor,
+                           trunk_v: torch.Tensor, plan: TreeAttentionPlan, scale: float) -> torch.Tensor:
+    """Tree attention in torch that computes only the plan's blocks (the CPU path; exact in fp32).
+
+    q [M, H, D]; k, v [M, Hkv, D] (node order); trunk_k/v [sum T_i, Hkv, D] packed at ``plan.trunk_offsets``
+    -> o [M, H, D] fp32. Per query block: its trunk prefix [0, t_len) and its listed node blocks.
+    """
+    m = plan.num_nodes
+    o = torch.empty(m, q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    order = plan.order.to(q.device)
+    for b in range(plan.num_qblocks):
+        s0, s1 = int(plan.q_start[b]), int(plan.q_end[b])
+        rows = order[s0:s1]
+        off, t_len = int(plan.trunk_offsets[plan.q_trunk[b]]), int(plan.t_len[b])
+        trunk_vis = torch.arange(t_len)[None, :] <= plan.anchor[s0:s1, None]
+        keys, vals, masks = [trunk_k[off: off + t_len]], [trunk_v[off: off + t_len]], [trunk_vis]
+        for e in range(int(plan.nb_ptr[b]), int(plan.nb_ptr[b + 1])):
+            kb = int(plan.nb_idx[e])
+            kp = torch.arange(kb * plan.block_n, min(m, (kb + 1) * plan.block_n))
+            nodes = order[kp.to(q.device)]
+            keys.append(k[nodes])
+            vals.append(v[nodes])
+            masks.append(block_visibility(plan, b, e)[:, : kp.numel()])
+        mask = torch.cat(masks, dim=1).to(q.device)
+        o[rows] = attend(q[rows], torch.cat(keys), torch.cat(vals), mask, scale)
+    return o

@@ -1,0 +1,57 @@
+"""Helpers for the Triton kernel tests (tests/test_kernels_*.py).
+
+On CUDA a check runs in-process on the device. On the CPU it runs in a fresh interpreter with
+TRITON_INTERPRET=1: triton decides between compiling and interpreting when a kernel is decorated, i.e. when its
+module is first imported, so the flag cannot be switched on inside a pytest process that may already have
+imported a kernel module.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 for two empty or all-zero tensors that agree)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    if a.shape != b.shape:
+        raise AssertionError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if b.numel() == 0:
+        return 0.0
+    den = float(b.abs().max())
+    num = float((a - b).abs().max())
+    return num / den if den > 0 else num
+
+
+def run(test_file: str, check: str, *args: str, timeout: int = 300) -> None:
+    """Run ``check`` (a name that ``test_file``'s ``__main__`` dispatches) in-process on CUDA, else interpreted."""
+    if torch.cuda.is_available():
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_kernel_test_mod", test_file)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.CHECKS[check](*args)
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, test_file, check, *args], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0 and f"{check} ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+def main(checks: dict) -> None:
+    """``python test_file.py CHECK [ARGS...]``: run one check (under TRITON_INTERPRET=1 when on the CPU)."""
+    torch.set_num_threads(1)
+    name, args = sys.argv[1], sys.argv[2:]
+    checks[name](*args)
+    print(f"{name} ok")
