@@ -7,8 +7,10 @@ State of a sequence (``Sequence``): ``cache`` covers the tokens the target has r
 token (committed: the prompt's last token or the previous round's bonus / resampled token) at position
 ``len(cache)``, not yet run. One round over A sequences:
 
-1. draft    the caller's drafter drafts k tokens after each sequence's anchor (``draft_inputs``: position
-            ``seq.anchor``, token ``seq.anchor_token``, context features ``cache.features[:anchor]``) with logits q
+1. draft    the drafter drafts k tokens after each sequence's anchor (position ``seq.anchor``, token
+            ``seq.anchor_token``, context = features at positions < anchor) with logits q, all sequences in one
+            drafter call (``draft``): each sequence keeps a drafter context cache (``seq.ctx``, per-layer
+            context K/V) that is brought up to the anchor with only the features committed since the last round
 2. verify   ONE target pass over every sequence's chain ``[last, d_1..d_k]`` anchored at ``len(cache) - 1``,
             packed into one tree (``verify``): node j gives p for d_{j+1}, node k the bonus distribution; the
             pass keeps its per-layer states (``target.score(..., return_state=True)``)
@@ -37,11 +39,13 @@ class Sequence:
     """One sequence between rounds. cache: every token the target has run (a TargetCache with the drafter's
     features, built with keep_checkpoints=False); last: the pending token at position len(cache), or None when
     the cache's last token is the anchor (a one-token prompt before its first round); logits [V]: the target's
-    logits after the cache, only when last is None."""
+    logits after the cache, only when last is None; ctx: the drafter's decoding cache of the context features
+    (positions < anchor; ``draft`` extends it lazily, so it may lag the cache between rounds)."""
 
     cache: object
     last: Optional[int]
     logits: Optional[torch.Tensor] = None
+    ctx: Optional[object] = None  # the drafter's context cache (``drafter.context_cache()``), made by ``draft``
 
     def __len__(self) -> int:
         """Committed tokens (the cache plus the pending token)."""
@@ -78,6 +82,30 @@ def draft_inputs(seqs: Seq[Sequence], device=None) -> tuple:
     device = device if device is not None else seqs[0].cache.token_ids.device
     return ([s.cache.features for s in seqs], torch.tensor([s.anchor for s in seqs], device=device),
             torch.arange(len(seqs), device=device), torch.tensor([s.anchor_token for s in seqs], device=device))
+
+
+def draft(drafter, seqs: Seq[Sequence], temperature: float, generators=None) -> tuple:
+    """Draft one block after every sequence's anchor in ONE drafter call over their context caches.
+
+    Each sequence's ``ctx`` (created here on first use) is first extended by the features the target committed
+    since it was last used (``cache.features[len(ctx):anchor]``: the prompt in round 1, then only the accepted
+    tokens), so nothing is recomputed over the whole context; then ``drafter.draft_batch``. generators: one
+    torch.Generator, or one per sequence. -> (drafts [A, W], q logits [A, W, V])."""
+    for s in seqs:
+        if s.ctx is None:
+            s.ctx = drafter.context_cache()
+        have, need = len(s.ctx), s.anchor
+        if have < need:
+            feats = s.cache.features
+            if feats is None:
+                raise ValueError("the sequence's cache has no drafter features: start(target, prompt, "
+                                 "feature_layers=drafter.feature_layers)")
+            s.ctx.extend(feats[have:need])  # [need - have, F]: only what was committed since the last draft
+        elif have > need:
+            raise ValueError(f"the drafter context holds {have} positions but the anchor is at {need}: a context "
+                             f"cache belongs to one sequence and only grows")
+    atok = torch.tensor([s.anchor_token for s in seqs])
+    return drafter.draft_batch([s.ctx for s in seqs], atok, temperature, generators)
 
 
 def verify(target, seqs: Seq[Sequence], drafts: torch.Tensor) -> tuple:
@@ -150,7 +178,8 @@ def commit(target, seqs: Seq[Sequence], state, accepted: Seq[int], next_tokens: 
            keep: Optional[Seq[bool]] = None) -> list:
     """Extend each sequence by its verified ``[last, d_1..d_n]`` from the verify pass (``target.commit``, no
     new pass); ``next_tokens`` become the pending tokens. keep[a] False: sequence a is finished and returned
-    as it was (no commit work for it). Returns the new Sequences."""
+    as it was (no commit work for it). Returns the new Sequences; they keep the drafter context caches, which
+    the next ``draft`` extends by the committed features (the verify pass's, through ``target.commit``)."""
     keep = [True] * len(seqs) if keep is None else list(keep)
     sizes = torch.bincount(state.tree.trunk_index, minlength=len(seqs)).tolist()  # nodes per chain
     paths, off = [], 0
@@ -158,4 +187,4 @@ def commit(target, seqs: Seq[Sequence], state, accepted: Seq[int], next_tokens: 
         paths.append(torch.arange(off, off + n + int(s.last is not None)) if kp else torch.zeros(0, dtype=torch.long))
         off += m
     caches = target.commit([s.cache for s in seqs], state, paths)
-    return [Sequence(c, int(t)) if kp else s for c, t, kp, s in zip(caches, next_tokens, keep, seqs)]
+    return [Sequence(c, int(t), ctx=s.ctx) if kp else s for c, t, kp, s in zip(caches, next_tokens, keep, seqs)]

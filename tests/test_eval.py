@@ -21,10 +21,24 @@ def small(tmp_path_factory):
     return load_target(path)
 
 
+class PositionContext:
+    """The fake drafters' decoding cache: counts the context positions it was given (their anchor)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __len__(self):
+        return self.n
+
+    def extend(self, features):
+        self.n += features.shape[0]
+        return self
+
+
 class RandomDrafter:
     """Context-blind random drafter: logits [W, V] depend on the anchor token only; sampled like the real ones."""
 
-    feature_layers = ()
+    feature_layers = (0,)
     training = False
 
     def __init__(self, vocab: int, block_size: int = 3, scale: float = 2.0, seed: int = 0):
@@ -38,23 +52,26 @@ class RandomDrafter:
     def train(self, mode=True):
         return self
 
-    def sample(self, features, anchors, trunk_index, anchor_tokens, temperature=1.0, generator=None):
+    def context_cache(self):
+        return PositionContext()
+
+    def draft_batch(self, ctxs, anchor_tokens, temperature=1.0, generators=None):
         logits = self.table[torch.as_tensor(anchor_tokens).cpu()]  # [N, W, V]
         if temperature == 0:
             return logits.argmax(-1), logits
         probs = torch.softmax(logits / temperature, -1).view(-1, logits.shape[-1])
-        return torch.multinomial(probs, 1, generator=generator).view(logits.shape[:2]), logits
+        return torch.multinomial(probs, 1, generator=generators).view(logits.shape[:2]), logits
 
 
 class OracleDrafter(RandomDrafter):
     """Drafts the known greedy continuation ``seq`` but corrupts draft position ``(a // 2) % (W + 1)`` (W + 1:
-    none), so rounds accept 0..W tokens. Reads only the anchor position a."""
+    none), so rounds accept 0..W tokens. Reads only the anchor position a (= the context length)."""
 
     def __init__(self, seq: torch.Tensor, vocab: int, block_size: int = 3):
         self.seq, self.vocab, self.block_size, self.draft_len = seq.tolist(), vocab, block_size, block_size
 
-    def sample(self, features, anchors, trunk_index, anchor_tokens, temperature=1.0, generator=None):
-        a, w = int(anchors[0]), self.block_size
+    def draft_batch(self, ctxs, anchor_tokens, temperature=1.0, generators=None):
+        a, w = len(ctxs[0]), self.block_size
         toks = [self.seq[i] if i < len(self.seq) else 0 for i in range(a + 1, a + 1 + w)]
         bad = (a // 2) % (w + 1)
         if bad < w:

@@ -185,6 +185,43 @@ def chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout
     return _ChunkedBranchAttention.apply(q, k_blk, v_blk, k_ctx, v_ctx, layout, float(scale), int(chunk_elems))
 
 
+# ---------------------------------------------------------------------------------------------- cached
+
+
+def cached_branch_attention(q, k_blk, v_blk, k_ctx: list, v_ctx: list, scale: float) -> torch.Tensor:
+    """Decoding: block b attends to its own sequence's cached context ``k_ctx[b], v_ctx[b]`` [T_b, Hkv, hd]
+    (all of it: the anchor is the position after the context) and to its own block. q [A, S, H, hd], k_blk /
+    v_blk [A, S, Hkv, hd] -> o [A, S, H, hd]. The contexts stay where the decoding caches keep them (no
+    packing, no copy): the block part is one batched matmul, each context is merged into it with its own
+    log-sum-exp (flash style). fp32 math; memory O(A * S + max_b T_b) per layer besides the caches."""
+    a, s, h, hd = q.shape
+    hkv = k_blk.shape[2]
+    if len(k_ctx) != a or len(v_ctx) != a:
+        raise ValueError(f"cached branch attention: {len(k_ctx)} contexts for {a} blocks")
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qh = _heads_major(q, hkv, acc)  # [Hkv, A, gS, hd]
+    kb = k_blk.to(acc).permute(2, 0, 1, 3)  # [Hkv, A, S, hd]
+    vb = v_blk.to(acc).permute(2, 0, 1, 3)
+    sc = torch.matmul(qh, kb.transpose(-1, -2)).mul_(scale)  # [Hkv, A, gS, S]
+    m = sc.amax(-1)  # [Hkv, A, gS]
+    p = sc.sub_(m[..., None]).exp_()
+    z = p.sum(-1)
+    o = torch.matmul(p, vb)  # [Hkv, A, gS, hd] (unnormalised)
+    for b, (kc, vc) in enumerate(zip(k_ctx, v_ctx)):
+        if kc.shape[0] == 0:
+            continue
+        kc, vc = kc.to(acc).transpose(0, 1), vc.to(acc).transpose(0, 1)  # [Hkv, T_b, hd]
+        sb = torch.bmm(qh[:, b], kc.transpose(1, 2)).mul_(scale)  # [Hkv, gS, T_b]
+        mb = torch.maximum(m[:, b], sb.amax(-1))  # [Hkv, gS]
+        old = torch.exp(m[:, b] - mb)
+        pb = sb.sub_(mb[..., None]).exp_()
+        z[:, b] = z[:, b] * old + pb.sum(-1)
+        o[:, b] = o[:, b] * old[..., None] + torch.bmm(pb, vc)
+        m[:, b] = mb
+    o /= z[..., None]
+    return o.view(hkv, a, h // hkv, s, hd).permute(1, 3, 0, 2, 4).reshape(a, s, h, hd).to(q.dtype)
+
+
 # ---------------------------------------------------------------------------------------------- flex
 
 _FLEX = {}

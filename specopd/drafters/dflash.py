@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from specopd.drafters.attention import BranchLayout, branch_attention
+from specopd.drafters.attention import BranchLayout, branch_attention, cached_branch_attention
 from specopd.models.common import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters
 
 INIT_STD = 0.02
@@ -229,12 +229,16 @@ class DraftAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, t, self.hkv, self.hd))
         return apply_rope(k, cos, sin), self.v_proj(x).view(b, t, self.hkv, self.hd)
 
-    def forward(self, x, cos, sin, k_ctx, v_ctx, layout: BranchLayout, backend="auto"):
-        """x [N, S, D] block (normed); cos/sin [N, S, hd]; k_ctx/v_ctx [C, Hkv, hd] packed context."""
+    def forward(self, x, cos, sin, k_ctx, v_ctx, layout: Optional[BranchLayout], backend="auto"):
+        """x [N, S, D] block (normed); cos/sin [N, S, hd]; k_ctx/v_ctx [C, Hkv, hd] packed context seen through
+        ``layout``, or (layout None, decoding) lists of N per-block cached contexts [T_b, Hkv, hd]."""
         n, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(n, s, self.h, self.hd)), cos, sin)
         kb, vb = self.kv(x, cos, sin)
-        o = branch_attention(q, kb, vb, k_ctx, v_ctx, layout, self.hd ** -0.5, backend)
+        if layout is None:
+            o = cached_branch_attention(q, kb, vb, k_ctx, v_ctx, self.hd ** -0.5)
+        else:
+            o = branch_attention(q, kb, vb, k_ctx, v_ctx, layout, self.hd ** -0.5, backend)
         return self.o_proj(o.reshape(n, s, self.h * self.hd))
 
 
@@ -317,8 +321,6 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         """Block length including the anchor, as released ("b16" = 16)."""
         return int(self.config.block_size)
-
-    draft_len = property(lambda self: self.block_size)  # tokens drafted per round (the drafter rewrite resolves it)
 
     @property
     def draft_len(self) -> int:
@@ -491,21 +493,43 @@ class DFlashDrafter(nn.Module):
         return ctx
 
     @torch.no_grad()
+    def draft_batch(self, ctxs: Sequence["DraftContext"], anchor_tokens, temperature: float = 0.0,
+                    generators=None, return_confidence: bool = False):
+        """One block per decoding sequence, all in one drafter call: block b is anchored at ``len(ctxs[b])``
+        (its anchor token ``anchor_tokens[b]``, the pending token the target has not run yet) and attends to
+        its own cached context K/V in place (no packing, no per-block copy); DSpark samples left to right.
+
+        ctxs: A DraftContexts; anchor_tokens [A]; generators: None, one Generator for every draw, or a list
+        of A (sequence b's W draws come from generators[b], as ``sample`` with that generator alone).
+        -> (tokens [A, W], raw logits [A, W, V]) [+ DSpark confidence logits [A, W]]. Equals
+        ``sample([features_b], [len(ctx_b)], None, [anchor_token_b])`` per sequence without recomputing any
+        context. Cost per round: O(A * block_size) in the layers and lm_head + O(sum_b T_b) attention reads."""
+        ctxs = list(ctxs)
+        if not ctxs or any(c.drafter is not self for c in ctxs):
+            raise ValueError("draft_batch needs >= 1 DraftContext of this drafter (drafter.context_cache(...)); "
+                             "got none, or one that belongs to another drafter")
+        atok = torch.as_tensor(anchor_tokens, dtype=torch.long, device=self.device).reshape(-1)
+        if atok.numel() != len(ctxs):
+            raise ValueError(f"draft_batch: {atok.numel()} anchor tokens for {len(ctxs)} contexts")
+        self._check_tokens(atok, "anchor_tokens")
+        rows = None
+        if isinstance(generators, (list, tuple)):
+            if len(generators) != len(ctxs):
+                raise ValueError(f"draft_batch: {len(generators)} generators for {len(ctxs)} sequences (give one, "
+                                 f"or one per sequence)")
+            rows = [torch.tensor([b], device=self.device) for b in range(len(ctxs))]
+        anchors = torch.tensor([len(c) for c in ctxs], device=self.device)
+        h = self._layers(atok, anchors, lambda i, attn: tuple(zip(*(c.kv(i) for c in ctxs))), None)
+        return self._sample_hidden(h, atok, temperature, generators, rows, return_confidence)
+
+    @torch.no_grad()
     def draft(self, ctx: "DraftContext", anchor_token, temperature: float = 0.0, generator=None,
               return_confidence: bool = False):
         """One block at anchor ``len(ctx)`` (the bonus token ``anchor_token``, not yet run by the target)
-        from the cached context K/V -> (tokens [W], raw logits [W, V]) [+ DSpark confidence logits [W]].
-        Equals ``sample([features], [len(ctx)], None, [anchor_token])`` without recomputing the context."""
-        if ctx.drafter is not self:
-            raise ValueError("this DraftContext belongs to another drafter")
-        t = len(ctx)
-        atok = torch.as_tensor(anchor_token, dtype=torch.long, device=self.device).reshape(1)
-        self._check_tokens(atok, "anchor_token")
-        anchors = torch.tensor([t], device=self.device)
-        layout = BranchLayout(torch.zeros(1, dtype=torch.long, device=self.device), anchors, t, self.block_size)
-        # one block over the whole context: no mask to build, so the chunked path on every device
-        h = self._layers(atok, anchors, lambda i, attn: ctx.kv(i), layout, backend="chunked")
-        out = self._sample_hidden(h, atok, temperature, generator, None, return_confidence)
+        from the cached context K/V -> (tokens [W], raw logits [W, V]) [+ DSpark confidence logits [W]]:
+        ``draft_batch`` with one sequence."""
+        atok = torch.as_tensor(anchor_token, dtype=torch.long).reshape(1)
+        out = self.draft_batch([ctx], atok, temperature, generator, return_confidence)
         return tuple(x[0] for x in out)
 
     # -- save / load --------------------------------------------------------------------------------------

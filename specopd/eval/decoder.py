@@ -2,7 +2,8 @@
 
 A thin single-sequence user of ``specopd.speculative`` (the round is written there once): the prompt is
 prefilled once (all but its last token, which is pending); each round drafts k tokens after the pending
-token, verifies the chain ``[last, d_1..d_k]`` in ONE target pass anchored at ``len(cache) - 1``, accepts
+token from the drafter's context cache (which takes in only the features committed since the previous round:
+the drafter's cost per round does not grow with the context's projections), verifies the chain ``[last, d_1..d_k]`` in ONE target pass anchored at ``len(cache) - 1``, accepts
 (T = 0: exact match with argmax p; T > 0: lossless rejection sampling) and commits ``[last] + accepted``
 from that same pass; the bonus / resampled token becomes the next ``last`` and is run by the next round's
 verify. So the target runs once per round, plus the prompt prefill.
@@ -100,8 +101,7 @@ class SpeculativeDecoder:
         stopped = "length"
         while len(out) < max_new_tokens and stopped == "length":
             t0 = time.perf_counter()
-            toks, q_logits = drafter.sample(*spec.draft_inputs([seq], target.device), temperature=temp,
-                                            generator=generator)
+            toks, q_logits = spec.draft(drafter, [seq], temp, generator)  # context cache + accepted features
             drafts, q_logits = toks[:, :k], q_logits[:, :k]
             t1 = time.perf_counter()
             p_logits, state = spec.verify(target, [seq], drafts)

@@ -2,8 +2,9 @@
 
 Draft-OPD (``trainer.method: draft_opd``): a sequential draft-and-verify rollout from each prompt with
 lossless rejection sampling at ``trainer.temperature``, rolled out the way a serving engine does it
-(``specopd.speculative``, batched over the step's sequences): every prompt is prefilled once; per round, the
-drafter drafts a W-token block after each active sequence's anchor (its last committed token), ONE target
+(``specopd.speculative``, batched over the step's sequences): every prompt is prefilled once; per round, ONE
+drafter call drafts a W-token block after each active sequence's anchor (its last committed token) from the
+sequences' drafter context caches (extended only by the tokens committed since the last round), ONE target
 pass verifies the chains ``[anchor, d_1..d_W]`` of all active sequences, the blocks are accepted (accept d_j
 with probability min(1, p/q), on rejection resample from norm(max(0, p - q)); all accepted -> bonus token from
 p), and the accepted tokens are committed to each cache from that same pass; the bonus / resampled token is
@@ -20,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from specopd import speculative as spec
-from specopd.train.worker import sample_branches
 
 
 def verify_block(p_logits: torch.Tensor, q_logits: torch.Tensor, draft: torch.Tensor, temperature: float,
@@ -49,15 +49,14 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
     while not all(done):
         active = [i for i in range(len(samples)) if not done[i]]
         cur, g = [seqs[i] for i in active], [gens[i] for i in active]
-        feats, anchors, tix, atok = spec.draft_inputs(cur, dev)
-        with worker._span("propose"), worker._autocast():
-            draft, q = sample_branches(drafter, feats, anchors, tix, atok, t.temperature,
-                                       [torch.tensor([k], device=dev) for k in range(len(active))], g)
+        anchors = [s.anchor for s in cur]
+        with worker._span("propose"), worker._autocast():  # one drafter call over the context caches
+            draft, q = spec.draft(drafter, cur, t.temperature, g)  # [A, W], [A, W, V]
         with worker._span("score"):
             p, state = spec.verify(target, cur, draft)  # [A, W + 1, V]
             n, nxt = spec.accept(draft, q, p, t.temperature, g)
         for k, i in enumerate(active):
-            blocks.append((i, int(anchors[k]), atok[k], draft[k], p[k, :W]))
+            blocks.append((i, anchors[k], cur[k].anchor_token, draft[k], p[k, :W]))
             rounds[i] += 1
             done[i] = rounds[i] >= t.anchors_per_seq or len(seqs[i]) + n[k] + 1 >= limit[i]
         with worker._span("commit"):
@@ -67,7 +66,7 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
     proposals = {
         "anchors": torch.tensor([b[1] for b in blocks], device=dev),
         "trunk_index": torch.tensor([b[0] for b in blocks], device=dev),
-        "anchor_tokens": torch.stack([b[2] for b in blocks]),
+        "anchor_tokens": torch.tensor([b[2] for b in blocks], device=dev),
         "tokens": torch.stack([b[3] for b in blocks]),
         "features": [s.cache.features for s in seqs],
         "sample_ids": list(sample_ids), "reference": False,
