@@ -91,19 +91,21 @@ def draft(drafter, seqs: Seq[Sequence], temperature: float, generators=None) -> 
     since it was last used (``cache.features[len(ctx):anchor]``: the prompt in round 1, then only the accepted
     tokens), so nothing is recomputed over the whole context; then ``drafter.draft_batch``. generators: one
     torch.Generator, or one per sequence. -> (drafts [A, W], q logits [A, W, V])."""
+    new = []
     for s in seqs:
         if s.ctx is None:
             s.ctx = drafter.context_cache()
         have, need = len(s.ctx), s.anchor
-        if have < need:
-            feats = s.cache.features
-            if feats is None:
-                raise ValueError("the sequence's cache has no drafter features: start(target, prompt, "
-                                 "feature_layers=drafter.feature_layers)")
-            s.ctx.extend(feats[have:need])  # [need - have, F]: only what was committed since the last draft
-        elif have > need:
+        if have > need:
             raise ValueError(f"the drafter context holds {have} positions but the anchor is at {need}: a context "
                              f"cache belongs to one sequence and only grows")
+        if have < need and s.cache.features is None:
+            raise ValueError("the sequence's cache has no drafter features: start(target, prompt, "
+                             "feature_layers=drafter.feature_layers)")
+        new.append(s.cache.features[have:need] if have < need else None)
+    grow = [(s.ctx, f) for s, f in zip(seqs, new) if f is not None]
+    if grow:  # [n_b, F] per sequence: only what was committed since its last draft
+        drafter.extend_contexts(*zip(*grow))
     atok = torch.tensor([s.anchor_token for s in seqs])
     return drafter.draft_batch([s.ctx for s in seqs], atok, temperature, generators)
 

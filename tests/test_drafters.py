@@ -329,6 +329,78 @@ def test_decoding_cache_equals_recomputation(target, kind):
         _drafter(target, kind).draft(ctx, 1)
 
 
+def test_cached_attention_matches_per_branch():
+    """Decoding attention: each block over its own cached context (lists, never packed) = the per-branch
+    reference over the same contexts packed; empty and one-row contexts, GQA, MHA, one kv head."""
+    from specopd.drafters.attention import cached_branch_attention
+
+    g = torch.Generator().manual_seed(2)
+    lens = [0, 1, 9, 4, 0, 17]
+    for h, hkv in ((4, 2), (3, 1), (2, 2)):
+        r = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64)  # noqa: E731
+        q, kb, vb = r(len(lens), BS, h, 8), r(len(lens), BS, hkv, 8), r(len(lens), BS, hkv, 8)
+        kc, vc = [r(t, hkv, 8) for t in lens], [r(t, hkv, 8) for t in lens]
+        out = cached_branch_attention(q, kb, vb, kc, vc, 0.3)
+        n = torch.tensor(lens)
+        layout = BranchLayout(torch.cumsum(n, 0) - n, n, int(n.sum()), BS)
+        ref = per_branch_attention(q, kb, vb, torch.cat(kc), torch.cat(vc), layout, 0.3)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="contexts for"):
+        cached_branch_attention(q, kb, vb, kc[:2], vc[:2], 0.3)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_draft_batch_equals_recomputation_over_rounds(target, kind):
+    """Four sequences decoded together over many rounds (1-token prompt, commits of the bonus token alone, of a
+    whole block, none): every round's tokens and q logits from the context caches equal a recomputation from
+    all features (per sequence with its own generator, and batched with one generator); each round projects
+    only the new rows, in one pass for all sequences."""
+    d = _drafter(target, kind)
+    conf = {"return_confidence": True} if kind == "dspark" else {}
+    g = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, 128, (64,), generator=g) for _ in range(4)]
+    feats = _feats(target, ids, d.feature_layers)  # [64, F] each
+    lens = [0, 1, 6, 13]  # context rows before round 1 (0: a one-token prompt, anchored at its token)
+    steps = [(1, 1, 4, 2), (0, 4, 1, 1), (4, 1, 0, 3), (2, 2, 2, 1), (1, 1, 1, 1), (3, 4, 4, 4), (1, 0, 2, 1)]
+    calls = []
+    d.fc.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    ctxs, have = [d.context_cache() for _ in lens], [0] * 4
+    for rnd in range(len(steps) + 1):
+        calls.clear()
+        d.extend_contexts(ctxs, [f[h:n] for f, h, n in zip(feats, have, lens)])
+        new = sum(n - h for n, h in zip(lens, have))
+        assert calls == ([new] if new else []), "one projection pass over the new rows only"
+        assert [len(c) for c in ctxs] == lens
+        have = list(lens)
+        atok = torch.stack([i[n] for i, n in zip(ids, lens)])
+        for temp in (0.0, 1.5):
+            gens = lambda: [torch.Generator().manual_seed(100 * rnd + b) for b in range(4)]  # noqa: E731
+            out = d.draft_batch(ctxs, atok, temp, gens(), **conf)
+            assert out[0].shape == (4, W) and out[1].shape == (4, W, 128)
+            for b, gb in enumerate(gens()):
+                ref = d.sample([feats[b][:lens[b]]], torch.tensor([lens[b]]), None, atok[b:b + 1], temperature=temp,
+                               generator=gb, **conf)
+                assert torch.equal(out[0][b], ref[0][0]), f"round {rnd}, sequence {b}, T={temp}: tokens differ"
+                for x, y in zip(out[1:], ref[1:]):
+                    torch.testing.assert_close(x[b], y[0], rtol=1e-5, atol=1e-5)
+            one = d.draft_batch(ctxs, atok, temp, torch.Generator().manual_seed(rnd), **conf)
+            with torch.no_grad():
+                ref = d.sample([f[:n] for f, n in zip(feats, lens)], torch.tensor(lens), torch.arange(4), atok,
+                               temperature=temp, generator=torch.Generator().manual_seed(rnd), **conf)
+            assert torch.equal(one[0], ref[0])
+            for x, y in zip(one[1:], ref[1:]):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        if rnd < len(steps):
+            lens = [n + k for n, k in zip(lens, steps[rnd])]
+    assert all(c.capacity < 2 * len(c) + 16 for c in ctxs)
+    with pytest.raises(ValueError, match="another drafter"):
+        _drafter(target, kind).draft_batch(ctxs, atok)
+    with pytest.raises(ValueError, match="generators for"):
+        d.draft_batch(ctxs, atok, 1.0, [torch.Generator()])
+    with pytest.raises(ValueError, match="anchor tokens for"):
+        d.draft_batch(ctxs, atok[:2])
+
+
 # ------------------------------------------------------------------ defaults: layer ids, mask token
 
 

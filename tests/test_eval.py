@@ -55,6 +55,10 @@ class RandomDrafter:
     def context_cache(self):
         return PositionContext()
 
+    def extend_contexts(self, ctxs, features):
+        for c, f in zip(ctxs, features):
+            c.extend(f)
+
     def draft_batch(self, ctxs, anchor_tokens, temperature=1.0, generators=None):
         logits = self.table[torch.as_tensor(anchor_tokens).cpu()]  # [N, W, V]
         if temperature == 0:

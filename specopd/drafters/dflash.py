@@ -493,6 +493,35 @@ class DFlashDrafter(nn.Module):
         return ctx
 
     @torch.no_grad()
+    def extend_contexts(self, ctxs: Sequence["DraftContext"], features: Sequence[torch.Tensor]) -> None:
+        """Append ``features[b]`` [n_b, F] (positions len(ctxs[b]) ..) to every decoding cache in one pass: the
+        new rows of all sequences are projected together (fc, hidden_norm, k/v, RoPE at their own positions) and
+        written after each cache's rows. Nothing already cached is read or recomputed: O(sum_b n_b) work."""
+        ctxs = list(ctxs)
+        feats = self._features(features)
+        if len(feats) != len(ctxs) or any(c.drafter is not self for c in ctxs):
+            raise ValueError(f"extend_contexts: {len(feats)} feature tensors for {len(ctxs)} contexts (of this "
+                             f"drafter: drafter.context_cache())")
+        ns = [int(f.shape[0]) for f in feats]
+        if not sum(ns):
+            return
+        dev = self.device
+        pos = torch.cat([torch.arange(len(c), len(c) + n, device=dev) for c, n in zip(ctxs, ns) if n])  # [M]
+        x = self.context(torch.cat([f for f, n in zip(feats, ns) if n]))  # [M, D]
+        cos, sin = self._rope_cos_sin(pos)
+        for c, n in zip(ctxs, ns):
+            c.reserve(len(c) + n)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(x, cos, sin)  # [M, Hkv, hd]
+            off = 0
+            for c, n in zip(ctxs, ns):
+                c.k[i][c.length:c.length + n] = k[off:off + n]
+                c.v[i][c.length:c.length + n] = v[off:off + n]
+                off += n
+        for c, n in zip(ctxs, ns):
+            c.length += n
+
+    @torch.no_grad()
     def draft_batch(self, ctxs: Sequence["DraftContext"], anchor_tokens, temperature: float = 0.0,
                     generators=None, return_confidence: bool = False):
         """One block per decoding sequence, all in one drafter call: block b is anchored at ``len(ctxs[b])``
@@ -561,7 +590,8 @@ class DraftContext:
     """Decoding cache of one sequence: every draft layer's context K/V [T, Hkv, hd] (after k_norm and RoPE).
 
     ``extend(features [n, F])`` projects only the n new positions and appends them (capacity doubles, so
-    growth is amortised O(1) per token); nothing is recomputed over the whole context. ``len(ctx)`` = T =
+    growth is amortised O(1) per token); nothing is recomputed over the whole context.
+    ``drafter.extend_contexts(ctxs, features)`` does it for many sequences in one pass. ``len(ctx)`` = T =
     the anchor of the next ``drafter.draft(ctx, ...)``. Only the context is cached: block K/V are never kept
     (the block changes every round)."""
 
@@ -593,24 +623,14 @@ class DraftContext:
     def capacity(self) -> int:
         return int(self.k[0].shape[0]) if self.k else 0
 
-    @torch.no_grad()
+    def reserve(self, length: int) -> None:
+        """Room for ``length`` positions (capacity doubles: growth by n tokens in rounds copies O(n) amortised)."""
+        if length > self.capacity:
+            self._alloc(max(length, 2 * self.capacity, 16))
+
     def extend(self, features: torch.Tensor) -> "DraftContext":
         """Append the context K/V of positions len(self) .. len(self) + n - 1 from their features [n, F]."""
-        d = self.drafter
-        f = d._features([features])[0]
-        n = int(f.shape[0])
-        if n == 0:
-            return self
-        t0, t1 = self.length, self.length + n
-        if t1 > self.capacity:
-            self._alloc(max(t1, 2 * self.capacity, 16))
-        c = d.context(f)
-        cos, sin = d._rope_cos_sin(torch.arange(t0, t1, device=d.device))
-        for i, layer in enumerate(d.layers):
-            k, v = layer.self_attn.kv(c, cos, sin)
-            self.k[i][t0:t1] = k
-            self.v[i][t0:t1] = v
-        self.length = t1
+        self.drafter.extend_contexts([self], [features])
         return self
 
     def kv(self, i: int):
