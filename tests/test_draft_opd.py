@@ -55,8 +55,14 @@ def test_rollout_equals_sequential_reference_one_pass_per_round(tmp_path, target
     w = Worker(tiny_recipe(str(tmp_path), [f"trainer.anchors_per_seq={rounds}", "drafter.block_size=3"],
                            target=target))
     ids = w.train_ids[:4]
+    drafts, rows = [], []
+    real = w.drafter.draft_batch
+    w.drafter.draft_batch = lambda ctxs, *a, **k: drafts.append(len(ctxs)) or real(ctxs, *a, **k)
+    hook = w.drafter.fc.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
     with count_target_passes(w.target) as passes:
         prop, p = draft_opd_rollout(w, ids, step=3)
+    hook.remove()
+    del w.drafter.draft_batch
     ref = reference_rollout(w, ids, step=3)
     got = sorted(zip(prop["trunk_index"].tolist(), prop["anchors"].tolist(), range(len(ref))))
     assert [(i, a) for i, a, _ in got] == [(b[0], b[1]) for b in sorted(ref, key=lambda b: (b[0], b[1]))]
@@ -70,6 +76,11 @@ def test_rollout_equals_sequential_reference_one_pass_per_round(tmp_path, target
     rounds = max(sum(1 for b in ref if b[0] == i) for i in range(len(ids)))
     assert len({sum(1 for b in ref if b[0] == i) for i in range(len(ids))}) > 1 or rounds == 5
     assert passes[0] == len(ids) + rounds, f"{passes[0]} target passes: {len(ids)} prompts, {rounds} rounds"
+    # one drafter call per round over all active sequences' context caches, one projection pass per round over
+    # the rows committed since the last round: every context row is projected once (sum = each last anchor)
+    assert len(drafts) == rounds and drafts[0] == len(ids) and len(rows) == rounds
+    last = [max(b[1] for b in ref if b[0] == i) for i in range(len(ids))]
+    assert sum(rows) == sum(last), f"{sum(rows)} feature rows projected for {sum(last)} context positions"
     assert prop["tokens"].shape == (len(ref), w.W) and accepted == len(ref)
 
 

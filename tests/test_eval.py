@@ -187,6 +187,70 @@ def test_greedy_equals_plain_greedy_and_al_accounting(small):
     assert random_res.tokens[:n].tolist() == ar.tokens.tolist()
 
 
+class Recording:
+    """Wraps a real drafter: logs every round's (context length, anchor token, generator state, drafted tokens,
+    q logits) and the rows its fc projects (each context position must be projected once, never again)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.log, self.rows = drafter, [], []
+
+    @contextlib.contextmanager
+    def counting_rows(self):
+        handle = self.drafter.fc.register_forward_hook(lambda m, i, o: self.rows.append(i[0].shape[0]))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def draft_batch(self, ctxs, anchor_tokens, temperature, generators):
+        state = generators.get_state() if generators is not None else None
+        toks, logits = self.drafter.draft_batch(ctxs, anchor_tokens, temperature, generators)
+        self.log.append((len(ctxs[0]), int(anchor_tokens[0]), state, toks[0], logits[0]))
+        return toks, logits
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_decoder_drafts_equal_recomputation_every_round(small, kind):
+    """The decoder's drafter context cache: every round's drafted tokens and q logits equal the drafter run on
+    all features of the committed sequence (plain target forward), with the same generator draws at T > 0;
+    one projection pass per round over the newly committed rows only (the bonus token alone in many rounds)."""
+    from specopd.drafters import build_drafter
+
+    d = build_drafter(kind, small, num_layers=1, block_size=4, seed=5)
+    if kind == "dspark":
+        with torch.no_grad():
+            d.markov_head.markov_w2.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    steps = set()
+    for prompt, temp, seed in ((PROMPT, 0.0, 0), (PROMPT, 1.0, 1), (torch.tensor([4]), 1.0, 2)):
+        rec = Recording(d)
+        with rec.counting_rows():
+            res = SpeculativeDecoder(small, rec, temperature=temp).generate(prompt, 24,
+                                                                           torch.Generator().manual_seed(seed))
+        full = torch.cat([prompt, res.tokens])
+        with torch.no_grad():
+            feats = small.hidden_states(full[None], d.feature_layers)[0]
+        assert len(rec.log) == res.rounds and rec.log[0][0] == len(prompt) - 1
+        for a, atok, state, toks, logits in rec.log:
+            assert atok == int(full[a])
+            g = None
+            if state is not None:
+                g = torch.Generator()
+                g.set_state(state)
+            with torch.no_grad():
+                rt, rl = d.sample([feats[:a]], torch.tensor([a]), None, torch.tensor([atok]), temperature=temp,
+                                  generator=g)
+            assert torch.equal(toks, rt[0]), f"anchor {a}: cached draft differs from recomputation"
+            torch.testing.assert_close(logits, rl[0], rtol=1e-5, atol=1e-5)
+        anchors = [entry[0] for entry in rec.log]
+        new = [b - a for a, b in zip(anchors, anchors[1:])]  # rows committed between rounds
+        assert rec.rows == [n for n in [anchors[0]] + new if n], "each round projects only the committed rows"
+        steps.update(new)
+    assert 1 in steps and max(steps) > 1, f"rounds committed {sorted(steps)} tokens: need bonus-only and longer"
+
+
 def test_one_token_prompt_and_stop_token(small):
     one = torch.tensor([4])
     ar = autoregressive(small, one, 10, temperature=0.0)
