@@ -459,6 +459,30 @@ def test_load_into_mismatched_target(target, tmp_path):
         load_drafter(str(tmp_path / "d"), other)
 
 
+def test_folder_that_is_not_a_drafter(ckpt, target, tmp_path):
+    """A config.json that is not a drafter's (the target's own folder, broken JSON, a list, an unknown kind,
+    missing fields) gives NotADrafterError naming the folder and what a drafter folder holds, never a
+    TypeError / KeyError / AttributeError."""
+    from specopd.drafters.layout import NotADrafterError
+
+    cases = {"not valid JSON": "{kind: dflash", "holds a list": "[1, 2]", "kind 'eagle'": json.dumps({"kind": "eagle"}),
+             "lacks ['num_layers'": json.dumps({"kind": "dflash", "format": 2, "block_size": 4}),
+             "lacks the field 'num_hidden_layers'": json.dumps({"architectures": ["DFlashDraftModel"],
+                                                                "model_type": "qwen3"})}
+    folders = {"a model's (architectures ['LlamaForCausalLM']": ckpt}
+    for i, (why, text) in enumerate(cases.items()):
+        (tmp_path / f"f{i}").mkdir()
+        (tmp_path / f"f{i}" / "config.json").write_text(text)
+        folders[why] = str(tmp_path / f"f{i}")
+    for why, folder in folders.items():
+        with pytest.raises(NotADrafterError) as e:
+            load_drafter(folder, target)
+        msg = str(e.value)
+        assert f"{folder!r} is not a drafter folder" in msg and why in msg, msg
+        assert '"kind": "dflash" | "dspark"' in msg and "DFlashDraftModel" in msg and "mask_embedding.pt" in msg
+    assert issubclass(NotADrafterError, ValueError)  # the CLI reports ValueErrors without a traceback
+
+
 def test_build_errors_and_seeded_init(target):
     with pytest.raises(ValueError, match="dflash.*dspark"):
         build_drafter("eagle", target)

@@ -347,3 +347,23 @@ def test_main_eval_on_the_tiny_recipe(tmp_path, capsys):
     assert "incl. bonus" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="eval.checkpoint=none"):
         main_eval(load_recipe(os.path.join(root, "recipes", "tiny.yaml"), [f"trainer.output_dir={tmp_path}"]), [])
+
+
+def test_eval_cli_on_a_folder_that_is_not_a_drafter(tmp_path, capsys):
+    """``specopd eval RECIPE eval.checkpoint=<a model folder>``: exit code 2 and a message naming the folder and
+    what a drafter folder holds, no traceback."""
+    import json
+
+    from specopd.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = tmp_path / "some-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    rc = main(["eval", os.path.join(root, "recipes", "tiny.yaml"), f"trainer.output_dir={tmp_path / 'run'}",
+               f"eval.checkpoint={model}", "eval.prompts=1", "eval.max_new_tokens=2", "data.num_samples=8",
+               "data.seq_len=12", "data.heldout=0.25"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"'{model}' is not a drafter folder" in err and "a drafter folder holds config.json" in err.lower()
+    assert "Traceback" not in err

@@ -31,12 +31,28 @@ import torch
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
 
 ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+KINDS = tuple(ARCH)
 KIND_OF_ARCH = {v: k for k, v in ARCH.items()}
 AUTO_MAP = {"dflash": "dflash.DFlashDraftModel", "dspark": "dspark.DSparkDraftModel"}
 MASK_FILE = "mask_embedding.pt"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
+DRAFTER_FOLDER = ("a drafter folder holds config.json + safetensors weights, either SpecOPD's (config.json with "
+                  "\"kind\": \"dflash\" | \"dspark\" and the drafter's sizes, model.safetensors; written by "
+                  "drafter.save(dir) or a run's <output_dir>/checkpoints/step-N) or the released DFlash / DSpark "
+                  "layout "
+                  "(config.json with architectures [\"DFlashDraftModel\"] or [\"DSparkDraftModel\"] and dflash_config, "
+                  "model.safetensors or shards + index, optional mask_embedding.pt)")
+
+
+class NotADrafterError(ValueError):
+    """A folder given as a drafter (``load_drafter``, ``eval.checkpoint``, ``drafter.init_from``, ``specopd
+    export``) whose config.json does not describe a drafter. The message names the folder and what a drafter
+    folder holds."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"{path!r} is not a drafter folder: {why}. {DRAFTER_FOLDER[0].upper()}{DRAFTER_FOLDER[1:]}")
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -47,10 +63,15 @@ def read_json(path: str) -> dict:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"drafter folder {path!r} does not exist")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path!r} has no config.json: not a drafter folder (ours: drafter.save(dir) or a "
-                                f"checkpoint step folder; released: a DFlash / DSpark Hugging Face folder)")
+        raise FileNotFoundError(f"{path!r} has no config.json: not a drafter folder ({DRAFTER_FOLDER})")
     with open(cfg_path) as f:
-        return json.load(f)
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise NotADrafterError(path, f"its config.json is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise NotADrafterError(path, f"its config.json holds a {type(raw).__name__}, not a JSON object")
+    return raw
 
 
 def is_released(raw: dict) -> bool:
@@ -171,21 +192,39 @@ def config_from_ours(raw: dict, path: str) -> DrafterConfig:
         raise ValueError(f"{path}/config.json was written by SpecOPD v0.1 (block_size counted drafted tokens only, "
                          f"learned mask vector, the target's final norm before lm_head): that drafter computes "
                          f"something else and cannot be loaded; train it again")
-    known = {fl.name for fl in dataclasses.fields(DrafterConfig)}
-    cfg = DrafterConfig(**{k: v for k, v in raw.items() if k in known})
+    fields = dataclasses.fields(DrafterConfig)
+    missing = [fl.name for fl in fields if fl.name not in raw and fl.default is dataclasses.MISSING
+               and fl.default_factory is dataclasses.MISSING]
+    if missing:
+        raise NotADrafterError(path, f"its config.json has \"kind\": {raw.get('kind')!r} but lacks {missing}")
+    cfg = DrafterConfig(**{k: v for k, v in raw.items() if k in {fl.name for fl in fields}})
     cfg.feature_layers = tuple(int(i) for i in cfg.feature_layers)
     return cfg
 
 
 def read_config(path: str, target_layers: Optional[int] = None) -> tuple:
-    """-> (DrafterConfig, released: bool) of a drafter folder (ours or released)."""
+    """-> (DrafterConfig, released: bool) of a drafter folder (ours or released). A config.json that is not a
+    drafter's (a target model's, a truncated one, anything else) raises ``NotADrafterError``."""
     raw = read_json(path)
-    if is_released(raw):
-        return config_from_released(raw, path, target_layers), True
-    if "kind" not in raw:
-        raise ValueError(f"{path}/config.json is neither a SpecOPD drafter (no 'kind') nor a released DFlash / DSpark "
-                         f"drafter (no DFlashDraftModel / DSparkDraftModel in architectures, no dflash_config)")
-    return config_from_ours(raw, path), False
+    released = is_released(raw)
+    if not released:
+        kind = raw.get("kind")
+        if kind is None:
+            archs = raw.get("architectures")
+            what = (f"its config.json is a model's (architectures {archs}, model_type {raw.get('model_type')!r}), "
+                    f"not a drafter's: a target goes in model.target" if archs or "model_type" in raw else
+                    "its config.json has no \"kind\" (SpecOPD drafter) and no dflash_config / DFlashDraftModel "
+                    "architecture (released drafter)")
+            raise NotADrafterError(path, what)
+        if kind not in KINDS:
+            raise NotADrafterError(path, f"its config.json has kind {kind!r}, not one of {sorted(KINDS)}")
+    try:
+        return (config_from_released(raw, path, target_layers), True) if released else (config_from_ours(raw, path),
+                                                                                           False)
+    except (KeyError, TypeError, AttributeError) as e:  # required fields missing or of the wrong type
+        why = (f"its config.json lacks the field {e}" if isinstance(e, KeyError) else
+               f"its config.json does not describe a drafter ({e})")
+        raise NotADrafterError(path, why) from None
 
 
 # ------------------------------------------------------------------------------------------- loading

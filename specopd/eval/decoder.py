@@ -2,11 +2,12 @@
 
 A thin single-sequence user of ``specopd.speculative`` (the round is written there once): the prompt is
 prefilled once (all but its last token, which is pending); each round drafts k tokens after the pending
-token from the drafter's context cache (which takes in only the features committed since the previous round:
-the drafter's cost per round does not grow with the context's projections), verifies the chain ``[last, d_1..d_k]`` in ONE target pass anchored at ``len(cache) - 1``, accepts
-(T = 0: exact match with argmax p; T > 0: lossless rejection sampling) and commits ``[last] + accepted``
-from that same pass; the bonus / resampled token becomes the next ``last`` and is run by the next round's
-verify. So the target runs once per round, plus the prompt prefill.
+token from the drafter's context cache, which takes in only the features committed since the previous round
+(so the drafter's projections per round do not grow with the context), verifies the chain
+``[last, d_1..d_k]`` in ONE target pass anchored at ``len(cache) - 1``, accepts (T = 0: exact match with
+argmax p; T > 0: lossless rejection sampling) and commits ``[last] + accepted`` from that same pass; the
+bonus / resampled token becomes the next ``last`` and is run by the next round's verify. So the target runs
+once per round, plus the prompt prefill.
 
 Rejected tokens are never committed, so nothing has to be rolled back. ``autoregressive`` runs the same target
 and cache machinery one token per pass (the speedup baseline, and the reference for T = 0).
@@ -78,7 +79,8 @@ class SpeculativeDecoder:
             raise ValueError(f"temperature must be >= 0; got {temperature}")
         w = int(drafter.draft_len)
         if block_size is not None and not 1 <= int(block_size) <= w:
-            raise ValueError(f"block_size must be in [1, {w}] (the drafter's drafted tokens per block); got {block_size}")
+            raise ValueError(f"block_size must be in [1, {w}] (the drafter's drafted tokens per block); "
+                             f"got {block_size}")
         self.target, self.drafter = target, drafter
         self.temperature = float(temperature)
         self.block_size = int(block_size) if block_size is not None else w
