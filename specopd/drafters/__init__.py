@@ -10,6 +10,8 @@
     tokens, logits = drafter.sample(features, anchors, trunk_index, anchor_tokens, temperature, generator,
                                     rows=None)                                      # [N, W], [N, W, V]
     ctx = drafter.context_cache(features [T, F]); ctx.extend(new_features [n, F])   # decoding cache
+    drafter.extend_contexts(ctxs, [new_features_b])                                  # many, one pass
+    tokens, logits = drafter.draft_batch(ctxs, anchor_tokens, temperature, generators)  # [A, W], [A, W, V]
     tokens, logits = drafter.draft(ctx, anchor_token, temperature, generator)       # [W], [W, V]
     drafter = load_drafter(folder, target)      # our checkpoints and the released layout
     export_drafter(drafter, out_dir)            # the released layout (vLLM / SGLang load it)

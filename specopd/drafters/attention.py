@@ -23,6 +23,10 @@ Backends (``branch_attention(..., backend=)``):
 - a callable ``fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale) -> o`` (tests and benchmarks plug the
   per-branch reference in here).
 
+Decoding (``cached_branch_attention``): one block per sequence, each over its own decoding cache's context
+K/V (``DraftContext``), which stays in place: the contexts are lists, never packed, so a round costs no copy
+of any context.
+
 Shapes: q [N, S, H, hd]; k_blk, v_blk [N, S, Hkv, hd]; k_ctx, v_ctx [C, Hkv, hd]; out [N, S, H, hd]
 (query head h reads kv head h // (H / Hkv), as SDPA's ``enable_gqa``).
 """
