@@ -13,7 +13,8 @@ whose values do not change the cost). For A = 1 sequence (the decoder) and A = -
   (the committed rows projected once, the block attends to the cached K/V in place).
 Median of --repeats, the two alternating.
 
-Part 2, end to end: the recipe's target with that drafter on random prompts of each --prompt-lens length,
+Part 2, end to end: the recipe's target with that drafter on prompts of each --prompt-lens length (the run's
+reference sequences concatenated: text like the drafter's training data),
 --new-tokens tokens each at --temperature: autoregressive (``specopd.eval.autoregressive``), speculative with
 the drafter recomputed over all features each round ("before": a wrapper whose ``draft_batch`` calls
 ``drafter.sample`` on the sequence's features, kept in a capacity-doubling buffer), and speculative with the
@@ -118,7 +119,23 @@ def part1(drafter, lengths, batch: int, commit: int, repeats: int, temperature: 
     return out
 
 
-def part2(target, drafter, prompt_lens, new_tokens: int, prompts: int, temperature: float) -> list:
+def text_prompt(samples: list, length: int, seed: int):
+    """A prompt of ``length`` tokens: the run's reference sequences (prompt + response) concatenated in a
+    seeded order (repeated when they run out), so that a trained drafter sees text like its training data."""
+    import torch
+
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    parts, n = [], 0
+    while n < length:
+        for i in order:
+            parts.append(torch.as_tensor(samples[i]["input_ids"]).reshape(-1))
+            n += parts[-1].numel()
+            if n >= length:
+                break
+    return torch.cat(parts)[:length]
+
+
+def part2(target, drafter, samples, prompt_lens, new_tokens: int, prompts: int, temperature: float) -> list:
     import torch
 
     from specopd.eval import SpeculativeDecoder, autoregressive
@@ -129,11 +146,11 @@ def part2(target, drafter, prompt_lens, new_tokens: int, prompts: int, temperatu
         if limit is not None and plen + new_tokens + drafter.block_size > int(limit):
             print(f"  prompt length {plen}: past the target's context limit {limit}, skipped")
             continue
-        g = torch.Generator().manual_seed(plen)
         acc = {m: dict(tokens=0, wall=0.0, rounds=0, committed=0, draft=0.0, verify=0.0)
                for m in ("autoregressive", "before (recompute)", "after (cache)")}
         for i in range(prompts):
-            prompt = torch.randint(0, int(target.vocab_size), (plen,), generator=g)
+            prompt = text_prompt(samples, plen, seed=1000 * plen + i)
+            got = {}
             runs = {"autoregressive": lambda: autoregressive(target, prompt, new_tokens, temperature,
                                                              torch.Generator().manual_seed(i)),
                     "before (recompute)": lambda: SpeculativeDecoder(target, Recompute(drafter), temperature).generate(
@@ -141,7 +158,7 @@ def part2(target, drafter, prompt_lens, new_tokens: int, prompts: int, temperatu
                     "after (cache)": lambda: SpeculativeDecoder(target, drafter, temperature).generate(
                         prompt, new_tokens, torch.Generator().manual_seed(i))}
             for name, fn in runs.items():
-                res = fn()
+                res = got[name] = fn()
                 a = acc[name]
                 a["tokens"] += res.tokens.numel()
                 a["wall"] += res.wall_time
@@ -149,6 +166,8 @@ def part2(target, drafter, prompt_lens, new_tokens: int, prompts: int, temperatu
                 a["committed"] += sum(res.accept_lengths)
                 a["draft"] += res.times.get("draft", 0.0)
                 a["verify"] += res.times.get("verify", 0.0)
+            same = torch.equal(got["before (recompute)"].tokens, got["after (cache)"].tokens)
+            print(f"  P={plen:5d} prompt {i}: before and after decoded the same tokens: {same}", flush=True)
         for name, a in acc.items():
             spec = name != "autoregressive"
             out.append(dict(P=plen, decoder=name, tok_s=a["tokens"] / a["wall"],
@@ -204,9 +223,13 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     print("part 1: drafter time per round")
     p1 = part1(drafter, lengths, args.batch, args.commit, args.repeats, args.temperature)
-    p2 = [] if args.skip_e2e else (print("part 2: end to end"), part2(
-        target, drafter, [int(x) for x in args.prompt_lens.split(",")], args.new_tokens, args.prompts,
-        args.temperature))[1]
+    p2 = []
+    if not args.skip_e2e:
+        from specopd.train.data import load_dataset
+
+        print("part 2: end to end")
+        p2 = part2(target, drafter, load_dataset(cfg, target), [int(x) for x in args.prompt_lens.split(",")],
+                   args.new_tokens, args.prompts, args.temperature)
     print(f"\ndrafter per round ({args.commit} committed rows per round; median of {args.repeats})")
     print("| sequences A | context T | recompute (before) ms | cache (after) ms | before / after |")
     print("|---|---|---|---|---|")
@@ -214,7 +237,7 @@ def main() -> None:
         print(f"| {r['A']} | {r['T']} | {r['recompute_ms']:.2f} | {r['cache_ms']:.2f} | "
               f"{r['recompute_ms'] / r['cache_ms']:.1f}x |")
     if p2:
-        print(f"\nend to end: {args.prompts} random prompts per length x {args.new_tokens} new tokens, "
+        print(f"\nend to end: {args.prompts} prompts per length x {args.new_tokens} new tokens, "
               f"T = {args.temperature}")
         print("| prompt P | decoder | tokens/s | mean AL (incl. bonus) | drafter ms / round | verify ms / round |")
         print("|---|---|---|---|---|---|")
