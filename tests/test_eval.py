@@ -325,9 +325,12 @@ def test_each_attention_kind_decodes_identically_at_t0(kind, tmp_path):
     assert passes[0] == sampled.rounds + 1 and sum(sampled.accept_lengths) == sampled.tokens.numel()
     from specopd.drafters import build_drafter
 
-    dflash = build_drafter("dflash", target, num_layers=1, block_size=4, seed=0)
-    res = SpeculativeDecoder(target, dflash, temperature=0.0, gdn_checkpoint_every=c).generate(prompt, n)
-    assert res.tokens[:n].tolist() == ar.tokens.tolist()
+    for drafter_kind in ("dflash", "dspark"):  # real drafters through their context caches
+        d = build_drafter(drafter_kind, target, num_layers=1, block_size=4, seed=0)
+        with count_target_passes(target) as passes:
+            res = SpeculativeDecoder(target, d, temperature=0.0, gdn_checkpoint_every=c).generate(prompt, n)
+        assert res.tokens[:n].tolist() == ar.tokens.tolist()
+        assert passes[0] == res.rounds + 1
 
 
 def test_main_eval_on_the_tiny_recipe(tmp_path, capsys):
