@@ -98,6 +98,19 @@ def test_plan_larger_than_device_is_a_clear_error():
     assert not p.fits and any(a.startswith("raise model.gdn_checkpoint_every") for a in p.advice())
 
 
+def test_train_checks_the_plan_before_any_work(tmp_path, monkeypatch):
+    """train() refuses a step larger than the device before building the target or any worker."""
+    import specopd.memory
+    from specopd.train.loop import train
+
+    monkeypatch.setattr(specopd.memory, "device_memory", lambda cfg: (1 << 20, "a 1 MiB test device"))
+    out = tmp_path / "run"
+    with pytest.raises(MemoryPlanError, match="1 MiB test device") as e:
+        train(_tiny(out, "trainer.max_steps=1"), progress=False)
+    assert "--dry-run" in str(e.value)
+    assert not any(n.startswith("tiny-target") for n in os.listdir(out))  # nothing was built
+
+
 def test_growth_is_linear_in_branches_and_chunk_sized_in_vocab(tmp_path):
     """Doubling anchors doubles the branch terms; the vocabulary reaches the step only through the weights and
     the loss chunk (fixed rows), never through an [N, W, V] term."""

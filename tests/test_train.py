@@ -7,7 +7,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specopd.losses import align_p_logits, confidence_loss, e2e_tv_loss, logits_at, tv_alpha
+from specopd.losses import confidence_loss, e2e_tv_loss, logits_at, tv_alpha
 from specopd.train.baselines import verify_block
 from specopd.train.group import LocalGroup
 from specopd.train.loop import reduce_metrics, train

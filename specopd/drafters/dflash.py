@@ -33,7 +33,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import nn
