@@ -78,6 +78,43 @@ def test_reference_blocks_use_trunk_logits(worker):
     assert torch.allclose(p[1], worker.target(trunk[None, : a + 2])[0, -1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("target", ["tiny:llama", "tiny:qwen3_next", "tiny:qwen4_exp"])
+def test_target_keeps_hidden_states_not_logits(tmp_path, target):
+    """What the step asks of the target: prefill keeps hidden [T, D] (what lm_head reads: head_input) instead of
+    logits [T, V]; score returns hidden states only; extending / committing grows them; lm_head of each equals
+    the logits path (qwen4_exp has no final norm: its head is lm_head alone)."""
+    from specopd.models import load_target
+    from specopd.tree import ProposalTree
+    from specopd.train.tiny import resolve_target_path
+
+    cfg = tiny_recipe(str(tmp_path), target=target)
+    m = load_target(resolve_target_path(cfg.model, str(tmp_path)))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.vocab_size, (21,), generator=g)
+    x = torch.randn(3, m.hidden_size, generator=g)
+    torch.testing.assert_close(m.head(x), m.lm_head(m.head_input(x)))
+    full = m.prefill(ids)
+    lean = m.prefill(ids, keep_logits=False, keep_hidden=True)
+    assert lean.logits is None and lean.hidden.shape == (21, m.hidden_size)
+    torch.testing.assert_close(m.lm_head(lean.hidden), full.logits, rtol=1e-5, atol=1e-5)
+    tree = ProposalTree.from_branches(torch.tensor([0, 7, 20]), torch.randint(0, m.vocab_size, (3, 4), generator=g))
+    hid = m.score(tree, lean, return_logits=False, return_hidden=True)
+    assert hid.shape == (3, 4, m.hidden_size)
+    torch.testing.assert_close(m.lm_head(hid), m.score(tree, full), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="return_logits=False"):
+        m.score(tree, lean, return_logits=False)
+    # growth: prefill extension and commit keep hidden rows for every token
+    more = torch.randint(0, m.vocab_size, (3,), generator=g)
+    ext = m.prefill(more, cache=lean)
+    ref = m.prefill(torch.cat([ids, more]), keep_logits=False, keep_hidden=True)
+    torch.testing.assert_close(ext.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+    chain = ProposalTree.from_branches(torch.tensor([20]), more.view(1, 3))
+    _, state = m.score(chain, lean, return_state=True)
+    got = m.commit([lean], state, [torch.arange(3)])[0]
+    assert got.logits is None
+    torch.testing.assert_close(got.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+
+
 def _reference_step(w, prop, denom):
     """The v0.1 step on full logits: a second drafter forward (teacher forcing the sampled tokens), q [N, W, V],
     p [N, W, V] from plain target forwards of trunk[:a+1] + tokens[:W-1], e2e_tv_loss / ce_loss, confidence."""

@@ -239,13 +239,14 @@ class TargetModel(nn.Module):
     @torch.no_grad()
     def prefill(self, trunk_ids: torch.Tensor, cache: Optional[TargetCache] = None, *,
                 feature_layers: Optional[Sequence[int]] = None, gdn_checkpoint_every: int = 64,
-                keep_logits: bool = True, keep_hidden: bool = False, keep_checkpoints: bool = True) -> TargetCache:
+                keep_logits: bool = True, keep_hidden: Optional[bool] = None,
+                keep_checkpoints: bool = True) -> TargetCache:
         """Run the trunk [T] once and keep per-layer caches, logits [T, V] and drafter features [T, F]
         (the outputs of ``feature_layers`` only).
 
         ``keep_hidden``: also keep ``cache.hidden`` [T, D], what lm_head reads (``head_input``); training keeps it
         with ``keep_logits=False`` (T x D instead of T x V: the fused loss and ``losses.logits_at`` build p from
-        it, so the trunk's logits are never materialised).
+        it, so the trunk's logits are never materialised). None: as the extended ``cache`` does (else False).
 
         With ``cache`` given, the trunk is *extended* by ``trunk_ids`` (incremental decoding): the
         returned cache covers ``cache.token_ids + trunk_ids`` (it keeps the cache's options; its logits cover
@@ -264,6 +265,8 @@ class TargetModel(nn.Module):
                                                               "gdn_keep_checkpoints": bool(keep_checkpoints)}
         if opts["gdn_checkpoint_every"] < 1:
             raise ValueError("gdn_checkpoint_every must be >= 1")
+        if keep_hidden is None:
+            keep_hidden = cache is not None and cache.hidden is not None
         t0 = len(cache) if cache is not None else 0
         pos = torch.arange(t0, t0 + trunk_ids.numel(), device=self.device).view(1, -1)
         ctx = RunContext("prefill", trunk_ids.view(1, -1), pos, prev=cache, feature_layers=feature_layers,
