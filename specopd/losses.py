@@ -20,6 +20,10 @@ Two forms of every loss:
   N * W rows at once; backward recomputes each chunk's logits. Memory: O(N * W * D) for the inputs and
   gradients plus O(chunk_rows * V) for one chunk, whatever N * W is. Both forms share the E2E-TV / CE
   reductions, which work on per-position scalars [N, W] (alpha, nll) only.
+
+The project's one token sampler lives here too (``sample_from_hidden`` from hidden states, ``pick_tokens`` on
+given logits; one code path): inverse CDF in chunks of rows with one uniform per token from that sample's
+generator, T = 0 = argmax. Drafters, the trainer's branches and decoding all draw through it.
 """
 from __future__ import annotations
 
@@ -491,7 +495,8 @@ def _sample(lead, vocab: int, chunk_logits, temperature: float, rows, generators
     chunk = resolve_chunk_rows(chunk_rows, vocab, device)
     out = torch.full((n * per,), -1, dtype=torch.long, device=device)
     u, todo = _uniforms(n, per, rows, generators, device, draw=temperature > 0)
-    for s in range(0, todo.numel(), chunk):
-        r = todo[s: s + chunk]
-        out[r] = _draw_(chunk_logits(r), u[r], temperature)  # chunk_logits: a fresh fp32 [R, V] (overwritten)
+    with torch.autocast(torch.device(device).type, enabled=False):  # precision is set here, not by autocast
+        for s in range(0, todo.numel(), chunk):
+            r = todo[s: s + chunk]
+            out[r] = _draw_(chunk_logits(r), u[r], temperature)  # chunk_logits: a fresh fp32 [R, V] (overwritten)
     return out.view(lead)
