@@ -285,12 +285,12 @@ class _ChunkedHead(torch.autograd.Function):
                 if use_a:  # q (ind - <q, ind>) * dL/dalpha / T
                     q, _ = _softmax_(z.div_(T))
                     p, _ = _softmax_(_chunk_logits((hp,), (wp,), r).div_(T))
-                    ind = torch.lt(q, p).float().masked_fill_(torch.eq(q, p), 0.5)  # [R, V]
-                    del p
+                    # ind = 1[q < p] + 1/2 1[q == p] = (sign(p - q) + 1) / 2, in p's storage (p - q == 0 iff p == q)
+                    ind = p.sub_(q).sign_().add_(1.0).mul_(0.5)  # [R, V]
                     qi = torch.einsum("rv,rv->r", q, ind)
                     ga = ind.sub_(qi[:, None]).mul_(q).mul_(g_alpha[s: s + ctx.chunk, None] / T)
                     g = ga if g is None else g.add_(ga)
-                    del q, ind
+                    del q, ind, p
                 for k, (x, w) in enumerate(zip(xs, ws)):
                     if dx[k] is not None:
                         dx[k][r] = (g.to(w.dtype) @ w).to(x.dtype)
@@ -429,18 +429,40 @@ def _uniforms(n: int, per: int, rows, generators, device, draw: bool = True) -> 
     return u, (torch.cat(todo) if todo else torch.zeros(0, dtype=torch.long, device=device))
 
 
+CDF_BLOCK = 1024  # vocabulary entries per block of the two-level inverse CDF (``_draw_``)
+
+
 def _draw_(z: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
     """Tokens [R] from fp32 logits z [R, V] (overwritten): argmax at T = 0, else inverse CDF of softmax(z / T)
-    at u [R] (fp64 in [0, 1)): the first token whose cumulative probability exceeds u * total. A token with
+    at u [R] (fp64 in [0, 1)): the first token whose cumulative probability exceeds u * total.
+
+    Two levels, in fp64, so that nothing beyond z itself is [R, V]: block sums of ``CDF_BLOCK`` entries
+    [R, V / B] locate the block holding u * total, then one [R, B] cumulative sum inside it. A token with
     probability 0 is never drawn (its CDF step is empty)."""
     if temperature == 0:
         return z.argmax(-1)
-    p, _ = _softmax_(z.div_(temperature))
-    cdf = torch.cumsum(p, -1, dtype=torch.float64)  # [R, V]
-    del p
-    total = cdf[:, -1:]
-    t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
-    return torch.searchsorted(cdf, t, right=True).squeeze(1)
+    p, _ = _softmax_(z.div_(temperature))  # [R, V] fp32, in place
+    r, v = p.shape
+    bsz = min(CDF_BLOCK, v)
+    full = v // bsz
+    # block sums in fp32 (pairwise summation, ~1e-7 relative: the level of fp32 p itself; a dtype=float64 sum
+    # would copy p), then fp64 from there on
+    sums = [p[:, : full * bsz].view(r, full, bsz).sum(-1)]  # [R, full]
+    if full * bsz < v:
+        sums.append(p[:, full * bsz:].sum(-1, keepdim=True))
+    bsum = torch.cat(sums, 1).double()  # [R, nb]
+    bcdf = torch.cumsum(bsum, -1)
+    total = bcdf[:, -1:]
+    t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, 1], < total
+    blk = torch.searchsorted(bcdf, t, right=True).clamp_(max=bcdf.shape[1] - 1)  # [R, 1]
+    before = torch.where(blk > 0, bcdf.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(t))  # <= t
+    cols = blk * bsz + torch.arange(bsz, device=p.device)  # [R, B]
+    inside = cols < v
+    vals = torch.where(inside, p.gather(1, cols.clamp(max=v - 1)).double(), 0.0)  # [R, B]
+    j = torch.searchsorted(before + torch.cumsum(vals, -1), t, right=True)  # [R, 1]
+    # t < the block's end, so j < B but for rounding between the two levels: then its last token with p > 0
+    last = torch.where(vals > 0, torch.arange(bsz, device=p.device), -1).amax(-1, keepdim=True)
+    return (blk * bsz + torch.minimum(j, last)).squeeze(1)
 
 
 def _check_temperature(temperature: float) -> None:
