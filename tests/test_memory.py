@@ -184,3 +184,20 @@ def test_split_roles_plan_each_gpu(tmp_path):
     assert rp["target"][1] in ("prefill", "score") and rp["drafter"][1] in ("propose", "loss", "optimizer")
     assert p.peak == max(b for b, _ in rp.values())
     assert math.isclose(p.peak, max(p.phase_bytes().values()))
+
+
+def test_one_forward_activations_span_propose_to_loss(tmp_path):
+    """The step's one drafter forward (with grad) is planned from propose to the loss: through the scoring pass
+    when colocated, on the drafter GPU only with split roles; Draft-OPD drafts without grad (its forward with grad
+    is in the loss phase)."""
+    def term(*ov):
+        p = memory_plan(_tiny(tmp_path, *ov), device_bytes=10**10)
+        return next(t for t in p.terms if t.name == "drafter activations"), p
+
+    col, p = term()
+    assert col.phases == ("propose", "score", "loss") and "drafter forward (no grad)" not in [t.name for t in p.terms]
+    split, p = term("runtime.roles=split")
+    assert split.phases == ("propose", "loss") and split.bytes == col.bytes
+    assert p.role_peaks()["target"][0] == max(p.phase_bytes()[k] for k in ("prefill", "score"))
+    opd, p = term("trainer.method=draft_opd")
+    assert opd.phases == ("loss",) and "drafter forward (no grad)" in [t.name for t in p.terms]
