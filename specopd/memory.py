@@ -415,8 +415,9 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
              "one layer's activation gradients + the hq gradient [N, W, D]"),
         Term("drafter gradients (fp32)", dparams * dbytes, ("loss", "optimizer"), "drafter.num_layers",
              "one per trainable weight"),
-        Term("optimizer temporaries", dparams * dbytes, ("optimizer",), "drafter.num_layers",
-             "AdamW (foreach) sqrt(exp_avg_sq) buffer"),
+        Term("optimizer temporaries", 2 * dparams * dbytes, ("optimizer",), "drafter.num_layers",
+             "AdamW (foreach) temporaries: sqrt(exp_avg_sq) and more (1.5x the weights measured on the CPU, "
+             "torch 2.13); 2x planned"),
     ]
     if on_gpu:
         terms += [
