@@ -13,6 +13,11 @@ load changes on a shared machine hit both alike; the first ``--warmup`` steps of
 ``--preset long``: 512-token sequences (32 prompt tokens), B = 64 anchors / rounds per sequence, batch 4,
 where Draft-OPD's rounds are many (overrides given after it win).
 
+Before / after a change, side by side: ``--against DIR`` (another source tree of the repository, e.g.
+``git archive <commit> | tar -x -C DIR``) runs this script from both trees in fresh processes, alternating
+(this tree, DIR, this tree, DIR, ...) for ``--rounds`` rounds with the same arguments, and prints each tree's
+supervised tokens/s per method (median over rounds, and every round).
+
 ratio = SpecOPD supervised tokens/s / Draft-OPD supervised tokens/s (supervised tokens: draft positions
 that enter the loss, W per branch / block).
 """
@@ -99,6 +104,55 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def compare(args) -> int:
+    """This tree against ``args.against``: fresh processes, alternating, the same arguments; medians."""
+    import statistics
+    import subprocess
+    import tempfile
+
+    trees = {"this tree": ROOT, "against": os.path.abspath(args.against)}
+    rel = os.path.relpath(os.path.abspath(__file__), ROOT)
+    res = {k: [] for k in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for name, root in trees.items():
+                out = os.path.join(tmp, f"{name.replace(' ', '_')}-{rnd}.json")
+                cmd = [sys.executable, os.path.join(root, rel), "--recipe", args.recipe, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--json", out,
+                       "--output-dir", args.output_dir or os.path.join(tmp, f"run-{name.replace(' ', '_')}")]
+                cmd += (["--preset", args.preset] if args.preset else []) + list(args.overrides)
+                env = dict(os.environ, PYTHONPATH=root)
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root)
+                if p.returncode != 0:
+                    print(f"{name} ({root}) failed:\n{p.stderr[-3000:]}")
+                    return 1
+                with open(out) as f:
+                    res[name].append(json.load(f))
+                r = res[name][-1]
+                print(f"round {rnd + 1} {name}: SpecOPD {r['specopd_supervised_tokens_per_s']:.1f} | Draft-OPD "
+                      f"{r['draft_opd_supervised_tokens_per_s']:.1f} supervised tokens/s", flush=True)
+    st = res["this tree"][0]["setup"]
+    print(f"\ntarget {st['target']} (vocab {st['vocab_size']}), drafter {st['drafter']} W={st['draft_len']}, "
+          f"B={st['anchors_per_seq']}, batch {st['batch_size']} x {st['seq_len']} tokens, {st['device']} "
+          f"{st['dtype']}, {st['torch_threads']} torch threads; {args.rounds} rounds x {args.steps} timed steps "
+          f"per tree (against = {trees['against']})")
+    print("| tree | method | supervised tokens/s (median) | every round | loss+bwd s / step | propose s / step |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in res.items():
+        for m, key in (("specopd", "specopd_supervised_tokens_per_s"), ("draft_opd", "draft_opd_supervised_tokens_per_s")):
+            vals = [r[key] for r in rs]
+            ph = [r["methods"][m]["phase_s"] for r in rs]
+            steps = sum(r["methods"][m]["steps"] for r in rs)
+            lb = sum(p.get("loss_backward", 0.0) for p in ph) / steps
+            pr = sum(p.get("propose", 0.0) for p in ph) / steps
+            print(f"| {name} | {m} | {statistics.median(vals):.1f} | {', '.join(f'{v:.1f}' for v in vals)} | "
+                  f"{lb:.3f} | {pr:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "tiny.yaml"))
@@ -107,9 +161,13 @@ def main(argv=None) -> int:
     ap.add_argument("--output-dir", default=None, help="trainer.output_dir (tiny target + data cache)")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="recipe overrides for a named setting (see above)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--against", help="another source tree: run both, alternating (see above)")
+    ap.add_argument("--rounds", type=int, default=3, help="with --against: processes per tree")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.anchors_per_seq=16")
     args = ap.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv))
+    if args.against:
+        return compare(args)
 
     ov = (PRESETS[args.preset] if args.preset else []) + list(args.overrides)
     if args.output_dir:

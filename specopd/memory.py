@@ -6,16 +6,19 @@ device (exact parameter counts, layer kinds and mixer sizes, no weights read) an
 of a step holds:
 
     prefill    trunk caches growing + one trunk's forward working set
-    propose    trunk caches + the drafter's no-grad forward + one sampling chunk
+    propose    trunk caches + the drafter's one forward (with grad: its activations stay for the loss) + one
+               sampling chunk (branch tokens drawn from the detached hidden state, chunk by chunk)
     score      trunk caches + the packed scoring pass over the N * W branch nodes (hidden states, no logits)
+               (+ the drafter's saved activations when colocated)
     loss       drafter activations saved for backward + the target side hp [N, W, D] + one loss chunk
     optimizer  gradients + AdamW temporaries
 
 Terms held by every phase (target weights, drafter weights, AdamW state) are added to each. The peak is the
 largest phase. Sizes per GPU: S = ceil(data.batch_size / runtime.num_workers) sequences of T = data.seq_len
 tokens, N = S * trainer.anchors_per_seq branches of W = drafter.block_size - 1 drafted tokens (block_size counts the anchor). The plan assumes
-the step after issue 10's integration: the target keeps hidden states (never [T, V] or [N, W, V] logits), the
-loss is ``specopd.losses.fused_e2e_tv`` in chunks of ``trainer.loss_chunk_rows`` rows, and the drafter
+the step as ``specopd.train.worker`` runs it: the target keeps hidden states (never [T, V] or [N, W, V] logits),
+one drafter forward per step serves the sampling and the loss, the loss is ``specopd.losses.fused_e2e_tv`` in
+chunks of ``trainer.loss_chunk_rows`` rows, and the drafter
 shares each trunk's context K/V across its branches (issue 9) with a fused attention kernel (no
 [N, H, W, T] score tensor). Activations are bf16 on CUDA (autocast), the drafter's master weights, gradients
 and AdamW state fp32.
@@ -384,10 +387,16 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
         Term("prefill working set", forward_workset(info, tt, bpe) + cpu_scores(tt, tt), ("prefill",), "data.seq_len",
              "one trunk through one layer at a time (no grad)" + ("" if on_gpu else " + dense attention scores")),
     ]
+    # SpecOPD and the off-policy baselines: one drafter forward with grad at propose, kept until the backward
+    # (on the drafter's GPU with split roles); Draft-OPD drafts round by round without grad, then one forward
+    # with grad in the loss phase
+    keep = ("loss",) if method == "draft_opd" else (("propose", "loss") if r.roles == "split"
+                                                     else ("propose", "score", "loss"))
+    if method == "draft_opd":
+        terms.append(Term("drafter forward (no grad)", dlayer + s * tt * 2 * hid * act, ("propose",),
+                          "trainer.anchors_per_seq", "one drafter layer's activations for the drafted blocks"))
     if on_policy:
         terms += [
-            Term("drafter forward (no grad)", dlayer + s * tt * 2 * hid * act, ("propose",), "trainer.anchors_per_seq",
-                 "one drafter layer's activations for the N branches"),
             Term("scoring pass", forward_workset(info, n * w, bpe) + score_extra + cpu_scores(b * w, tt + b * w),
                  ("score",),
                  "trainer.anchors_per_seq",
@@ -399,13 +408,16 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
              "[N, W, D] target hidden states at the scored positions"),
         Term("loss / sampling chunk", CHUNK_WORKSET_FACTOR * chunk * v * 4, ("propose", "loss"),
              "trainer.loss_chunk_rows", f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V] fp32"),
-        Term("drafter activations", dact + dlayer + n * w * hid * act, ("loss",), "trainer.anchors_per_seq",
+        Term("drafter activations", dact, keep, "trainer.anchors_per_seq",
              f"{cfg.drafter.num_layers} layers saved for backward (block rows N * (W + 1), context once per trunk) "
-             f"+ one layer's gradients + the hq gradient [N, W, D]"),
+             f"+ the hidden state hq [N, W, D]: from the one forward at propose to the backward"),
+        Term("drafter backward", dlayer + n * w * hid * act, ("loss",), "trainer.anchors_per_seq",
+             "one layer's activation gradients + the hq gradient [N, W, D]"),
         Term("drafter gradients (fp32)", dparams * dbytes, ("loss", "optimizer"), "drafter.num_layers",
              "one per trainable weight"),
-        Term("optimizer temporaries", dparams * dbytes, ("optimizer",), "drafter.num_layers",
-             "AdamW (foreach) sqrt(exp_avg_sq) buffer"),
+        Term("optimizer temporaries", 2 * dparams * dbytes, ("optimizer",), "drafter.num_layers",
+             "AdamW (foreach) temporaries: sqrt(exp_avg_sq) and more (1.5x the weights measured on the CPU, "
+             "torch 2.13); 2x planned"),
     ]
     if on_gpu:
         terms += [

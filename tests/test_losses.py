@@ -402,6 +402,27 @@ def test_sample_distribution_and_zero_probability():
     assert bool(((freq - p).abs() <= 5 * se + 1e-6).all()), (freq, p)
 
 
+def test_two_level_inverse_cdf_equals_flat_cdf():
+    """``_draw_`` (block sums, then one block's cumulative sum) picks the token of the flat fp64 inverse CDF, for V
+    below, at and above the block size, with zero-probability tokens at block edges never drawn."""
+    from specopd.losses import CDF_BLOCK, _draw_
+
+    g = torch.Generator().manual_seed(3)
+    for v in (7, CDF_BLOCK, 2 * CDF_BLOCK + 5, 3 * CDF_BLOCK):
+        z = torch.randn(400, v, generator=g) * 3
+        dead = [0, v - 1] + [k * CDF_BLOCK + d for k in range(1, v // CDF_BLOCK + 1) for d in (-1, 0)
+                             if 0 <= k * CDF_BLOCK + d < v]
+        z[:, dead] = -1e4  # p underflows to 0 at the edges of every block
+        u = torch.rand(400, generator=g, dtype=torch.float64)
+        u[:3] = torch.tensor([0.0, 1 - 2**-53, 0.5], dtype=torch.float64)
+        p = torch.softmax(z / 0.7, -1)
+        cdf = torch.cumsum(p.double(), -1)
+        ref = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=v - 1)
+        got = _draw_(z.clone(), u, 0.7)
+        assert float(p[torch.arange(400), got].min()) > 0
+        assert int((got != ref).sum()) <= 1, v  # fp32 block sums: a u on a token boundary may round across it
+
+
 def test_logits_at_rows():
     h, weight = torch.randn(7, 5), torch.randn(11, 5)
     torch.testing.assert_close(logits_at(h, weight, torch.tensor([6, 0, 3]), temperature=0.5),

@@ -50,7 +50,7 @@ def test_plan_terms_by_hand(tmp_path):
     assert _term(p, "drafter gradients (fp32)") == 4 * drafter
     # phases: the sum of the terms alive in each; the peak is the largest phase
     pb = p.phase_bytes()
-    assert pb["optimizer"] == 4 * target + 16 * drafter + 4 * drafter  # weights, drafter + AdamW + grads, temps
+    assert pb["optimizer"] == 4 * target + 16 * drafter + 8 * drafter  # weights, drafter + AdamW + grads, temps
     assert p.peak == max(pb.values()) and p.fits
     assert "CUDA runtime" not in [t.name for t in p.terms]  # a CPU recipe
 
@@ -96,6 +96,19 @@ def test_plan_larger_than_device_is_a_clear_error():
     cfg = load_recipe(os.path.join(ROOT, "recipes", RECIPES_8GPU[1]), ["model.gdn_checkpoint_every=4"])
     p = memory_plan(cfg, device_bytes=DEFAULT_DEVICE_BYTES)
     assert not p.fits and any(a.startswith("raise model.gdn_checkpoint_every") for a in p.advice())
+
+
+def test_train_checks_the_plan_before_any_work(tmp_path, monkeypatch):
+    """train() refuses a step larger than the device before building the target or any worker."""
+    import specopd.memory
+    from specopd.train.loop import train
+
+    monkeypatch.setattr(specopd.memory, "device_memory", lambda cfg: (1 << 20, "a 1 MiB test device"))
+    out = tmp_path / "run"
+    with pytest.raises(MemoryPlanError, match="1 MiB test device") as e:
+        train(_tiny(out, "trainer.max_steps=1"), progress=False)
+    assert "--dry-run" in str(e.value)
+    assert not any(n.startswith("tiny-target") for n in os.listdir(out))  # nothing was built
 
 
 def test_growth_is_linear_in_branches_and_chunk_sized_in_vocab(tmp_path):
@@ -171,3 +184,20 @@ def test_split_roles_plan_each_gpu(tmp_path):
     assert rp["target"][1] in ("prefill", "score") and rp["drafter"][1] in ("propose", "loss", "optimizer")
     assert p.peak == max(b for b, _ in rp.values())
     assert math.isclose(p.peak, max(p.phase_bytes().values()))
+
+
+def test_one_forward_activations_span_propose_to_loss(tmp_path):
+    """The step's one drafter forward (with grad) is planned from propose to the loss: through the scoring pass
+    when colocated, on the drafter GPU only with split roles; Draft-OPD drafts without grad (its forward with grad
+    is in the loss phase)."""
+    def term(*ov):
+        p = memory_plan(_tiny(tmp_path, *ov), device_bytes=10**10)
+        return next(t for t in p.terms if t.name == "drafter activations"), p
+
+    col, p = term()
+    assert col.phases == ("propose", "score", "loss") and "drafter forward (no grad)" not in [t.name for t in p.terms]
+    split, p = term("runtime.roles=split")
+    assert split.phases == ("propose", "loss") and split.bytes == col.bytes
+    assert p.role_peaks()["target"][0] == max(p.phase_bytes()[k] for k in ("prefill", "score"))
+    opd, p = term("trainer.method=draft_opd")
+    assert opd.phases == ("loss",) and "drafter forward (no grad)" in [t.name for t in p.terms]

@@ -5,6 +5,9 @@ import os
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specopd.losses import confidence_loss, e2e_tv_loss, logits_at, tv_alpha
 from specopd.train.baselines import verify_block
 from specopd.train.group import LocalGroup
 from specopd.train.loop import reduce_metrics, train
@@ -47,16 +50,20 @@ def test_proposals_are_per_sample_and_scores_exact(worker):
     s0 = worker.sample(ids[0])
     a = prop["anchors"][:B]
     assert int(a.min()) >= s0["prompt_len"] - 1 and int(a.max()) + W <= s0["input_ids"].numel() - 1
-    p = worker.score(prop, caches)
-    assert p.shape == (2 * B, W, worker.target.vocab_size)
-    for b in (0, B + 1):  # p[b, k] == target(trunk[:a+1] + tokens[:k])[-1]
+    assert all(c.logits is None and c.hidden.shape == (c.token_ids.numel(), worker.target.hidden_size)
+               for c in caches)  # the trunk keeps [T, D], never [T, V]
+    hp = worker.score(prop, caches)
+    assert hp.shape == (2 * B, W, worker.target.hidden_size)  # hidden states: never [N, W, V]
+    weight = worker.target.lm_head.weight
+    for b in (0, B + 1):  # lm_head(hp[b, k]) == target(trunk[:a+1] + tokens[:k])[-1]
         i = int(prop["trunk_index"][b])
         trunk = caches[i].token_ids
         ab = int(prop["anchors"][b])
+        p = logits_at(hp[b], weight)
         for k in range(W):
             seq = torch.cat([trunk[: ab + 1], prop["tokens"][b, :k]])
             ref = worker.target(seq[None])[0, -1]
-            assert torch.allclose(p[b, k], ref, atol=1e-4, rtol=1e-4), (b, k)
+            assert torch.allclose(p[k], ref, atol=1e-4, rtol=1e-4), (b, k)
 
 
 def test_reference_blocks_use_trunk_logits(worker):
@@ -66,8 +73,156 @@ def test_reference_blocks_use_trunk_logits(worker):
     trunk = caches[0].token_ids
     a = int(prop["anchors"][0])
     assert torch.equal(prop["tokens"][0], trunk[a + 1: a + 1 + worker.W])
-    p = worker.score(prop, caches)
-    assert torch.allclose(p[0, 1], worker.target(trunk[None, : a + 2])[0, -1], atol=1e-4, rtol=1e-4)
+    hp = worker.score(prop, caches)
+    p = logits_at(hp[0], worker.target.lm_head.weight)
+    assert torch.allclose(p[1], worker.target(trunk[None, : a + 2])[0, -1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("target", ["tiny:llama", "tiny:qwen3_next", "tiny:qwen4_exp"])
+def test_target_keeps_hidden_states_not_logits(tmp_path, target):
+    """What the step asks of the target: prefill keeps hidden [T, D] (what lm_head reads: head_input) instead of
+    logits [T, V]; score returns hidden states only; extending / committing grows them; lm_head of each equals
+    the logits path (qwen4_exp has no final norm: its head is lm_head alone)."""
+    from specopd.models import load_target
+    from specopd.tree import ProposalTree
+    from specopd.train.tiny import resolve_target_path
+
+    cfg = tiny_recipe(str(tmp_path), target=target)
+    m = load_target(resolve_target_path(cfg.model, str(tmp_path)))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.vocab_size, (21,), generator=g)
+    x = torch.randn(3, m.hidden_size, generator=g)
+    torch.testing.assert_close(m.head(x), m.lm_head(m.head_input(x)))
+    full = m.prefill(ids)
+    lean = m.prefill(ids, keep_logits=False, keep_hidden=True)
+    assert lean.logits is None and lean.hidden.shape == (21, m.hidden_size)
+    torch.testing.assert_close(m.lm_head(lean.hidden), full.logits, rtol=1e-5, atol=1e-5)
+    tree = ProposalTree.from_branches(torch.tensor([0, 7, 20]), torch.randint(0, m.vocab_size, (3, 4), generator=g))
+    hid = m.score(tree, lean, return_logits=False, return_hidden=True)
+    assert hid.shape == (3, 4, m.hidden_size)
+    torch.testing.assert_close(m.lm_head(hid), m.score(tree, full), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="return_logits=False"):
+        m.score(tree, lean, return_logits=False)
+    # growth: prefill extension and commit keep hidden rows for every token
+    more = torch.randint(0, m.vocab_size, (3,), generator=g)
+    ext = m.prefill(more, cache=lean)
+    ref = m.prefill(torch.cat([ids, more]), keep_logits=False, keep_hidden=True)
+    torch.testing.assert_close(ext.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+    chain = ProposalTree.from_branches(torch.tensor([20]), more.view(1, 3))
+    _, state = m.score(chain, lean, return_state=True)
+    got = m.commit([lean], state, [torch.arange(3)])[0]
+    assert got.logits is None
+    torch.testing.assert_close(got.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+
+
+def _reference_step(w, prop, denom):
+    """The v0.1 step on full logits: a second drafter forward (teacher forcing the sampled tokens), q [N, W, V],
+    p [N, W, V] from plain target forwards of trunk[:a+1] + tokens[:W-1], e2e_tv_loss / ce_loss, confidence."""
+    from specopd.drafters import shift_tokens
+    from specopd.losses import ce_loss
+
+    t = w.cfg.trainer
+    prev = shift_tokens(prop["anchor_tokens"], prop["tokens"])
+    args = (prop["features"], prop["anchors"], prop["trunk_index"], prop["anchor_tokens"], prev)
+    conf = None
+    if w.drafter.has_confidence:
+        q, conf = w.drafter(*args, return_confidence=True)
+    else:
+        q = w.drafter(*args)
+    with torch.no_grad():
+        p = []
+        for b in range(q.shape[0]):
+            trunk = w.sample(prop["sample_ids"][int(prop["trunk_index"][b])])["input_ids"]
+            a = int(prop["anchors"][b])
+            seq = torch.cat([trunk[: a + 1], prop["tokens"][b, : w.W - 1]]) if not prop["reference"] else trunk
+            p.append(w.target(seq[None])[0, a: a + w.W])
+        p = torch.stack(p)
+    if t.method == "offpolicy_ce":
+        loss = ce_loss(q, prop["tokens"], denom=denom)
+    else:
+        loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
+    alpha = tv_alpha(q.detach(), p, temperature=t.temperature)
+    if conf is not None:
+        loss = loss + w.cfg.drafter.confidence_weight * confidence_loss(conf, alpha, denom=denom)
+    return loss, alpha
+
+
+@pytest.mark.parametrize("kind,method", [("dflash", "specopd"), ("dspark", "specopd"), ("dflash", "offpolicy_ce"),
+                                         ("dspark", "offpolicy_e2e_tv")])
+def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method):
+    """The step's one drafter forward (branches sampled from its detached hidden state, the fused chunked loss on
+    the same graph; DSpark teacher-forcing its own samples) gives the loss, alpha and gradients of the v0.1
+    full-logit step with a second forward."""
+    cfg = tiny_recipe(str(tmp_path), [f"drafter.kind={kind}", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
+                                      "trainer.temperature=0.8", "drafter.block_size=5"])
+    w = Worker(cfg)
+    ids = w.train_ids[:2]
+    caches = w.prefill(ids)
+    prop = w.propose(caches, ids, step=1, reference=method.startswith("offpolicy"))
+    assert prop["hidden"].requires_grad  # the forward that proposes carries the gradient
+    if method == "specopd":  # the branches are those the decoding-style sampler draws from the same forward
+        rows = [torch.nonzero(prop["trunk_index"] == i).flatten() for i in range(len(ids))]
+        gens = [w._gen("branch", 1, int(s)) for s in ids]
+        with torch.no_grad():
+            toks, _ = w.drafter.sample(prop["features"], prop["anchors"], prop["trunk_index"], prop["anchor_tokens"],
+                                       0.8, gens, rows=rows)
+        assert torch.equal(toks, prop["tokens"])
+    hp = w.score(prop, caches)
+    denom = 3 * prop["tokens"].shape[0]
+    ref_loss, ref_alpha = _reference_step(w, prop, denom)
+    ref_loss.backward()
+    ref_grads = [p.grad.clone() for p in w.params]
+    w.optimizer.zero_grad(set_to_none=True)
+    m = w.loss_backward(prop, hp, denom)
+    assert "hidden" not in prop  # the graph was consumed
+    assert m["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(torch.tensor(m["alpha_sum"]), ref_alpha.sum(0), rtol=1e-5, atol=1e-6)
+    for p, g in zip(w.params, ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6 * float(g.abs().max()) + 1e-9)
+
+
+class _MaxVocabTensor(TorchDispatchMode):
+    """Records the largest tensor with a vocabulary-sized dim that any op produces (forward and backward),
+    other than tensors shaped like a weight (the frozen lm_head / embedding, DSpark's Markov weights, their
+    gradients and AdamW states, and transposes)."""
+
+    def __init__(self, vocab: int, weight_shapes):
+        super().__init__()
+        self.vocab, self.max_numel, self.op = vocab, 0, None
+        self.skip = {tuple(s) for s in weight_shapes} | {tuple(s)[::-1] for s in weight_shapes}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if (isinstance(t, torch.Tensor) and self.vocab in t.shape and tuple(t.shape) not in self.skip
+                    and t.numel() > self.max_numel):
+                self.max_numel, self.op = t.numel(), f"{func} {tuple(t.shape)}"
+        return out
+
+
+@pytest.mark.parametrize("kind,method", [("dflash", "specopd"), ("dspark", "specopd"), ("dflash", "draft_opd"),
+                                         ("dflash", "offpolicy_ce")])
+def test_step_never_holds_branch_logits(tmp_path, kind, method):
+    """No op of a whole training step (prefill, propose, score, loss, backward, optimizer) or of the held-out
+    evaluation outputs a vocabulary-sized tensor (other than weights) larger than one [chunk, V] chunk: no
+    [N, W, V], [N, V] (DSpark's slot logits), [M, V] (scored nodes) or [T, V] (trunk logits)."""
+    v, chunk = 997, 4  # a prime vocabulary: no other size equals it
+    cfg = tiny_recipe(str(tmp_path), [f"drafter.kind={kind}", f"trainer.method={method}",
+                                      f"trainer.loss_chunk_rows={chunk}", f"model.tiny.vocab_size={v}",
+                                      "drafter.block_size=8", "trainer.anchors_per_seq=8", "data.batch_size=4"])
+    w = Worker(cfg)
+    ids = w.train_ids[:4]
+    shapes = [p.shape for p in list(w.target.parameters()) + list(w.drafter.parameters()) if v in p.shape]
+    with _MaxVocabTensor(v, shapes) as rec:
+        m = w.train_step(ids, 0, None)
+        w.evaluate(w.heldout_ids[:2])
+    limit = chunk * v
+    if method == "draft_opd":  # its rollout's p and q logits of one round: [sequences, W + 1, V] (small)
+        limit = len(ids) * (w.W + 1) * v
+        assert m["branches"] * w.W * v > 2 * limit  # all blocks' p [N, W, V] would be caught
+    else:
+        assert min(m["branches"], cfg.data.seq_len) * v > limit  # each forbidden tensor would be caught
+    assert rec.max_numel <= limit, (rec.max_numel, rec.op, m["branches"], w.W, v)
 
 
 def test_verify_block_is_lossless():
@@ -144,12 +299,12 @@ def test_gdn_and_qsa_targets_train(tmp_path, target):
     ids = w.train_ids[:2]
     caches = w.prefill(ids)
     prop = w.propose(caches, ids, step=0)
-    p = w.score(prop, caches)
     b = 1
+    p = logits_at(w.score(prop, caches)[b], w.target.lm_head.weight)
     trunk, a = caches[0].token_ids, int(prop["anchors"][b])
     for k in range(w.W):
         ref = w.target(torch.cat([trunk[: a + 1], prop["tokens"][b, :k]])[None])[0, -1]
-        assert torch.allclose(p[b, k], ref, atol=1e-4, rtol=1e-4), k
+        assert torch.allclose(p[k], ref, atol=1e-4, rtol=1e-4), k
     m = w.train_step(ids, 0, None)
     assert m["branches"] == 2 * w.cfg.trainer.anchors_per_seq and m["loss"] > 0
 

@@ -453,34 +453,9 @@ def live_groups() -> list:
 
 # -- the dry-run plan (``specopd train RECIPE --dry-run`` calls this for runtime.backend=ray) -------------
 
-def _drafter_params(cfg, tcfg: dict) -> int:
-    """DFlash / DSpark trainable parameters from the target's config.json (sizes default to the target's)."""
-    d = int(tcfg["hidden_size"])
-    h = int(tcfg.get("num_attention_heads") or max(1, d // 64))
-    kv = int(tcfg.get("num_key_value_heads") or h)
-    hd = int(tcfg.get("head_dim") or d // h)
-    inter = int(tcfg.get("intermediate_size") or 4 * d)
-    nf = len(cfg.drafter.feature_layers) if cfg.drafter.feature_layers else cfg.drafter.num_layers  # released default
-    layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * inter + 2 * d + 2 * hd
-    n = nf * d * d + 3 * d + cfg.drafter.num_layers * layer
-    if cfg.drafter.kind == "dspark":  # Markov head W1 Embedding(V, 256) + W2 Linear(256, V), confidence head
-        n += 2 * int(tcfg["vocab_size"]) * 256 + 2 * d + 256
-    return int(n)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def extend_plan(cfg, p: dict) -> dict:
-    """Add the Ray placement (one STRICT_PACK placement group per node) and the drafter's share of the
-    memory estimate (weights + grads + AdamW states, q logits with their gradients) to the trainer's plan."""
-    import math
-
+    """Add the Ray placement (one STRICT_PACK placement group per node) to the trainer's plan (the memory
+    plan of each GPU is ``specopd.memory``'s, already in ``p["memory"]``)."""
     r = cfg.runtime
     n, cpus, gpus = int(r.num_workers), float(r.cpus_per_worker), float(r.gpus_per_worker)
     pairs = n
@@ -497,7 +472,8 @@ def extend_plan(cfg, p: dict) -> dict:
     if r.roles == "split":
         notes.append(f"roles split: {pairs} drafter actor(s) (propose, loss, all-reduced optimizer step) + {pairs} "
                      f"target actor(s) (prefill, trunk caches, packed scoring); per step the controller moves "
-                     f"trunk ids + features -> drafter, anchors + tokens -> target, p logits [N, W, V] -> drafter")
+                     f"trunk ids + features -> drafter, anchors + tokens -> target, the target's hidden states "
+                     f"[N, W, D] -> drafter")
     if not r.address:
         try:
             import torch
@@ -509,23 +485,4 @@ def extend_plan(cfg, p: dict) -> dict:
         fits = n * cpus <= here_cpu and n * gpus <= here_gpu
         notes.append(f"this machine: {here_cpu} CPU, {here_gpu} GPU -> the run "
                      f"{'fits here' if fits else 'does NOT fit here (needs a node with the resources above, or runtime.address of a cluster)'}")
-    mem = p.get("memory_estimate_per_worker_bytes")
-    tg = p.get("target", {})
-    if mem and tg.get("params"):
-        from specopd.models.loading import read_config
-        from specopd.train.tiny import _tiny_config
-
-        m = cfg.model
-        tcfg = _tiny_config(m.target[len("tiny:"):], dict(m.tiny))[0] if m.is_tiny else read_config(m.target)
-        bpe = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
-        dp = _drafter_params(cfg, tcfg)
-        per_worker_seqs = math.ceil(cfg.data.batch_size / n)
-        q = per_worker_seqs * cfg.trainer.anchors_per_seq * (cfg.drafter.block_size - 1) * int(tcfg["vocab_size"]) * 4 * 3
-        mem["drafter_params"] = dp
-        mem["drafter_weights_grads_adamw"] = 4 * dp * bpe
-        mem["drafter_q_logits_probs_grads"] = q
-        mem["total"] = int(mem["total"] + 4 * dp * bpe + q)
-        notes.append(f"memory: + drafter {dp / 1e6:.2f}M params (weights, grads, 2 AdamW states: "
-                     f"{_human(4 * dp * bpe)}) + q logits/probs/grads in fp32 {_human(q)} -> ~{_human(mem['total'])} "
-                     f"per worker if its whole share of the batch is live at once")
     return p

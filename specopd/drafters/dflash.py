@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from specopd.drafters.attention import BranchLayout, branch_attention, cached_branch_attention
+from specopd.losses import pick_tokens, sample_from_hidden  # the one sampler (re-exported as drafters.pick_tokens)
 from specopd.models.common import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters
 
 INIT_STD = 0.02
@@ -175,30 +176,6 @@ def choose_mask(target, mask_token_id: Optional[int] = None, target_dir: Optiona
         if isinstance(t, int) and 0 <= t < v:
             return t, True
     return None, True
-
-
-def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows: Optional[Sequence] = None
-                ) -> torch.Tensor:
-    """logits [N, ..., V] -> tokens [N, ...]: argmax at T = 0, else draws from softmax(logits / T).
-
-    ``generator``: one torch.Generator for all rows, or (with ``rows``, a list of index tensors into N) one
-    generator per group: rows[i] is drawn with generator[i] (per-sample randomness in training)."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature}")
-    if rows is not None:
-        gens = list(generator) if isinstance(generator, (list, tuple)) else [generator] * len(rows)
-        if len(gens) != len(rows):
-            raise ValueError(f"{len(rows)} row groups but {len(gens)} generators")
-        out = torch.empty(logits.shape[:-1], dtype=torch.long, device=logits.device)
-        for r, g in zip(rows, gens):
-            if r.numel():
-                out[r] = pick_tokens(logits[r], temperature, g)
-        return out
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / float(temperature), dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
 # ------------------------------------------------------------------------------------------- layers
@@ -468,12 +445,17 @@ class DFlashDrafter(nn.Module):
         return self.logits_from_hidden(self.hidden(features, anchors, trunk_index, anchor_tokens))
 
     # -- sampling -----------------------------------------------------------------------------------------
-    def _sample_hidden(self, h, anchor_tokens, temperature, generator, rows=None, return_confidence=False):
-        """h [N, W, D] -> (tokens [N, W], logits [N, W, V]); DFlash draws all W slots independently."""
+    def _sample_hidden(self, h, anchor_tokens, temperature, generator, rows=None, return_confidence=False,
+                       return_logits=True, chunk_rows="auto"):
+        """h [N, W, D] -> (tokens [N, W], logits [N, W, V] or None); DFlash draws all W slots independently.
+        Without ``return_logits`` the tokens come from ``sample_from_hidden`` in chunks of rows (no [N, W, V])."""
         if return_confidence:
             raise ValueError("DFlash has no confidence head")
+        if not return_logits:
+            return sample_from_hidden(h.detach(), self.target.lm_head.weight, temperature, rows, generator,
+                                      chunk_rows=chunk_rows), None
         logits = self.logits_from_hidden(h)
-        return pick_tokens(logits, temperature, generator, rows), logits
+        return pick_tokens(logits, temperature, generator, rows, chunk_rows), logits
 
     def sample(self, features, anchors, trunk_index=None, anchor_tokens=None, temperature: float = 1.0,
                generator=None, rows=None, return_confidence: bool = False):
@@ -483,6 +465,17 @@ class DFlashDrafter(nn.Module):
         h = self.hidden(features, anchors, trunk_index, anchor_tokens)
         atok = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
         return self._sample_hidden(h, atok, temperature, generator, rows, return_confidence)
+
+    @torch.no_grad()
+    def sample_tokens(self, h: torch.Tensor, anchor_tokens, temperature: float = 1.0, generator=None, rows=None,
+                      chunk_rows="auto") -> torch.Tensor:
+        """Branch tokens [N, W] from the drafter's hidden state h [N, W, D] (``hidden(...)``, e.g. the training
+        forward's; detached here) without logits [N, W, V]: ``chunk_rows`` rows at a time through the target's
+        lm_head (DSpark: its Markov head, left to right). The same tokens as ``sample`` for the same generators
+        (one sampler: ``specopd.losses.sample_from_hidden`` / ``pick_tokens``)."""
+        atok = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
+        return self._sample_hidden(h.detach(), atok, temperature, generator, rows, return_logits=False,
+                                   chunk_rows=chunk_rows)[0]
 
     # -- decoding -----------------------------------------------------------------------------------------
     def context_cache(self, features: Optional[torch.Tensor] = None, capacity: int = 0) -> "DraftContext":

@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specopd.drafters.dflash import DFlashDrafter, pick_tokens
+from specopd.drafters.dflash import DFlashDrafter
+from specopd.losses import pick_tokens, sample_from_hidden
 
 
 class MarkovHead(nn.Module):
@@ -109,25 +110,32 @@ class DSparkDrafter(DFlashDrafter):
         return (logits, self._confidence(h, prev)) if return_confidence else logits
 
     def markov_sample(self, h: torch.Tensor, anchor_tokens: torch.Tensor, temperature: float, generator=None,
-                      rows=None, return_logits: bool = True):
+                      rows=None, return_logits: bool = True, chunk_rows="auto"):
         """The left-to-right sampler (the one implementation). h [N, W, D], anchor_tokens [N] ->
         (tokens [N, W], logits [N, W, V] or None, confidence logits [N, W] or None). Token k is drawn from
-        ``lm_head(h_k) + W2(W1[x_{k-1}])`` (``pick_tokens``: one generator, or one per ``rows`` group) and
-        feeds slot k + 1. Memory: one [N, V] slice per step unless ``return_logits``."""
+        ``lm_head(h_k) + W2(W1[x_{k-1}])`` (one generator, or one per ``rows`` group; each draws its rows' uniforms
+        slot by slot) and feeds slot k + 1. Without ``return_logits`` slot k's logits are built ``chunk_rows`` rows
+        at a time (``sample_from_hidden``): memory one [chunk_rows, V] chunk, never [N, V] or [N, W, V]."""
         x = anchor_tokens.reshape(-1).to(device=h.device, dtype=torch.long)
+        w_lm, w2 = self.target.lm_head.weight, self.markov_head.markov_w2.weight
         toks, logits, prevs = [], [], []
         for k in range(h.shape[1]):
-            lk = self.logits_from_hidden(h[:, k], x)  # [N, V]
             prevs.append(x)
-            x = pick_tokens(lk, temperature, generator, rows)
-            toks.append(x)
             if return_logits:
+                lk = self.logits_from_hidden(h[:, k], x)  # [N, V]
                 logits.append(lk)
+                x = pick_tokens(lk, temperature, generator, rows, chunk_rows)
+            else:
+                x = sample_from_hidden(h[:, k].detach(), w_lm, temperature, rows, generator,
+                                       markov=(self.markov_features(x).detach(), w2.detach()), chunk_rows=chunk_rows)
+            toks.append(x)
         conf = self._confidence(h, torch.stack(prevs, 1))
         return torch.stack(toks, 1), (torch.stack(logits, 1) if return_logits else None), conf
 
-    def _sample_hidden(self, h, anchor_tokens, temperature, generator, rows=None, return_confidence=False):
+    def _sample_hidden(self, h, anchor_tokens, temperature, generator, rows=None, return_confidence=False,
+                       return_logits=True, chunk_rows="auto"):
         if return_confidence and self.confidence_head is None:
             raise ValueError("this DSpark drafter has no confidence head (confidence_head=False)")
-        tokens, logits, conf = self.markov_sample(h, anchor_tokens, temperature, generator, rows)
+        tokens, logits, conf = self.markov_sample(h, anchor_tokens, temperature, generator, rows, return_logits,
+                                                  chunk_rows)
         return (tokens, logits, conf) if return_confidence else (tokens, logits)

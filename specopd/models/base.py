@@ -34,7 +34,8 @@ class TargetCache(GrowingCache):
 
     token_ids: torch.Tensor  # [T] long (on the model's device)
     layers: list  # one executor cache per decoder layer
-    logits: Optional[torch.Tensor] = None  # [T, V] target logits at every trunk position (see prefill)
+    logits: Optional[torch.Tensor] = None  # [T, V] target logits at every trunk position (prefill keep_logits)
+    hidden: Optional[torch.Tensor] = None  # [T, D] what lm_head reads at every trunk position (keep_hidden)
     features: Optional[torch.Tensor] = None  # [T, len(feature_layers) * D] drafter context features
     feature_layers: tuple = ()
     options: dict = field(default_factory=dict)  # executor options used to build it (e.g. gdn_checkpoint_every)
@@ -48,7 +49,7 @@ class TargetCache(GrowingCache):
         return self.layers[key] if isinstance(key, int) else self.extra[key]
 
     def nbytes(self) -> int:
-        """Bytes held by the per-layer caches (not counting logits / features)."""
+        """Bytes held by the per-layer caches (not counting logits / hidden / features)."""
         return int(sum(c.nbytes() for c in self.layers) + sum(c.nbytes() for c in self.extra.values()))
 
 
@@ -57,14 +58,16 @@ class VerifyState:
     """What ``target.score(tree, caches, return_state=True)`` keeps for ``target.commit``.
 
     tree: the verified tree (M nodes); trunk_lens: the caches' lengths at verify time; layers: per mixer key
-    (layer index, or (layer_idx, name)) the mixer and its executor's node state; logits [M, V] and features
-    [M, F] (at the caches' feature_layers, None without) of every node."""
+    (layer index, or (layer_idx, name)) the mixer and its executor's node state; logits [M, V], hidden [M, D]
+    (what lm_head reads: ``head_input``) and features [M, F] (at the caches' feature_layers, None without) of
+    every node."""
 
     tree: ProposalTree
     trunk_lens: list
     layers: dict
     logits: torch.Tensor
     features: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
 
 
 class RunContext:
@@ -168,9 +171,16 @@ class TargetModel(nn.Module):
         """Token embeddings [..., D] (drafters share them)."""
         return self.model.embed_tokens(input_ids)
 
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The backbone's output [..., D] -> what lm_head reads [..., D]: the final norm (``model.norm``); the
+        identity for models without one (qwen4_exp: its hyper-connection mixer is the last step). The fused
+        losses work from it: ``head(h) == lm_head(head_input(h))`` holds for every model (tested)."""
+        norm = getattr(self.model, "norm", None)
+        return h if norm is None else norm(h)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head: [..., D] -> logits [..., V]."""
-        return self.lm_head(self.model.norm(h))
+        return self.lm_head(self.head_input(h))
 
     @staticmethod
     def checkpoint_key(name: str) -> Optional[str]:
@@ -229,8 +239,14 @@ class TargetModel(nn.Module):
     @torch.no_grad()
     def prefill(self, trunk_ids: torch.Tensor, cache: Optional[TargetCache] = None, *,
                 feature_layers: Optional[Sequence[int]] = None, gdn_checkpoint_every: int = 64,
-                keep_logits: bool = True, keep_checkpoints: bool = True) -> TargetCache:
-        """Run the trunk [T] once and keep per-layer caches, logits [T, V] and drafter features.
+                keep_logits: bool = True, keep_hidden: Optional[bool] = None,
+                keep_checkpoints: bool = True) -> TargetCache:
+        """Run the trunk [T] once and keep per-layer caches, logits [T, V] and drafter features [T, F]
+        (the outputs of ``feature_layers`` only).
+
+        ``keep_hidden``: also keep ``cache.hidden`` [T, D], what lm_head reads (``head_input``); training keeps it
+        with ``keep_logits=False`` (T x D instead of T x V: the fused loss and ``losses.logits_at`` build p from
+        it, so the trunk's logits are never materialised). None: as the extended ``cache`` does (else False).
 
         With ``cache`` given, the trunk is *extended* by ``trunk_ids`` (incremental decoding): the
         returned cache covers ``cache.token_ids + trunk_ids`` (it keeps the cache's options; its logits cover
@@ -249,39 +265,48 @@ class TargetModel(nn.Module):
                                                               "gdn_keep_checkpoints": bool(keep_checkpoints)}
         if opts["gdn_checkpoint_every"] < 1:
             raise ValueError("gdn_checkpoint_every must be >= 1")
+        if keep_hidden is None:
+            keep_hidden = cache is not None and cache.hidden is not None
         t0 = len(cache) if cache is not None else 0
         pos = torch.arange(t0, t0 + trunk_ids.numel(), device=self.device).view(1, -1)
         ctx = RunContext("prefill", trunk_ids.view(1, -1), pos, prev=cache, feature_layers=feature_layers,
                          options=opts)
         h = self.backbone(ctx)
-        logits = self.head(h)[0] if keep_logits else None
+        hn = self.head_input(h)[0] if (keep_logits or keep_hidden) else None  # [T, D]
+        logits = self.lm_head(hn) if keep_logits else None
+        hidden = hn if keep_hidden else None
         feats = torch.cat([ctx.features[i][0] for i in feature_layers], dim=-1) if feature_layers else None
         layers = [ctx.layer_caches[i] for i in range(self.num_layers)]
         extra = {k: v for k, v in ctx.layer_caches.items() if not isinstance(k, int)}
         if cache is not None:
             new = {"token_ids": trunk_ids}
-            if logits is not None and cache.logits is not None:
-                new["logits"] = logits
+            replace = {"layers": layers, "extra": extra}
+            for name, val in (("logits", logits), ("hidden", hidden)):
+                if val is not None and getattr(cache, name) is not None:
+                    new[name] = val
+                else:
+                    replace[name] = val  # None, or only these tokens' rows when the cache kept none
             if feats is not None and cache.features is not None:
                 new["features"] = feats
-            replace = {"layers": layers, "extra": extra}
-            if "logits" not in new:
-                replace["logits"] = logits  # None, or only these tokens' logits when the cache kept none
             return cache.grown(replace, **new)
-        return TargetCache(token_ids=trunk_ids, layers=layers, logits=logits, features=feats,
+        return TargetCache(token_ids=trunk_ids, layers=layers, logits=logits, hidden=hidden, features=feats,
                            feature_layers=tuple(feature_layers), options=opts, extra=extra)
 
     def score(self, tree: ProposalTree, cache: Union[TargetCache, Sequence[TargetCache]], *,
-              return_hidden: bool = False, return_state: bool = False):
+              return_hidden: bool = False, return_state: bool = False, return_logits: bool = True):
         """Logits of every tree node as if each node's path had been run from scratch after its anchor.
 
         tree: ProposalTree (packed over len(caches) trunks). Returns [N, W, V] for chain branches, else
         [M, V]. ``p[b, j] == target(trunk[:a_b + 1] + tokens[b, :j + 1])[-1]``. With return_hidden, also
-        the last hidden states ([N, W, D] / [M, D], before the final norm). With return_state (verify), also
-        a ``VerifyState`` for ``commit``: ``logits, state = target.score(tree, caches, return_state=True)``
-        (its size: every node's K/V per attention layer, the fp32 state after every node per GDN layer,
-        M x H x K x V x 4 bytes each, and the nodes' features).
+        what lm_head reads at every node (``head_input``: [N, W, D] / [M, D]); ``return_logits=False,
+        return_hidden=True`` returns only that (training: the fused loss builds p from it chunk by chunk, so
+        [N, W, V] never exists). With return_state (verify; needs the logits), also a ``VerifyState`` for
+        ``commit``: ``logits, state = target.score(tree, caches, return_state=True)`` (its size: every node's
+        K/V per attention layer, the fp32 state after every node per GDN layer, M x H x K x V x 4 bytes each,
+        and the nodes' logits, hidden states and features).
         """
+        if not (return_logits or return_hidden) or (return_state and not return_logits):
+            raise ValueError("score: return_logits=False needs return_hidden=True and return_state=False")
         caches = [cache] if isinstance(cache, TargetCache) else list(cache)
         tree.validate([len(c) for c in caches], self.vocab_size)
         fl = ()
@@ -294,15 +319,15 @@ class TargetModel(nn.Module):
         pos = tree.positions.to(self.device).view(1, -1)
         ctx = RunContext("score", ids, pos, tree=tree, caches=caches, options=caches[0].options,
                          feature_layers=fl, keep_state=return_state)
-        h = self.backbone(ctx)[0]
-        flat = self.head(h)  # [M, V]
-        out = [tree.reshape_nodes(flat)]
+        hn = self.head_input(self.backbone(ctx)[0])  # [M, D]
+        flat = self.lm_head(hn) if return_logits else None  # [M, V]
+        out = [tree.reshape_nodes(flat)] if return_logits else []
         if return_hidden:
-            out.append(tree.reshape_nodes(h))
+            out.append(tree.reshape_nodes(hn))
         if return_state:
             feats = torch.cat([ctx.features[i][0] for i in fl], dim=-1) if fl else None
             out.append(VerifyState(tree=tree, trunk_lens=[len(c) for c in caches], layers=ctx.node_states,
-                                   logits=flat, features=feats))
+                                   logits=flat, features=feats, hidden=hn))
         return out[0] if len(out) == 1 else tuple(out)
 
     @torch.no_grad()
@@ -331,6 +356,8 @@ class TargetModel(nn.Module):
                 grow["features"] = state.features[path_dev]
             if cache.logits is not None:
                 grow["logits"] = state.logits[path_dev].to(cache.logits.dtype)
+            if cache.hidden is not None:
+                grow["hidden"] = state.hidden[path_dev].to(cache.hidden.dtype)
             layers = [new.get(i, c) for i, c in enumerate(cache.layers)]
             extra = {k: new.get(k, c) for k, c in cache.extra.items()}
             out.append(cache.grown({"layers": layers, "extra": extra}, **grow))

@@ -10,11 +10,13 @@ with probability min(1, p/q), on rejection resample from norm(max(0, p - q)); al
 p), and the accepted tokens are committed to each cache from that same pass; the bonus / resampled token is
 the next anchor. Every drafted block with its target p (p for d_j is the target's distribution after
 ``prefix + d_1..d_{j-1}``) is kept, and training waits for the rollout to end (at most ``anchors_per_seq``
-rounds per sequence, or when the sequence reaches the reference's length). The loss is the same E2E-TV on
-(context, drafted block, p) as SpecOPD.
+rounds per sequence, or when the sequence reaches the reference's length). The loss is the same fused chunked
+E2E-TV on (context, drafted block, target side) as SpecOPD: per block only the target's hidden state [W, D] at the
+verified nodes is kept (``VerifyState.hidden``), never p logits beyond the round's [A, W + 1, V] that rejection
+sampling needs.
 
 Off-policy CE / E2E-TV need no code here: ``Worker.propose(..., reference=True)`` takes the W reference
-tokens after each anchor as the block and ``Worker.score`` reads p from the reference's trunk logits.
+tokens after each anchor as the block and ``Worker.score`` reads the target side from the reference's trunk.
 """
 from __future__ import annotations
 
@@ -31,10 +33,18 @@ def verify_block(p_logits: torch.Tensor, q_logits: torch.Tensor, draft: torch.Te
     return k, torch.cat([draft[:k], torch.tensor([y], device=draft.device, dtype=draft.dtype)])
 
 
+def _prompt_hidden(target, sample, dev) -> torch.Tensor:
+    """[1, D]: what lm_head reads after the prompt (a one-token prompt's verify pass does not cover it)."""
+    ids = sample["input_ids"][: sample["prompt_len"]].to(dev)
+    return target.prefill(ids, keep_logits=False, keep_hidden=True, keep_checkpoints=False).hidden[-1:]
+
+
 @torch.no_grad()
 def draft_opd_rollout(worker, sample_ids, step) -> tuple:
-    """Run the rollout for ``sample_ids`` and return (proposals, p_logits [N, W, V]) like propose/score.
-    Target passes: one prefill per prompt + one per round (all active sequences together)."""
+    """Run the rollout for ``sample_ids`` and return (proposals, hp [N, W, D]) like propose/score: hp[b, j] is
+    the target's hidden state (what lm_head reads) whose logits are p for block b's drafted token j.
+    Target passes: one prefill per prompt + one per round (all active sequences together); a one-token prompt
+    adds one pass of that token for its hidden state (its p came from the start's logits)."""
     t = worker.cfg.trainer
     target, drafter, dev = worker.target, worker.drafter, worker.device
     W = int(drafter.draft_len)
@@ -45,7 +55,7 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
                            worker.cfg.model.gdn_checkpoint_every) for s in samples]
     limit = [int(s["input_ids"].numel()) for s in samples]
     rounds, done = [0] * len(samples), [len(s) >= n for s, n in zip(seqs, limit)]
-    blocks = []  # (sample index, anchor, anchor token, drafted [W], p [W, V])
+    blocks = []  # (sample index, anchor, anchor token, drafted [W], hp [W, D])
     while not all(done):
         active = [i for i in range(len(samples)) if not done[i]]
         cur, g = [seqs[i] for i in active], [gens[i] for i in active]
@@ -55,8 +65,12 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
         with worker._span("score"):
             p, state = spec.verify(target, cur, draft)  # [A, W + 1, V]
             n, nxt = spec.accept(draft, q, p, t.temperature, g)
+            hid = state.tree.split(state.hidden)  # per sequence [W + 1, D] ([W, D] when its last is None)
         for k, i in enumerate(active):
-            blocks.append((i, anchors[k], cur[k].anchor_token, draft[k], p[k, :W]))
+            hk = hid[k]
+            if cur[k].last is None:  # a one-token prompt: slot 0's p came from the prompt pass's logits
+                hk = torch.cat([_prompt_hidden(target, samples[i], dev).to(hk.dtype), hk])
+            blocks.append((i, anchors[k], cur[k].anchor_token, draft[k], hk[:W]))
             rounds[i] += 1
             done[i] = rounds[i] >= t.anchors_per_seq or len(seqs[i]) + n[k] + 1 >= limit[i]
         with worker._span("commit"):

@@ -31,6 +31,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from specopd.config import RecipeConfig, RecipeError, to_dict, to_yaml
+from specopd.memory import check_memory
 from specopd.profiling import Profiler
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder, num_branches
@@ -336,6 +337,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                   f"trainer.resume=none (the old run is moved aside) or another trainer.output_dir.")
             return {**prev, "already_complete": True}
     apply_deterministic(t.deterministic)
+    check_memory(cfg)  # a step larger than one device is a clear error (MemoryPlanError) before any work
     metrics_path = os.path.join(out, "metrics.jsonl")
     group = make_group(cfg)
     n = group.num_workers

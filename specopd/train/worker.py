@@ -3,29 +3,37 @@
 The SpecOPD step (docs/interfaces.md, Training) as separate methods, so the Ray backend can call them
 one by one (each becomes an actor method unchanged):
 
-    caches    = w.prefill(sample_ids)                    target runs each reference once (trunk)
-    proposals = w.propose(caches, sample_ids, step)      B anchors / sample, drafter samples W tokens each
-    p_logits  = w.score(proposals, caches)               target scores all branches in one packed pass
-    metrics   = w.loss_backward(proposals, p_logits, denom)
+    caches    = w.prefill(sample_ids)                    target runs each reference once (trunk), keeps its
+                                                         final hidden [T, D] (no [T, V] logits) + drafter features
+    proposals = w.propose(caches, sample_ids, step)      B anchors / sample; ONE drafter forward h [N, W, D] (with
+                                                         grad when training); branch tokens sampled from h.detach()
+    hp        = w.score(proposals, caches)               target scores all branches in one packed pass -> its
+                                                         hidden states [N, W, D] at the drafter's slots
+    metrics   = w.loss_backward(proposals, hp, denom)    fused chunked E2E-TV (or CE) on the same h, backward
     metrics   = w.optimizer_step()                       all-reduce (set_allreduce), clip, AdamW, schedule
     metrics   = w.train_step(sample_ids, step, denom)    all of the above
 
+No tensor of size [N, W, V] exists in a step: sampling and the loss build logits ``trainer.loss_chunk_rows``
+rows at a time from hidden states and the frozen lm_head (``specopd.losses``), and alpha (the metrics, the
+DSpark confidence target, the held-out expected AL) comes from the loss's own pass. Memory per worker: the
+trunk caches (S x T), the drafter's activations and hp (N x W x D), one [chunk, V] chunk.
+
 Split roles (``runtime.roles: split``; the controller is ``specopd.train.group.split_call``): a target worker
 (``role="target"``) keeps the trunk caches where they were built and a drafter worker (``role="drafter"``)
-samples, trains and all-reduces; only token ids + features, proposals and p logits move between them:
+samples, trains and all-reduces; only token ids + features, proposals and the target's hidden states move:
 
     trunks    = t.stage_trunks(sample_ids)               [{token_ids [T], features [T, F]}]; caches stay in t
     light     = d.stage_proposals(trunks, sample_ids, step)   {anchors, trunk_index, tokens, reference}
-    p, phases = t.score_staged(light)                    p [N, W, V] (row k = 0: the trunk logits at the anchor)
-    metrics   = d.finish_scored(p, denom)                loss/backward, all-reduced optimizer step
+    hp, phases = t.score_staged(light)                   hp [N, W, D] (row k = 0: the trunk's hidden at the anchor)
+    metrics   = d.finish_scored(hp, denom)               loss/backward, all-reduced optimizer step
 
 Randomness is per sample: anchors and branch tokens of sample s at step t come from generators seeded
 from (seed, t, s), so splitting a batch across workers does not change any sample's proposals. The loss is
 a sum over branches divided by ``denom`` (the global branch count), so per-worker gradients add up to the
 gradient of the global batch.
 
-p for branch position k (the token at a + 1 + k): k = 0 is the trunk logits at the anchor; k >= 1 is the
-target's score of the branch prefix ``tokens[:k]``; so only W - 1 tokens per branch are scored.
+Target side for branch slot k (the token at a + 1 + k): k = 0 is the trunk's hidden state at the anchor;
+k >= 1 is the target's score of the branch prefix ``tokens[:k]``; so only W - 1 tokens per branch are scored.
 """
 from __future__ import annotations
 
@@ -63,11 +71,12 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callabl
 
 
 def sample_branches(drafter, features, anchors, trunk_index, anchor_tokens, temperature, rows, gens):
-    """One drafter forward for all branches; tokens of branch rows[i] drawn with gens[i].
+    """Drafting as a decoder does it (Draft-OPD's rollout: it needs q for rejection sampling): one drafter
+    forward for all branches; tokens of branch rows[i] drawn with gens[i].
 
-    Returns (tokens [N, W], raw logits [N, W, V]). ``drafter.sample`` does the drawing (DSpark: its one
-    left-to-right Markov sampler, ``DSparkDrafter.markov_sample``) with per-sample generators.
-    """
+    Returns (tokens [N, W], raw logits [N, W, V]) (N = active sequences of one round: small). ``drafter.sample``
+    does the drawing (DSpark: its one left-to-right Markov sampler) with per-sample generators. Training's
+    proposals use ``drafter.sample_tokens`` on the forward that carries the gradient instead (no logits)."""
     return drafter.sample(features, anchors, trunk_index, anchor_tokens, temperature, gens, rows=rows)
 
 
@@ -182,17 +191,20 @@ class Worker:
     # ------------------------------------------------------------------ the SpecOPD step, phase by phase
     @torch.no_grad()
     def prefill(self, sample_ids) -> list:
-        """One target pass per reference sequence -> TargetCache list (logits, features, layer caches)."""
+        """One target pass per reference sequence -> TargetCache list (layer caches, drafter features [T, F],
+        the final hidden [T, D] that lm_head reads; no [T, V] logits)."""
         with self._span("prefill"):
             return [self.target.prefill(self.sample(s)["input_ids"].to(self.device),
                                         feature_layers=self.drafter.feature_layers,
-                                        gdn_checkpoint_every=self.cfg.model.gdn_checkpoint_every)
+                                        gdn_checkpoint_every=self.cfg.model.gdn_checkpoint_every,
+                                        keep_logits=False, keep_hidden=True)
                     for s in sample_ids]
 
-    @torch.no_grad()
     def propose(self, caches, sample_ids, step, anchors_per_seq: Optional[int] = None,
                 temperature: Optional[float] = None, reference: bool = False) -> dict:
-        """Anchors + drafted branches (or, with ``reference``, the reference tokens after each anchor)."""
+        """Anchors + ONE drafter forward ``hidden`` [N, W, D] (carrying the gradient when grad is enabled: the
+        loss reuses it) + branch tokens [N, W] sampled from it detached, in row chunks (or, with ``reference``,
+        the reference tokens after each anchor)."""
         b = anchors_per_seq or self.cfg.trainer.anchors_per_seq
         temp = self.cfg.trainer.temperature if temperature is None else temperature
         with self._span("propose"):
@@ -208,22 +220,25 @@ class Worker:
                 raise ValueError(f"samples {list(sample_ids)} have no valid anchor (responses shorter than "
                                  f"drafter.block_size tokens); lower drafter.block_size or use longer sequences")
             trunks = [c.token_ids for c in caches]
+            feats = [c.features for c in caches]
             anchor_tokens = torch.cat([trunks[i][anchors[r]] for i, r in enumerate(rows)])
+            with self._autocast():
+                h = self.drafter.hidden(feats, anchors, tix, anchor_tokens)  # [N, W, D]
             if reference:
                 offs = anchors[:, None] + 1 + torch.arange(self.W, device=self.device)
                 tokens = torch.cat([trunks[i][offs[r]] for i, r in enumerate(rows)])
             else:
                 gens = [self._gen("branch", step, int(s)) for s in sample_ids]
-                feats = [c.features for c in caches]
-                with self._autocast():
-                    tokens, _ = sample_branches(self.drafter, feats, anchors, tix, anchor_tokens, temp, rows, gens)
+                tokens = self.drafter.sample_tokens(h, anchor_tokens, temp, gens, rows,
+                                                    chunk_rows=self.cfg.trainer.loss_chunk_rows)
         return {"anchors": anchors, "trunk_index": tix, "anchor_tokens": anchor_tokens, "tokens": tokens,
-                "features": [c.features for c in caches], "sample_ids": list(sample_ids), "reference": reference}
+                "features": feats, "hidden": h, "sample_ids": list(sample_ids), "reference": reference}
 
     @torch.no_grad()
     def score(self, proposals: dict, caches) -> torch.Tensor:
-        """p logits [N, W, V] for each branch position (k = 0 from the trunk, k >= 1 from the tree pass).
-        Reference blocks (off-policy) need no tree pass: p comes from the trunk logits of the reference."""
+        """The target side hp [N, W, D] (what lm_head reads) for each branch slot: k = 0 from the trunk, k >= 1
+        from the packed tree pass (hidden states only: no [N, W, V] logits; ``losses.logits_at`` gives p for a
+        few rows). Reference blocks (off-policy) need no tree pass: hp comes from the reference's trunk."""
         from specopd.tree import ProposalTree
 
         a, tix, tok = proposals["anchors"], proposals["trunk_index"], proposals["tokens"]
@@ -231,41 +246,57 @@ class Worker:
             if bool((tix[1:] < tix[:-1]).any()):
                 raise ValueError("score: branches must be grouped by trunk (trunk_index non-decreasing), as "
                                  "propose() returns them; the packed tree lists trunk 0's branches first")
+            if any(c.hidden is None for c in caches):
+                raise ValueError("score: the trunk caches need their final hidden states (prefill(..., "
+                                 "keep_hidden=True), as Worker.prefill builds them)")
             rows = [torch.nonzero(tix == i).flatten() for i in range(len(caches))]
             if proposals.get("reference"):
                 offs = a[:, None] + torch.arange(self.W, device=a.device)
-                return torch.cat([caches[i].logits[offs[r]] for i, r in enumerate(rows)])
-            p0 = torch.cat([caches[i].logits[a[r]] for i, r in enumerate(rows)])[:, None]
+                return torch.cat([caches[i].hidden[offs[r]] for i, r in enumerate(rows)])
+            h0 = torch.cat([caches[i].hidden[a[r]] for i, r in enumerate(rows)])[:, None]  # [N, 1, D]
             if self.W == 1:
-                return p0
+                return h0
             trees = [ProposalTree.from_branches(a[tix == i].cpu(), tok[tix == i, : self.W - 1].cpu())
                      for i in range(len(caches))]
-            rest = self.target.score(ProposalTree.pack(trees), caches)  # [N, W-1, V], trunk order == our order
-            return torch.cat([p0, rest.to(p0.dtype)], 1)
+            rest = self.target.score(ProposalTree.pack(trees), caches, return_logits=False,
+                                     return_hidden=True)  # [N, W-1, D], trunk order == our order
+            return torch.cat([h0, rest.to(h0.dtype)], 1)
 
-    def loss_backward(self, proposals: dict, p_logits: torch.Tensor, denom) -> dict:
-        """Drafter forward with grad (prev_tokens = the branch's own tokens), loss / denom, backward.
-        Returns partial sums (the controller adds them over workers)."""
+    def _head_terms(self, proposals: dict):
+        """(lm_head weight [V, D], DSpark's Markov term (W1[prev] [N, W, r], W2 [V, r]) or None, prev [N, W])."""
         from specopd.drafters import shift_tokens
-        from specopd.losses import ce_loss, confidence_loss, e2e_tv_loss, prefix_survival, tv_alpha
+
+        prev = shift_tokens(proposals["anchor_tokens"], proposals["tokens"])
+        head = getattr(self.drafter, "markov_head", None)
+        markov = None if head is None else (self.drafter.markov_features(prev), head.markov_w2.weight)
+        return self.target.lm_head.weight, markov, prev
+
+    def loss_backward(self, proposals: dict, hp: torch.Tensor, denom) -> dict:
+        """Fused chunked loss on the proposals' drafter forward (``proposals["hidden"]``; Draft-OPD's proposals
+        have none: one forward with grad here) against the target side hp [N, W, D], / denom, backward.
+        DSpark teacher-forces its own sampled tokens through its Markov head. Returns partial sums (the
+        controller adds them over workers); alpha comes from the loss's pass."""
+        from specopd.losses import confidence_loss, fused_ce, fused_e2e_tv, prefix_survival
 
         t, method = self.cfg.trainer, self.cfg.trainer.method
         with self._span("loss_backward"):
             tokens = proposals["tokens"]
-            args = (proposals["features"], proposals["anchors"], proposals["trunk_index"],
-                    proposals["anchor_tokens"], shift_tokens(proposals["anchor_tokens"], tokens))
-            with self._autocast():
-                if getattr(self.drafter, "has_confidence", False):
-                    q, conf = self.drafter(*args, return_confidence=True)
-                else:
-                    q, conf = self.drafter(*args), None
-            p = p_logits.to(q.device)
+            h = proposals.pop("hidden", None)  # the graph is consumed by this backward
+            if h is None:
+                with self._autocast():
+                    h = self.drafter.hidden(proposals["features"], proposals["anchors"], proposals["trunk_index"],
+                                            proposals["anchor_tokens"])
+            weight, markov, prev = self._head_terms(proposals)
+            kw = dict(markov=markov, denom=denom, temperature=t.temperature, chunk_rows=t.loss_chunk_rows)
+            hp = hp.to(h.device)
             if method == "offpolicy_ce":
-                loss = ce_loss(q, tokens, denom=denom)
+                out = fused_ce(h, weight, tokens, hp=hp, **kw)
             else:
-                loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
-            alpha = tv_alpha(q.detach(), p, temperature=t.temperature)
-            if conf is not None and self.cfg.drafter.confidence_weight > 0:
+                out = fused_e2e_tv(h, weight, hp, **kw)
+            loss, alpha = out.loss, out.alpha
+            if getattr(self.drafter, "has_confidence", False) and self.cfg.drafter.confidence_weight > 0:
+                with self._autocast():
+                    conf = self.drafter._confidence(h, prev)
                 loss = loss + self.cfg.drafter.confidence_weight * confidence_loss(conf, alpha, denom=denom)
             loss.backward()
             surv = prefix_survival(alpha)
@@ -322,21 +353,21 @@ class Worker:
         if method == "draft_opd":
             from specopd.train.baselines import draft_opd_rollout
 
-            proposals, p = draft_opd_rollout(self, sample_ids, step)
+            proposals, hp = draft_opd_rollout(self, sample_ids, step)
         else:
             caches = self.prefill(sample_ids)
             proposals = self.propose(caches, sample_ids, step, reference=method.startswith("offpolicy"))
-            p = self.score(proposals, caches)
-        self._staged = (proposals, p)
+            hp = self.score(proposals, caches)
+        self._staged = (proposals, hp)
         return {"branches": int(proposals["tokens"].shape[0])}
 
     def finish(self, denom) -> dict:
         """Loss + backward on the staged proposals, then the optimizer step."""
         if self._staged is None:
             raise RuntimeError("finish() called without stage(): nothing to train on")
-        proposals, p = self._staged
+        proposals, hp = self._staged
         self._staged = None
-        m = self.loss_backward(proposals, p, denom)
+        m = self.loss_backward(proposals, hp, denom)
         m.update(self.optimizer_step(loss_finite=math.isfinite(m["loss"])))
         m["phase_s"] = dict(self._phase)
         return m
@@ -354,7 +385,7 @@ class Worker:
         return [{"token_ids": c.token_ids, "features": c.features} for c in self._trunks]
 
     def score_staged(self, light: Optional[dict]):
-        """Target side: p logits for the proposals on the kept trunks (then drops them), and phase times."""
+        """Target side: hp [N, W, D] for the proposals on the kept trunks (then drops them), and phase times."""
         caches, self._trunks = self._trunks, None
         if light is None:  # an empty share (held-out evaluation)
             return None, {}
@@ -383,11 +414,11 @@ class Worker:
         self._staged = (prop, None)
         return self._light(prop)
 
-    def finish_scored(self, p_logits: torch.Tensor, denom) -> dict:
-        """Drafter side: attach the target's p logits to the staged proposals, then ``finish``."""
+    def finish_scored(self, hp: torch.Tensor, denom) -> dict:
+        """Drafter side: attach the target's hidden states hp [N, W, D] to the staged proposals, then ``finish``."""
         if self._staged is None:
             raise RuntimeError("finish_scored() called without stage_proposals(): nothing to train on")
-        self._staged = (self._staged[0], p_logits.to(self.device))
+        self._staged = (self._staged[0], hp.to(self.device))
         return self.finish(denom)
 
     @torch.no_grad()
@@ -408,33 +439,29 @@ class Worker:
         return self._light(prop)
 
     @torch.no_grad()
-    def evaluate_scored(self, p_logits: Optional[torch.Tensor]) -> dict:
-        """Drafter side of ``evaluate``: alpha sums of the staged held-out proposals against p."""
+    def evaluate_scored(self, hp: Optional[torch.Tensor]) -> dict:
+        """Drafter side of ``evaluate``: alpha sums of the staged held-out proposals against hp [N, W, D]."""
         prop, self._staged = (self._staged or (None, None))[0], None
         if prop is None:
             return {"branches": 0, "alpha_sum": [0.0] * self.W, "surv_sum": [0.0] * self.W}
-        return self._eval_sums(prop, p_logits.to(self.device))
+        return self._eval_sums(prop, hp.to(self.device))
 
     @torch.no_grad()
-    def _eval_sums(self, prop: dict, p: torch.Tensor) -> dict:
-        from specopd.losses import prefix_survival, tv_alpha
+    def _eval_sums(self, prop: dict, hp: torch.Tensor) -> dict:
+        """alpha of the proposals' own drafter forward (``prop["hidden"]``, eval mode) from one fused pass."""
+        from specopd.losses import fused_e2e_tv, prefix_survival
 
-        was = self.drafter.training
-        self.drafter.eval()
-        try:
-            with self._autocast():
-                q = self.drafter(prop["features"], prop["anchors"], prop["trunk_index"], prop["anchor_tokens"],
-                                 torch.cat([prop["anchor_tokens"][:, None], prop["tokens"][:, :-1]], 1))
-            alpha = tv_alpha(q, p.to(q.device), temperature=self.cfg.trainer.temperature)
-        finally:
-            self.drafter.train(was)
+        weight, markov, _ = self._head_terms(prop)
+        alpha = fused_e2e_tv(prop["hidden"], weight, hp, markov=markov, temperature=self.cfg.trainer.temperature,
+                             chunk_rows=self.cfg.trainer.loss_chunk_rows).alpha
         return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
                 "surv_sum": prefix_survival(alpha).sum(0).tolist()}
 
     @torch.no_grad()
     def evaluate(self, sample_ids, anchors_per_seq: Optional[int] = None) -> dict:
         """On-policy acceptance on held-out samples with fixed anchors/branches (independent of the step):
-        sums of alpha and of prod_{i<=j} alpha_i per draft position, and the branch count."""
+        sums of alpha and of prod_{i<=j} alpha_i per draft position, and the branch count. One drafter forward
+        (eval mode) gives the branches and, with the target's hp, alpha (one fused pass, no second TV)."""
         if not sample_ids:
             return {"branches": 0, "alpha_sum": [0.0] * self.W, "surv_sum": [0.0] * self.W}
         was = self.drafter.training
@@ -443,11 +470,11 @@ class Worker:
         try:
             caches = self.prefill(sample_ids)
             prop = self.propose(caches, sample_ids, "eval", anchors_per_seq or self.cfg.trainer.eval_anchors_per_seq)
-            p = self.score(prop, caches)
+            hp = self.score(prop, caches)
         finally:
             self.drafter.train(was)
             self._phase = keep
-        return self._eval_sums(prop, p)
+        return self._eval_sums(prop, hp)
 
     # ------------------------------------------------------------------ state
     def drafter_config(self) -> dict:
@@ -510,9 +537,9 @@ class Worker:
 
         def leaf(i: int) -> torch.Tensor:
             self.stage([sample_ids[i - lo]], step)  # zeroes the gradients, then prefill / propose / score
-            proposals, p = self._staged
+            proposals, hp = self._staged
             self._staged = None
-            parts.append(self.loss_backward(proposals, p, denom))
+            parts.append(self.loss_backward(proposals, hp, denom))
             for k, v in self._phase.items():
                 phases[k] = phases.get(k, 0.0) + v
             return torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).detach().reshape(-1).float()
