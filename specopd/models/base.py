@@ -151,6 +151,7 @@ class TargetModel(nn.Module):
 
     model_type: str = "?"
     layer_kinds: list
+    kernels: str = "auto"  # executors' kernels: "auto" | "torch" | "triton" (load_target(..., kernels=))
 
     # -- defaults for the standard pre-norm decoder stack in HF naming (``model.embed_tokens``,
     #    ``model.layers[i].{input_layernorm, mixer, post_attention_layernorm, mlp}``, ``model.norm``,
@@ -252,7 +253,7 @@ class TargetModel(nn.Module):
         t0 = len(cache) if cache is not None else 0
         pos = torch.arange(t0, t0 + trunk_ids.numel(), device=self.device).view(1, -1)
         ctx = RunContext("prefill", trunk_ids.view(1, -1), pos, prev=cache, feature_layers=feature_layers,
-                         options=opts)
+                         options=self.run_options(opts))
         h = self.backbone(ctx)
         logits = self.head(h)[0] if keep_logits else None
         feats = torch.cat([ctx.features[i][0] for i in feature_layers], dim=-1) if feature_layers else None
@@ -292,7 +293,7 @@ class TargetModel(nn.Module):
                 raise ValueError("verify (return_state=True) needs every cache built with the same feature_layers")
         ids = tree.tokens.to(self.device).view(1, -1)
         pos = tree.positions.to(self.device).view(1, -1)
-        ctx = RunContext("score", ids, pos, tree=tree, caches=caches, options=caches[0].options,
+        ctx = RunContext("score", ids, pos, tree=tree, caches=caches, options=self.run_options(caches[0].options),
                          feature_layers=fl, keep_state=return_state)
         h = self.backbone(ctx)[0]
         flat = self.head(h)  # [M, V]
@@ -324,7 +325,7 @@ class TargetModel(nn.Module):
                 continue
             path_dev = path.to(dev)
             new = {key: get_executor(mixer.kind).commit(mixer, cache.layer_cache(key), nodes, path_dev,
-                                                        options=cache.options)
+                                                        options=self.run_options(cache.options))
                    for key, (mixer, nodes) in state.layers.items()}
             grow = {"token_ids": tree.tokens[path].to(dev)}
             if cache.features is not None and state.features is not None:
@@ -335,6 +336,10 @@ class TargetModel(nn.Module):
             extra = {k: new.get(k, c) for k, c in cache.extra.items()}
             out.append(cache.grown({"layers": layers, "extra": extra}, **grow))
         return out
+
+    def run_options(self, cache_options: dict) -> dict:
+        """Executor options of one call: ``kernels`` from the target, then the cache's own (which win)."""
+        return {"kernels": self.kernels, **cache_options}
 
     @staticmethod
     def _check_paths(caches, state: VerifyState, paths) -> list:
