@@ -32,6 +32,8 @@ Kernels (``options["kernels"]``, see ``executors.base.resolve_kernels``):
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +93,12 @@ def _recurrence(options, device, every=None):
             name = "chunk" if every is None or every % 16 == 0 else "recurrent"
     from kernels.gated_delta.fla_chunk import prefill_backend
 
-    return prefill_backend(name), name
+    run = prefill_backend(name)
+    if name == "chunk" and os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter runs the in-chunk forward substitution row by row in Python: 16-token chunks keep
+        # the CPU tests short (GPUs use 64; tests/test_kernels_gdn_chunk.py checks every chunk size)
+        run = functools.partial(run, chunk_size=16)
+    return run, name
 
 
 def _every(options) -> int:
@@ -141,17 +148,21 @@ def _check_bare(caches, trunk: torch.Tensor, anchor: torch.Tensor) -> None:
                          f"branches inside the trunk")
 
 
-def _conv_seq(mixer, u, history, fla: bool = False):
-    """The causal conv over a sequence (``mixer.conv_seq``); with ``fla`` (CUDA, SiLU), fla's ``causal_conv1d``
-    over [history ; u] (UNTESTED here: fla-core is not installed on this machine)."""
+def _conv_seq(mixer, u, history, fla: bool = False, cu_seqlens=None):
+    """The causal conv over a sequence (``mixer.conv_seq``: u [1, T, Cd], history [1, W-1, Cd] or None); with
+    ``fla`` (CUDA, SiLU), fla's ``causal_conv1d`` over [history ; u], or over packed sequences with
+    ``cu_seqlens`` (UNTESTED here: fla-core is not installed on this machine)."""
     if not fla or mixer.act is not torch.nn.functional.silu:
+        if cu_seqlens is not None:
+            b = cu_seqlens.tolist()
+            return torch.cat([mixer.conv_seq(u[:, lo:hi]) for lo, hi in zip(b[:-1], b[1:])], dim=1)
         return mixer.conv_seq(u, history)
     from fla.modules.causal_conv1d import causal_conv1d
 
     wk = mixer.conv_kernel_size
     x = u if history is None else torch.cat([history.to(u.dtype), u], dim=1)  # [1, (W-1) + T, Cd]
     y, _ = causal_conv1d(x=x.contiguous(), weight=mixer.conv1d.weight[:, 0, :].contiguous(), bias=None,
-                         activation="silu")
+                         activation="silu", cu_seqlens=cu_seqlens)
     return y if history is None else y[:, wk - 1:]
 
 
@@ -191,6 +202,42 @@ class GDNExecutor(Executor):
         else:
             cache = GDNCache(u[0], g[0], beta[0], ck, final[0], every, keep)
         return mixer.finish(o, z), cache
+
+    def prefill_packed(self, mixer, x, positions, cu_seqlens, options=None):
+        """Fresh trunks packed along the token dim: x [1, N, D], cu_seqlens [n + 1] (python ints) -> (out [1, N,
+        D], one GDNCache per trunk). Projections and gates run once over all N tokens; the conv and recurrence
+        run per trunk, or in one varlen pass through fla (``cu_seqlens``) when the prefill backend is "fla"
+        (CUDA; UNTESTED here)."""
+        every, keep = _every(options), _keep(options)
+        u, z, g, beta = mixer.project(x)
+        run, name = _recurrence(options, x.device, every if keep else None)
+        ck_every = every if keep else None
+        bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        if name == "fla":
+            from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
+
+            cu = torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
+            q, k, v = mixer.split_qkv(_conv_seq(mixer, u, None, fla=True, cu_seqlens=cu))
+            if x.dtype in (torch.bfloat16, torch.float16):
+                q, k, v = q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)
+            o, finals, cks = fla_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, checkpoint_every=ck_every,
+                                                        cu_seqlens=cu)
+        else:
+            outs, finals, cks = [], [], []
+            for a, b in bounds:
+                q, k, v = mixer.split_qkv(_conv_seq(mixer, u[:, a:b], None, fla=False))
+                if name == "chunk" and x.dtype in (torch.bfloat16, torch.float16):
+                    q, k, v = q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)
+                o_i, fin, ck = run(q, k, v, g=g[:, a:b], beta=beta[:, a:b], checkpoint_every=ck_every)
+                outs.append(o_i)
+                finals.append(fin[0])
+                cks.append(ck[0] if keep else None)
+            o = torch.cat(outs, dim=1)  # [1, N, H, V]
+        caches = []
+        for j, (a, b) in enumerate(bounds):
+            ck = cks[j] if keep else finals[j].new_zeros(0, *finals[j].shape)
+            caches.append(GDNCache(u[0, a:b], g[0, a:b], beta[0, a:b], ck, finals[j], every, keep))
+        return mixer.finish(o, z), caches
 
     def anchor_states(self, mixer, caches, trunk: torch.Tensor, anchor: torch.Tensor, options=None) -> torch.Tensor:
         """States after trunk[trunk[p]][0..anchor[p]] for P (trunk, anchor) pairs -> [P, H, K, V] fp32.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from executors.gdn import GDNCache, GDNExecutor
+from kernel_check import kernel_modes
 from oracle import make_tiny_checkpoint
 from specopd.models import load_target
 from specopd.tree import ProposalTree
@@ -17,10 +18,15 @@ T = 150
 TOL = 1e-5
 
 
+@pytest.fixture(scope="module", params=kernel_modes())
+def kernels(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
-def target(request, tmp_path_factory):
+def target(request, kernels, tmp_path_factory):
     path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
-    return load_target(path)
+    return load_target(path, kernels=kernels)
 
 
 def _trunk(vocab, t=T, seed=0):

@@ -3,6 +3,7 @@ plain forward of ``trunk[:a+1] + path`` (fp32 rel 1e-5) and every QSA selection 
 import pytest
 import torch
 
+from kernel_check import kernel_modes
 from specopd.models import load_target
 from specopd.tree import ProposalTree
 from tests.oracle import make_tiny_checkpoint, rel_err
@@ -12,11 +13,16 @@ T = 160
 TOL = 1e-5
 
 
+@pytest.fixture(scope="module", params=kernel_modes())
+def kernels(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["ple", "no-ple"])
-def target(request, tmp_path_factory):
+def target(request, kernels, tmp_path_factory):
     ov = {} if request.param == "ple" else {"ple_layer_ids": []}
     path = perturb_ple_conv(make_tiny_checkpoint("qwen4_exp_text", tmp_path_factory.mktemp("q4x"), **ov))
-    tgt = load_target(path)
+    tgt = load_target(path, kernels=kernels)
     tgt.ckpt_path = path
     return tgt
 
@@ -145,6 +151,8 @@ def test_prefill_extension(target):
 def test_bf16_within_bf16_noise(target):
     """bf16 packed scoring is as close to the fp32 reference as a bf16 plain forward is (selections may
     differ where bf16 rounding reorders near-tied group scores, in packed and plain runs alike)."""
+    if target.kernels == "triton":
+        pytest.skip("tl.dot on bf16 is wrong in the Triton interpreter (bf16 kernels: pytest -m gpu)")
     t16 = load_target(target.ckpt_path, dtype=torch.bfloat16)
     trunk = _trunk(9)
     g = torch.Generator().manual_seed(10)

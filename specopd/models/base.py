@@ -272,6 +272,15 @@ class TargetModel(nn.Module):
         return TargetCache(token_ids=trunk_ids, layers=layers, logits=logits, features=feats,
                            feature_layers=tuple(feature_layers), options=opts, extra=extra)
 
+    def prefill_batch(self, trunks: Sequence[torch.Tensor], **kw) -> list:
+        """Prefill several fresh trunks ([T_i] ids each) in one packed varlen pass -> one TargetCache per trunk,
+        equal to ``[self.prefill(t, **kw) for t in trunks]`` (which it falls back to on the CPU and for models
+        that cannot run packed). Keywords as ``prefill`` (no ``cache``) plus ``packed`` = "auto" | True | False.
+        See ``specopd.models.packed``."""
+        from specopd.models.packed import prefill_batch
+
+        return prefill_batch(self, trunks, **kw)
+
     def score(self, tree: ProposalTree, cache: Union[TargetCache, Sequence[TargetCache]], *,
               return_hidden: bool = False, return_state: bool = False):
         """Logits of every tree node as if each node's path had been run from scratch after its anchor.
