@@ -200,7 +200,9 @@ def _timeit(fn, repeats, device):
 
 
 @torch.no_grad()
-def run_one(kind, target, args):
+def run_one(kind, target, args, naive_cache=None):
+    """One row: prefill / score / packed (= prefill + score) times and the per-branch naive reference (timed once
+    per target and kept in ``naive_cache`` for the other kernels modes of the same target)."""
     from specopd.tree import ProposalTree
 
     g = torch.Generator().manual_seed(0)
@@ -223,11 +225,15 @@ def run_one(kind, target, args):
     t_prefill, _ = _timeit(lambda: target.prefill(trunk), args.repeats, args.device)
     t_score, _ = _timeit(lambda: target.score(tree, cache), args.repeats, args.device)
     t_packed, p = _timeit(packed, args.repeats, args.device)
-    t_naive, ref = _timeit(naive, args.repeats, args.device)
+    naive_cache = {} if naive_cache is None else naive_cache
+    if "ref" not in naive_cache:
+        naive_cache["t"], naive_cache["ref"] = _timeit(naive, args.repeats, args.device)
+    t_naive, ref = naive_cache["t"], naive_cache["ref"]
     err = float((p.float() - ref.float()).abs().max() / ref.float().abs().max())
-    return dict(kind=kind, T=args.T, branches=args.branches, W=args.W, dtype=str(args.dtype).replace("torch.", ""),
-                device=str(args.device), prefill_ms=1e3 * t_prefill, score_ms=1e3 * t_score,
-                packed_ms=1e3 * t_packed, naive_ms=1e3 * t_naive, speedup=t_naive / t_packed, max_rel_diff=err)
+    return dict(kind=kind, kernels=getattr(target, "kernels", "auto"), T=args.T, branches=args.branches, W=args.W,
+                dtype=str(args.dtype).replace("torch.", ""), device=str(args.device), prefill_ms=1e3 * t_prefill,
+                score_ms=1e3 * t_score, packed_ms=1e3 * t_packed, naive_ms=1e3 * t_naive, speedup=t_naive / t_packed,
+                max_rel_diff=err)
 
 
 def main(argv=None):
@@ -243,6 +249,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--kernels", default="auto", help="comma list of target.kernels modes to run side by side "
+                                                       "(auto | torch | triton)")
     ap.add_argument("--extras-only", action="store_true",
                     help="only the extra tables (e.g. gqa score paths), not the packed-vs-naive table")
     args = ap.parse_args(argv)
@@ -257,9 +265,12 @@ def main(argv=None):
     rows = []
     if not args.extras_only:
         for k in kinds:
-            rows.append(run_one(k, known[k](args), args))
-        cols = ["kind", "T", "branches", "W", "dtype", "prefill_ms", "score_ms", "packed_ms", "naive_ms", "speedup",
-                "max_rel_diff"]
+            target, cache = known[k](args), {}
+            for mode in [m for m in args.kernels.split(",") if m]:
+                target.kernels = mode
+                rows.append(run_one(k, target, args, cache))
+        cols = ["kind", "kernels", "T", "branches", "W", "dtype", "prefill_ms", "score_ms", "packed_ms", "naive_ms",
+                "speedup", "max_rel_diff"]
         print(f"threads={torch.get_num_threads()} device={args.device} (packed = prefill + score; "
               f"speedup = naive / packed)")
         print(" | ".join(f"{c:>12}" for c in cols))

@@ -246,3 +246,19 @@ def test_sdpa_prefill_matches_dense(target):
     _, part = ex.prefill(attn, x[:, :9], pos[:, :9], options={"gqa_backend": "sdpa"})
     ext, full = ex.prefill(attn, x[:, 9:], pos[:, 9:], prev=part, options={"gqa_backend": "sdpa"})
     assert rel_err(ext, dense[:, 9:]) <= TOL and len(full) == 23
+
+
+def test_triton_kernels_are_launched(target, monkeypatch):
+    """With kernels="triton", score and verify go through the Triton tree-attention kernel (one launch per layer)."""
+    if target.kernels != "triton":
+        pytest.skip("the triton instance checks the Triton path")
+    import kernels.tree_attention.triton_fwd as tf
+
+    calls = []
+    real = tf.tree_attention
+    monkeypatch.setattr(tf, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = target.prefill(_trunk(21, seed=3))
+    tree = ProposalTree.from_branches([20, 4], [[1, 2], [3, 4]])
+    target.score(tree, cache)
+    target.score(tree, cache, return_state=True)
+    assert len(calls) == 2 * target.num_layers

@@ -162,3 +162,21 @@ def test_bf16_within_bf16_noise(target):
         seq = torch.cat([trunk[: a + 1], toks[b]]).view(1, -1)
         ref = target(seq)[0, -3:]
         assert rel_err(packed[b], ref) <= 2 * rel_err(t16(seq)[0, -3:].float(), ref) + 2e-2
+
+
+def test_triton_kernels_are_launched(target, monkeypatch):
+    """With kernels="triton", QSA prefill runs ``qsa_prefill`` and score the indexer / top-k / sparse kernels."""
+    if target.kernels != "triton":
+        pytest.skip("the triton instance checks the Triton path")
+    import kernels.qsa.indexer as ix
+    import kernels.qsa.sparse_attention as sa
+
+    calls = []
+    for mod, name in ((sa, "qsa_prefill"), (sa, "sparse_attention"), (ix, "topk_groups")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    n_qsa = len(_qsa(target))
+    cache = target.prefill(_trunk(1, t=24))
+    target.score(ProposalTree.from_branches([23, 5], [[4, 5], [6, 7]]), cache)
+    assert calls.count("qsa_prefill") == n_qsa and calls.count("topk_groups") == n_qsa
+    assert calls.count("sparse_attention") == 2 * n_qsa  # one prefill chunk and score, per layer
