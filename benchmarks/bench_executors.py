@@ -251,10 +251,14 @@ def main(argv=None):
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--kernels", default="auto", help="comma list of target.kernels modes to run side by side "
                                                        "(auto | torch | triton)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default); 1 gives "
+                                                          "steadier CPU timings on a shared machine")
     ap.add_argument("--extras-only", action="store_true",
                     help="only the extra tables (e.g. gqa score paths), not the packed-vs-naive table")
     args = ap.parse_args(argv)
     print("command:", " ".join([sys.executable.rsplit("/", 1)[-1]] + sys.argv), flush=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype)
     known = dict(BENCHES)

@@ -4,6 +4,7 @@ selects the "triton" instances of the ``kernels`` fixture in each file; the same
 process). The interpreter is slow (a Python loop per Triton program), so the default set runs one instance of
 each executor path (score, verify + commit, prefill extension, packed prefill, per kind) and the slow set the
 whole files. Also: selecting the kernels (load_target / model.kernels) fails clearly where they cannot run."""
+import importlib
 import os
 import re
 import subprocess
@@ -23,7 +24,7 @@ FAST = [  # one instance per executor path and kind (~3 min on 2 cores)
     "tests/test_executor_qsa.py::test_general_tree[no-ple-triton]",
     "tests/test_commit.py::test_commit_equals_prefill[qwen3_next-triton-True-13-5]",
     "tests/test_commit.py::test_commit_equals_prefill[qwen4_exp_text-triton-False-7-9]",
-    "tests/test_executor_packed.py::test_packed_prefill_equals_one_by_one[qwen3_5_text-triton]",
+    "tests/test_executor_packed.py::test_packed_prefill_equals_one_by_one[triton-qwen3_5_text]",
 ]
 SLOW = ["tests/test_executor_gqa.py", "tests/test_executor_gdn.py", "tests/test_executor_qsa.py",
         "tests/test_commit.py", "tests/test_executor_packed.py"]
@@ -86,7 +87,7 @@ def test_kernels_option_routes_each_executor(tmp_path, monkeypatch):
     real = base.resolve_kernels
     monkeypatch.setattr(base, "resolve_kernels", lambda o, d: seen.append(real(o, d)) or seen[-1])
     for mod in ("executors.gqa", "executors.gdn", "executors.qsa"):
-        monkeypatch.setattr(sys.modules[mod], "resolve_kernels", base.resolve_kernels)
+        monkeypatch.setattr(importlib.import_module(mod), "resolve_kernels", base.resolve_kernels)
     from oracle import make_tiny_checkpoint
     from specopd.models import load_target
     from specopd.tree import ProposalTree

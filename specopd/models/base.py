@@ -347,8 +347,13 @@ class TargetModel(nn.Module):
         return out
 
     def run_options(self, cache_options: dict) -> dict:
-        """Executor options of one call: ``kernels`` from the target, then the cache's own (which win)."""
-        return {"kernels": self.kernels, **cache_options}
+        """Executor options of one call: ``kernels`` from the target, then the cache's own (which win); checked
+        here (a clear error naming the fix, e.g. "triton" on a CPU without TRITON_INTERPRET=1)."""
+        from executors.base import check_kernels
+
+        opts = {"kernels": self.kernels, **cache_options}
+        check_kernels(opts["kernels"], self.device)
+        return opts
 
     @staticmethod
     def _check_paths(caches, state: VerifyState, paths) -> list:
