@@ -13,8 +13,9 @@ limit, or spills (local bytes > 0). Shapes (``SHAPES``, as the executors launch 
        GDN 48 value heads (q / k expanded to them), K = V = 128, C = 64
   qwen4_exp (recipes/qwen4-exp-dflash-8gpu.yaml): QSA 16 / 2 heads, head_dim 256, indexer 32 heads x 128,
        budget 2048 (top-k 512 groups of 4); GDN 32 value heads, K = V = 128
-``launched_kernels()`` lists every Triton kernel in kernels/ (tests check each has a variant). The bundled ptxas is older than the PTX triton emits, so the numbers come
-from the cubin triton builds (its own ptxas), never from re-assembling PTX.
+``launched_kernels()`` lists every Triton kernel in kernels/ (tests check each has a variant). The bundled ptxas
+is older than the PTX triton emits, so the numbers come from the cubin triton builds (its own ptxas), never from
+re-assembling PTX.
 """
 from __future__ import annotations
 

@@ -25,8 +25,9 @@ Kernels (``options["kernels"]``, see ``executors.base.resolve_kernels``):
   triton  prefill: ``options["gdn_prefill"]`` = "auto" | "chunk" | "fla" | "recurrent": our chunked Triton
           kernel (``kernels.gated_delta.chunk``, chunk states = the fp32 checkpoints; needs C % 16 == 0),
           fla's chunked rule + ``causal_conv1d`` (CUDA with fla-core; C % 64 == 0; UNTESTED here), or the
-          fused recurrent kernel (any C). "auto": fla on CUDA when importable and C % 64 == 0, else chunk when
-          C % 16 == 0, else recurrent. Score / verify: the fused replay kernel (``kernels.gated_delta.replay``:
+          fused recurrent kernel (any C). "auto": fla on CUDA when it imports and agrees with the chunk kernel on
+          a small check (``fla_verified``, once per process) and C % 64 == 0, else chunk when C % 16 == 0, else
+          recurrent. Score / verify: the fused replay kernel (``kernels.gated_delta.replay``:
           checkpoint -> < C trunk tokens -> branch nodes in one launch; per-node states only for verify).
           bf16 / fp16 models feed the chunk kernels q, k, v in the model dtype (tensor cores; bf16 noise).
 """
@@ -85,9 +86,9 @@ def _recurrence(options, device, every=None):
     if name not in ("auto", "chunk", "fla", "recurrent"):
         raise ValueError(f"unknown gdn_prefill {name!r}; use 'auto', 'chunk', 'fla' or 'recurrent'")
     if name == "auto":
-        from kernels.gated_delta.fla_chunk import CHUNK, fla_available
+        from kernels.gated_delta.fla_chunk import CHUNK, fla_verified
 
-        if torch.device(device).type == "cuda" and (every is None or every % CHUNK == 0) and fla_available():
+        if torch.device(device).type == "cuda" and (every is None or every % CHUNK == 0) and fla_verified(device):
             name = "fla"
         else:
             name = "chunk" if every is None or every % 16 == 0 else "recurrent"

@@ -35,6 +35,44 @@ def fla_available() -> bool:
     return True
 
 
+_VERIFIED: dict = {}
+
+
+def fla_verified(device) -> bool:
+    """fla imports and, on a small random problem on ``device`` (CUDA), gives our chunk kernel's outputs, final
+    state and fp32 checkpoints (bf16 inputs, rel <= 2e-2): checked once per process and device. The GDN
+    executor's "auto" prefill uses fla only when this holds, so a broken or changed fla install falls back to
+    ``kernels.gated_delta.chunk`` (with a warning) instead of failing or returning wrong states."""
+    key = str(device)
+    if key not in _VERIFIED:
+        ok, why = False, "fla-core does not import"
+        if torch.device(device).type == "cuda" and fla_available():
+            try:
+                from kernels.gated_delta.chunk import chunk_gated_delta_rule
+                from kernels.gated_delta.naive import prepare_qk
+
+                g_ = torch.Generator().manual_seed(0)
+                q, k = prepare_qk(torch.randn(1, 200, 2, 64, generator=g_), torch.randn(1, 200, 2, 64, generator=g_))
+                v = torch.randn(1, 200, 4, 64, generator=g_)
+                gg, beta = -torch.rand(1, 200, 4, generator=g_) * 0.1, torch.rand(1, 200, 4, generator=g_)
+                args = [x.to(device, torch.bfloat16) for x in (q, k, v)]
+                kw = dict(g=gg.to(device), beta=beta.to(device), checkpoint_every=CHUNK, start=0)
+                ref = chunk_gated_delta_rule(*args, **kw)
+                got = fla_chunk_gated_delta_rule(*[a.repeat_interleave(2, dim=2) if i < 2 else a
+                                                   for i, a in enumerate(args)], **kw)
+                errs = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, ref)]
+                ok = max(errs) <= 2e-2 and got[2].dtype == torch.float32
+                why = f"fla differs from the chunk kernel (rel errors {errs})"
+            except Exception as e:  # noqa: BLE001 - any failure means: do not use fla
+                why = f"fla failed: {type(e).__name__}: {e}"
+        if not ok and torch.device(device).type == "cuda" and fla_available():
+            import warnings
+
+            warnings.warn(f"GDN prefill falls back from fla to kernels.gated_delta.chunk: {why}")
+        _VERIFIED[key] = ok
+    return _VERIFIED[key]
+
+
 def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
                                beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                                checkpoint_every: Optional[int] = None, start: int = 0, cu_seqlens=None):
