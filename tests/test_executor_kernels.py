@@ -34,8 +34,8 @@ def _interpreted_pytest(targets, timeout):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-k", "triton",
-                        *targets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow",
+                        "-k", "triton", *targets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = r.stdout + r.stderr
     m = re.search(r"(\d+) passed", out)
     assert r.returncode == 0 and m and int(m.group(1)) > 0, out[-6000:]
