@@ -56,7 +56,7 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to WORK/NAME.lo
 # -- wheels (the GPU machine cannot reach a registry)
 if ls .whl/*.whl >/dev/null 2>&1; then
   SITE=/tmp/specopd-site
-  step wheels 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  step wheels 10 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:$SITE"  # after the repo; the machine's own packages keep precedence
 else
@@ -82,10 +82,10 @@ print("omegaconf importable:", importlib.util.find_spec("omegaconf") is not None
 EOF
 
 if [ "$MODE" = gpu ]; then
-  step tests 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml "$DEST/tests.xml" \
+  step tests 170 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml "$DEST/tests.xml" \
     tests/test_executor_gpu.py tests/test_kernels_tree_attention.py tests/test_kernels_gdn.py \
     tests/test_kernels_gdn_chunk.py tests/test_kernels_qsa.py
-  step bench_kernels 130 "$PY" benchmarks/bench_kernels.py --repeats 10 --json "$WORK/bench_kernels.json"
+  step bench_kernels 160 "$PY" benchmarks/bench_kernels.py --repeats 10 --json "$WORK/bench_kernels.json"
   step bench_executors 60 "$PY" benchmarks/bench_executors.py --device cuda --dtype bfloat16 --kinds gqa,gdn,qsa \
     --T 2048 --branches 64 --W 15 --hidden 1024 --layers 4 --vocab 32000 --repeats 3 --kernels torch,triton \
     --json "$WORK/bench_executors.json"
