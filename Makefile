@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test test-fast dry-run
+.PHONY: setup demo test test-fast test-kernels dry-run
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ test: setup
 	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -p no:cacheprovider
 	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -p no:cacheprovider -m slow
 	$(MAKE) dry-run
+
+# Every executor test again with kernels="triton" under the Triton interpreter (~20 min on 2 cores; not in CI).
+test-kernels: setup
+	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -p no:cacheprovider -m interpret_full
 
 test-fast: setup
 	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -p no:cacheprovider

@@ -7,14 +7,15 @@ memory and local (spill) bytes from the cubin with the cuobjdump bundled in trit
 Prints a table (kernel, arch, registers, shared bytes, local bytes) and the tree-attention block plan's share of
 the dense grid at the 8B recipe's shapes; writes JSON as a list of {"kernel", "arch", "ok", "registers",
 "shared_bytes", "local_bytes"}. Exits non-zero on any compile failure, shared memory over the arch's per-block
-limit, or spills (local bytes > 0). Shapes:
+limit, or spills (local bytes > 0). Shapes (``SHAPES``, as the executors launch the kernels for bf16 targets):
   8B   (recipes/qwen3-8b-dflash-8gpu.yaml): GQA 32 / 8 heads, head_dim 128
   27B  (recipes/qwen3.5-27b-dflash-8gpu.yaml, Qwen3.5-27B): gated attention 24 / 4 heads, head_dim 256;
-       GDN 16 key heads / 48 value heads, K = V = 128, C = 64
-  qwen4_exp (recipes/qwen4-exp-dflash-8gpu.yaml): QSA 24 / 2 heads, head_dim 256, indexer 4 heads x 128,
-       budget 2048 (top-k 512 groups of 4); GDN as 27B
-plus head_dim 64 for tree attention. The bundled ptxas is older than the PTX triton emits, so the numbers come
-from the cubin triton builds (its own ptxas), never from re-assembling PTX.
+       GDN 48 value heads (q / k expanded to them), K = V = 128, C = 64
+  qwen4_exp (recipes/qwen4-exp-dflash-8gpu.yaml): QSA 16 / 2 heads, head_dim 256, indexer 32 heads x 128,
+       budget 2048 (top-k 512 groups of 4); GDN 32 value heads, K = V = 128
+``launched_kernels()`` lists every Triton kernel in kernels/ (tests check each has a variant). The bundled ptxas
+is older than the PTX triton emits, so the numbers come from the cubin triton builds (its own ptxas), never from
+re-assembling PTX.
 """
 from __future__ import annotations
 
@@ -35,72 +36,109 @@ if ROOT not in sys.path:
 SHARED_LIMIT = {90: 232448, 100: 232448}  # max dynamic shared memory per block (227 KiB) on sm_90 / sm_100
 
 
+# The recipes' shapes, as the executors launch the kernels for them (bf16 targets). GDN q / k reach the kernels
+# expanded to the value heads (``GatedDeltaNet.split_qkv``), so HQ = H; the chunk kernels get q / k / v in bf16
+# (``executors.gdn`` casts them for tensor-core dots), the fused recurrent and replay kernels get fp32 (their
+# launchers / the executor pass split_qkv's fp32 outputs). QSA: index queries and pooled keys in bf16.
+SHAPES = {
+    "8B": dict(gqa=(128, 32, 8)),  # Qwen3-8B: 32 / 8 heads of 128
+    "27B": dict(gqa=(256, 24, 4), gdn=(48, 128, 128)),  # Qwen3.5-27B: gated attention; GDN 48 value heads
+    "qwen4_exp": dict(gdn=(32, 128, 128), qsa=(256, 16, 2), indexer=(32, 128, 512)),  # recipe shape
+}
+
+
 def _variants() -> list:
-    """(label, module, kernel name, pointer dtypes by arg, fp32 scalar args, constexprs, launch options)."""
+    """(label, module, kernel name, pointer dtypes by arg, fp32 scalar args, constexprs, launch options): every
+    Triton kernel the executors launch, at the block sizes their launchers pick (the same config functions)."""
     from kernels.gated_delta import chunk, replay
     from kernels.qsa import indexer, sparse_attention
     from kernels.tree_attention import triton_fwd as tree
 
     out = []
-    # tree attention: (label, head_dim, H, Hkv, dtype)
-    for name, hd, h, hkv, dt in [("8B", 128, 32, 8, "bf16"), ("27B", 256, 24, 4, "bf16")]:
-        cfg = tree.kernel_config(hd, h // hkv)
-        for chain in (True, False):
-            ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "TK", "TV", "Out")}
-            ptrs.update({n: "*i32" for n in ("order", "anchor", "depth", "q_start", "q_end", "q_toff", "t_full",
-                                             "t_len", "nb_ptr", "nb_idx")})
-            ptrs["bits"] = "*i64" if not chain else "*i32"
-            out.append((f"tree_attention[{name} hd{hd} G{h // hkv} {dt} {'chain' if chain else 'tree'}]",
-                        "kernels.tree_attention.triton_fwd", "_tree_attn_fwd", ptrs, ("qk_scale",),
-                        dict(G=h // hkv, HD=hd, BLOCK_D=cfg["BLOCK_D"], BM=cfg["BM"], BMN=cfg["BMN"], BN=cfg["BN"],
-                             CHAIN=chain, DOT_PREC="ieee" if dt == "fp32" else "tf32"),
-                        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
-    # GDN chunk prefill (27B / qwen4_exp): 16 q/k heads, 48 value heads, K = V = 128, chunk 64
-    hq, h, kd, vd, bt = 16, 48, 128, 128, 64
-    cfg = chunk.kernel_config(kd, vd)
-    for dt in ("bf16",):
-        prec = "tf32"
-        common = dict(H=h, HQ=hq, K=kd, V=vd, BT=bt, BK=cfg["BK"], DOT_PREC=prec)
-        f32 = "*fp32"
-        out.append((f"gdn_chunk_wy[27B {dt}]", "kernels.gated_delta.chunk", "_chunk_wy_fwd",
-                    dict(k=f"*{dt}", v=f"*{dt}", g=f32, beta=f32, gc_out=f32, w_out=f32, u_out=f32), (),
-                    dict(common, BV=cfg["BV_WY"]), dict(num_warps=cfg["warps_wy"])))
-        out.append((f"gdn_chunk_h[27B {dt}]", "kernels.gated_delta.chunk", "_chunk_h_fwd",
-                    dict(k=f"*{dt}", w=f32, u=f32, gc=f32, h0=f32, h_out=f32, vn_out=f32, ht=f32), (),
-                    dict(common, BV=cfg["BV_H"], USE_H0=True), dict(num_warps=cfg["warps_h"])))
-        out.append((f"gdn_chunk_o[27B {dt}]", "kernels.gated_delta.chunk", "_chunk_o_fwd",
-                    dict(q=f"*{dt}", k=f"*{dt}", gc=f32, h=f32, vn=f32, o=f32), (),
-                    dict(common, BV=cfg["BV_O"]), dict(num_warps=cfg["warps_o"])))
-    # GDN fused tree replay
-    cfg = replay.kernel_config(kd, vd)
-    for store in (False, True):
-        ptrs = {n: "*fp32" for n in ("states0", "scratch", "states_out", "o", "rk", "rv", "rg", "rbeta", "nq", "nk",
-                                     "nv", "ng", "nbeta")}
-        ptrs.update({n: "*i32" for n in ("seg_state", "seg_tok", "seg_stop_ptr", "stop_len", "stop_node_ptr",
-                                         "node_id", "node_src", "node_save")})
-        out.append((f"gdn_replay[27B {'store_states' if store else 'train'}]", "kernels.gated_delta.replay",
-                    "_replay_fwd", ptrs, (), dict(H=h, HQ=hq, K=kd, V=vd, BK=cfg["BK"], BV=cfg["BV"],
-                                                  STORE_STATES=store), dict(num_warps=cfg["num_warps"])))
-    # GDN fused recurrent (existing kernel; its launcher expands q/k to the value heads, block_v = 32)
-    out.append(("gdn_fused_recurrent[27B]", "kernels.gated_delta.fused_recurrent", "_fwd_kernel",
-                {n: "*fp32" for n in ("q", "k", "v", "g", "beta", "o", "h0", "ht", "ck")}, (),
-                dict(H=h, K=kd, V=vd, BK=128, BV=32, USE_H0=True, SAVE_CK=True), dict(num_warps=4)))
-    # QSA (qwen4_exp): indexer 4 x 128, top-k 512, attention 24 / 2 heads x 256
-    cfg = indexer.scores_config(128)
-    out.append(("qsa_index_scores[qwen4_exp bf16]", "kernels.qsa.indexer", "_index_scores_fwd",
-                dict(q="*bf16", keys="*bf16", n_complete="*i32", scores="*fp32"), ("inv_div",),
-                dict(HI=4, DI=128, BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"], DOT_PREC="tf32"),
-                dict(num_warps=cfg["num_warps"])))
-    cfg = indexer.topk_config(512)
-    out.append(("qsa_topk[qwen4_exp k512]", "kernels.qsa.indexer", "_topk_groups_fwd",
-                dict(scores="*fp32", n_complete="*i32", out="*i32"), (), dict(K_SEL=512, BG=cfg["BG"]),
-                dict(num_warps=cfg["num_warps"])))
-    cfg = sparse_attention.kernel_config(256, 12)
-    out.append(("qsa_sparse_attention[qwen4_exp hd256 G12 bf16]", "kernels.qsa.sparse_attention", "_sparse_attn_fwd",
-                dict(q="*bf16", k="*bf16", v="*bf16", idx="*i32", n_keys="*i32", o="*bf16"), ("qk_scale",),
-                dict(G=12, BH=cfg["BH"], HD=256, BLOCK_D=cfg["BLOCK_D"], BN=cfg["BN"], DOT_PREC="tf32"),
-                dict(num_warps=cfg["num_warps"])))
+    f32, dt = "*fp32", "bf16"
+    for name, shape in SHAPES.items():
+        if "gqa" in shape:  # GQA score: tree attention over the block plan (chains; general trees)
+            hd, h, hkv = shape["gqa"]
+            cfg = tree.kernel_config(hd, h // hkv)
+            for chain in (True, False):
+                ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "TK", "TV", "Out")}
+                ptrs.update({n: "*i32" for n in ("order", "anchor", "depth", "q_start", "q_end", "q_toff", "t_full",
+                                                 "t_len", "nb_ptr", "nb_idx")})
+                ptrs["bits"] = "*i64" if not chain else "*i32"
+                out.append((f"tree_attention[{name} hd{hd} G{h // hkv} {dt} {'chain' if chain else 'tree'}]",
+                            "kernels.tree_attention.triton_fwd", "_tree_attn_fwd", ptrs, ("qk_scale",),
+                            dict(G=h // hkv, HD=hd, BLOCK_D=cfg["BLOCK_D"], BM=cfg["BM"], BMN=cfg["BMN"],
+                                 BN=cfg["BN"], CHAIN=chain, DOT_PREC="tf32"),
+                            dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
+        if "gdn" in shape:  # GDN prefill (chunk 64 = C; fresh trunks and extensions) and score (fused replay)
+            h, kd, vd = shape["gdn"]
+            bt = chunk.chunk_size_for(64)
+            cfg = chunk.kernel_config(kd, vd)
+            common = dict(H=h, HQ=h, K=kd, V=vd, BT=bt, BK=cfg["BK"], DOT_PREC="tf32")
+            out.append((f"gdn_chunk_wy[{name} {dt}]", "kernels.gated_delta.chunk", "_chunk_wy_fwd",
+                        dict(k=f"*{dt}", v=f"*{dt}", g=f32, beta=f32, gc_out=f32, w_out=f32, u_out=f32), (),
+                        dict(common, BV=cfg["BV_WY"]), dict(num_warps=cfg["warps_wy"])))
+            for h0 in (False, True):
+                out.append((f"gdn_chunk_h[{name} {dt}{' h0' if h0 else ''}]", "kernels.gated_delta.chunk",
+                            "_chunk_h_fwd", dict(k=f"*{dt}", w=f32, u=f32, gc=f32, h0=f32, h_out=f32, vn_out=f32,
+                                                 ht=f32), (),
+                            dict(common, BV=cfg["BV_H"], USE_H0=h0), dict(num_warps=cfg["warps_h"])))
+            out.append((f"gdn_chunk_o[{name} {dt}]", "kernels.gated_delta.chunk", "_chunk_o_fwd",
+                        dict(q=f"*{dt}", k=f"*{dt}", gc=f32, h=f32, vn=f32, o=f32), (),
+                        dict(common, BV=cfg["BV_O"]), dict(num_warps=cfg["warps_o"])))
+            rcfg = replay.kernel_config(kd, vd)
+            for store in (False, True):
+                ptrs = {n: f32 for n in ("states0", "scratch", "states_out", "o", "rk", "rv", "rg", "rbeta", "nq",
+                                         "nk", "nv", "ng", "nbeta")}
+                ptrs.update({n: "*i32" for n in ("seg_state", "seg_tok", "seg_stop_ptr", "stop_len",
+                                                 "stop_node_ptr", "node_id", "node_src", "node_save")})
+                out.append((f"gdn_replay[{name} {'verify' if store else 'score'}]", "kernels.gated_delta.replay",
+                            "_replay_fwd", ptrs, (), dict(H=h, HQ=h, K=kd, V=vd, BK=rcfg["BK"], BV=rcfg["BV"],
+                                                          STORE_STATES=store), dict(num_warps=rcfg["num_warps"])))
+            # fused recurrent: prefill when C is not a multiple of 16 (its launcher: BK = K, BV = 32, 4 warps)
+            for h0 in (False, True):
+                out.append((f"gdn_fused_recurrent[{name}{' h0' if h0 else ''}]", "kernels.gated_delta.fused_recurrent",
+                            "_fwd_kernel", {n: f32 for n in ("q", "k", "v", "g", "beta", "o", "h0", "ht", "ck")}, (),
+                            dict(H=h, K=kd, V=vd, BK=kd, BV=32, USE_H0=h0, SAVE_CK=True), dict(num_warps=4)))
+        if "qsa" in shape:  # QSA prefill and score: indexer scores, exact top-k, sparse attention
+            hi, di, topk = shape["indexer"]
+            cfg = indexer.scores_config(di)
+            out.append((f"qsa_index_scores[{name} {hi}x{di} {dt}]", "kernels.qsa.indexer", "_index_scores_fwd",
+                        dict(q=f"*{dt}", keys=f"*{dt}", n_complete="*i32", scores=f32), ("inv_div",),
+                        dict(HI=hi, DI=di, BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"], DOT_PREC="tf32"),
+                        dict(num_warps=cfg["num_warps"])))
+            cfg = indexer.topk_config(topk)
+            out.append((f"qsa_topk[{name} k{topk}]", "kernels.qsa.indexer", "_topk_groups_fwd",
+                        dict(scores=f32, n_complete="*i32", out="*i32"), (), dict(K_SEL=topk, BG=cfg["BG"]),
+                        dict(num_warps=cfg["num_warps"])))
+            hd, h, hkv = shape["qsa"]
+            cfg = sparse_attention.kernel_config(hd, h // hkv)
+            out.append((f"qsa_sparse_attention[{name} hd{hd} G{h // hkv} {dt}]", "kernels.qsa.sparse_attention",
+                        "_sparse_attn_fwd", dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", idx="*i32", n_keys="*i32",
+                                                 o=f"*{dt}"), ("qk_scale",),
+                        dict(G=h // hkv, BH=cfg["BH"], HD=hd, BLOCK_D=cfg["BLOCK_D"], BN=cfg["BN"], DOT_PREC="tf32"),
+                        dict(num_warps=cfg["num_warps"])))
     return out
+
+
+def launched_kernels() -> set:
+    """(module, name) of every Triton kernel in ``kernels/`` that a launcher calls (JIT functions defined there,
+    minus device helpers called from other kernels): each must have a variant in ``_variants``."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import kernels
+
+    helpers = {("kernels.softmax", "online_softmax_update")}
+    found = set()
+    for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+        mod = importlib.import_module(info.name)
+        for attr, obj in vars(mod).items():
+            if isinstance(obj, triton.runtime.jit.JITFunction) and obj.__module__ == info.name:
+                found.add((info.name, attr))
+    return found - helpers
 
 
 def _resources(cubin: bytes, name: str) -> dict:

@@ -105,7 +105,63 @@ def gdn_replay_table(args, target=None):
     return rows
 
 
-EXTRAS = {"gdn": [gdn_replay_table]}  # kind -> extra tables printed after the main one
+@torch.no_grad()
+def gqa_score_paths(args, target=None):
+    """Item 9 of issue 12: the GQA executor's score through the block plan (torch "blocked", and "triton" when
+    it can run) against the dense per-trunk tree mask of the previous executor ("dense"), side by side on the
+    same target, trunk and tree. Also the attention work each visits (score entries computed)."""
+    from executors.base import resolve_kernels
+    from kernels.tree_attention import build_tree_plan
+    from specopd.tree import ProposalTree
+
+    target = target or gqa_target(args)
+    g = torch.Generator().manual_seed(0)
+    trunk = torch.randint(0, target.vocab_size, (args.T,), generator=g).to(args.device)
+    anchors = torch.randint(0, args.T, (args.branches,), generator=g)
+    tree = ProposalTree.from_branches(anchors, torch.randint(0, target.vocab_size, (args.branches, args.W),
+                                                             generator=g))
+    cache = target.prefill(trunk)
+    m = tree.num_nodes
+    paths = ["dense", "blocked"]
+    try:
+        resolve_kernels({"kernels": "triton"}, args.device)
+        paths.append("triton")
+    except ValueError:
+        pass
+    rows, ref = [], None
+    for path in paths:
+        cache.options["gqa_backend"] = path
+        target.score(tree, cache)  # warm-up (plans are built once per tree)
+        t_score, p = _timeit(lambda: target.score(tree, cache), args.repeats, args.device)
+        ref = p if ref is None else ref
+        if path == "dense":
+            t_cut = int(anchors.max()) + 1
+            entries, mask_mib = m * (t_cut + m), m * (t_cut + m) / 2 ** 20  # bool mask, one trunk
+        else:
+            from executors.gqa import BLOCKED
+            from kernels.tree_attention.triton_fwd import plan_blocks
+
+            attn = target.model.layers[0].self_attn
+            blocks = BLOCKED if path == "blocked" else plan_blocks(attn.head_dim, attn.num_heads, attn.num_kv_heads)
+            st = build_tree_plan(tree.anchor, tree.parent, tree.trunk_index, [args.T], **blocks).stats()
+            entries, mask_mib = st["visited_entries"], blocks["block_m"] * (args.T + 4 * blocks["block_n"]) / 2 ** 20
+        rows.append(dict(path=path, layers=args.layers, T=args.T, branches=args.branches, W=args.W, nodes=m,
+                         score_ms=1e3 * t_score, score_entries_M=entries / 1e6, largest_mask_MiB=mask_mib,
+                         rel_diff_vs_dense=float((p - ref).abs().max() / ref.abs().max())))
+    cache.options.pop("gqa_backend")
+    base = rows[0]["score_ms"]
+    for r in rows:
+        r["speedup_vs_dense"] = base / r["score_ms"]
+    cols = list(rows[0])
+    print(f"gqa score paths: T={args.T} branches={args.branches} W={args.W} layers={args.layers} "
+          f"(one trunk; entries = attention scores computed per head and layer)")
+    print(" | ".join(f"{c:>17}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>17.4g}" if isinstance(r[c], float) else f"{r[c]:>17}" for c in cols))
+    return rows
+
+
+EXTRAS = {"gdn": [gdn_replay_table], "gqa": [gqa_score_paths]}  # kind -> extra tables printed after the main one
 
 
 # ---------------------------------------------------------------------------------------------- qsa
@@ -144,7 +200,9 @@ def _timeit(fn, repeats, device):
 
 
 @torch.no_grad()
-def run_one(kind, target, args):
+def run_one(kind, target, args, naive_cache=None):
+    """One row: prefill / score / packed (= prefill + score) times and the per-branch naive reference (timed once
+    per target and kept in ``naive_cache`` for the other kernels modes of the same target)."""
     from specopd.tree import ProposalTree
 
     g = torch.Generator().manual_seed(0)
@@ -167,11 +225,15 @@ def run_one(kind, target, args):
     t_prefill, _ = _timeit(lambda: target.prefill(trunk), args.repeats, args.device)
     t_score, _ = _timeit(lambda: target.score(tree, cache), args.repeats, args.device)
     t_packed, p = _timeit(packed, args.repeats, args.device)
-    t_naive, ref = _timeit(naive, args.repeats, args.device)
+    naive_cache = {} if naive_cache is None else naive_cache
+    if "ref" not in naive_cache:
+        naive_cache["t"], naive_cache["ref"] = _timeit(naive, args.repeats, args.device)
+    t_naive, ref = naive_cache["t"], naive_cache["ref"]
     err = float((p.float() - ref.float()).abs().max() / ref.float().abs().max())
-    return dict(kind=kind, T=args.T, branches=args.branches, W=args.W, dtype=str(args.dtype).replace("torch.", ""),
-                device=str(args.device), prefill_ms=1e3 * t_prefill, score_ms=1e3 * t_score,
-                packed_ms=1e3 * t_packed, naive_ms=1e3 * t_naive, speedup=t_naive / t_packed, max_rel_diff=err)
+    return dict(kind=kind, kernels=getattr(target, "kernels", "auto"), T=args.T, branches=args.branches, W=args.W,
+                dtype=str(args.dtype).replace("torch.", ""), device=str(args.device), prefill_ms=1e3 * t_prefill,
+                score_ms=1e3 * t_score, packed_ms=1e3 * t_packed, naive_ms=1e3 * t_naive, speedup=t_naive / t_packed,
+                max_rel_diff=err)
 
 
 def main(argv=None):
@@ -187,8 +249,16 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--kernels", default="auto", help="comma list of target.kernels modes to run side by side "
+                                                       "(auto | torch | triton)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default); 1 gives "
+                                                          "steadier CPU timings on a shared machine")
+    ap.add_argument("--extras-only", action="store_true",
+                    help="only the extra tables (e.g. gqa score paths), not the packed-vs-naive table")
     args = ap.parse_args(argv)
     print("command:", " ".join([sys.executable.rsplit("/", 1)[-1]] + sys.argv), flush=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype)
     known = dict(BENCHES)
@@ -197,15 +267,19 @@ def main(argv=None):
         if k not in known:
             ap.error(f"unknown kind {k!r}; available: {sorted(known)}")
     rows = []
-    for k in kinds:
-        rows.append(run_one(k, known[k](args), args))
-    cols = ["kind", "T", "branches", "W", "dtype", "prefill_ms", "score_ms", "packed_ms", "naive_ms", "speedup",
-            "max_rel_diff"]
-    print(f"threads={torch.get_num_threads()} device={args.device} (packed = prefill + score; "
-          f"speedup = naive / packed)")
-    print(" | ".join(f"{c:>12}" for c in cols))
-    for r in rows:
-        print(" | ".join(f"{r[c]:>12.3g}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in cols))
+    if not args.extras_only:
+        for k in kinds:
+            target, cache = known[k](args), {}
+            for mode in [m for m in args.kernels.split(",") if m]:
+                target.kernels = mode
+                rows.append(run_one(k, target, args, cache))
+        cols = ["kind", "kernels", "T", "branches", "W", "dtype", "prefill_ms", "score_ms", "packed_ms", "naive_ms",
+                "speedup", "max_rel_diff"]
+        print(f"threads={torch.get_num_threads()} device={args.device} (packed = prefill + score; "
+              f"speedup = naive / packed)")
+        print(" | ".join(f"{c:>12}" for c in cols))
+        for r in rows:
+            print(" | ".join(f"{r[c]:>12.3g}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in cols))
     for k in kinds:
         for extra in EXTRAS.get(k, []) if "EXTRAS" in globals() else []:
             rows.extend(dict(kind=f"{k}:{extra.__name__}", **r) for r in extra(args))

@@ -26,10 +26,17 @@ An executor is stateless; its caches are dataclasses (subclasses of ``GrowingCac
 
 Growth: cache fields that grow along the token dim are views of capacity-doubling buffers (``Rows``), so
 decoding n tokens one round at a time copies O(n) rows in all, not O(n^2).
+
+Kernels: ``options["kernels"]`` ("auto" | "torch" | "triton", from ``load_target(..., kernels=)``) picks how
+every executor computes prefill, score, verify and commit: "torch" = the plain torch paths (exact, any
+device), "triton" = the Triton kernels of ``kernels/`` (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for
+tests), "auto" = "triton" for CUDA tensors and "torch" otherwise (``resolve_kernels``).
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -70,6 +77,41 @@ def get_executor(kind: str) -> Executor:
         except ModuleNotFoundError as e:
             raise ValueError(f"no executor for attention kind {kind!r} (known: gqa, qsa, gdn)") from e
     return _REGISTRY[kind]
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+KERNELS = ("auto", "torch", "triton")
+
+
+def check_kernels(kernels: str, device) -> None:
+    """ValueError naming the fix when ``kernels`` is unknown or cannot run on ``device``."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNELS))}; got {kernels!r}")
+    if kernels != "triton":
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("kernels='triton' needs the triton package (pip install triton); use kernels='torch'")
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernels='triton' runs Triton kernels, which need a CUDA device (got {device}); on the CPU "
+                         f"they run only interpreted, with TRITON_INTERPRET=1 set before Python starts (tests; fp32, "
+                         f"slow). Use kernels='torch' (or 'auto') on the CPU")
+
+
+def resolve_kernels(options, device) -> str:
+    """``options["kernels"]`` for tensors on ``device`` -> "torch" | "triton" ("auto": triton on CUDA)."""
+    kernels = (options or {}).get("kernels", "auto")
+    check_kernels(kernels, device)
+    if kernels == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return kernels
+
+
+def tree_cached(tree, key, build):
+    """``build()`` once per tree and ``key`` (plans are the same for every layer): kept in the tree's cache."""
+    key = ("executor",) + tuple(key)
+    if key not in tree._cache:
+        tree._cache[key] = build()
+    return tree._cache[key]
 
 
 # ------------------------------------------------------------------------------------------------ growth

@@ -17,17 +17,29 @@ Decoding caches (``keep_checkpoints=False``, option ``gdn_keep_checkpoints``) ke
 anchors are always the trunk's last position, whose state is ``final``.
 
 The mixer supplies the maths (``specopd.models.qwen3_next.GatedDeltaNet``): project, conv, conv_seq,
-split_qkv, finish, conv_kernel_size. Recurrence: ``kernels.gated_delta`` (naive torch loop; the Triton fused
-kernel on CUDA, ``options["gdn_backend"]`` = "auto" | "torch" | "triton"). Tree steps use ``gated_delta_step``.
+split_qkv, finish, conv_kernel_size.
+
+Kernels (``options["kernels"]``, see ``executors.base.resolve_kernels``):
+  torch   prefill: the plain recurrence (``kernels.gated_delta.naive``); score: the batched torch replay
+          above (``anchor_states``) and level-by-level tree steps (``gated_delta_step``).
+  triton  prefill: ``options["gdn_prefill"]`` = "auto" | "chunk" | "fla" | "recurrent": our chunked Triton
+          kernel (``kernels.gated_delta.chunk``, chunk states = the fp32 checkpoints; needs C % 16 == 0),
+          fla's chunked rule + ``causal_conv1d`` (CUDA with fla-core; C % 64 == 0; UNTESTED here), or the
+          fused recurrent kernel (any C). "auto": fla on CUDA when it imports and agrees with the chunk kernel on
+          a small check (``fla_verified``, once per process) and C % 64 == 0, else chunk when C % 16 == 0, else
+          recurrent. Score / verify: the fused replay kernel (``kernels.gated_delta.replay``:
+          checkpoint -> < C trunk tokens -> branch nodes in one launch; per-node states only for verify).
+          bf16 / fp16 models feed the chunk kernels q, k, v in the model dtype (tensor cores; bf16 noise).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, GrowingCache, register_executor
+from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
 from kernels.gated_delta.naive import gated_delta_step, recurrent_gated_delta_rule
 
 DEFAULT_EVERY = 64
@@ -65,20 +77,29 @@ class GDNNodes:
     state: torch.Tensor
 
 
-def _recurrence(options, device):
-    """The sequence recurrence: the Triton fused kernel on CUDA (``options["gdn_backend"]`` "auto" or
-    "triton"), else the plain torch loop ("torch"); both follow ``naive.recurrent_gated_delta_rule``."""
-    backend = (options or {}).get("gdn_backend", "auto")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown gdn_backend {backend!r}; use 'auto', 'torch' or 'triton'")
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return recurrent_gated_delta_rule
-    if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
-        raise ValueError("gdn_backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for tests); "
-                         "use gdn_backend='torch' on the CPU")
-    from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
+def _recurrence(options, device, every=None):
+    """The sequence recurrence for prefill / replays (all share ``naive.recurrent_gated_delta_rule``'s
+    contract) and its name: "torch" (naive loop) or, with Triton kernels, ``options["gdn_prefill"]``."""
+    if resolve_kernels(options, device) == "torch":
+        return recurrent_gated_delta_rule, "torch"
+    name = (options or {}).get("gdn_prefill", "auto")
+    if name not in ("auto", "chunk", "fla", "recurrent"):
+        raise ValueError(f"unknown gdn_prefill {name!r}; use 'auto', 'chunk', 'fla' or 'recurrent'")
+    if name == "auto":
+        from kernels.gated_delta.fla_chunk import CHUNK, fla_verified
 
-    return fused_recurrent_gated_delta_rule
+        if torch.device(device).type == "cuda" and (every is None or every % CHUNK == 0) and fla_verified(device):
+            name = "fla"
+        else:
+            name = "chunk" if every is None or every % 16 == 0 else "recurrent"
+    from kernels.gated_delta.fla_chunk import prefill_backend
+
+    run = prefill_backend(name)
+    if name == "chunk" and os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter runs the in-chunk forward substitution row by row in Python: 16-token chunks keep
+        # the CPU tests short (GPUs use 64; tests/test_kernels_gdn_chunk.py checks every chunk size)
+        run = functools.partial(run, chunk_size=16)
+    return run, name
 
 
 def _every(options) -> int:
@@ -101,6 +122,49 @@ def _gather_trunk(caches, trunk: torch.Tensor, pos: torch.Tensor, field: str) ->
         if sel.numel():
             out[sel] = getattr(c, field)[pos[sel]]
     return out
+
+
+def _trunk_rows(mixer, caches, trunk: torch.Tensor, pos: torch.Tensor):
+    """Recurrence inputs of trunk rows (trunk[j], pos[j]) [n]: q, k [n, H, K], v [n, H, V], g, beta [n, H]
+    (fp32, prepared as in prefill: conv over the cached conv inputs, split_qkv); rows with pos < 0 are zero
+    (a no-op step: g = beta = 0)."""
+    wk = mixer.conv_kernel_size
+    # conv windows: inputs at pos-W+1 .. pos (zeros before the trunk start and for padding rows)
+    win = torch.stack([_gather_trunk(caches, trunk, torch.where(pos >= 0, pos - (wk - 1) + j,
+                                                                torch.full_like(pos, -1)).clamp(min=-1), "conv_in")
+                       for j in range(wk)], dim=1)  # [n, W, Cd]
+    q, k, v = mixer.split_qkv(mixer.conv(win))
+    return q, k, v, _gather_trunk(caches, trunk, pos, "g"), _gather_trunk(caches, trunk, pos, "beta")
+
+
+def _check_bare(caches, trunk: torch.Tensor, anchor: torch.Tensor) -> None:
+    """ValueError when an anchor inside a trunk needs a checkpoint its cache does not keep (decoding caches)."""
+    lens = torch.tensor([len(c) for c in caches], device=anchor.device)[trunk]
+    bare = torch.tensor([not c.keep_checkpoints for c in caches], device=anchor.device)[trunk] & (anchor + 1 != lens)
+    if bool(bare.any()):
+        p = int(torch.nonzero(bare)[0])
+        raise ValueError(f"anchor {int(anchor[p])} is not the last position of its trunk (length "
+                         f"{int(lens[p])}), whose cache keeps no GDN checkpoints (prefill(..., "
+                         f"keep_checkpoints=False), for decoding); prefill with keep_checkpoints=True to score "
+                         f"branches inside the trunk")
+
+
+def _conv_seq(mixer, u, history, fla: bool = False, cu_seqlens=None):
+    """The causal conv over a sequence (``mixer.conv_seq``: u [1, T, Cd], history [1, W-1, Cd] or None); with
+    ``fla`` (CUDA, SiLU), fla's ``causal_conv1d`` over [history ; u], or over packed sequences with
+    ``cu_seqlens`` (UNTESTED here: fla-core is not installed on this machine)."""
+    if not fla or mixer.act is not torch.nn.functional.silu:
+        if cu_seqlens is not None:
+            b = cu_seqlens.tolist()
+            return torch.cat([mixer.conv_seq(u[:, lo:hi]) for lo, hi in zip(b[:-1], b[1:])], dim=1)
+        return mixer.conv_seq(u, history)
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    wk = mixer.conv_kernel_size
+    x = u if history is None else torch.cat([history.to(u.dtype), u], dim=1)  # [1, (W-1) + T, Cd]
+    y, _ = causal_conv1d(x=x.contiguous(), weight=mixer.conv1d.weight[:, 0, :].contiguous(), bias=None,
+                         activation="silu", cu_seqlens=cu_seqlens)
+    return y if history is None else y[:, wk - 1:]
 
 
 @register_executor("gdn")
@@ -127,8 +191,10 @@ class GDNExecutor(Executor):
             pad = hist.new_zeros(wk - 1 - hist.shape[0], hist.shape[1])
             history = torch.cat([pad, hist])[None]
             init = prev.final[None]
-        q, k, v = mixer.split_qkv(mixer.conv_seq(u, history))
-        run = _recurrence(options, x.device)
+        run, name = _recurrence(options, x.device, every if keep else None)
+        q, k, v = mixer.split_qkv(_conv_seq(mixer, u, history, fla=name == "fla"))
+        if name in ("chunk", "fla") and x.dtype in (torch.bfloat16, torch.float16):
+            q, k, v = q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)  # tensor-core dots (fp32: IEEE, exact)
         o, final, ck = run(q, k, v, g=g, beta=beta, initial_state=init, checkpoint_every=every if keep else None,
                            start=t0)
         ck = ck[0] if keep else final.new_zeros(0, *final.shape[1:])
@@ -138,14 +204,49 @@ class GDNExecutor(Executor):
             cache = GDNCache(u[0], g[0], beta[0], ck, final[0], every, keep)
         return mixer.finish(o, z), cache
 
+    def prefill_packed(self, mixer, x, positions, cu_seqlens, options=None):
+        """Fresh trunks packed along the token dim: x [1, N, D], cu_seqlens [n + 1] (python ints) -> (out [1, N,
+        D], one GDNCache per trunk). Projections and gates run once over all N tokens; the conv and recurrence
+        run per trunk, or in one varlen pass through fla (``cu_seqlens``) when the prefill backend is "fla"
+        (CUDA; UNTESTED here)."""
+        every, keep = _every(options), _keep(options)
+        u, z, g, beta = mixer.project(x)
+        run, name = _recurrence(options, x.device, every if keep else None)
+        ck_every = every if keep else None
+        bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        if name == "fla":
+            from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
+
+            cu = torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
+            q, k, v = mixer.split_qkv(_conv_seq(mixer, u, None, fla=True, cu_seqlens=cu))
+            if x.dtype in (torch.bfloat16, torch.float16):
+                q, k, v = q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)
+            o, finals, cks = fla_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, checkpoint_every=ck_every,
+                                                        cu_seqlens=cu)
+        else:
+            outs, finals, cks = [], [], []
+            for a, b in bounds:
+                q, k, v = mixer.split_qkv(_conv_seq(mixer, u[:, a:b], None, fla=False))
+                if name == "chunk" and x.dtype in (torch.bfloat16, torch.float16):
+                    q, k, v = q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)
+                o_i, fin, ck = run(q, k, v, g=g[:, a:b], beta=beta[:, a:b], checkpoint_every=ck_every)
+                outs.append(o_i)
+                finals.append(fin[0])
+                cks.append(ck[0] if keep else None)
+            o = torch.cat(outs, dim=1)  # [1, N, H, V]
+        caches = []
+        for j, (a, b) in enumerate(bounds):
+            ck = cks[j] if keep else finals[j].new_zeros(0, *finals[j].shape)
+            caches.append(GDNCache(u[0, a:b], g[0, a:b], beta[0, a:b], ck, finals[j], every, keep))
+        return mixer.finish(o, z), caches
+
     def anchor_states(self, mixer, caches, trunk: torch.Tensor, anchor: torch.Tensor, options=None) -> torch.Tensor:
         """States after trunk[trunk[p]][0..anchor[p]] for P (trunk, anchor) pairs -> [P, H, K, V] fp32.
 
-        Each starts from checkpoint (a+1)//C (or the final state when a = T-1) and replays < C trunk tokens.
-        Torch path: one replay per checkpoint segment in use (anchors in the same segment share it, capturing
-        their states on the way), all segments batched, so the work is <= min(P, T/C) x (C-1) state steps.
-        Triton path (CUDA): one padded replay per pair in a single launch (padding steps g = beta = 0 are
-        exact no-ops)."""
+        Each starts from checkpoint (a+1)//C (or the final state when a = T-1) and replays < C trunk tokens:
+        one replay per checkpoint segment in use (anchors in the same segment share it, capturing their states
+        on the way), all segments batched, so the work is <= min(P, T/C) x (C-1) state steps. (The torch path;
+        Triton kernels fuse this with the nodes' steps, see ``_score_triton``.)"""
         every = caches[0].every
         if any(c.every != every for c in caches):
             raise ValueError("packed trunk caches were built with different gdn_checkpoint_every")
@@ -155,30 +256,11 @@ class GDNExecutor(Executor):
         at_end = n == lens
         ck = torch.where(at_end, torch.zeros_like(n), n // every)
         r = torch.where(at_end, torch.zeros_like(n), n - ck * every)  # replay length < C
-        bare = torch.tensor([not c.keep_checkpoints for c in caches], device=dev)[trunk] & ~at_end
-        if bool(bare.any()):
-            p = int(torch.nonzero(bare)[0])
-            raise ValueError(f"anchor {int(anchor[p])} is not the last position of its trunk (length "
-                             f"{int(lens[p])}), whose cache keeps no GDN checkpoints (prefill(..., "
-                             f"keep_checkpoints=False), for decoding); prefill with keep_checkpoints=True to score "
-                             f"branches inside the trunk")
+        _check_bare(caches, trunk, anchor)
         S = torch.stack([caches[int(i)].final if bool(e) else caches[int(i)].checkpoints[int(c)]
                          for i, e, c in zip(trunk.tolist(), at_end.tolist(), ck.tolist())])
         if not bool((r > 0).any()):
             return S
-        run = _recurrence(options, S.device)
-        if run is not recurrent_gated_delta_rule:  # pairs in groups, so the replay inputs stay <= ~256 MiB
-            per_pair = int(r.max()) * mixer.conv_dim * mixer.conv_kernel_size
-            group = max(1, int((options or {}).get("gdn_replay_elems", 1 << 26)) // per_pair)
-            out = []
-            for lo in range(0, S.shape[0], group):
-                sl = slice(lo, lo + group)
-                if not bool((r[sl] > 0).any()):
-                    out.append(S[sl])
-                    continue
-                q, k, v, g, beta = self._replay_inputs(mixer, caches, trunk[sl], ck[sl] * every, r[sl])
-                out.append(run(q, k, v, g=g, beta=beta, initial_state=S[sl])[1])
-            return torch.cat(out)
         # torch path: replay each (trunk, segment) once; pairs capture the state after their r-th step
         need = torch.nonzero(r > 0).flatten()
         seg_key = trunk[need] * (int(ck.max()) + 1) + ck[need]
@@ -200,22 +282,12 @@ class GDNExecutor(Executor):
     def _replay_inputs(mixer, caches, trunk: torch.Tensor, start: torch.Tensor, length: torch.Tensor):
         """q, k [P, R, H, K], v [P, R, H, V], g, beta [P, R, H] of trunk positions start[p] .. start[p] +
         length[p] - 1 (R = max length; later steps are zero: g = beta = 0, q = k = v = 0)."""
-        wk = mixer.conv_kernel_size
         steps = torch.arange(int(length.max()), device=start.device)
         pos = start[:, None] + steps[None, :]  # [P, R]
         pos = torch.where(steps[None, :] < length[:, None], pos, torch.full_like(pos, -1))
         p_, r_ = pos.shape
         tr = trunk[:, None].expand(p_, r_).reshape(-1)
-        flat = pos.reshape(-1)
-        # conv windows: inputs at pos-W+1 .. pos (zeros before the trunk start and for padding steps)
-        win = torch.stack([_gather_trunk(caches, tr, torch.where(flat >= 0, flat - (wk - 1) + j,
-                                                                 torch.full_like(flat, -1)).clamp(min=-1), "conv_in")
-                           for j in range(wk)], dim=1)  # [P*R, W, Cd]
-        q, k, v = mixer.split_qkv(mixer.conv(win))
-        g = _gather_trunk(caches, tr, flat, "g")
-        beta = _gather_trunk(caches, tr, flat, "beta")
-        q, k, v = (t.view(p_, r_, *t.shape[1:]) for t in (q, k, v))
-        return q, k, v, g.view(p_, r_, g.shape[-1]), beta.view(p_, r_, beta.shape[-1])
+        return tuple(t.view(p_, r_, *t.shape[1:]) for t in _trunk_rows(mixer, caches, tr, pos.reshape(-1)))
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, D] inputs of the M tree nodes; caches: one GDNCache per trunk -> out [1, M, D]."""
@@ -256,6 +328,9 @@ class GDNExecutor(Executor):
         cols.append(u[0])
         q, k, v = mixer.split_qkv(mixer.conv(torch.stack(cols, dim=1)))  # [M, H, K], [M, H, V]
         g, beta = g[0], beta[0]
+        if resolve_kernels(options, dev) == "triton":
+            o, S_nodes = self._replay_triton(mixer, caches, tree, q, k, v, g, beta, keep)
+            return mixer.finish(o[None], z), (GDNNodes(u[0], g, beta, S_nodes) if keep else None)
         # anchor states of the roots, one per distinct (trunk, anchor)
         parent = tree.parent.to(dev)
         roots = torch.nonzero(parent < 0).flatten()
@@ -281,3 +356,36 @@ class GDNExecutor(Executor):
                 S_nodes[nodes] = S_prev
         out = mixer.finish(o[None], z)
         return out, (GDNNodes(u[0], g, beta, S_nodes) if keep else None)
+
+    @staticmethod
+    def _replay_triton(mixer, caches, tree, q, k, v, g, beta, keep):
+        """Node outputs o [M, H, V] fp32 (and states [M, H, K, V] fp32 with ``keep``) through the fused replay
+        kernel: per (trunk, checkpoint) segment, load the checkpoint, replay < C trunk tokens, run the branch
+        nodes. Only the checkpoints segments start from are gathered (not every trunk's)."""
+        from kernels.gated_delta.replay import build_replay_plan, gdn_tree_replay
+
+        every = caches[0].every
+        if any(c.every != every for c in caches):
+            raise ValueError("packed trunk caches were built with different gdn_checkpoint_every")
+        dev = q.device
+        lens = tuple(len(c) for c in caches)
+        _check_bare(caches, tree.trunk_index, tree.anchor)
+
+        def build():
+            plan = build_replay_plan(tree.anchor, tree.parent, tree.trunk_index, lens, every)
+            # states0 rows (each trunk's checkpoints then its final state) -> the rows segments use, packed
+            n_ck = [(t + every - 1) // every for t in lens]
+            row_trunk = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(n_ck) + 1)
+            row_ck = torch.cat([torch.arange(n + 1) for n in n_ck])
+            used, seg_state = torch.unique(plan.seg_state, return_inverse=True)
+            plan.seg_state = seg_state
+            return plan.to(dev), (row_trunk[used].tolist(), row_ck[used].tolist(), n_ck), \
+                (plan.replay_trunk.to(dev), plan.replay_pos.to(dev))
+
+        plan, (s_trunk, s_ck, n_ck), (r_trunk, r_pos) = tree_cached(tree, ("gdn_replay", lens, every, str(dev)), build)
+        states0 = torch.stack([caches[i].final if c == n_ck[i] else caches[i].checkpoints[c]
+                               for i, c in zip(s_trunk, s_ck)])  # [S, H, K, V] fp32
+        rq, rk, rv, rg, rbeta = _trunk_rows(mixer, caches, r_trunk, r_pos)
+        o, states = gdn_tree_replay(states0, rk, rv, rg, rbeta, q, k, v, g, beta, plan, store_states=keep)
+        return o, states
+

@@ -3,23 +3,33 @@
 prefill: causal attention over the trunk (extending ``prev``); the cache keeps the trunk's K and V
          ([T, Hkv, hd] each, after q/k norm and RoPE at the trunk positions; growable, see executors.base).
 score:   tree node u (anchor a, trunk i) attends to trunk i's keys at positions <= a, plus its own
-         ancestors and itself (``tree.ancestor_mask()``); its q/k use RoPE at its semantic position
-         a + 1 + depth. Keys are ordered trunk first, then tree nodes in node order (parents precede
-         children), i.e. the same order as the sequential reference ``trunk[:a+1] + path(u)``.
+         ancestors and itself; its q/k use RoPE at its semantic position a + 1 + depth. Keys are ordered
+         trunk first, then tree nodes in node order (parents precede children), i.e. the same order as the
+         sequential reference ``trunk[:a+1] + path(u)``.
 verify:  score, also keeping the nodes' K/V (``GQANodes``); commit appends a path's K/V to the trunk cache.
+prefill_packed: several trunks in one pass (varlen causal attention), one cache per trunk.
 
 Only ``mixer.project``, ``mixer.finish`` and ``mixer.scaling`` are used (see docs/interfaces.md).
-The attention itself goes through ``attend``: dense masked attention with fp32 softmax (exact on the
-CPU) or torch SDPA (GPU default), chosen by ``options["gqa_backend"]``; a flex_attention / Triton
-backend slots into ``BACKENDS``.
+
+Score goes through the tree-attention block plan (``kernels.tree_attention``): nodes sorted by (trunk,
+anchor) in query blocks, each visiting only the trunk prefix up to its largest anchor and the node blocks
+holding its rows' ancestors. ``options["gqa_backend"]``:
+  "auto"    "triton" when the kernels are Triton (``executors.base.resolve_kernels``), else "blocked"
+  "blocked" torch over the plan's blocks (exact fp32 softmax; the CPU path)
+  "triton"  the Triton kernel over the same plan (``kernels.tree_attention.triton_fwd.tree_attention``)
+  "dense" / "sdpa"  the dense per-trunk [M_i, t_cut + M_i] tree mask (HF-eager numerics / torch SDPA):
+            the baseline ``benchmarks/bench_executors.py`` measures against; its mask grows as M_i x (T + M_i)
+Prefill is causal attention: "dense" (exact HF-eager, CPU default) or "sdpa" (lower-right causal bias, the
+flash kernel; CUDA default); GQA has no Triton kernel of its own for prefill (flash attention is faster).
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, GrowingCache, register_executor
+from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
 from specopd.models.common import masked_attention, sdpa_attention
 
 
@@ -42,24 +52,41 @@ class GQANodes:
     v: torch.Tensor
 
 
-BACKENDS = {"dense": masked_attention, "sdpa": sdpa_attention}
+BACKENDS = {"dense": masked_attention, "sdpa": sdpa_attention}  # dense-mask attention (prefill; score baseline)
+SCORE_BACKENDS = ("blocked", "triton", "dense", "sdpa")
+BLOCKED = dict(block_m=64, block_n=64)  # torch path: nodes x keys per block (fewer, larger blocks: fewer launches)
+
+
+def _option(options) -> str:
+    backend = (options or {}).get("gqa_backend", "auto")
+    if backend != "auto" and backend not in SCORE_BACKENDS:
+        raise ValueError(f"unknown gqa_backend {backend!r}; available: 'auto', {', '.join(map(repr, SCORE_BACKENDS))}")
+    return backend
 
 
 def _backend(q, options) -> str:
-    backend = (options or {}).get("gqa_backend", "auto")
+    """The dense-mask backend for prefill: "dense" on the CPU, "sdpa" on the GPU, unless one is named."""
+    backend = _option(options)
+    if backend in BACKENDS:
+        return backend
+    return "dense" if q.device.type == "cpu" else "sdpa"
+
+
+def score_backend(device, options) -> str:
+    """The score path: ``options["gqa_backend"]``, "auto" following ``options["kernels"]``."""
+    backend = _option(options)
     if backend == "auto":
-        backend = "dense" if q.device.type == "cpu" else "sdpa"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown gqa_backend {backend!r}; available: 'auto', {', '.join(map(repr, BACKENDS))}")
+        return "triton" if resolve_kernels(options, device) == "triton" else "blocked"
+    if backend == "triton":
+        resolve_kernels({**(options or {}), "kernels": "triton"}, device)  # clear error off CUDA
     return backend
 
 
 def attend(q, k, v, mask, scaling, options=None):
     """q [1, Tq, H, hd], k/v [1, Tk, Hkv, hd], mask [1, Tq, Tk] bool -> [1, Tq, H, hd].
 
-    ``options["gqa_backend"]``: "auto" (default: dense on the CPU, sdpa on the GPU), "dense" (the exact
-    HF-eager numerics of the plain forward), "sdpa" (torch's fused attention with the boolean mask).
-    """
+    "dense" (the exact HF-eager numerics of the plain forward) or "sdpa" (torch's fused attention with the
+    boolean mask), see ``_backend``."""
     return BACKENDS[_backend(q, options)](q, k, v, mask, scaling)
 
 
@@ -76,6 +103,68 @@ def attend_causal(q, k, v, scaling, options=None):
     return attend(q, k, v, mask[None], scaling, options)
 
 
+# ---------------------------------------------------------------------------------------------- varlen
+def varlen_backend(q, options) -> str:
+    """Packed causal prefill: ``options["varlen_backend"]`` "auto" | "flash_attn" | "torch" | "loop".
+    "auto" = flash-attn's ``flash_attn_varlen_func`` when importable, else torch's ``varlen_attn`` (torch >=
+    2.9, CUDA, bf16 / fp16), else "loop" (per-sequence ``attend_causal``: exact, any device)."""
+    backend = (options or {}).get("varlen_backend", "auto")
+    if backend not in ("auto", "flash_attn", "torch", "loop"):
+        raise ValueError(f"unknown varlen_backend {backend!r}; use 'auto', 'flash_attn', 'torch' or 'loop'")
+    if backend != "auto":
+        return backend
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return "loop"
+    try:
+        import flash_attn  # noqa: F401
+
+        return "flash_attn"
+    except ImportError:
+        pass
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
+        return "torch"
+    except ImportError:
+        return "loop"
+
+
+def attend_varlen(q, k, v, cu_seqlens, max_len: int, scaling, options=None):
+    """Causal attention of packed sequences: q [N, H, hd], k/v [N, Hkv, hd] (sequence i = rows
+    cu_seqlens[i] .. cu_seqlens[i+1] - 1, int32 [n + 1] on q's device) -> [N, H, hd].
+
+    UNTESTED on a GPU here: the "flash_attn" and "torch" backends run only on CUDA (``benchmarks/gpu_check.sh``
+    compares them with "loop")."""
+    backend = varlen_backend(q, options)
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scaling,
+                                      causal=True)
+    if backend == "torch":
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        kw = {"scale": scaling} if "scale" in params else {}
+        if "window_size" in params:
+            kw["window_size"] = (-1, 0)  # causal
+        else:
+            kw["is_causal"] = True
+        rep = q.shape[1] // k.shape[1]
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = rep > 1
+        elif rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if "scale" not in params:
+            q = q * (scaling * q.shape[-1] ** 0.5)  # its default scale is hd^-0.5
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        out[lo:hi] = attend_causal(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], scaling, options)[0]
+    return out
+
+
 @register_executor("gqa")
 class GQAExecutor(Executor):
     kind = "gqa"
@@ -88,6 +177,16 @@ class GQAExecutor(Executor):
         cache = prev.grown(k=k[0], v=v[0]) if prev is not None else GQACache(k[0], v[0])
         o = attend_causal(q, cache.k[None], cache.v[None], mixer.scaling, options)
         return mixer.finish(o, extra), cache
+
+    def prefill_packed(self, mixer, x, positions, cu_seqlens, options=None):
+        """Fresh trunks packed along the token dim: x [1, N, D], positions [1, N] (each trunk from 0),
+        cu_seqlens [n + 1] (python ints) -> (out [1, N, D], one GQACache per trunk)."""
+        q, k, v, extra = mixer.project(x, positions)
+        cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=x.device)
+        max_len = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        o = attend_varlen(q[0], k[0], v[0], cu, max_len, mixer.scaling, options)
+        caches = [GQACache(k[0, a:b], v[0, a:b]) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        return mixer.finish(o[None], extra), caches
 
     def score(self, mixer, x, tree, caches, options=None):
         """x [1, M, D] inputs of the M tree nodes; caches: one GQACache per trunk -> out [1, M, D]."""
@@ -105,24 +204,37 @@ class GQAExecutor(Executor):
         if len(caches) != tree.num_trunks:
             raise ValueError(f"tree spans {tree.num_trunks} trunk(s) but {len(caches)} cache(s) were given")
         dev = x.device
+        lens = tuple(len(c) for c in caches)
+        bad = tree.anchor >= torch.tensor(lens, dtype=torch.long)[tree.trunk_index]
+        if bool(bad.any()):
+            u = int(torch.nonzero(bad)[0])
+            i = int(tree.trunk_index[u])
+            raise ValueError(f"anchor {int(tree.anchor[u])} is outside trunk {i} of length {lens[i]}")
         q, k, v, extra = mixer.project(x, tree.positions.to(dev).view(1, -1))
-        o = torch.empty_like(q)
-        for i, nodes, t_cut, mask in _plan(tree, dev):
-            if t_cut > len(caches[i]):
-                raise ValueError(f"anchor {t_cut - 1} is outside trunk {i} of length {len(caches[i])}")
-            keys = torch.cat([caches[i].k[:t_cut], k[0, nodes]])[None]  # [1, t_cut + Mi, Hkv, hd]
-            vals = torch.cat([caches[i].v[:t_cut], v[0, nodes]])[None]
-            o[0, nodes] = attend(q[:, nodes], keys, vals, mask, mixer.scaling, options)[0]
+        backend = score_backend(dev, options)
+        if backend in BACKENDS:
+            o = self._score_dense(mixer, q, k, v, tree, caches, options)
+        else:
+            trunk_k = caches[0].k if len(caches) == 1 else torch.cat([c.k for c in caches])  # [sum T_i, Hkv, hd]
+            trunk_v = caches[0].v if len(caches) == 1 else torch.cat([c.v for c in caches])
+            if backend == "triton":
+                from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
+
+                blocks = plan_blocks(q.shape[-1], q.shape[2], k.shape[2])
+                plan = _tree_plan(tree, lens, blocks, dev)
+                o = tree_attention(q[0], k[0], v[0], trunk_k, trunk_v, plan, mixer.scaling)[None]
+            else:
+                from kernels.tree_attention import tree_attention_blocked
+
+                plan = _tree_plan(tree, lens, BLOCKED, None)
+                o = tree_attention_blocked(q[0], k[0], v[0], trunk_k, trunk_v, plan, mixer.scaling)
+                o = o.to(q.dtype)[None]
         return mixer.finish(o, extra), GQANodes(k[0], v[0])
 
-
-def _plan(tree, device):
-    """Per trunk i with nodes: (i, nodes [Mi], t_cut, mask [1, Mi, t_cut + Mi]) where t_cut = last anchor + 1
-    (later trunk keys are never visible) and mask = [trunk positions <= anchor | ancestor-or-self].
-    Built once per tree and device (the same for every layer), kept in the tree's cache."""
-    key = ("gqa_plan", str(device))
-    if key not in tree._cache:
-        plan = []
+    def _score_dense(self, mixer, q, k, v, tree, caches, options):
+        """The dense baseline: per trunk i, [M_i, t_cut + M_i] boolean tree mask (t_cut = last anchor + 1)."""
+        o = torch.empty_like(q)
+        dev = q.device
         for i in range(tree.num_trunks):
             nodes = torch.nonzero(tree.trunk_index == i).flatten()
             if nodes.numel() == 0:
@@ -130,7 +242,22 @@ def _plan(tree, device):
             a = tree.anchor[nodes]
             t_cut = int(a.max()) + 1
             trunk_vis = torch.arange(t_cut)[None, :] <= a[:, None]  # [Mi, t_cut]
-            mask = torch.cat([trunk_vis, tree.ancestor_mask(nodes)], dim=1)[None]  # one trunk's block only
-            plan.append((i, nodes.to(device), t_cut, mask.to(device)))
-        tree._cache[key] = plan
-    return tree._cache[key]
+            mask = torch.cat([trunk_vis, tree.ancestor_mask(nodes)], dim=1)[None].to(dev)
+            nodes = nodes.to(dev)
+            keys = torch.cat([caches[i].k[:t_cut], k[0, nodes]])[None]  # [1, t_cut + Mi, Hkv, hd]
+            vals = torch.cat([caches[i].v[:t_cut], v[0, nodes]])[None]
+            o[0, nodes] = attend(q[:, nodes], keys, vals, mask, mixer.scaling, options)[0]
+        return o
+
+
+def _tree_plan(tree, lens: tuple, blocks: dict, device):
+    """The tree-attention block plan (built once per tree, trunk lengths and block size; the same for every
+    layer), moved to ``device`` as int32 for the kernel when one is given."""
+    from kernels.tree_attention import build_tree_plan
+
+    plan = tree_cached(tree, ("tree_plan", lens, blocks["block_m"], blocks["block_n"]),
+                       lambda: build_tree_plan(tree.anchor, tree.parent, tree.trunk_index, lens, **blocks))
+    if device is None:
+        return plan
+    return tree_cached(tree, ("tree_plan", lens, blocks["block_m"], blocks["block_n"], str(device)),
+                       lambda: plan.to(device))

@@ -16,6 +16,14 @@ rows above). Selection, tail and attention then follow the sequential rule exact
 verify / commit: score also keeps the nodes' K/V and raw index keys (``QSANodes``); commit appends a path's
 K/V and raw keys and pools the groups its tokens complete (same ``pool_keys`` as prefill).
 
+Kernels (``options["kernels"]``, ``executors.base.resolve_kernels``): "torch" = the mixer's own torch pieces
+(masked attention over a [chunk, T] token mask in prefill); "triton" = ``kernels.qsa``: prefill through
+``qsa_prefill`` (indexer scores -> exact top-k -> sparse attention per query chunk, no [T, T] tensor),
+score through ``index_scores`` (trunk groups) + ``topk_groups`` + ``sparse_attention`` over each node's
+own key rows. Both score paths take the nodes in chunks for the key stage, so the selected-key tensors
+([nodes, topk * ratio + ratio - 1] indices, and on the torch path the gathered K/V) stay under
+``options["qsa_score_bytes"]`` (default 256 MiB) whatever the number of nodes.
+
 ``options["qsa_record"]`` (a dict) receives ``{layer_idx: selected groups [Q, topk]}`` (-1 padded,
 ascending) so tests can compare selections with the sequential path.
 """
@@ -25,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, GrowingCache, register_executor
+from executors.base import Executor, GrowingCache, register_executor, resolve_kernels
 from specopd.models.common import masked_attention
+
+SCORE_BYTES = 1 << 28  # default options["qsa_score_bytes"]: the key stage of score works in node chunks of <= this
 
 
 @dataclass
@@ -94,6 +104,13 @@ class QSAExecutor(Executor):
             cache = QSACache(k[0], v[0], raw[0], _pool_new_groups(mixer, raw[0], 0, t))
         k, v, pooled = cache.k, cache.v, cache.pooled
         chunk = max(1, int((options or {}).get("qsa_prefill_chunk", 1024)))  # queries per attention block
+        if resolve_kernels(options, x.device) == "triton":
+            from kernels.qsa.sparse_attention import qsa_prefill
+
+            last = torch.arange(t0, t0 + t, device=x.device)
+            o, sel = qsa_prefill(q[0], k, v, qi[0], pooled, last, mixer.topk, r, mixer.scaling, chunk=chunk)
+            _record(options, mixer, sel)
+            return mixer.finish(o[None], gate), cache
         sels, outs = [], []
         for s0 in range(0, t, chunk):
             last = torch.arange(t0 + s0, t0 + min(t, s0 + chunk), device=x.device)
@@ -122,6 +139,7 @@ class QSAExecutor(Executor):
 
     def _score(self, mixer, x, tree, caches, options=None):
         dev, m, r = x.device, x.shape[1], mixer.ratio
+        triton = resolve_kernels(options, dev) == "triton"
         anchor, tix = tree.anchor.to(dev), tree.trunk_index.to(dev)
         pos = tree.positions.to(dev)
         q, k, v, gate = mixer.project(x, pos.view(1, -1))
@@ -133,14 +151,15 @@ class QSAExecutor(Executor):
         anc = ancestor_table(tree, dev)
         dmax = anc.shape[1] - 1
 
-        def rows(p):  # positions p [M, ...] on each node's visible list -> rows of the stacked tables
-            a = anchor.view(-1, *([1] * (p.dim() - 1)))
+        def rows(p, nd):  # positions p [n, ...] on the visible lists of nodes nd [n] -> rows of the stacked tables
+            a = anchor[nd].view(-1, *([1] * (p.dim() - 1)))
             on_trunk = p <= a
-            trunk_row = offs[tix].view_as(a) + p
+            trunk_row = offs[tix[nd]].view_as(a) + p
             depth = (p - a - 1).clamp(0, dmax)
-            node_row = n_trunk + anc.gather(1, depth.reshape(m, -1)).view_as(p)
+            node_row = n_trunk + anc[nd].gather(1, depth.reshape(nd.numel(), -1)).view_as(p)
             return torch.where(on_trunk, trunk_row, node_row)
 
+        every = torch.arange(m, device=dev)
         raw_all = torch.cat([c.raw.to(dev) for c in caches] + [raw[0]])
         n = (pos + 1) // r  # complete groups on node u's visible list
         g0 = (anchor + 1) // r  # of which wholly in the trunk
@@ -149,7 +168,7 @@ class QSAExecutor(Executor):
         g_own = g0[:, None] + j_own  # [M, J]
         ok_own = j_own[None, :] < n_own[:, None]
         p_own = torch.where(ok_own[..., None], g_own[..., None] * r + torch.arange(r, device=dev), 0)
-        own_keys = mixer.pool_keys(raw_all[rows(p_own)], torch.where(ok_own, g_own * r, 0))  # [M, J, di]
+        own_keys = mixer.pool_keys(raw_all[rows(p_own, every)], torch.where(ok_own, g_own * r, 0))  # [M, J, di]
         own_scores = mixer.index_scores(qi, own_keys)  # [M, J]
 
         gmax = int(n.max())
@@ -158,21 +177,41 @@ class QSAExecutor(Executor):
             nodes = torch.nonzero(tix == i).flatten()
             if nodes.numel() and c.pooled.shape[0] and gmax:
                 gi = min(c.pooled.shape[0], gmax)
-                ts = mixer.index_scores(qi[nodes], c.pooled[:gi].to(dev).unsqueeze(0))  # [m_i, gi]
+                if triton:  # groups g < g0 only (the rest is the nodes' own)
+                    from kernels.qsa.indexer import index_scores
+
+                    ts = index_scores(qi[nodes], c.pooled[:gi].to(dev), g0[nodes].clamp(max=gi))
+                else:
+                    ts = mixer.index_scores(qi[nodes], c.pooled[:gi].to(dev).unsqueeze(0))  # [m_i, gi]
                 scores[nodes, :gi] = ts
         scores.scatter_(1, torch.where(ok_own, g_own, gmax), own_scores)
-        sel = mixer.select(scores[:, :gmax], n)  # [M, topk]
+        if triton:
+            from kernels.qsa.indexer import topk_groups
+
+            sel = topk_groups(scores[:, :gmax].contiguous(), n, mixer.topk)  # [M, topk]
+        else:
+            sel = mixer.select(scores[:, :gmax], n)  # [M, topk]
         _record(options, mixer, sel)
 
-        # keys: the selected groups' tokens, then the tail (positions r*n .. pos), ascending
-        p_sel = (sel[..., None] * r + torch.arange(r, device=dev)).flatten(1)
-        ok_sel = (sel >= 0)[..., None].expand(-1, -1, r).flatten(1)
-        p_tail = (r * n)[:, None] + torch.arange(r - 1, device=dev)
-        ok_tail = p_tail <= pos[:, None]
-        p_all = torch.cat([p_sel, p_tail], dim=1)
-        ok = torch.cat([ok_sel, ok_tail], dim=1)
-        idx = rows(torch.where(ok, p_all, 0))
+        # keys: the selected groups' tokens, then the tail (positions r*n .. pos), ascending; nodes in chunks
         k_all = torch.cat([c.k.to(dev) for c in caches] + [k[0]])
         v_all = torch.cat([c.v.to(dev) for c in caches] + [v[0]])
-        o = masked_attention(q[0].unsqueeze(1), k_all[idx], v_all[idx], ok.unsqueeze(1), mixer.scaling)
-        return mixer.finish(o.view(1, m, *o.shape[2:]), gate), QSANodes(k[0], v[0], raw[0])
+        s_len = sel.shape[1] * r + r - 1
+        per_node = s_len * (40 + (0 if triton else 2 * k_all[0].numel() * k_all.element_size()))
+        chunk = max(1, int((options or {}).get("qsa_score_bytes", SCORE_BYTES)) // per_node)
+        o = torch.empty_like(q[0])  # [M, H, hd]
+        for c0 in range(0, m, chunk):
+            nd = every[c0: c0 + chunk]
+            p_sel = (sel[nd, :, None] * r + torch.arange(r, device=dev)).flatten(1)
+            ok_sel = (sel[nd] >= 0)[..., None].expand(-1, -1, r).flatten(1)
+            p_tail = (r * n[nd])[:, None] + torch.arange(r - 1, device=dev)
+            ok = torch.cat([ok_sel, p_tail <= pos[nd, None]], dim=1)  # [n, S]
+            idx = rows(torch.where(ok, torch.cat([p_sel, p_tail], dim=1), 0), nd)
+            if triton:
+                from kernels.qsa.sparse_attention import pack_rows, sparse_attention
+
+                o[nd] = sparse_attention(q[0, nd], k_all, v_all, *pack_rows(idx, ok), mixer.scaling)
+            else:
+                o[nd] = masked_attention(q[0, nd].unsqueeze(1), k_all[idx], v_all[idx], ok.unsqueeze(1),
+                                         mixer.scaling)[:, 0]
+        return mixer.finish(o[None], gate), QSANodes(k[0], v[0], raw[0])

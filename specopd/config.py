@@ -51,6 +51,10 @@ class ModelConfig:
     """Overrides of the tiny target's config.json entries (e.g. ``{hidden_size: 64}``)."""
     gdn_checkpoint_every: int = 64
     """GDN layers: keep a recurrent-state checkpoint every C trunk tokens (branches replay < C steps)."""
+    kernels: str = "auto"
+    """How the target's executors run prefill / score / verify / commit (``load_target(..., kernels=)``):
+    auto (Triton kernels and fla on CUDA, torch on the CPU) | torch (plain torch, any device) | triton (the
+    Triton kernels: CUDA; on the CPU only interpreted, with TRITON_INTERPRET=1)."""
     shape: Dict[str, Any] = field(default_factory=dict)
     """config.json entries of the target (model_type, hidden_size, vocab_size, ...) for the memory plan of
     ``specopd train --dry-run`` when the target folder is not on this machine; its config.json wins when it is."""
@@ -61,6 +65,7 @@ class ModelConfig:
         _check_choice("model", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
         _check_choice("model", "device", self.device, ["cpu", "cuda", "auto"])
         _check_range("model", "gdn_checkpoint_every", self.gdn_checkpoint_every, lo=1)
+        _check_choice("model", "kernels", self.kernels, ["auto", "torch", "triton"])
 
     @property
     def is_tiny(self) -> bool:

@@ -179,7 +179,7 @@ def run(cfg, progress: bool = True) -> dict:
     from specopd.models.loading import resolve_dtype
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device="cpu")
+    target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device="cpu", kernels=cfg.model.kernels)
     eval_prompts = _heldout_prompts(cfg, target_dir, held, prompts, target.vocab_size)
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     rows = []

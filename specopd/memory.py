@@ -37,6 +37,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from executors.gqa import BLOCKED
+from executors.qsa import SCORE_BYTES as QSA_SCORE_BYTES
+
 DEFAULT_DEVICE_BYTES = 80 * 10**9
 """Device memory assumed when no CUDA device is visible: 80 GB (decimal). An "80 GB" H100 / A100 reports
 79.2 GiB (85.0e9 bytes), so this leaves ~5 GB for fragmentation beyond ``RUNTIME_OVERHEAD``."""
@@ -272,19 +275,25 @@ def dense_attention_scores(info: TargetInfo, tq: int, tk: int) -> int:
     return 2 * rows * heads * tk * 4
 
 
+QUERY_BLOCK = BLOCKED["block_m"]  # tree nodes per query block of the gqa score plan (torch path)
+
+
 def score_extras(info: TargetInfo, trunk_nodes: List[int], branches: int, t: int, bpe: int) -> Tuple[int, str]:
     """The largest per-kind scoring transient (layers run one after another), as the executors compute it:
-    gqa: per trunk the tree mask [Mi, T + Mi] (bool, kept on the tree) + SDPA's additive copy (bpe);
+    gqa: the tree-attention block plan visits one block of QUERY_BLOCK nodes at a time (torch path: its fp32
+    scores against the keys it can see, [H, QUERY_BLOCK, T + QUERY_BLOCK]; the Triton kernel keeps them on chip);
     gdn: GDN_SCORE_STATES fp32 states [H, K, V] per branch (chains: one state per branch and tree level);
-    qsa: the gathered keys / values of the selected tokens [M, budget + r - 1, Hkv, hd] x 2, their fp32
-    scores [M, H, keys] and the index scores [M, T / r]."""
+    qsa: the gathered keys / values of the selected tokens [M, budget + r - 1, Hkv, hd] x 2 and their fp32
+    scores [M, H, keys], processed in node chunks of at most QSA_SCORE_BYTES (the executor's qsa_score_bytes),
+    plus the index scores [M, T / r]."""
     m = sum(trunk_nodes)
     best, what = 0, "none"
     kinds = {type(x).kind: x for x in info.mixers}
-    if "gqa" in kinds or "qsa" in kinds:
-        b = sum(mi * (t + mi) * (1 + bpe) for mi in trunk_nodes)
+    if "gqa" in kinds:
+        x = kinds["gqa"]
+        b = x.num_heads * QUERY_BLOCK * (t + QUERY_BLOCK) * 4
         if b > best:
-            best, what = b, "gqa tree masks"
+            best, what = b, "gqa score block"
     if "gdn" in kinds:
         x = kinds["gdn"]
         b = GDN_SCORE_STATES * branches * x.num_v_heads * x.head_k_dim * x.head_v_dim * 4
@@ -293,7 +302,7 @@ def score_extras(info: TargetInfo, trunk_nodes: List[int], branches: int, t: int
     if "qsa" in kinds:
         x = kinds["qsa"]
         keys = x.topk * x.ratio + x.ratio - 1
-        b = (2 * m * keys * x.num_kv_heads * x.head_dim * bpe + m * x.num_heads * keys * 4
+        b = (min(QSA_SCORE_BYTES, 2 * m * keys * x.num_kv_heads * x.head_dim * bpe + m * x.num_heads * keys * 4)
              + m * (t // x.ratio + 1) * 4)
         if b > best:
             best, what = b, "qsa gathered keys"

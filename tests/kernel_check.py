@@ -55,3 +55,15 @@ def main(checks: dict) -> None:
     name, args = sys.argv[1], sys.argv[2:]
     checks[name](*args)
     print(f"{name} ok")
+
+
+def kernel_modes() -> list:
+    """pytest params of the executor tests' ``kernels`` fixture: "torch", and "triton" where the Triton kernels
+    can run on the CPU targets these tests build, i.e. in a process started with TRITON_INTERPRET=1
+    (``tests/test_executor_kernels.py`` reruns the executor test files so, with ``-k triton``)."""
+    import pytest
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+        not interpreted, reason="Triton kernels on the CPU run only under TRITON_INTERPRET=1: "
+                                "tests/test_executor_kernels.py runs these so"))]

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from kernel_check import kernel_modes
 from oracle import make_tiny_checkpoint
 from specopd.models import load_target
 from specopd.tree import ProposalTree
@@ -17,12 +18,17 @@ C = 8  # GDN checkpoint interval (small, so commits cross it often)
 TOL = 1e-5
 
 
+@pytest.fixture(scope="module", params=kernel_modes())
+def kernels(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3_next", "qwen4_exp_text"])
-def target(request, tmp_path_factory):
+def target(request, kernels, tmp_path_factory):
     path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     if request.param == "qwen4_exp_text":
         perturb_ple_conv(path)
-    return load_target(path)
+    return load_target(path, kernels=kernels)
 
 
 def _ids(n, seed, vocab=256):
@@ -41,7 +47,7 @@ def _rel(a, b) -> float:
 def assert_same_cache(got, ref, tol=TOL):
     """Every tensor of two TargetCaches (and of each layer's executor cache) equal within tol (rel, fp32)."""
     assert torch.equal(got.token_ids, ref.token_ids)
-    for name in ("features", "logits"):
+    for name in ("features", "logits", "hidden"):
         a, b = getattr(got, name), getattr(ref, name)
         assert (a is None) == (b is None), name
         if a is not None:

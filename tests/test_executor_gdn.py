@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from executors.gdn import GDNCache, GDNExecutor
+from kernel_check import kernel_modes
 from oracle import make_tiny_checkpoint
 from specopd.models import load_target
 from specopd.tree import ProposalTree
@@ -17,10 +18,15 @@ T = 150
 TOL = 1e-5
 
 
+@pytest.fixture(scope="module", params=kernel_modes())
+def kernels(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
-def target(request, tmp_path_factory):
+def target(request, kernels, tmp_path_factory):
     path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
-    return load_target(path)
+    return load_target(path, kernels=kernels)
 
 
 def _trunk(vocab, t=T, seed=0):
@@ -239,3 +245,29 @@ def test_one_token_trunk_and_token_by_token_decoding(target):
         assert _node_rel_err(p, _reference_branches(target, trunk[:t], anchors, tokens)) <= 1e-4
         cache = target.prefill(trunk[t:t + 1], cache)
     assert cache.layers[0].checkpoints.shape[0] == math.ceil(20 / 4)
+
+
+def test_triton_kernels_are_launched(target, monkeypatch):
+    """With kernels="triton", GDN prefill runs the chunk kernel (C % 16 == 0) or the fused recurrent one, and
+    score / verify the fused replay (per-node states only for verify)."""
+    if target.kernels != "triton":
+        pytest.skip("the triton instance checks the Triton path")
+    import kernels.gated_delta.chunk as chunk
+    import kernels.gated_delta.fused_recurrent as fr
+    import kernels.gated_delta.replay as rp
+
+    calls = []
+    for mod, name in ((chunk, "chunk_gated_delta_rule"), (fr, "fused_recurrent_gated_delta_rule"),
+                      (rp, "gdn_tree_replay")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append((_n, k.get("store_states")))
+                            or _r(*a, **k))
+    n_gdn = target.layer_kinds.count("gdn")
+    cache = target.prefill(_trunk(target.vocab_size, 40), gdn_checkpoint_every=16)
+    target.prefill(_trunk(target.vocab_size, 5), gdn_checkpoint_every=8)
+    tree = ProposalTree.from_branches([39, 3], [[1, 2], [3, 4]])
+    target.score(tree, cache)
+    target.score(tree, cache, return_state=True)
+    names = [c[0] for c in calls]
+    assert names.count("chunk_gated_delta_rule") == n_gdn and names.count("fused_recurrent_gated_delta_rule") == n_gdn
+    assert [c[1] for c in calls if c[0] == "gdn_tree_replay"] == [False] * n_gdn + [True] * n_gdn

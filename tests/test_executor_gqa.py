@@ -4,6 +4,7 @@ import torch
 
 from executors import get_executor
 from executors.gqa import GQACache
+from kernel_check import kernel_modes
 from oracle import make_tiny_checkpoint, rel_err
 from specopd.models import load_target
 from specopd.tree import ProposalTree
@@ -12,10 +13,15 @@ V = 256
 TOL = 1e-5
 
 
+@pytest.fixture(scope="module", params=kernel_modes())
+def kernels(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def target(request, tmp_path_factory):
+def target(request, kernels, tmp_path_factory):
     path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), num_hidden_layers=3)
-    return load_target(path)
+    return load_target(path, kernels=kernels)
 
 
 def _gen(seed):
@@ -139,6 +145,8 @@ def test_cache_layout_and_nbytes(target):
 
 
 def test_bf16_score_within_noise(target, tmp_path):
+    if target.kernels == "triton":
+        pytest.skip("tl.dot on bf16 is wrong in the Triton interpreter (bf16 kernels: pytest -m gpu)")
     t16 = target.to(torch.bfloat16)
     try:
         trunk = _trunk(25, seed=9)
@@ -238,3 +246,19 @@ def test_sdpa_prefill_matches_dense(target):
     _, part = ex.prefill(attn, x[:, :9], pos[:, :9], options={"gqa_backend": "sdpa"})
     ext, full = ex.prefill(attn, x[:, 9:], pos[:, 9:], prev=part, options={"gqa_backend": "sdpa"})
     assert rel_err(ext, dense[:, 9:]) <= TOL and len(full) == 23
+
+
+def test_triton_kernels_are_launched(target, monkeypatch):
+    """With kernels="triton", score and verify go through the Triton tree-attention kernel (one launch per layer)."""
+    if target.kernels != "triton":
+        pytest.skip("the triton instance checks the Triton path")
+    import kernels.tree_attention.triton_fwd as tf
+
+    calls = []
+    real = tf.tree_attention
+    monkeypatch.setattr(tf, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = target.prefill(_trunk(21, seed=3))
+    tree = ProposalTree.from_branches([20, 4], [[1, 2], [3, 4]])
+    target.score(tree, cache)
+    target.score(tree, cache, return_state=True)
+    assert len(calls) == 2 * target.num_layers

@@ -56,3 +56,22 @@ def test_aot_every_kernel_sm90_sm100(tmp_path):
     names = {row["kernel"].split("[")[0] for row in rows}
     assert names >= {"tree_attention", "gdn_chunk_wy", "gdn_chunk_h", "gdn_chunk_o", "gdn_replay",
                      "gdn_fused_recurrent", "qsa_index_scores", "qsa_topk", "qsa_sparse_attention"}
+
+
+def test_aot_covers_every_launched_kernel():
+    """Every Triton kernel in kernels/ (each one an executor launches) has an AOT variant at the recipes' shapes,
+    and the variants use the executors' shapes (GDN q / k expanded to the value heads: HQ = H)."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import aot_check
+    finally:
+        sys.path.pop(0)
+    variants = aot_check._variants()
+    covered = {(v[1], v[2]) for v in variants}
+    missing = aot_check.launched_kernels() - covered
+    assert not missing, f"kernels without an AOT variant: {sorted(missing)}"
+    assert {"8B", "27B", "qwen4_exp"} <= {v[0].split("[")[1].split()[0] for v in variants}
+    for v in variants:
+        if v[2] in ("_chunk_wy_fwd", "_chunk_h_fwd", "_chunk_o_fwd", "_replay_fwd"):
+            assert v[5]["HQ"] == v[5]["H"], v[0]

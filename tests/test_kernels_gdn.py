@@ -108,7 +108,7 @@ def test_triton_fused_recurrent_matches_naive():
 
 
 def _executor_triton_check() -> None:
-    """The gdn executor with gdn_backend="triton" (prefill, extension, replay) equals the torch backend."""
+    """The gdn executor with kernels="triton" (chunk prefill, extension, fused replay) equals kernels="torch"."""
     import tempfile
 
     from oracle import make_tiny_checkpoint
@@ -124,8 +124,7 @@ def _executor_triton_check() -> None:
     out = {}
     for backend in ("torch", "triton"):
         first = target.prefill(trunk[:30], gdn_checkpoint_every=16)
-        first.options["gdn_backend"] = backend
-        first.options["gdn_replay_elems"] = 20000  # several replay groups
+        first.options["kernels"] = backend
         cache = target.prefill(trunk[30:], first)
         out[backend] = (cache, target.score(tree, cache))
     (c0, p0), (c1, p1) = out["torch"], out["triton"]

@@ -120,10 +120,10 @@ def test_growth_is_linear_in_branches_and_chunk_sized_in_vocab(tmp_path):
     assert _term(p2, "target side hp") == 2 * _term(p1, "target side hp")
     a, b, c = (_term(p, "drafter activations") for p in (p1, p2, p3))
     assert c - b == b - a > 0  # affine in N: the context (once per trunk) + N x per branch
-    # the scoring pass also holds the gqa executor's tree mask [Mi, T + Mi] per trunk (Mi = B * W nodes):
-    # quadratic in the branches of one trunk, 1 + 4 bytes per entry in fp32 (bool + SDPA's additive copy)
+    # the scoring pass is affine in N too: the gqa executor visits one query block of the tree-attention plan at a
+    # time (no [Mi, T + Mi] tree mask, which made it quadratic in the branches of one trunk)
     a, b, c = (_term(p, "scoring pass") for p in (p1, p2, p3))
-    assert (c - b) - (b - a) == 2 * 5 * 2 * (8 * 4) ** 2  # second difference of S * 5 B * Mi^2, S = 2, Mi += 32
+    assert c - b == b - a > 0
     for name in ("loss / sampling chunk", "trunk caches", "drafter features"):
         assert _term(p2, name) == _term(p1, name)
     pv = memory_plan(_tiny(tmp_path, *base, "trainer.anchors_per_seq=8", "model.tiny={vocab_size: 4096}"),

@@ -13,6 +13,7 @@ relying on it.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional
 
@@ -26,6 +27,7 @@ _lock = threading.Lock()
 
 def fla_available() -> bool:
     """True when fla's chunked gated delta rule imports (fla-core installed, CUDA build of triton)."""
+    os.environ.setdefault("FLA_FLASH_QLA", "0")  # fla's TileLang backend would bypass the fp32-state hook
     try:
         import fla.ops.gated_delta_rule.chunk  # noqa: F401
     except Exception:  # ImportError, or fla failing to initialise without a GPU
@@ -33,12 +35,56 @@ def fla_available() -> bool:
     return True
 
 
+_VERIFIED: dict = {}
+
+
+def fla_verified(device) -> bool:
+    """fla imports and, on a small random problem on ``device`` (CUDA), gives our chunk kernel's outputs, final
+    state and fp32 checkpoints (bf16 inputs, rel <= 2e-2): checked once per process and device. The GDN
+    executor's "auto" prefill uses fla only when this holds, so a broken or changed fla install falls back to
+    ``kernels.gated_delta.chunk`` (with a warning) instead of failing or returning wrong states."""
+    key = str(device)
+    if key not in _VERIFIED:
+        ok, why = False, "fla-core does not import"
+        if torch.device(device).type == "cuda" and fla_available():
+            try:
+                from kernels.gated_delta.chunk import chunk_gated_delta_rule
+                from kernels.gated_delta.naive import prepare_qk
+
+                g_ = torch.Generator().manual_seed(0)
+                q, k = prepare_qk(torch.randn(1, 200, 2, 64, generator=g_), torch.randn(1, 200, 2, 64, generator=g_))
+                v = torch.randn(1, 200, 4, 64, generator=g_)
+                gg, beta = -torch.rand(1, 200, 4, generator=g_) * 0.1, torch.rand(1, 200, 4, generator=g_)
+                args = [x.to(device, torch.bfloat16) for x in (q, k, v)]
+                kw = dict(g=gg.to(device), beta=beta.to(device), checkpoint_every=CHUNK, start=0)
+                ref = chunk_gated_delta_rule(*args, **kw)
+                got = fla_chunk_gated_delta_rule(*[a.repeat_interleave(2, dim=2) if i < 2 else a
+                                                   for i, a in enumerate(args)], **kw)
+                errs = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, ref)]
+                ok = max(errs) <= 2e-2 and got[2].dtype == torch.float32
+                why = f"fla differs from the chunk kernel (rel errors {errs})"
+            except Exception as e:  # noqa: BLE001 - any failure means: do not use fla
+                why = f"fla failed: {type(e).__name__}: {e}"
+        if not ok and torch.device(device).type == "cuda" and fla_available():
+            import warnings
+
+            warnings.warn(f"GDN prefill falls back from fla to kernels.gated_delta.chunk: {why}")
+        _VERIFIED[key] = ok
+    return _VERIFIED[key]
+
+
 def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
                                beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-                               checkpoint_every: Optional[int] = None, start: int = 0):
+                               checkpoint_every: Optional[int] = None, start: int = 0, cu_seqlens=None):
     """Same contract as ``kernels.gated_delta.chunk.chunk_gated_delta_rule`` (q, k [B, T, HQ, K] prepared, v
     [B, T, H, V], g, beta [B, T, H]; returns fp32 o, final state and checkpoints), computed by fla on CUDA.
-    ``checkpoint_every`` must be a multiple of 64 (fla's chunk)."""
+    ``checkpoint_every`` must be a multiple of 64 (fla's chunk).
+
+    ``cu_seqlens`` [n + 1] (long, on the device): B = 1 holds n fresh sequences packed one after another
+    (fla's varlen mode; ``start`` must be 0). Returns (o [1, N, H, V], final [n, H, K, V], a list of n
+    checkpoint tensors [n_i, H, K, V] (None without ``checkpoint_every``)): fla's chunks restart at every
+    sequence, so sequence i's chunk states are h[0, off_i : off_i + ceil(T_i / 64)]."""
+    fla_available()
     try:
         import fla.ops.gated_delta_rule.chunk as fla_chunk
     except Exception as e:  # noqa: BLE001
@@ -48,6 +94,8 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"fla keeps states every {CHUNK} tokens: checkpoint_every must be a multiple of {CHUNK} "
                          f"(got {checkpoint_every})")
     b, t = k.shape[:2]
+    if cu_seqlens is not None and (start or b != 1 or initial_state is not None):
+        raise ValueError("fla varlen prefill packs fresh sequences: B = 1, start = 0, no initial_state")
     pad = start % CHUNK
     if pad:  # align chunks to absolute multiples of 64 with no-op tokens (g = beta = 0, q = k = v = 0)
         def front(x):
@@ -71,13 +119,24 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             o, final = fla_chunk.chunk_gated_delta_rule(
                 q, k, v, g=g.float(), beta=beta.float(), scale=1.0,
                 initial_state=None if initial_state is None else initial_state.float(),
-                output_final_state=True, use_qk_l2norm_in_kernel=False)
+                output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens)
         finally:
             fla_chunk.chunk_gated_delta_rule_fwd_h = orig
     h = captured.get("h")
     if h is None or h.dtype != torch.float32 or h.dim() != 5:
         raise RuntimeError("fla did not produce fp32 chunk states [B, NT, H, K, V]; update "
                            "kernels/gated_delta/fla_chunk.py")
+    if cu_seqlens is not None:
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        offs = [0]
+        for n in lens:
+            offs.append(offs[-1] + -(-n // CHUNK))
+        if h.shape[1] != offs[-1]:
+            raise RuntimeError(f"fla returned {h.shape[1]} chunk states for sequences of lengths {lens} (expected "
+                               f"{offs[-1]}); update kernels/gated_delta/fla_chunk.py")
+        cks = None if checkpoint_every is None else \
+            [chunk_checkpoints(h[:, a:b], 0, n, CHUNK, checkpoint_every)[0] for a, b, n in zip(offs, offs[1:], lens)]
+        return o.float(), final.float(), cks
     return o[:, pad:].float(), final.float(), chunk_checkpoints(h, start, t, CHUNK, checkpoint_every)
 
 

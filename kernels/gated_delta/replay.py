@@ -168,15 +168,6 @@ def build_replay_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: t
 
 
 @triton.jit
-def _step(b_h, b_k, b_v, b_g, b_beta):
-    """One gated delta step on a [BK, BV] state slice (``naive.gated_delta_step``'s order)."""
-    b_h = b_h * tl.exp(b_g)
-    kv = tl.sum(b_h * b_k[:, None], axis=0)
-    b_d = (b_v - kv) * b_beta
-    return b_h + b_k[:, None] * b_d[None, :]
-
-
-@triton.jit
 def _replay_fwd(states0, scratch, states_out, o, rk, rv, rg, rbeta, nq, nk, nv, ng, nbeta,
                 seg_state, seg_tok, seg_stop_ptr, stop_len, stop_node_ptr, node_id, node_src, node_save,
                 H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -204,7 +195,9 @@ def _replay_fwd(states0, scratch, states_out, o, rk, rv, rg, rbeta, nq, nk, nv, 
             b_v = tl.load(rv + (t * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_g = tl.load(rg + t * H + i_h).to(tl.float32)
             b_beta = tl.load(rbeta + t * H + i_h).to(tl.float32)
-            b_h = _step(b_h, b_k, b_v, b_g, b_beta)
+            b_h = b_h * tl.exp(b_g)  # one gated delta step, naive.gated_delta_step's order (written out twice:
+            b_d = (b_v - tl.sum(b_h * b_k[:, None], axis=0)) * b_beta  # nested jit calls are slow to interpret)
+            b_h = b_h + b_k[:, None] * b_d[None, :]
         done = n_rep
         b_a = b_h  # the anchor state
         for u in range(tl.load(stop_node_ptr + e), tl.load(stop_node_ptr + e + 1)):
@@ -219,7 +212,9 @@ def _replay_fwd(states0, scratch, states_out, o, rk, rv, rg, rbeta, nq, nk, nv, 
             b_v = tl.load(nv + (nid * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_g = tl.load(ng + nid * H + i_h).to(tl.float32)
             b_beta = tl.load(nbeta + nid * H + i_h).to(tl.float32)
-            b_h = _step(b_h, b_k, b_v, b_g, b_beta)
+            b_h = b_h * tl.exp(b_g)
+            b_d = (b_v - tl.sum(b_h * b_k[:, None], axis=0)) * b_beta
+            b_h = b_h + b_k[:, None] * b_d[None, :]
             b_o = tl.sum(b_h * b_q[:, None], axis=0)
             tl.store(o + (nid * H + i_h) * V + o_v, b_o, mask=m_v)
             sv = tl.load(node_save + u)

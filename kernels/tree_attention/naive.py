@@ -34,7 +34,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     g = h // hkv
     qf = q.float().view(q.shape[0], hkv, g, q.shape[-1])  # [Q, Hkv, G, D]
     s = torch.einsum("qhgd,shd->hgqs", qf, k.float()) * scale  # [Hkv, G, Q, S]
-    s = s.masked_fill(~mask, float("-inf"))
+    s = torch.where(mask, s, float("-inf"))
     p = torch.softmax(s, dim=-1)
     o = torch.einsum("hgqs,shd->qhgd", p, v.float())
     return o.reshape(q.shape[0], h, v.shape[-1])

@@ -207,22 +207,26 @@ def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tr
     q [M, H, D]; k, v [M, Hkv, D] (node order); trunk_k/v [sum T_i, Hkv, D] packed at ``plan.trunk_offsets``
     -> o [M, H, D] fp32. Per query block: its trunk prefix [0, t_len) and its listed node blocks.
     """
-    m = plan.num_nodes
-    o = torch.empty(m, q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    o = torch.empty(plan.num_nodes, q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
     order = plan.order.to(q.device)
+    # sorted node range of each trunk: node key blocks are clipped to it (the rest is never visible)
+    n_tr = plan.trunk_offsets.numel() - 1
+    lo_t = torch.full((n_tr,), plan.num_nodes, dtype=torch.long).scatter_reduce(0, plan.q_trunk, plan.q_start, "amin")
+    hi_t = torch.zeros(n_tr, dtype=torch.long).scatter_reduce(0, plan.q_trunk, plan.q_end, "amax")
     for b in range(plan.num_qblocks):
         s0, s1 = int(plan.q_start[b]), int(plan.q_end[b])
         rows = order[s0:s1]
-        off, t_len = int(plan.trunk_offsets[plan.q_trunk[b]]), int(plan.t_len[b])
+        tr = int(plan.q_trunk[b])
+        off, t_len = int(plan.trunk_offsets[tr]), int(plan.t_len[b])
         trunk_vis = torch.arange(t_len)[None, :] <= plan.anchor[s0:s1, None]
         keys, vals, masks = [trunk_k[off: off + t_len]], [trunk_v[off: off + t_len]], [trunk_vis]
         for e in range(int(plan.nb_ptr[b]), int(plan.nb_ptr[b + 1])):
             kb = int(plan.nb_idx[e])
-            kp = torch.arange(kb * plan.block_n, min(m, (kb + 1) * plan.block_n))
-            nodes = order[kp.to(q.device)]
+            k0, k1 = max(kb * plan.block_n, int(lo_t[tr])), min((kb + 1) * plan.block_n, int(hi_t[tr]))
+            nodes = order[k0:k1]
             keys.append(k[nodes])
             vals.append(v[nodes])
-            masks.append(block_visibility(plan, b, e)[:, : kp.numel()])
+            masks.append(block_visibility(plan, b, e)[:, k0 - kb * plan.block_n: k1 - kb * plan.block_n])
         mask = torch.cat(masks, dim=1).to(q.device)
         o[rows] = attend(q[rows], torch.cat(keys), torch.cat(vals), mask, scale)
     return o

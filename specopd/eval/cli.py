@@ -182,7 +182,7 @@ def main_eval(cfg, args=None) -> dict:
             raise FileNotFoundError(f"model.target={path!r} is neither a folder nor a `specopd prepare model` "
                                     f"name ({sorted(MODELS)})")
         path = MODELS[path]()
-    target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device))
+    target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device), kernels=cfg.model.kernels)
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)
     if getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job's own held-out prompts

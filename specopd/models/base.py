@@ -154,6 +154,7 @@ class TargetModel(nn.Module):
 
     model_type: str = "?"
     layer_kinds: list
+    kernels: str = "auto"  # executors' kernels: "auto" | "torch" | "triton" (load_target(..., kernels=))
 
     # -- defaults for the standard pre-norm decoder stack in HF naming (``model.embed_tokens``,
     #    ``model.layers[i].{input_layernorm, mixer, post_attention_layernorm, mlp}``, ``model.norm``,
@@ -270,7 +271,7 @@ class TargetModel(nn.Module):
         t0 = len(cache) if cache is not None else 0
         pos = torch.arange(t0, t0 + trunk_ids.numel(), device=self.device).view(1, -1)
         ctx = RunContext("prefill", trunk_ids.view(1, -1), pos, prev=cache, feature_layers=feature_layers,
-                         options=opts)
+                         options=self.run_options(opts))
         h = self.backbone(ctx)
         hn = self.head_input(h)[0] if (keep_logits or keep_hidden) else None  # [T, D]
         logits = self.lm_head(hn) if keep_logits else None
@@ -291,6 +292,15 @@ class TargetModel(nn.Module):
             return cache.grown(replace, **new)
         return TargetCache(token_ids=trunk_ids, layers=layers, logits=logits, hidden=hidden, features=feats,
                            feature_layers=tuple(feature_layers), options=opts, extra=extra)
+
+    def prefill_batch(self, trunks: Sequence[torch.Tensor], **kw) -> list:
+        """Prefill several fresh trunks ([T_i] ids each) in one packed varlen pass -> one TargetCache per trunk,
+        equal to ``[self.prefill(t, **kw) for t in trunks]`` (which it falls back to on the CPU and for models
+        that cannot run packed). Keywords as ``prefill`` (no ``cache``) plus ``packed`` = "auto" | True | False.
+        See ``specopd.models.packed``."""
+        from specopd.models.packed import prefill_batch
+
+        return prefill_batch(self, trunks, **kw)
 
     def score(self, tree: ProposalTree, cache: Union[TargetCache, Sequence[TargetCache]], *,
               return_hidden: bool = False, return_state: bool = False, return_logits: bool = True):
@@ -317,7 +327,7 @@ class TargetModel(nn.Module):
                 raise ValueError("verify (return_state=True) needs every cache built with the same feature_layers")
         ids = tree.tokens.to(self.device).view(1, -1)
         pos = tree.positions.to(self.device).view(1, -1)
-        ctx = RunContext("score", ids, pos, tree=tree, caches=caches, options=caches[0].options,
+        ctx = RunContext("score", ids, pos, tree=tree, caches=caches, options=self.run_options(caches[0].options),
                          feature_layers=fl, keep_state=return_state)
         hn = self.head_input(self.backbone(ctx)[0])  # [M, D]
         flat = self.lm_head(hn) if return_logits else None  # [M, V]
@@ -349,7 +359,7 @@ class TargetModel(nn.Module):
                 continue
             path_dev = path.to(dev)
             new = {key: get_executor(mixer.kind).commit(mixer, cache.layer_cache(key), nodes, path_dev,
-                                                        options=cache.options)
+                                                        options=self.run_options(cache.options))
                    for key, (mixer, nodes) in state.layers.items()}
             grow = {"token_ids": tree.tokens[path].to(dev)}
             if cache.features is not None and state.features is not None:
@@ -362,6 +372,15 @@ class TargetModel(nn.Module):
             extra = {k: new.get(k, c) for k, c in cache.extra.items()}
             out.append(cache.grown({"layers": layers, "extra": extra}, **grow))
         return out
+
+    def run_options(self, cache_options: dict) -> dict:
+        """Executor options of one call: ``kernels`` from the target, then the cache's own (which win); checked
+        here (a clear error naming the fix, e.g. "triton" on a CPU without TRITON_INTERPRET=1)."""
+        from executors.base import check_kernels
+
+        opts = {"kernels": self.kernels, **cache_options}
+        check_kernels(opts["kernels"], self.device)
+        return opts
 
     @staticmethod
     def _check_paths(caches, state: VerifyState, paths) -> list:

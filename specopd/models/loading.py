@@ -71,15 +71,21 @@ def read_state_dict(path: str) -> dict:
     raise FileNotFoundError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: Optional[dict] = None):
+def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: Optional[dict] = None,
+                kernels: str = "auto"):
     """Build our implementation of the checkpoint's ``model_type`` and load every weight.
 
+    ``kernels``: how the executors run prefill, score, verify and commit: "torch" (plain torch, exact, any
+    device), "triton" (the Triton kernels of ``kernels/``: CUDA, or the CPU only under ``TRITON_INTERPRET=1``),
+    "auto" (Triton and fla on CUDA, torch on the CPU). Kept as ``target.kernels`` (may be changed later).
     Returns a ``TargetModel`` in eval mode with ``requires_grad=False`` on all parameters.
     """
+    from executors.base import check_kernels
     from specopd.models import MODEL_TYPES
 
     dtype = resolve_dtype(dtype)
     device = check_device_dtype(device, dtype)
+    check_kernels(kernels, device)
     cfg = read_config(path)
     cfg.update(config_overrides or {})
     mt = cfg.get("model_type")
@@ -118,6 +124,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
           for k, v in sd.items()}
     model.load_state_dict(sd, strict=True, assign=True)
     model.eval().requires_grad_(False)
+    model.kernels = kernels
     return model
 
 

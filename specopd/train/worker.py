@@ -99,7 +99,7 @@ class Worker:
         self.device = resolve_device(cfg.model.device)
         if target is None:
             path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
-            target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device)
+            target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device, kernels=cfg.model.kernels)
         self.target = target
         d = cfg.drafter
         if d.init_from:  # ours or a released DFlash / DSpark folder
@@ -194,11 +194,10 @@ class Worker:
         """One target pass per reference sequence -> TargetCache list (layer caches, drafter features [T, F],
         the final hidden [T, D] that lm_head reads; no [T, V] logits)."""
         with self._span("prefill"):
-            return [self.target.prefill(self.sample(s)["input_ids"].to(self.device),
-                                        feature_layers=self.drafter.feature_layers,
-                                        gdn_checkpoint_every=self.cfg.model.gdn_checkpoint_every,
-                                        keep_logits=False, keep_hidden=True)
-                    for s in sample_ids]
+            return self.target.prefill_batch([self.sample(s)["input_ids"].to(self.device) for s in sample_ids],
+                                             feature_layers=self.drafter.feature_layers,
+                                             gdn_checkpoint_every=self.cfg.model.gdn_checkpoint_every,
+                                             keep_logits=False, keep_hidden=True)
 
     def propose(self, caches, sample_ids, step, anchors_per_seq: Optional[int] = None,
                 temperature: Optional[float] = None, reference: bool = False) -> dict:
