@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts_jsonl,
+from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts,
                                      read_records, repair_tail, split_of)
 from specopd.data.smollm2 import MODEL_NAME, cache_root, default_model_dir, is_prepared, prepare_smollm2
 
@@ -145,7 +145,7 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         raise ValueError(f"--heldout-fraction must be in [0, 1); got {heldout_fraction}")
     target = load_target(target_dir, dtype=dtype, device=device)
     tok = load_tokenizer(target_dir, target.vocab_size)
-    prompts = read_prompts_jsonl(prompts_file) if prompts_file else chitchat_prompts()
+    prompts = read_prompts(prompts_file) if prompts_file else chitchat_prompts()
     if num is not None:
         prompts = prompts[:num]
     meta = {"target": os.path.abspath(target_dir), "model_type": target.config.model_type,
@@ -211,7 +211,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("name", choices=sorted(MODELS))
     m.add_argument("--cache-dir", default=None, help="data folder (default $SPECOPD_CACHE or ~/.cache/specopd)")
     d = sub.add_parser("data", help="regenerate responses with the target (resumable)")
-    d.add_argument("--prompts", default=None, help="JSONL of {'prompt': ...} or {'messages': [...]} "
+    d.add_argument("--prompts", default=None, help="JSONL of {'prompt': ...} or {'messages': [...]}, or plain text "
+                                                   "(one prompt a line) "
                                                    "(default: chitchat-dataset first user turns)")
     d.add_argument("--target", default=None, help="target HF folder (default: the prepared smollm2-135m)")
     d.add_argument("--out", default=None, help="output folder (default <cache>/data/<prompts>-<target>)")
