@@ -23,6 +23,8 @@ from typing import Optional
 
 from specopd.data.references import split_of
 
+HELDOUT_MAX_PROMPT_TOKENS = 96  # short chat prompts keep CPU evaluation (and reference generation) quick
+
 
 def chitchat_conversations() -> list:
     """Every chitchat-dataset conversation -> list of (id, messages), roles alternating user / assistant
@@ -83,6 +85,30 @@ def heldout_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1,
     return out
 
 
+def train_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
+                       max_prompt_tokens: Optional[int] = HELDOUT_MAX_PROMPT_TOKENS) -> list:
+    """The first ``num`` distinct first user turns of *train* conversations, in dataset order -> list of (id,
+    [message]) (the prompts the main job's references answer; duplicates such as "hello?" would give the same
+    greedy answer many times). With ``tokenizer``, prompts longer than ``max_prompt_tokens`` are skipped."""
+    from specopd.data.prepare import encode_prompt
+
+    seen, out = set(), []
+    for cid, msgs in chitchat_conversations():
+        if len(out) >= num:
+            break
+        key = _norm(msgs[0]["content"])
+        if split_of(cid, seed, heldout_fraction) != "train" or key in seen:
+            continue
+        if tokenizer is not None and max_prompt_tokens is not None and \
+                len(encode_prompt(tokenizer, msgs[:1])) > max_prompt_tokens:
+            continue
+        seen.add(key)
+        out.append((cid, msgs[:1]))
+    if len(out) < num:
+        raise ValueError(f"only {len(out)} distinct train chat prompts (asked for {num}); lower pipeline.data_num")
+    return out
+
+
 def encode_conversation(tok, messages: list, seq_len: int) -> tuple:
     """messages -> (token ids of the whole chat-formatted conversation cut to ``seq_len``, prompt_len): the
     prompt is the system prompt + first user turn + assistant header (what a served request starts with)."""
@@ -122,8 +148,6 @@ def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 
             "tokens": sum(len(r["input_ids"]) for r in recs),
             "supervised_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs)}
 
-
-HELDOUT_MAX_PROMPT_TOKENS = 96  # short chat prompts keep CPU evaluation quick
 
 
 def heldout_prompt_ids(target_dir: str, vocab_size: int, num: int, seed: int = 0,
