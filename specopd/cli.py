@@ -262,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", help="write the results to this file")
     ev.add_argument("--no-baseline", action="store_true", help="skip the autoregressive timing")
     ev.add_argument("--block-size", type=int, default=None, help="verify only the first k draft tokens")
+    ev.add_argument("--prompts", default=None, help="prompts file: JSONL with 'prompt' or chat 'messages', or plain "
+                                                    "text (one prompt a line); the target's chat template applies")
+    ev.add_argument("--temperatures", default=None, help="comma-separated decoding temperatures, e.g. 0,1 "
+                                                         "(default: eval.temperature)")
     ev.set_defaults(fn=cmd_eval)
     pr = sub.add_parser("prepare", help="prepare a model (`prepare model NAME`) or data (`prepare data ...`)")
     pr.add_argument("what", choices=["model", "data"])

@@ -286,25 +286,43 @@ class ProfileConfig:
 
 @dataclass
 class PipelineConfig:
-    """The main job (``specopd.mainjob``; ray owner). Off by default: ``specopd train`` is plain training."""
+    """The main job (``specopd.mainjob``). Off by default: ``specopd train`` is plain training."""
     enabled: bool = False
     """On: prepare the target (model.target names a `specopd prepare model` target) and chat references on
-    first use (cached), warm the drafter with off-policy CE if no warm drafter exists, train with
-    trainer.method, then print a held-out speculative-decoding AL table (before / after) and the profile."""
+    first use (cached), warm a fresh drafter up (pipeline.warmup_method) if no warm drafter exists, train with
+    trainer.method from it, then print a held-out speculative-decoding AL table (before / after) and the profile."""
     data_num: int = 48
-    """Chat prompts (chitchat-dataset) whose responses the target regenerates (cached, resumable)."""
+    """Distinct chat prompts (first turns of chitchat-dataset train conversations) the target answers (cached,
+    resumable)."""
     data_max_new_tokens: int = 64
     """Response tokens generated per prompt."""
+    data_temperature: float = 1.0
+    """Sampling temperature of the target's responses (0: greedy)."""
+    data_batch_size: int = 64
+    """Prompts answered together (one packed target pass per generated token)."""
     warmup_steps: int = 20
-    """Off-policy CE steps of the warm drafter (0: start SpecOPD from a random drafter)."""
+    """Steps of the warm drafter from a fresh one (0: start trainer.method from a random drafter)."""
+    warmup_method: str = "offpolicy_ce"
+    """Method of the warm-up: offpolicy_ce | offpolicy_e2e_tv (on the same references)."""
     warmup_lr: float = 3e-3
-    """Peak learning rate of the warm-up (trainer.lr is the SpecOPD fine-tuning rate)."""
+    """Peak learning rate of the warm-up (trainer.lr is the rate of the main training stage)."""
+    warmup_min_lr_ratio: float = 0.1
+    """The warm-up's cosine schedule ends at warmup_lr * this (1.0: constant after the linear warmup)."""
+    eval_temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    """Decoding temperatures of the before / after table (0: greedy, acceptance = exact match)."""
 
     def __post_init__(self):
         _check_range("pipeline", "data_num", self.data_num, lo=2)
         _check_range("pipeline", "data_max_new_tokens", self.data_max_new_tokens, lo=1)
+        _check_range("pipeline", "data_temperature", self.data_temperature, lo=0)
+        _check_range("pipeline", "data_batch_size", self.data_batch_size, lo=1)
         _check_range("pipeline", "warmup_steps", self.warmup_steps, lo=0)
+        _check_choice("pipeline", "warmup_method", self.warmup_method, ["offpolicy_ce", "offpolicy_e2e_tv"])
         _check_range("pipeline", "warmup_lr", self.warmup_lr, lo=0, lo_open=True)
+        _check_range("pipeline", "warmup_min_lr_ratio", self.warmup_min_lr_ratio, lo=0, hi=1)
+        if not self.eval_temperatures or any(t < 0 for t in self.eval_temperatures):
+            raise RecipeError(f"pipeline.eval_temperatures={list(self.eval_temperatures)} must list one or more "
+                              f"temperatures >= 0 (0 = greedy)")
 
 
 @dataclass

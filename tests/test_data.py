@@ -118,13 +118,13 @@ def test_bad_inputs(target_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="no prompts"):
-        R.read_prompts_jsonl(str(empty))
+        R.read_prompts(str(empty))
     bad = write_prompts(tmp_path / "bad.jsonl", [{"text": "x"}])
     with pytest.raises(ValueError, match="expected"):
-        R.read_prompts_jsonl(bad)
+        R.read_prompts(bad)
     dup = write_prompts(tmp_path / "dup.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}])
     with pytest.raises(ValueError, match="repeats ids"):
-        R.read_prompts_jsonl(dup)
+        R.read_prompts(dup)
     # a tokenizer larger than the target's vocabulary
     other = make_tiny_checkpoint("llama", tmp_path, vocab_size=64, num_hidden_layers=1)
     write_char_tokenizer(other)
@@ -185,3 +185,57 @@ def test_prepare_cli(target_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECOPD_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(SystemExit, match="specopd prepare model smollm2-135m"):
         P.main(["data", "--prompts", pf])
+
+
+# ---------------------------------------------------------------------------------------------- prompts files, chat text
+def test_read_prompts_jsonl_and_plain_text(tmp_path):
+    pf = write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
+    got = R.read_prompts(pf)
+    assert [m for _, m in got] == [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "how are you?"}]]
+    txt = tmp_path / "p.txt"
+    txt.write_text("hello there\n\n  what is 2+2?\n")
+    got = R.read_prompts(str(txt))
+    assert got == [("line1", [{"role": "user", "content": "hello there"}]),
+                   ("line3", [{"role": "user", "content": "  what is 2+2?"}])]
+    mixed = tmp_path / "m.jsonl"
+    mixed.write_text('{"prompt": "a"}\nplain text\n')
+    with pytest.raises(ValueError, match="m.jsonl:2: not valid JSON"):
+        R.read_prompts(str(mixed))
+
+
+def test_chitchat_conversations_and_heldout_prompts():
+    from specopd.data import conversations as C
+
+    convs = C.chitchat_conversations()
+    assert len(convs) == 7168
+    multi = [m for _, m in convs if len(m) >= 3]
+    assert multi and all([x["role"] for x in m] == ["user", "assistant"] * (len(m) // 2) + ["user"] * (len(m) % 2)
+                         for m in multi[:200])
+    held = C.heldout_chat_prompts(40)
+    assert held == C.heldout_chat_prompts(40)  # deterministic
+    ids = [c for c, _ in held]
+    assert all(R.split_of(c, 0, 0.1) == "heldout" for c in ids) and len(set(ids)) == 40
+    train_firsts = {C._norm(m[0]["content"]) for c, m in convs if R.split_of(c, 0, 0.1) == "train"}
+    texts = [C._norm(m[0]["content"]) for _, m in held]
+    assert len(set(texts)) == 40 and not set(texts) & train_firsts  # no repeats, never a training opening
+    with pytest.raises(ValueError, match="distinct held-out"):
+        C.heldout_chat_prompts(10 ** 5)
+
+
+def test_write_conversation_data(target_dir, tmp_path):
+    from specopd.data import conversations as C
+    from specopd.train.data import read_prepared
+
+    tok = P.load_tokenizer(target_dir, 128)
+    out = str(tmp_path / "conv.jsonl")
+    c = C.write_conversation_data(tok, out, num=12, seq_len=80, min_response_tokens=8)
+    recs = R.read_records(out)
+    assert c["written"] == len(recs) == 12
+    held = {cid for cid, _ in C.chitchat_conversations() if R.split_of(cid, 0, 0.1) == "heldout"}
+    convs = dict(C.chitchat_conversations())
+    for r in recs:
+        assert r["id"] not in held and r["split"] == "train" and len(r["input_ids"]) <= 80
+        assert len(r["input_ids"]) - r["prompt_len"] >= 8
+        # the prompt is exactly what a served request starts with: system + first user turn + assistant header
+        assert r["input_ids"][: r["prompt_len"]] == P.encode_prompt(tok, convs[r["id"]][:1])
+    assert len(read_prepared(out, seq_len=80, vocab_size=128)) == 12

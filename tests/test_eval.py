@@ -370,3 +370,58 @@ def test_eval_cli_on_a_folder_that_is_not_a_drafter(tmp_path, capsys):
     assert rc == 2, err
     assert f"'{model}' is not a drafter folder" in err and "a drafter folder holds config.json" in err.lower()
     assert "Traceback" not in err
+
+
+def test_acceptance_table_shows_counts_and_unreached_positions(small):
+    ar = autoregressive(small, PROMPT, 15, temperature=0.0)
+    oracle = OracleDrafter(torch.cat([PROMPT, ar.tokens]), small.vocab_size, 3)
+    r = evaluate_al(small, oracle, [PROMPT], 12, temperature=0.0)
+    assert r["reached_at"][0] == r["rounds"] and r["reached_at"][1:] == r["accepted_at"][:-1]
+    cells = format_table(r).splitlines()[4]
+    assert f"({r['accepted_at'][0]}/{r['rounds']})" in cells
+    # a drafter that is never right: position 1 is 0/rounds, later positions are never reached
+    class Never(OracleDrafter):
+        def draft_batch(self, ctxs, anchor_tokens, *a, **k):
+            toks, _ = super().draft_batch(ctxs, anchor_tokens, *a, **k)
+            toks[0, 0] = (self.seq[len(ctxs[0]) + 1] + 1) % self.vocab  # the first draft is always wrong
+            return toks, 10.0 * torch.nn.functional.one_hot(toks, self.vocab).float()
+
+    r = evaluate_al(small, Never(torch.cat([PROMPT, ar.tokens]), small.vocab_size, 3), [PROMPT], 6, temperature=0.0)
+    assert r["mean_al"] == 1.0 and r["per_position_acceptance"] == [0.0, None, None]
+    assert format_table(r).splitlines()[4].split()[-3:] == [f"(0/{r['rounds']})", "-", "-"]
+
+
+def test_main_eval_prompts_file_and_temperatures(tmp_path, capsys):
+    import json
+
+    from specopd.config import load_recipe
+    from specopd.eval.cli import main_eval
+    from test_data import write_char_tokenizer
+
+    target_dir = make_tiny_checkpoint("llama", tmp_path / "t", vocab_size=128, num_hidden_layers=1, eos_token_id=2)
+    write_char_tokenizer(target_dir)
+    (tmp_path / "p.txt").write_text("hi there\nwhat now?\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"}]}) + "\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_recipe(os.path.join(root, "recipes", "tiny.yaml"), [
+        f"trainer.output_dir={tmp_path}", f"model.target={target_dir}", "eval.checkpoint=none",
+        "eval.max_new_tokens=5"])
+    out = tmp_path / "eval.json"
+    r = main_eval(cfg, ["--prompts", str(tmp_path / "p.txt"), "--temperatures", "0,1", "--no-baseline",
+                        "--json", str(out)])
+    assert r["num_prompts"] == 2 and sorted(r["by_temperature"]) == ["0", "1"] and r["temperature"] == 0.0
+    assert json.loads(out.read_text())["by_temperature"]["1"]["mean_al"] == pytest.approx(
+        r["by_temperature"]["1"]["mean_al"])
+    text = capsys.readouterr().out
+    assert "T=0 " in text and "T=1 " in text and "mean AL (incl. bonus): T=0" in text
+    # the chat template is applied: the JSONL messages and the plain-text line give the same prompt ids
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.eval.cli import file_prompt_ids
+
+    want = encode_prompt(load_tokenizer(target_dir, 128), [{"role": "user", "content": "hi there"}])
+    assert file_prompt_ids(str(tmp_path / "p.txt"), target_dir, 128)[0].tolist() == want
+    assert file_prompt_ids(str(tmp_path / "p.jsonl"), target_dir, 128)[0].tolist() == want
+    with pytest.raises(ValueError, match="--temperatures"):
+        main_eval(cfg, ["--prompts", str(tmp_path / "p.txt"), "--temperatures", "-1"])
+    with pytest.raises(FileNotFoundError, match="--prompts"):
+        main_eval(cfg, ["--prompts", str(tmp_path / "missing.txt")])

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts_jsonl,
+from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts,
                                      read_records, repair_tail, split_of)
 from specopd.data.smollm2 import MODEL_NAME, cache_root, default_model_dir, is_prepared, prepare_smollm2
 
@@ -131,10 +131,12 @@ def encode_prompt(tok, messages) -> list:
 def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = None, num: Optional[int] = None,
                  max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                  heldout_fraction: float = 0.1, device: str = "cpu", dtype: str = "float32",
-                 progress: bool = True, batch_size: int = 4) -> dict:
+                 progress: bool = True, batch_size: int = 4, prompts: Optional[list] = None,
+                 prompts_label: Optional[str] = None) -> dict:
     """Regenerate responses for the first ``num`` prompts, ``batch_size`` streams at a time (resumable: records
-    are appended per finished batch; a rerun skips finished ids). Returns counts
-    {written, skipped_done, skipped_too_long, total_records}."""
+    are appended per finished batch; a rerun skips finished ids). Prompts: ``prompts`` (a list of (id,
+    messages), named ``prompts_label`` in meta.json), else ``prompts_file``, else chitchat's first user turns.
+    Returns counts {written, skipped_done, skipped_too_long, total_records}."""
     from specopd.models import load_target
 
     if max_new_tokens < 1 or batch_size < 1:
@@ -145,11 +147,13 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         raise ValueError(f"--heldout-fraction must be in [0, 1); got {heldout_fraction}")
     target = load_target(target_dir, dtype=dtype, device=device)
     tok = load_tokenizer(target_dir, target.vocab_size)
-    prompts = read_prompts_jsonl(prompts_file) if prompts_file else chitchat_prompts()
+    if prompts is None:
+        prompts = read_prompts(prompts_file) if prompts_file else chitchat_prompts()
+        prompts_label = os.path.abspath(prompts_file) if prompts_file else "chitchat"
     if num is not None:
         prompts = prompts[:num]
     meta = {"target": os.path.abspath(target_dir), "model_type": target.config.model_type,
-            "vocab_size": target.vocab_size, "prompts": os.path.abspath(prompts_file) if prompts_file else "chitchat",
+            "vocab_size": target.vocab_size, "prompts": prompts_label or "a list",
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
             "heldout_fraction": heldout_fraction, "dtype": str(dtype)}
     os.makedirs(out_dir, exist_ok=True)
@@ -211,7 +215,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("name", choices=sorted(MODELS))
     m.add_argument("--cache-dir", default=None, help="data folder (default $SPECOPD_CACHE or ~/.cache/specopd)")
     d = sub.add_parser("data", help="regenerate responses with the target (resumable)")
-    d.add_argument("--prompts", default=None, help="JSONL of {'prompt': ...} or {'messages': [...]} "
+    d.add_argument("--prompts", default=None, help="JSONL of {'prompt': ...} or {'messages': [...]}, or plain text "
+                                                   "(one prompt a line) "
                                                    "(default: chitchat-dataset first user turns)")
     d.add_argument("--target", default=None, help="target HF folder (default: the prepared smollm2-135m)")
     d.add_argument("--out", default=None, help="output folder (default <cache>/data/<prompts>-<target>)")

@@ -20,36 +20,42 @@ SPLITS = ("train", "heldout", "all")
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-def read_prompts_jsonl(path: str) -> list:
-    """JSONL with one ``{"prompt": str}`` or ``{"messages": [{"role", "content"}, ...]}`` a line (optional "id").
-    -> list of (id, messages). A trailing assistant message is dropped (the target regenerates it)."""
+def read_prompts(path: str) -> list:
+    """A prompts file -> list of (id, messages). Two formats, told apart by the first non-empty line:
+
+    - JSONL (that line is a JSON object): one ``{"prompt": str}`` or ``{"messages": [{"role", "content"}, ...]}``
+      a line, optional "id"; a trailing assistant message is dropped (the target answers it).
+    - plain text (anything else): every non-empty line is one user prompt, id ``line<N>``.
+    """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} does not exist")
-    out = []
     with open(path) as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg})") from None
-            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                msgs = [{"role": "user", "content": rec["prompt"]}]
-            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
-                msgs = [dict(m) for m in rec["messages"]]
-                if any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in msgs):
-                    raise ValueError(f"{path}:{ln}: every message needs string 'role' and 'content'")
-                while msgs and msgs[-1]["role"] == "assistant":
-                    msgs.pop()
-                if not msgs:
-                    raise ValueError(f"{path}:{ln}: 'messages' holds only assistant turns; nothing to answer")
-            else:
-                raise ValueError(f"{path}:{ln}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}; got keys "
-                                 f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}")
-            out.append((str(rec.get("id", f"line{ln}")), msgs))
-    if not out:
+        lines = [(ln, line.rstrip("\n")) for ln, line in enumerate(f, 1) if line.strip()]
+    if not lines:
         raise ValueError(f"prompts file {path!r} holds no prompts (empty file?)")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [(f"line{ln}", [{"role": "user", "content": text}]) for ln, text in lines]
+    out = []
+    for ln, line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg}); a JSONL prompts file needs one JSON object "
+                             f"a line (or give plain text, one prompt a line, with no line starting with '{{')") from None
+        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            msgs = [{"role": "user", "content": rec["prompt"]}]
+        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
+            msgs = [dict(m) for m in rec["messages"]]
+            if any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in msgs):
+                raise ValueError(f"{path}:{ln}: every message needs string 'role' and 'content'")
+            while msgs and msgs[-1]["role"] == "assistant":
+                msgs.pop()
+            if not msgs:
+                raise ValueError(f"{path}:{ln}: 'messages' holds only assistant turns; nothing to answer")
+        else:
+            raise ValueError(f"{path}:{ln}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}; got keys "
+                             f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}")
+        out.append((str(rec.get("id", f"line{ln}")), msgs))
     ids = [i for i, _ in out]
     if len(set(ids)) != len(ids):
         raise ValueError(f"prompts file {path!r} repeats ids; ids must be unique (resuming skips finished ids)")

@@ -22,8 +22,9 @@ def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens
                 stop_token_ids: Sequence[int] = (), progress: bool = False) -> dict:
     """Decode every prompt [T_i] with speculation (and, with ``baseline``, plain autoregressively).
 
-    Returns {mean_al (incl. bonus), rounds, new_tokens, per_position_acceptance [W] (P(accept i | reached i)),
-    survival [W] (P(first i+1 accepted)), spec_tokens_per_s, spec_wall_s, times, ...; with baseline also
+    Returns {mean_al (incl. bonus), rounds, new_tokens, per_position_acceptance [W] (P(accept i | reached i);
+    None where position i was never reached), accepted_at / reached_at [W] (the counts behind it), survival [W]
+    (P(first i+1 accepted)), spec_tokens_per_s, spec_wall_s, times, ...; with baseline also
     ar_tokens_per_s, ar_wall_s, speedup}. Generators are seeded per prompt: (seed, i).
     """
     if len(prompts) == 0:
@@ -59,11 +60,11 @@ def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens
                 ar_tokens += ar.tokens.numel()
     finally:
         drafter.train(was_training)
-    reached = [rounds] + accepted_at[:-1]
+    reached = [rounds] + accepted_at[:-1]  # position i is reached when positions < i were all accepted
     out = dict(mean_al=committed / max(1, rounds), rounds=rounds, new_tokens=new_tokens, block_size=w,
                temperature=float(temperature), num_prompts=len(prompts), max_new_tokens=int(max_new_tokens),
-               per_position_acceptance=[a / r if r else 0.0 for a, r in zip(accepted_at, reached)],
-               survival=[a / max(1, rounds) for a in accepted_at], accepted_at=accepted_at,
+               per_position_acceptance=[a / r if r else None for a, r in zip(accepted_at, reached)],
+               survival=[a / max(1, rounds) for a in accepted_at], accepted_at=accepted_at, reached_at=reached,
                spec_wall_s=spec_wall, spec_tokens_per_s=new_tokens / max(spec_wall, 1e-9),
                times={k: round(v, 4) for k, v in times.items()})
     if baseline:
@@ -72,16 +73,23 @@ def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens
     return out
 
 
+def acceptance_cells(r: dict) -> list:
+    """Per draft position: ``"0.41 (52/127)"`` (accepted / reached), or ``"-"`` where it was never reached."""
+    return [f"{a / n:.2f} ({a}/{n})" if n else "-" for a, n in zip(r["accepted_at"], r["reached_at"])]
+
+
 def format_table(r: dict, title: str = "") -> str:
-    """The numbers of ``evaluate_al`` as a plain-text table."""
+    """The numbers of ``evaluate_al`` as a plain-text table (acceptance with the counts behind each rate)."""
     w = r["block_size"]
+    cells = acceptance_cells(r)
+    cw = max(6, *(len(c) for c in cells))
     lines = [title] if title else []
     lines += [f"{'mean AL (tokens / verification round, incl. bonus)':<52}{r['mean_al']:.3f}",
               f"{'rounds / new tokens / prompts':<52}{r['rounds']} / {r['new_tokens']} / {r['num_prompts']}",
-              f"{'temperature / block size W':<52}{r['temperature']} / {w}",
-              "position i              " + " ".join(f"{i + 1:>6d}" for i in range(w)),
-              "P(accept i | reached i) " + " ".join(f"{a:6.3f}" for a in r["per_position_acceptance"]),
-              "P(first i accepted)     " + " ".join(f"{a:6.3f}" for a in r["survival"]),
+              f"{'temperature / block size W':<52}{r['temperature']:g} / {w}",
+              "draft position i        " + " ".join(f"{i + 1:>{cw}d}" for i in range(w)),
+              "accepted | reached      " + " ".join(f"{c:>{cw}}" for c in cells),
+              "P(first i accepted)     " + " ".join(f"{a:>{cw}.3f}" for a in r["survival"]),
               f"{'speculative tokens/s':<52}{r['spec_tokens_per_s']:.2f}"]
     if "ar_tokens_per_s" in r:
         lines += [f"{'autoregressive tokens/s (same target + cache)':<52}{r['ar_tokens_per_s']:.2f}",
@@ -140,7 +148,7 @@ def load_eval_drafter(cfg, target):
     return load_drafter(path, target), path
 
 
-def heldout_prompt_ids(cfg, target, num: int) -> list:
+def sample_prompt_ids(cfg, target, num: int) -> list:
     """The prompts of the run's held-out samples (the trainer's own dataset and split)."""
     from specopd.train import data as D
 
@@ -153,6 +161,18 @@ def heldout_prompt_ids(cfg, target, num: int) -> list:
     return [samples[i]["input_ids"][: samples[i]["prompt_len"]] for i in held[:num]]
 
 
+def parse_temperatures(text) -> list:
+    """``"0,1"`` (or a list / number) -> [0.0, 1.0]; each must be >= 0 (0 = greedy)."""
+    items = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    try:
+        temps = [float(x) for x in items if str(x).strip() != ""]
+    except ValueError:
+        raise ValueError(f"--temperatures {text!r}: give numbers separated by commas, e.g. 0,1") from None
+    if not temps or any(t < 0 for t in temps):
+        raise ValueError(f"--temperatures {text!r}: give one or more temperatures >= 0 (0 = greedy), e.g. 0,1")
+    return temps
+
+
 def _parse_args(args) -> argparse.Namespace:
     if isinstance(args, argparse.Namespace):
         return args
@@ -160,19 +180,43 @@ def _parse_args(args) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the numbers to this JSON file")
     p.add_argument("--no-baseline", action="store_true", help="skip the autoregressive timing")
     p.add_argument("--block-size", type=int, default=None, help="verify only the first k draft tokens")
+    p.add_argument("--prompts", default=None, help="prompts file: JSONL with 'prompt' or chat 'messages', or "
+                                                   "plain text (one prompt a line); the target's chat template applies")
+    p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: eval.temperature)")
     ns, rest = p.parse_known_args(list(args or []))
     if rest:
         raise SystemExit(f"specopd eval: unknown arguments {rest}; options: --json PATH, --no-baseline, "
-                         f"--block-size K (recipe keys go as section.key=value)")
+                         f"--block-size K, --prompts FILE, --temperatures 0,1 (recipe keys go as section.key=value)")
     return ns
 
 
+def file_prompt_ids(path: str, target_dir: str, vocab_size: int) -> list:
+    """A prompts file (``specopd.data.references.read_prompts``: JSONL or plain text) through the target's
+    chat template -> prompt ids [T_i]."""
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.data.references import read_prompts
+
+    prompts = read_prompts(path)
+    try:
+        tok = load_tokenizer(target_dir, vocab_size)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--prompts {path}: the target in {target_dir} needs a tokenizer with a chat template to "
+                         f"format prompts ({e})") from None
+    return [torch.tensor(encode_prompt(tok, msgs)) for _, msgs in prompts]
+
+
 def main_eval(cfg, args=None) -> dict:
-    """Entry of `specopd eval`: cfg is the loaded RecipeConfig; args an argparse Namespace or extra argv."""
+    """Entry of `specopd eval`: cfg is the loaded RecipeConfig; args an argparse Namespace or extra argv.
+
+    Prompts: ``--prompts FILE``, else the main job's held-out chat prompts (a recipe with ``pipeline``), else
+    the run's held-out samples. One table per temperature (``--temperatures``, default ``eval.temperature``).
+    Returns the first temperature's numbers at the top level and every temperature's under ``by_temperature``.
+    """
     from specopd.models import load_target
     from specopd.train.tiny import resolve_target_path
 
     ns = _parse_args(args)
+    temps = parse_temperatures(getattr(ns, "temperatures", None) or [cfg.eval.temperature])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
     if not os.path.isdir(path):  # a `specopd prepare model` name (e.g. smollm2-135m): prepared once, cached
@@ -182,30 +226,41 @@ def main_eval(cfg, args=None) -> dict:
             raise FileNotFoundError(f"model.target={path!r} is neither a folder nor a `specopd prepare model` "
                                     f"name ({sorted(MODELS)})")
         path = MODELS[path]()
+    prompts_file = getattr(ns, "prompts", None)
+    if prompts_file and not os.path.isfile(prompts_file):
+        raise FileNotFoundError(f"--prompts {prompts_file!r} does not exist (give a JSONL or text file)")
     target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device), kernels=cfg.model.kernels)
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)
-    if getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job's own held-out prompts
-        from specopd.mainjob import pipeline_heldout_prompts
+    if prompts_file:
+        prompts, where = file_prompt_ids(prompts_file, path, target.vocab_size), prompts_file
+    elif getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job's own held-out prompts
+        from specopd.data.conversations import heldout_prompt_ids
 
-        prompts = pipeline_heldout_prompts(cfg, path, target.vocab_size)
+        prompts, where = heldout_prompt_ids(path, target.vocab_size, cfg.eval.prompts), "held-out chat prompts"
     else:
-        prompts = heldout_prompt_ids(cfg, target, cfg.eval.prompts)
+        prompts, where = sample_prompt_ids(cfg, target, cfg.eval.prompts), "held-out samples"
     stops = () if cfg.model.is_tiny else _eos_ids(target)
-    r = evaluate_al(target, drafter, prompts, cfg.eval.max_new_tokens, cfg.eval.temperature, cfg.eval.seed,
-                    block_size=getattr(ns, "block_size", None), baseline=not getattr(ns, "no_baseline", False),
-                    stop_token_ids=stops, progress=True)
-    r.update(target=path, drafter=source, drafter_kind=cfg.drafter.kind if source == "untrained" else
-             getattr(drafter, "kind", None), device=str(target.device), stop_token_ids=list(stops))
-    title = (f"specopd eval: target {path} | drafter {source} | {len(prompts)} held-out prompts x "
-             f"{cfg.eval.max_new_tokens} new tokens")
-    print(format_table(r, title))
+    runs = []
+    for temp in temps:
+        r = evaluate_al(target, drafter, prompts, cfg.eval.max_new_tokens, temp, cfg.eval.seed,
+                        block_size=getattr(ns, "block_size", None), baseline=not getattr(ns, "no_baseline", False),
+                        stop_token_ids=stops, progress=True)
+        r.update(target=path, drafter=source, drafter_kind=cfg.drafter.kind if source == "untrained" else
+                 getattr(drafter, "kind", None), device=str(target.device), stop_token_ids=list(stops),
+                 prompts=where)
+        print(format_table(r, f"specopd eval: target {path} | drafter {source} | {len(prompts)} prompts ({where}) x "
+                              f"{cfg.eval.max_new_tokens} new tokens | T={temp:g}"))
+        runs.append(r)
+    if len(runs) > 1:
+        print("mean AL (incl. bonus): " + ", ".join(f"T={r['temperature']:g} {r['mean_al']:.3f}" for r in runs))
+    out = dict(runs[0], by_temperature={f"{r['temperature']:g}": r for r in runs})
     if getattr(ns, "json", None):
         os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
         with open(ns.json, "w") as f:
-            json.dump(r, f, indent=1)
+            json.dump(out, f, indent=1)
         print(f"wrote {ns.json}")
-    return r
+    return out
 
 
 def _eos_ids(target) -> tuple:

@@ -1,0 +1,163 @@
+"""Human chat text (chitchat-dataset) as training trunks, and the held-out chat prompts.
+
+A drafter can be warmed up on *human* text distilled from the target: the trunk is a real conversation put
+through the target's chat template, and the labels are the target's own next-token distributions at every
+trunk position (``trainer.method: offpolicy_e2e_tv`` reads them from the trunk prefill), so no response has
+to be generated. Prefill runs at hundreds of tokens/s on a CPU, generation at tens.
+
+Splits are by conversation: ``split_of(conversation id, seed, heldout_fraction)`` (the same rule as
+``specopd prepare data``). Training text comes only from *train* conversations; held-out prompts come only from
+*held-out* conversations and, in addition, never repeat (case- and space-normalised) the first user turn of
+any train conversation: chitchat opens with "hello?" hundreds of times.
+
+Record of ``write_conversation_data`` (the trainer's ``data.source: prepared`` format):
+``{"id", "split": "train", "input_ids": [chat-formatted conversation], "prompt_len": n}`` where the first
+``prompt_len`` tokens are the system prompt, the first user turn and the assistant header; anchors lie after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+from specopd.data.references import split_of
+
+HELDOUT_MAX_PROMPT_TOKENS = 96  # short chat prompts keep CPU evaluation (and reference generation) quick
+
+
+def chitchat_conversations() -> list:
+    """Every chitchat-dataset conversation -> list of (id, messages), roles alternating user / assistant
+    (turn k of the conversation is one speaker's utterances joined by newlines)."""
+    try:
+        import chitchat_dataset
+    except ImportError:
+        raise ImportError("the chat text comes from the PyPI package chitchat-dataset; run "
+                          "`pip install --no-deps chitchat-dataset`") from None
+    with open(os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json")) as f:
+        data = json.load(f)
+    out = []
+    for cid, conv in data.items():
+        msgs = []
+        for turn in conv.get("messages") or []:
+            text = "\n".join(u["text"] for u in turn if u.get("text")).strip()
+            if text:
+                msgs.append({"role": "user" if len(msgs) % 2 == 0 else "assistant", "content": text})
+        if msgs:
+            out.append((cid, msgs))
+    return out
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+def heldout_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
+                         max_prompt_tokens: Optional[int] = None) -> list:
+    """The first ``num`` held-out prompts, in dataset order -> list of (id, [first user message]).
+
+    From held-out conversations only; a prompt whose normalised text is the first turn of any train
+    conversation, or of an earlier held-out prompt, is skipped. With ``tokenizer`` and ``max_prompt_tokens``,
+    prompts longer than that (after the chat template) are skipped too.
+    """
+    from specopd.data.prepare import encode_prompt
+
+    convs = chitchat_conversations()
+    seen = {_norm(m[0]["content"]) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "train"}
+    out = []
+    for cid, msgs in convs:
+        if len(out) >= num:
+            break
+        if split_of(cid, seed, heldout_fraction) != "heldout":
+            continue
+        key = _norm(msgs[0]["content"])
+        if key in seen:
+            continue
+        first = [msgs[0]]
+        if tokenizer is not None and max_prompt_tokens is not None and \
+                len(encode_prompt(tokenizer, first)) > max_prompt_tokens:
+            continue
+        seen.add(key)
+        out.append((cid, first))
+    if len(out) < num:
+        raise ValueError(f"only {len(out)} distinct held-out chitchat prompts (asked for {num}); lower the number "
+                         f"or raise heldout_fraction")
+    return out
+
+
+def train_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
+                       max_prompt_tokens: Optional[int] = HELDOUT_MAX_PROMPT_TOKENS) -> list:
+    """The first ``num`` distinct first user turns of *train* conversations, in dataset order -> list of (id,
+    [message]) (the prompts the main job's references answer; duplicates such as "hello?" would give the same
+    greedy answer many times). With ``tokenizer``, prompts longer than ``max_prompt_tokens`` are skipped."""
+    from specopd.data.prepare import encode_prompt
+
+    seen, out = set(), []
+    for cid, msgs in chitchat_conversations():
+        if len(out) >= num:
+            break
+        key = _norm(msgs[0]["content"])
+        if split_of(cid, seed, heldout_fraction) != "train" or key in seen:
+            continue
+        if tokenizer is not None and max_prompt_tokens is not None and \
+                len(encode_prompt(tokenizer, msgs[:1])) > max_prompt_tokens:
+            continue
+        seen.add(key)
+        out.append((cid, msgs[:1]))
+    if len(out) < num:
+        raise ValueError(f"only {len(out)} distinct train chat prompts (asked for {num}); lower pipeline.data_num")
+    return out
+
+
+def encode_conversation(tok, messages: list, seq_len: int) -> tuple:
+    """messages -> (token ids of the whole chat-formatted conversation cut to ``seq_len``, prompt_len): the
+    prompt is the system prompt + first user turn + assistant header (what a served request starts with)."""
+    from specopd.data.prepare import encode_prompt
+
+    text = tok.apply_chat_template(messages, tokenize=False)
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    prompt = encode_prompt(tok, messages[:1])
+    n = 0  # the common prefix (equal to the prompt unless the template formats a first turn differently)
+    while n < min(len(ids), len(prompt)) and ids[n] == prompt[n]:
+        n += 1
+    return ids[:seq_len], n
+
+
+def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 0,
+                            heldout_fraction: float = 0.1, min_response_tokens: int = 16) -> dict:
+    """Write the first ``num`` train conversations (chat-formatted, cut to ``seq_len`` tokens, at least
+    ``min_response_tokens`` after the prompt) to ``path`` (JSONL, written atomically). Returns counts."""
+    recs, skipped = [], 0
+    for cid, msgs in chitchat_conversations():
+        if len(recs) >= num:
+            break
+        if split_of(cid, seed, heldout_fraction) != "train" or len(msgs) < 2:
+            continue
+        ids, pl = encode_conversation(tok, msgs, seq_len)
+        if len(ids) - pl < min_response_tokens:
+            skipped += 1
+            continue
+        recs.append({"id": cid, "split": "train", "input_ids": ids, "prompt_len": pl})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+    return {"written": len(recs), "skipped_short": skipped,
+            "tokens": sum(len(r["input_ids"]) for r in recs),
+            "supervised_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs)}
+
+
+
+def heldout_prompt_ids(target_dir: str, vocab_size: int, num: int, seed: int = 0,
+                       heldout_fraction: float = 0.1) -> list:
+    """``heldout_chat_prompts`` through the target's chat template -> prompt ids [T_i] (what the main job's
+    before/after table and ``specopd eval`` on the main recipe decode)."""
+    import torch
+
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(target_dir, vocab_size)
+    prompts = heldout_chat_prompts(num, seed, heldout_fraction, tok, HELDOUT_MAX_PROMPT_TOKENS)
+    return [torch.tensor(encode_prompt(tok, msgs)) for _, msgs in prompts]
