@@ -41,46 +41,43 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generat
 
 @torch.no_grad()
 def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float, top_p: float,
-                   generators: Sequence, stop_ids: set, commit_every: int = 8, on_tokens=None) -> list:
+                   generators: Sequence, stop_ids: set, on_tokens=None) -> list:
     """Sample responses for several prompts at once with our target and its trunk caches.
 
-    Each prompt [T_i] is prefilled once (its last logits give token 1). Then every step scores all streams'
-    uncommitted chains ``[g_c .. g_j]`` (anchored after the cached trunk) in *one* packed ``target.score`` pass
-    and samples token j+1 from each chain's last node; every ``commit_every`` tokens a stream's chain is
-    folded into its cache with ``target.prefill(chain, cache=cache)``. Equal to one-at-a-time decoding (the
+    The prompts [T_i] are prefilled once (``prefill_batch``; their last logits give token 1). Then every step
+    runs all live streams' pending tokens as one-node chains in *one* packed ``target.score`` pass (one new
+    token per stream: O(1) target work a token) and folds them into the caches from that pass
+    (``target.commit``, no second pass), as the speculative decoder does. Equal to one-at-a-time decoding (the
     same logits up to rounding). Returns [(response ids, "eos" | "length")] in prompt order.
     ``on_tokens(k)`` (progress) is told how much of the n * max_new_tokens budget each step used up.
     """
     from specopd.tree import ProposalTree
 
     n = len(prompts)
-    caches, chains, outs, done = [], [], [[] for _ in range(n)], [None] * n
+    outs, done = [[] for _ in range(n)], [None] * n
     on_tokens = on_tokens or (lambda k: None)
-    for i, p in enumerate(prompts):
-        c = target.prefill(torch.as_tensor(p, device=target.device), keep_logits=True)
-        caches.append(dataclasses.replace(c, logits=None))
-        chains.append([])
-        on_tokens(_push(i, sample_top_p(c.logits[-1], temperature, top_p, generators[i]), outs, chains, done,
-                        stop_ids, max_new_tokens))
+    caches = target.prefill_batch([torch.as_tensor(p, device=target.device) for p in prompts], keep_logits=True)
+    pending = []
+    for i, c in enumerate(caches):
+        pending.append(sample_top_p(c.logits[-1], temperature, top_p, generators[i]))
+        caches[i] = dataclasses.replace(c, logits=None)
+        on_tokens(_push(i, pending[i], outs, done, stop_ids, max_new_tokens))
     while True:
         live = [i for i in range(n) if done[i] is None]
         if not live:
             return [(outs[i], done[i]) for i in range(n)]
-        for i in live:  # fold long chains into the cache (keep the newest token: it is not scored yet)
-            if len(chains[i]) > commit_every:
-                caches[i] = target.prefill(torch.tensor(chains[i][:-1], device=target.device), cache=caches[i],
-                                           keep_logits=False)
-                chains[i] = chains[i][-1:]
-        tree = ProposalTree.pack([ProposalTree.from_branches([len(caches[i]) - 1], [chains[i]]) for i in live])
-        logits = tree.split(target.score(tree, [caches[i] for i in live]).reshape(-1, target.vocab_size))
-        on_tokens(sum(_push(i, sample_top_p(lg[-1], temperature, top_p, generators[i]), outs, chains, done,
-                            stop_ids, max_new_tokens) for i, lg in zip(live, logits)))
+        tree = ProposalTree.pack([ProposalTree.from_branches([len(caches[i]) - 1], [[pending[i]]]) for i in live])
+        logits, state = target.score(tree, [caches[i] for i in live], return_state=True)  # [A, 1, V]
+        grown = target.commit([caches[i] for i in live], state, [[j] for j in range(len(live))])
+        for j, i in enumerate(live):
+            caches[i] = grown[j]
+            pending[i] = sample_top_p(logits[j, -1], temperature, top_p, generators[i])
+        on_tokens(sum(_push(i, pending[i], outs, done, stop_ids, max_new_tokens) for i in live))
 
 
-def _push(i, tok, outs, chains, done, stop_ids, max_new_tokens) -> int:
+def _push(i, tok, outs, done, stop_ids, max_new_tokens) -> int:
     """Append ``tok`` to stream i; -> budget used (1, or the rest of the budget when the stream stops)."""
     outs[i].append(tok)
-    chains[i].append(tok)
     if tok in stop_ids:
         done[i] = "eos"
         return max_new_tokens - len(outs[i]) + 1
