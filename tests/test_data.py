@@ -239,3 +239,31 @@ def test_write_conversation_data(target_dir, tmp_path):
         # the prompt is exactly what a served request starts with: system + first user turn + assistant header
         assert r["input_ids"][: r["prompt_len"]] == P.encode_prompt(tok, convs[r["id"]][:1])
     assert len(read_prepared(out, seq_len=80, vocab_size=128)) == 12
+
+
+def test_generate_batch_one_node_per_step_equals_greedy_forward(target_dir):
+    """Batched generation (prompts of 1 and several tokens, streams stopping at different steps) equals each
+    prompt's plain greedy forward, and runs one target pass per step over all live streams (+ the prompt
+    prefill): counted on the first decoder layer."""
+    from specopd.models import load_target
+
+    target = load_target(target_dir)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=g) for n in (1, 2, 9, 5)]
+    calls = []
+    h = target.model.layers[0].mlp.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        res = P.generate_batch(target, prompts, 10, 0.0, 1.0, [None] * 4, {7})
+    finally:
+        h.remove()
+    for p, (out, fin) in zip(prompts, res):
+        seq = p.tolist()
+        for _ in range(10):
+            with torch.no_grad():
+                nxt = int(target(torch.tensor(seq)[None])[0, -1].argmax())
+            seq.append(nxt)
+            if nxt == 7:
+                break
+        assert out == seq[len(p):] and fin == ("eos" if seq[-1] == 7 else "length")
+    steps = max(len(o) for o, _ in res)  # one scoring pass per generated token of the longest stream
+    assert len(calls) <= steps + 4  # + the prompt prefills (one per prompt on the CPU)

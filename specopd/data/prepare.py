@@ -44,23 +44,26 @@ def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                    generators: Sequence, stop_ids: set, on_tokens=None) -> list:
     """Sample responses for several prompts at once with our target and its trunk caches.
 
-    The prompts [T_i] are prefilled once (``prefill_batch``; their last logits give token 1). Then every step
-    runs all live streams' pending tokens as one-node chains in *one* packed ``target.score`` pass (one new
-    token per stream: O(1) target work a token) and folds them into the caches from that pass
-    (``target.commit``, no second pass), as the speculative decoder does. Equal to one-at-a-time decoding (the
+    The prompts [T_i] but their last token are prefilled once (``prefill_batch``, no logits). Then every step
+    runs all live streams' pending tokens (first: the prompt's last) as one-node chains in *one* packed
+    ``target.score`` pass (one new token per stream: O(1) target work a token) and folds them into the caches
+    from that pass (``target.commit``, no second pass), as the speculative decoder does. Equal to one-at-a-time decoding (the
     same logits up to rounding). Returns [(response ids, "eos" | "length")] in prompt order.
     ``on_tokens(k)`` (progress) is told how much of the n * max_new_tokens budget each step used up.
     """
     from specopd.tree import ProposalTree
 
     n = len(prompts)
-    outs, done = [[] for _ in range(n)], [None] * n
+    prompts = [torch.as_tensor(p, device=target.device).reshape(-1) for p in prompts]
+    outs, done, caches, pending = [[] for _ in range(n)], [None] * n, [None] * n, [None] * n
     on_tokens = on_tokens or (lambda k: None)
-    caches = target.prefill_batch([torch.as_tensor(p, device=target.device) for p in prompts], keep_logits=True)
-    pending = []
-    for i, c in enumerate(caches):
-        pending.append(sample_top_p(c.logits[-1], temperature, top_p, generators[i]))
-        caches[i] = dataclasses.replace(c, logits=None)
+    long = [i for i in range(n) if prompts[i].numel() > 1]  # prompt[:-1] prefilled, prompt[-1] pending
+    for i, c in zip(long, target.prefill_batch([prompts[i][:-1] for i in long], keep_logits=False)):
+        caches[i], pending[i] = c, int(prompts[i][-1])
+    for i in sorted(set(range(n)) - set(long)):  # a 1-token prompt: run it, sample token 1 from its logits
+        c = target.prefill(prompts[i], keep_logits=True)
+        caches[i], pending[i] = dataclasses.replace(c, logits=None), sample_top_p(c.logits[-1], temperature, top_p,
+                                                                                  generators[i])
         on_tokens(_push(i, pending[i], outs, done, stop_ids, max_new_tokens))
     while True:
         live = [i for i in range(n) if done[i] is None]
