@@ -225,25 +225,14 @@ def _run_target(run_dir) -> str | None:
 
 def cmd_export(args) -> int:
     """RUN_DIR (its newest complete checkpoint) | CHECKPOINT | released folder -> the released layout."""
-    from specopd.drafters.layout import DTYPES, export_folder, resolve_export_source, serving_commands
+    from specopd.drafters.layout import DTYPES, describe_export, export_folder, resolve_export_source
 
     src, run = resolve_export_source(args.source)
     if args.max_shard_gb <= 0:
         return _fail(f"--max-shard-gb must be > 0; got {args.max_shard_gb}")
     cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
                         max_shard_bytes=int(args.max_shard_gb * 1024 ** 3))
-    print(f"exported the {cfg.kind} drafter of {src} to {args.out_dir} (released layout: block_size "
-          f"{cfg.block_size} = anchor + {cfg.draft_len} drafted tokens, target_layer_ids {list(cfg.feature_layers)}, "
-          f"mask_token_id {cfg.mask_token_id})")
-    if cfg.learned_mask:
-        print(f"note: this target has no spare token id, so the drafter learned its mask vector "
-              f"({args.out_dir}/mask_embedding.pt); vLLM substitutes it for embed_tokens[{cfg.mask_token_id}]")
-    if cfg.kind == "dspark":
-        print("note: DSpark's Markov / confidence heads need an engine that implements DSparkDraftModel; "
-              "the commands below are the DFlash ones")
-    target = args.target or _run_target(run)
-    print("\nserve it with vLLM:\n  " + serving_commands(args.out_dir, cfg, target)[0])
-    print("or SGLang:\n  " + serving_commands(args.out_dir, cfg, target)[1])
+    print(describe_export(src, args.out_dir, cfg, args.target or _run_target(run)))
     return 0
 
 

@@ -425,6 +425,23 @@ def serving_commands(out_dir: str, cfg: DrafterConfig, target_path: Optional[str
             f"--speculative-draft-model-path {os.path.abspath(out_dir)} --speculative-num-draft-tokens {cfg.block_size}"]
 
 
+def describe_export(src: str, out_dir: str, cfg: DrafterConfig, target_path: Optional[str] = None) -> str:
+    """What ``specopd export`` (and the main job) print after an export: what was written, the learned-mask and
+    DSpark notes, and the vLLM / SGLang commands that serve it (``serving_commands``)."""
+    lines = [f"exported the {cfg.kind} drafter of {src} to {out_dir} (released layout: block_size {cfg.block_size} "
+             f"= anchor + {cfg.draft_len} drafted tokens, target_layer_ids {list(cfg.feature_layers)}, "
+             f"mask_token_id {cfg.mask_token_id})"]
+    if cfg.learned_mask:
+        lines.append(f"note: this target has no spare token id, so the drafter learned its mask vector "
+                     f"({out_dir}/{MASK_FILE}); vLLM substitutes it for embed_tokens[{cfg.mask_token_id}]")
+    if cfg.kind == "dspark":
+        lines.append("note: DSpark's Markov / confidence heads need an engine that implements DSparkDraftModel; "
+                     "the commands below are the DFlash ones")
+    vllm, sglang = serving_commands(out_dir, cfg, target_path)
+    lines += ["", "serve it with vLLM:", "  " + vllm, "or SGLang:", "  " + sglang]
+    return "\n".join(lines)
+
+
 def resolve_export_source(src: str) -> tuple:
     """RUN_DIR (-> its newest complete checkpoint) | a checkpoint / drafter folder -> (folder, run_dir or None)."""
     from specopd.train.checkpoint import find_latest
