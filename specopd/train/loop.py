@@ -331,8 +331,10 @@ def _plot_heldout(out: str, start: Optional[dict], bar) -> None:
 # ---------------------------------------------------------------------------------------------- train
 def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     """Run the recipe; returns the summary (also written to <output_dir>/train_summary.json)."""
-    if getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job (prepare, warm up, train, eval)
-        return __import__("specopd.mainjob", fromlist=["run"]).run(cfg, progress=progress)
+    if cfg.pipeline.enabled:
+        raise RecipeError("pipeline.enabled=true is the main job (prepare, warm up, train, evaluate, export), which "
+                          "runs this training loop itself: run `specopd train RECIPE` or specopd.mainjob.run(cfg), "
+                          "or set pipeline.enabled=false to train on the recipe's data alone")
     from specopd.train.determinism import apply_deterministic
 
     t, out = cfg.trainer, cfg.trainer.output_dir
