@@ -175,16 +175,23 @@ def test_imports_flow_down_the_layers(graph):
 
 def test_public_names_stay_where_they_are():
     """The public API of DESIGN.md and the names other areas import from the package roots."""
-    from specopd.drafters import (DRAFTERS, DFlashDrafter, DraftContext, DrafterConfig, Drafter,  # noqa: F401
-                                  DSparkDrafter, build_drafter, choose_mask, default_target_layer_ids,
-                                  export_drafter, export_folder, load_drafter, pick_tokens, serving_commands,
-                                  shift_tokens)
-    from specopd.eval import SpeculativeDecoder  # noqa: F401
-    from specopd.losses import e2e_tv_loss  # noqa: F401
-    from specopd.models import MODEL_TYPES, RunContext, TargetCache, TargetModel, load_target, register_model  # noqa: F401
-    from specopd.models.base import DecoderLayer, VerifyState  # noqa: F401
-    from specopd.models.common import causal_mask, masked_attention, sdpa_attention  # noqa: F401
-    from specopd.tree import ProposalTree  # noqa: F401
+    from specopd.drafters import (DRAFTERS, DFlashDrafter, DraftContext, DrafterConfig, Drafter, DSparkDrafter,
+                                  build_drafter, choose_mask, default_target_layer_ids, export_drafter,
+                                  export_folder, load_drafter, pick_tokens, serving_commands, shift_tokens)
+    from specopd.eval import SpeculativeDecoder
+    from specopd.losses import e2e_tv_loss
+    from specopd.models import MODEL_TYPES, RunContext, TargetCache, TargetModel, load_target, register_model
+    from specopd.models.base import DecoderLayer, VerifyState
+    from specopd.models.common import causal_mask, masked_attention, sdpa_attention
+    from specopd.tree import ProposalTree
 
     assert sorted(DRAFTERS) == ["dflash", "dspark"] and Drafter is DFlashDrafter
+    assert DRAFTERS["dspark"] is DSparkDrafter and issubclass(DSparkDrafter, DFlashDrafter)
     assert {"llama", "qwen3", "qwen3_next", "qwen3_5", "qwen4_exp"} <= set(MODEL_TYPES)
+    assert all(issubclass(c, TargetModel) for c in MODEL_TYPES.values())
+    assert all(isinstance(c, type) for c in (DraftContext, DrafterConfig, SpeculativeDecoder, RunContext, TargetCache,
+                                             DecoderLayer, VerifyState, ProposalTree))
+    assert all(callable(f) for f in (build_drafter, choose_mask, default_target_layer_ids, export_drafter,
+                                     export_folder, load_drafter, pick_tokens, serving_commands, shift_tokens,
+                                     e2e_tv_loss, load_target, register_model, causal_mask, masked_attention,
+                                     sdpa_attention))

@@ -78,3 +78,16 @@ def test_main_job_writes_warm_and_final_checkpoints_and_both_temperatures(tmp_pa
     assert not all(torch.equal(c[k], sb[k]) for k in sb)
     old = load_drafter(str(out / aside[0]), target).state_dict()
     assert all(torch.equal(old[k], sb[k]) for k in sb)
+
+
+def test_specopd_train_runs_the_main_job_for_a_pipeline_recipe(tmp_path, monkeypatch):
+    """`specopd train RECIPE` hands a pipeline recipe to mainjob.run (the training loop never imports the job)."""
+    import specopd.mainjob
+    from specopd.cli import main
+
+    seen = []
+    monkeypatch.setattr(specopd.mainjob, "run", lambda cfg: seen.append(cfg) or {"ok": True})
+    rc = main(["train", os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"), f"trainer.output_dir={tmp_path}",
+               "--json", str(tmp_path / "s.json")])
+    assert rc == 0 and len(seen) == 1 and seen[0].pipeline.enabled
+    assert json.loads(open(tmp_path / "s.json").read()) == {"ok": True}

@@ -334,6 +334,15 @@ def test_eval_every_bad_values_are_clear_errors():
     assert load_recipe(None, ["trainer.eval_every=0", "data.heldout=0"]).trainer.eval_every == 0
 
 
+def test_train_refuses_a_main_job_recipe(tmp_path):
+    """The training loop does not run the main job (the CLI does: cli -> mainjob -> train): a clear error."""
+    from specopd.config import RecipeError
+
+    with pytest.raises(RecipeError, match=r"pipeline.enabled=true is the main job .* `specopd train RECIPE`"):
+        train(tiny_recipe(str(tmp_path), ["pipeline.enabled=true"]), progress=False)
+    assert not os.listdir(tmp_path)  # refused before anything is written
+
+
 @pytest.mark.parametrize("target", ["tiny:qwen3_next", pytest.param("tiny:qwen4_exp", marks=pytest.mark.slow)])
 def test_gdn_and_qsa_targets_train(tmp_path, target):
     """The same step on GDN (qwen3_next) and QSA (qwen4_exp) targets: branch scores exact, a step runs."""
