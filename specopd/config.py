@@ -189,7 +189,9 @@ class TrainerConfig:
     """Every N steps (and at the last step) evaluate the held-out expected acceptance length (bonus included;
     fixed anchors and branches, one forward pass, no update) and log it: ``heldout_expected_al`` in
     metrics.jsonl, the progress bar, and <output_dir>/heldout_al.png (redrawn at each evaluation). 0: off.
-    Needs held-out sequences (data.heldout > 0). It does not change the training numbers."""
+    Needs held-out sequences (data.heldout > 0). It does not change the training numbers. One evaluation costs
+    the forward passes (no backward) of ceil(held-out sequences / data.batch_size) steps, data.batch_size
+    sequences at a time."""
     max_nonfinite_steps: int = 5
     """A step whose loss or gradient is NaN / inf is skipped (no update) and logged; this many in a row stop
     the run (with a checkpoint and a message naming the steps)."""

@@ -315,11 +315,15 @@ def test_eval_every_logs_heldout_al_and_draws_it(tmp_path):
     assert s["eval_before"]["expected_al"] >= 1.0 and s["heldout_expected_al"]["step"] == 5
     png = tmp_path / "heldout_al.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and s["heldout_expected_al"]["figure"] == str(png)
-    # an independent evaluation of the final checkpoint's weights gives the logged step-5 number exactly
+    # an independent evaluation of the final checkpoint's weights gives the logged step-5 number exactly (held-out
+    # sequences go data.batch_size at a time: the trunk caches of one batch at most; all at once agrees to rounding)
     w = Worker(tiny_recipe(str(tmp_path / "fresh"), ["trainer.max_steps=5"]))
     w.drafter.load_state_dict(load_file(os.path.join(s["final_checkpoint"], "model.safetensors")))
-    again = reduce_metrics([w.evaluate(w.heldout_ids)], 0.0)["expected_al"]
+    ids, bs = w.heldout_ids, cfg.data.batch_size
+    assert len(ids) > bs  # more than one batch
+    again = reduce_metrics([w.evaluate(ids[i: i + bs]) for i in range(0, len(ids), bs)], 0.0)["expected_al"]
     assert again == rows[-1]["heldout_expected_al"] and again != s["eval_before"]["expected_al"]
+    assert reduce_metrics([w.evaluate(ids)], 0.0)["expected_al"] == pytest.approx(again, rel=1e-6)
 
 
 def test_eval_every_bad_values_are_clear_errors():

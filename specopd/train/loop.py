@@ -103,9 +103,17 @@ def reduce_metrics(results: list, wall_s: float) -> dict:
     return m
 
 
-def evaluate_heldout(group, heldout_ids: list) -> dict:
-    """Expected acceptance length (bonus included) of the drafter on held-out samples (on-policy estimate)."""
-    res = group.call("evaluate", [(s,) for s in shard(heldout_ids, group.num_workers)])
+def evaluate_heldout(group, heldout_ids: list, batch_size: Optional[int] = None) -> dict:
+    """Expected acceptance length (bonus included) of the drafter on held-out samples (on-policy estimate).
+
+    The samples go ``batch_size`` at a time (split across the workers like a training batch), so a worker
+    holds the trunk caches of at most its share of one batch, however many samples are held out; the cost is
+    the forward passes of ceil(len / batch_size) steps. None: all at once."""
+    ids = list(heldout_ids)
+    chunk = batch_size or max(1, len(ids))
+    res = []
+    for lo in range(0, max(1, len(ids)), chunk):
+        res += group.call("evaluate", [(s,) for s in shard(ids[lo: lo + chunk], group.num_workers)])
     m = reduce_metrics(res, 0.0)
     return {"expected_al": m["expected_al"], "alpha": m["alpha"], "branches": m["branches"]}
 
@@ -388,7 +396,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         else:
             _fresh_start(out)
             evaluate = t.eval_heldout or t.eval_every  # eval_every: the curve starts at step 0
-            state = {"eval_before": evaluate_heldout(group, info["heldout_ids"]) if evaluate else None}
+            state = {"eval_before": evaluate_heldout(group, info["heldout_ids"], cfg.data.batch_size) if evaluate else None}
             if state["eval_before"]:
                 print(f"held-out expected AL (incl. bonus) before training: {state['eval_before']['expected_al']:.4f}")
         state["target_fingerprint"] = target_fingerprint(cfg.model)
@@ -443,7 +451,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                 due = t.eval_every and (step % t.eval_every == 0 or step == t.max_steps)
                 if due:  # after the step's timing (step_s excludes it); its worker spans are named "eval"
                     t1 = time.perf_counter()
-                    heldout = (step, evaluate_heldout(group, info["heldout_ids"]))
+                    heldout = (step, evaluate_heldout(group, info["heldout_ids"], cfg.data.batch_size))
                     last.update(heldout_expected_al=heldout[1]["expected_al"], heldout_alpha=heldout[1]["alpha"],
                                 heldout_branches=heldout[1]["branches"], heldout_eval_s=time.perf_counter() - t1)
                 if step % t.log_every == 0 or step == t.max_steps or last.get("skipped") or due:
@@ -497,7 +505,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                                               "figure": os.path.join(out, "heldout_al.png")}
         if t.eval_heldout:  # the drafter after the last step: already evaluated there with eval_every
             done = heldout is not None and heldout[0] == step and step > 0 and "alpha" in heldout[1]
-            summary["eval_after"] = heldout[1] if done else evaluate_heldout(group, info["heldout_ids"])
+            summary["eval_after"] = heldout[1] if done else evaluate_heldout(group, info["heldout_ids"], cfg.data.batch_size)
             b = summary["eval_before"]["expected_al"] if summary["eval_before"] else float("nan")
             print(f"held-out expected AL (incl. bonus): before {b:.4f} -> after {summary['eval_after']['expected_al']:.4f}")
         if cfg.profile.enabled:
