@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executors.attention import masked_attention, sdpa_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
-from specopd.models.common import masked_attention, sdpa_attention
 
 
 @dataclass

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executors.attention import masked_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels
-from specopd.models.common import masked_attention
 
 SCORE_BYTES = 1 << 28  # default options["qsa_score_bytes"]: the key stage of score works in node chunks of <= this
 

@@ -6,8 +6,10 @@
     specopd profile RUN_DIR
     specopd export RUN_DIR|CHECKPOINT OUT_DIR [--dtype bfloat16] [--target PATH]
 
-Overrides are ``section.key=value`` (e.g. ``trainer.max_steps=10 seed=3``). ``train`` is implemented
-here (specopd.train.loop); eval, prepare and profile dispatch to their owners' modules, imported lazily.
+Overrides are ``section.key=value`` (e.g. ``trainer.max_steps=10 seed=3``). ``train`` runs
+``specopd.train.loop.train``, or ``specopd.mainjob.run`` for a recipe with ``pipeline.enabled`` (the main job);
+eval, prepare and profile dispatch to their owners' modules, imported lazily. Imports flow one way:
+cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels (tests/test_imports.py).
 """
 from __future__ import annotations
 
@@ -169,10 +171,11 @@ def cmd_train(args) -> int:
     from specopd.train.checkpoint import CheckpointError
     from specopd.train.loop import NonFiniteError, RecipeChangeError
 
-    pipe = getattr(cfg, "pipeline", None)
     try:
-        if pipe is not None and pipe.enabled:  # the main job: prepare target + data, warm up, train, evaluate
-            summary = _lazy("specopd.mainjob", "run")(cfg)
+        if cfg.pipeline.enabled:  # the main job: prepare target + data, warm up, train, evaluate, export
+            from specopd.mainjob import run
+
+            summary = run(cfg)
         else:
             from specopd.train.loop import train
 
@@ -223,27 +226,36 @@ def _run_target(run_dir) -> str | None:
     return tgt
 
 
+def resolve_export_source(src: str) -> tuple:
+    """RUN_DIR (-> its newest complete checkpoint) | a checkpoint / drafter folder -> (folder, run_dir or None)."""
+    from specopd.train.checkpoint import find_latest
+
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"{src!r} does not exist (give a run folder, i.e. a trainer.output_dir, or a "
+                                f"checkpoint / drafter folder)")
+    if os.path.isfile(os.path.join(src, "config.json")):
+        parent = os.path.dirname(os.path.abspath(src))
+        run = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+        return src, run
+    if os.path.isdir(os.path.join(src, "checkpoints")):
+        ck = find_latest(src)
+        if ck is None:
+            raise FileNotFoundError(f"run {src!r} has no complete checkpoint yet (checkpoints/step-N with a COMPLETE "
+                                    f"marker); train longer or give a checkpoint folder")
+        return ck, src
+    raise FileNotFoundError(f"{src!r} is neither a run folder (no checkpoints/) nor a drafter folder (no config.json)")
+
+
 def cmd_export(args) -> int:
     """RUN_DIR (its newest complete checkpoint) | CHECKPOINT | released folder -> the released layout."""
-    from specopd.drafters.layout import DTYPES, export_folder, resolve_export_source, serving_commands
+    from specopd.drafters.layout import DTYPES, describe_export, export_folder
 
     src, run = resolve_export_source(args.source)
     if args.max_shard_gb <= 0:
         return _fail(f"--max-shard-gb must be > 0; got {args.max_shard_gb}")
     cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
                         max_shard_bytes=int(args.max_shard_gb * 1024 ** 3))
-    print(f"exported the {cfg.kind} drafter of {src} to {args.out_dir} (released layout: block_size "
-          f"{cfg.block_size} = anchor + {cfg.draft_len} drafted tokens, target_layer_ids {list(cfg.feature_layers)}, "
-          f"mask_token_id {cfg.mask_token_id})")
-    if cfg.learned_mask:
-        print(f"note: this target has no spare token id, so the drafter learned its mask vector "
-              f"({args.out_dir}/mask_embedding.pt); vLLM substitutes it for embed_tokens[{cfg.mask_token_id}]")
-    if cfg.kind == "dspark":
-        print("note: DSpark's Markov / confidence heads need an engine that implements DSparkDraftModel; "
-              "the commands below are the DFlash ones")
-    target = args.target or _run_target(run)
-    print("\nserve it with vLLM:\n  " + serving_commands(args.out_dir, cfg, target)[0])
-    print("or SGLang:\n  " + serving_commands(args.out_dir, cfg, target)[1])
+    print(describe_export(src, args.out_dir, cfg, args.target or _run_target(run)))
     return 0
 
 

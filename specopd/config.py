@@ -184,7 +184,14 @@ class TrainerConfig:
     eval_heldout: bool = True
     """Evaluate expected acceptance length on the held-out data before and after training."""
     eval_anchors_per_seq: int = 8
-    """Anchors per held-out sequence for that evaluation."""
+    """Anchors per held-out sequence for that evaluation (and for ``eval_every``)."""
+    eval_every: int = 0
+    """Every N steps (and at the last step) evaluate the held-out expected acceptance length (bonus included;
+    fixed anchors and branches, one forward pass, no update) and log it: ``heldout_expected_al`` in
+    metrics.jsonl, the progress bar, and <output_dir>/heldout_al.png (redrawn at each evaluation). 0: off.
+    Needs held-out sequences (data.heldout > 0). It does not change the training numbers. One evaluation costs
+    the forward passes (no backward) of ceil(held-out sequences / data.batch_size) steps, data.batch_size
+    sequences at a time."""
     max_nonfinite_steps: int = 5
     """A step whose loss or gradient is NaN / inf is skipped (no update) and logged; this many in a row stop
     the run (with a checkpoint and a message naming the steps)."""
@@ -219,6 +226,7 @@ class TrainerConfig:
         _check_range("trainer", "keep_last", self.keep_last, lo=2)
         _check_range("trainer", "log_every", self.log_every, lo=1)
         _check_range("trainer", "eval_anchors_per_seq", self.eval_anchors_per_seq, lo=1)
+        _check_range("trainer", "eval_every", self.eval_every, lo=0)
         _check_range("trainer", "max_nonfinite_steps", self.max_nonfinite_steps, lo=1)
         rows = self.loss_chunk_rows
         if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
@@ -353,6 +361,10 @@ class RecipeConfig:
         if self.trainer.batch_invariant and (self.runtime.roles == "split" or self.trainer.method == "draft_opd"):
             raise RecipeError("trainer.batch_invariant=true needs runtime.roles=colocated and a method other than "
                               "draft_opd (its rollouts form the batch); set trainer.batch_invariant=false")
+        if self.trainer.eval_every > 0 and self.data.heldout == 0:
+            raise RecipeError(f"trainer.eval_every={self.trainer.eval_every} evaluates on held-out sequences, but "
+                              f"data.heldout=0 holds none out: set data.heldout to a fraction such as 0.1 (those "
+                              f"sequences are then never trained on), or trainer.eval_every=0")
 
 
 # ---------------------------------------------------------------------------------------------- loading

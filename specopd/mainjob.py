@@ -228,13 +228,46 @@ def run(cfg, progress: bool = True) -> dict:
              f"target {os.path.basename(prep['target_dir'])}")
     print(format_al_table(results, temps, w, title))
     print(f"\nwarm-up drafter: {warm}\nfinal drafter:   {final}")
+    export = _export_final(final, out, prep["target_dir"])
     if cfg.profile.enabled:
         print(f"profile: {os.path.join(out, 'profile')}/timeline.png, trace.json, summary.json")
     print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
     res = {"table": results, "times_s": times, "train_summary": summary, "references": prep["references"],
            "num_references": prep["num_references"], "reference_tokens": prep["reference_tokens"],
-           "warm_checkpoint": warm, "final_checkpoint": final, "eval_prompts": cfg.eval.prompts,
+           "warm_checkpoint": warm, "final_checkpoint": final, "export": export, "eval_prompts": cfg.eval.prompts,
            "eval_temperatures": temps, "al_includes_bonus": True}
     with open(os.path.join(out, "mainjob_summary.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     return res
+
+
+def _export_final(final, out: str, target_dir: str):
+    """The final drafter in the released DFlash layout at ``<out>/export`` (what ``specopd export`` writes, from
+    the checkpoint folder: no second target load); prints where it is and how to serve it. A rerun that ends
+    with the same drafter keeps the folder; an export of another drafter there is moved aside (nothing lost).
+    Returns the folder (None without a final checkpoint)."""
+    import filecmp
+    import shutil
+
+    from specopd.drafters.layout import describe_export, export_folder
+
+    if final is None:
+        print("[specopd] no final checkpoint: nothing to export")
+        return None
+    dst = os.path.join(out, "export")
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dcfg = export_folder(final, tmp)
+    if os.path.isdir(dst):
+        names = sorted(os.listdir(tmp))
+        if sorted(os.listdir(dst)) == names and all(filecmp.cmp(os.path.join(dst, n), os.path.join(tmp, n),
+                                                                shallow=False) for n in names):
+            shutil.rmtree(tmp)  # the same drafter is exported there already
+        else:
+            old = f"{dst}.before-{int(time.time())}"
+            os.replace(dst, old)
+            print(f"[specopd] the previous export (another drafter) moved aside to {old}")
+    if os.path.isdir(tmp):
+        os.replace(tmp, dst)
+    print("\n" + describe_export(final, dst, dcfg, target_dir))
+    return dst

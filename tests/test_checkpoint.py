@@ -50,9 +50,13 @@ def test_layout_and_latest_pointer(straight):
 
 
 def test_resume_is_bitwise_identical_and_ignores_half_written(straight, tmp_path):
+    """...with trainer.eval_every on (the straight run has it off): the periodic held-out evaluation changes
+    no training number, and a resumed run logs it at the same steps."""
     out = str(tmp_path)
+    every = ("trainer.save_every=3", "trainer.keep_last=3", "trainer.eval_every=2")
     # run to 6 saving every 3, then pretend the step-6 save never happened and a later one was cut short
-    train(_cfg(out, "trainer.save_every=3", "trainer.keep_last=3"), progress=False)
+    train(_cfg(out, *every), progress=False)
+    first = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     root = os.path.join(out, "checkpoints")
     import shutil
 
@@ -64,7 +68,7 @@ def test_resume_is_bitwise_identical_and_ignores_half_written(straight, tmp_path
     assert ck.find_latest(out) == os.path.join(root, "step-3")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert len(f.readlines()) == 6
-    train(_cfg(out, "trainer.save_every=3", "trainer.keep_last=3"), progress=False)  # resume=auto -> step-3
+    train(_cfg(out, *every), progress=False)  # resume=auto -> step-3
     a, b = _weights(straight, STEPS), _weights(out, STEPS)
     assert a.keys() == b.keys()
     for k in a:
@@ -76,6 +80,11 @@ def test_resume_is_bitwise_identical_and_ignores_half_written(straight, tmp_path
     straight_loss = [json.loads(x)["loss"] for x in open(os.path.join(straight, "metrics.jsonl"))]
     resumed_loss = [json.loads(x)["loss"] for x in open(os.path.join(out, "metrics.jsonl"))]
     assert straight_loss == resumed_loss
+    resumed = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [(m["step"], m["heldout_expected_al"]) for m in resumed if "heldout_expected_al" in m] == \
+        [(m["step"], m["heldout_expected_al"]) for m in first if "heldout_expected_al" in m]
+    assert [m["step"] for m in resumed if "heldout_expected_al" in m] == [2, 4, 6]
+    assert os.path.isfile(os.path.join(out, "heldout_al.png"))
 
 
 def test_interrupted_run_writes_a_checkpoint_and_resumes(straight, tmp_path, monkeypatch):

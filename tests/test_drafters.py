@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specopd.drafters import (DFlashDrafter, build_drafter, choose_mask, default_target_layer_ids, export_drafter,
-                              load_drafter, shift_tokens)
+from specopd.drafters import (build_drafter, choose_mask, default_target_layer_ids, export_drafter, load_drafter,
+                              shift_tokens)
 from specopd.drafters.attention import BranchLayout, chunked_branch_attention, flex_available, flex_branch_attention
 from specopd.models import load_target
 from tests.dflash_reference import ReleasedReference, per_branch_attention
@@ -442,7 +442,7 @@ def test_save_load_roundtrip(target, batch, kind, tmp_path):
     assert cfg["target"] == {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 4,
                              "max_position_embeddings": target.config.max_position_embeddings}
     e = load_drafter(str(tmp_path / "d"), target)
-    assert type(e) is type(d) and isinstance(DFlashDrafter.load(str(tmp_path / "d"), target), type(d))
+    assert type(e) is type(d)
     sd, se = d.state_dict(), e.state_dict()
     assert sd.keys() == se.keys() and all(torch.equal(sd[k], se[k]) for k in sd)
     prev = _prev(kind, atok, len(anchors))

@@ -21,12 +21,13 @@ def test_main_job_writes_warm_and_final_checkpoints_and_both_temperatures(tmp_pa
                                       max_position_embeddings=256, eos_token_id=2)
     write_char_tokenizer(target_dir)
     out = tmp_path / "run"
-    cfg = load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"), [
+    cfg_overrides = [
         f"model.target={target_dir}", f"trainer.output_dir={out}", f"data.path={out}/data/train.jsonl",
         "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2",
         "pipeline.data_num=4", "pipeline.data_max_new_tokens=12", "pipeline.warmup_steps=2",
         "trainer.max_steps=2", "trainer.save_every=0", "trainer.anchors_per_seq=2", "eval.prompts=2",
-        "eval.max_new_tokens=4", "drafter.block_size=3", "drafter.feature_layers=[0]"])
+        "eval.max_new_tokens=4", "drafter.block_size=3", "drafter.feature_layers=[0]"]
+    cfg = load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"), cfg_overrides)
     res = run(cfg, progress=False)
     assert os.path.isfile(out / "warmup" / "checkpoints" / "step-2" / "model.safetensors")
     assert os.path.isfile(out / "checkpoints" / "step-2" / "model.safetensors")
@@ -45,7 +46,48 @@ def test_main_job_writes_warm_and_final_checkpoints_and_both_temperatures(tmp_pa
     assert len(recs) == 4 and all(split_of(r["id"], 0, 0.1) == "train" for r in recs)
     saved = json.loads(open(out / "mainjob_summary.json").read())
     assert saved["eval_temperatures"] == [0.0, 1.0] and saved["al_includes_bonus"]
-    # a second run reuses the references and the warm drafter
+    # the final drafter exported in the released DFlash layout: it loads back bit for bit
+    import torch
+
+    from specopd.drafters import load_drafter
+    from specopd.models import load_target
+
+    assert res["export"] == str(out / "export") and saved["export"] == res["export"]
+    conf = json.loads(open(out / "export" / "config.json").read())
+    assert conf["architectures"] == ["DFlashDraftModel"] and "dflash_config" in conf
+    target = load_target(target_dir)
+    a, b = load_drafter(res["final_checkpoint"], target), load_drafter(res["export"], target)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert (a.block_size, a.feature_layers, a.config.mask_token_id) == (b.block_size, b.feature_layers,
+                                                                        b.config.mask_token_id)
+    assert f"to {out / 'export'} (released layout" in text and "vllm serve " + str(target_dir) in text
+    # a second run reuses the references and the warm drafter, and keeps the same export
     res2 = run(cfg, progress=False)
     assert res2["warm_checkpoint"] == res["warm_checkpoint"]
-    assert "references cached" in capsys.readouterr().out
+    text2 = capsys.readouterr().out
+    assert "references cached" in text2 and "previous export" not in text2
+    assert res2["export"] == res["export"] and sorted(os.listdir(out / "export")) == sorted(os.listdir(res["export"]))
+    assert not [n for n in os.listdir(out) if n.startswith("export.")]  # no tmp or moved-aside folders
+    # a longer run ends with another drafter: the old export is moved aside (kept), the new one is written
+    res3 = run(load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"),
+                           cfg_overrides + ["trainer.max_steps=3"]), progress=False)
+    aside = [n for n in os.listdir(out) if n.startswith("export.before-")]
+    assert len(aside) == 1 and "previous export (another drafter) moved aside" in capsys.readouterr().out
+    c = load_drafter(res3["export"], target).state_dict()
+    assert not all(torch.equal(c[k], sb[k]) for k in sb)
+    old = load_drafter(str(out / aside[0]), target).state_dict()
+    assert all(torch.equal(old[k], sb[k]) for k in sb)
+
+
+def test_specopd_train_runs_the_main_job_for_a_pipeline_recipe(tmp_path, monkeypatch):
+    """`specopd train RECIPE` hands a pipeline recipe to mainjob.run (the training loop never imports the job)."""
+    import specopd.mainjob
+    from specopd.cli import main
+
+    seen = []
+    monkeypatch.setattr(specopd.mainjob, "run", lambda cfg: seen.append(cfg) or {"ok": True})
+    rc = main(["train", os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"), f"trainer.output_dir={tmp_path}",
+               "--json", str(tmp_path / "s.json")])
+    assert rc == 0 and len(seen) == 1 and seen[0].pipeline.enabled
+    assert json.loads(open(tmp_path / "s.json").read()) == {"ok": True}

@@ -292,6 +292,61 @@ def test_expected_al_rises_on_heldout(tmp_path):
     assert after > before + 0.1, (before, after)  # measured here: 1.16 -> 1.38
 
 
+def test_eval_every_logs_heldout_al_and_draws_it(tmp_path):
+    """trainer.eval_every=2, log_every=3, 5 steps: metrics lines at 2, 3, 4, 5; held-out AL at 2, 4 and the last
+    step (5), not at 3; the logged number is the held-out AL of the drafter saved after that step; the figure is
+    a PNG; the progress bar is not needed for any of it."""
+    from safetensors.torch import load_file
+
+    from specopd.profiling import read_heldout_al
+
+    cfg = tiny_recipe(str(tmp_path), ["trainer.max_steps=5", "trainer.eval_every=2", "trainer.log_every=3",
+                                      "trainer.eval_heldout=false"])
+    s = train(cfg, progress=False)
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in rows] == [2, 3, 4, 5]
+    assert [m["step"] for m in rows if "heldout_expected_al" in m] == [2, 4, 5]
+    for m in rows:
+        if "heldout_expected_al" in m:
+            assert 1.0 <= m["heldout_expected_al"] <= cfg.drafter.block_size and m["heldout_branches"] > 0
+            assert len(m["heldout_alpha"]) == cfg.drafter.block_size - 1 and m["heldout_eval_s"] > 0
+    assert read_heldout_al(tmp_path) == [(m["step"], m["heldout_expected_al"]) for m in rows if "heldout_expected_al" in m]
+    # the curve starts at the drafter before training (computed for it although eval_heldout is off)
+    assert s["eval_before"]["expected_al"] >= 1.0 and s["heldout_expected_al"]["step"] == 5
+    png = tmp_path / "heldout_al.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and s["heldout_expected_al"]["figure"] == str(png)
+    # an independent evaluation of the final checkpoint's weights gives the logged step-5 number exactly (held-out
+    # sequences go data.batch_size at a time: the trunk caches of one batch at most; all at once agrees to rounding)
+    w = Worker(tiny_recipe(str(tmp_path / "fresh"), ["trainer.max_steps=5"]))
+    w.drafter.load_state_dict(load_file(os.path.join(s["final_checkpoint"], "model.safetensors")))
+    ids, bs = w.heldout_ids, cfg.data.batch_size
+    assert len(ids) > bs  # more than one batch
+    again = reduce_metrics([w.evaluate(ids[i: i + bs]) for i in range(0, len(ids), bs)], 0.0)["expected_al"]
+    assert again == rows[-1]["heldout_expected_al"] and again != s["eval_before"]["expected_al"]
+    assert reduce_metrics([w.evaluate(ids)], 0.0)["expected_al"] == pytest.approx(again, rel=1e-6)
+
+
+def test_eval_every_bad_values_are_clear_errors():
+    from specopd.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"trainer.eval_every=-1 is out of range"):
+        load_recipe(None, ["trainer.eval_every=-1"])
+    with pytest.raises(RecipeError, match=r"data.heldout=0 holds none out: set data.heldout"):
+        load_recipe(None, ["trainer.eval_every=10", "data.heldout=0"])
+    with pytest.raises(RecipeError, match="expected int"):
+        load_recipe(None, ["trainer.eval_every=often"])
+    assert load_recipe(None, ["trainer.eval_every=0", "data.heldout=0"]).trainer.eval_every == 0
+
+
+def test_train_refuses_a_main_job_recipe(tmp_path):
+    """The training loop does not run the main job (the CLI does: cli -> mainjob -> train): a clear error."""
+    from specopd.config import RecipeError
+
+    with pytest.raises(RecipeError, match=r"pipeline.enabled=true is the main job .* `specopd train RECIPE`"):
+        train(tiny_recipe(str(tmp_path), ["pipeline.enabled=true"]), progress=False)
+    assert not os.listdir(tmp_path)  # refused before anything is written
+
+
 @pytest.mark.parametrize("target", ["tiny:qwen3_next", pytest.param("tiny:qwen4_exp", marks=pytest.mark.slow)])
 def test_gdn_and_qsa_targets_train(tmp_path, target):
     """The same step on GDN (qwen3_next) and QSA (qwen4_exp) targets: branch scores exact, a step runs."""

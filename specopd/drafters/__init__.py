@@ -22,67 +22,12 @@ anchors [N] in [0, T_i] (T_i = inference: the anchor is the bonus token); prev_t
 ``shift_tokens(anchor_tokens, tokens)``). See dflash.py (model), dspark.py (Markov / confidence heads),
 attention.py (shared-context branch attention), layout.py (folders).
 """
-from __future__ import annotations
-
-from typing import Optional, Sequence
-
-import torch
-
-from specopd.drafters.dflash import (DFlashDrafter, DraftContext, DrafterConfig, _tcfg, choose_mask,
+from specopd.drafters.build import DRAFTERS, Drafter, build_drafter, shift_tokens  # noqa: F401
+from specopd.drafters.dflash import (DFlashDrafter, DraftContext, DrafterConfig, choose_mask,  # noqa: F401
                                      default_target_layer_ids, pick_tokens, target_identity, target_rope_theta)
-from specopd.drafters.dspark import DSparkDrafter
-from specopd.drafters.layout import export_drafter, export_folder, load_drafter, serving_commands
-
-DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}
-Drafter = DFlashDrafter  # the base class: ``Drafter.load(dir, target)`` loads any kind
-
-_OVERRIDES = {"num_heads": "num_heads", "num_attention_heads": "num_heads", "num_kv_heads": "num_kv_heads",
-              "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
-              "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "hidden_act": "hidden_act",
-              "markov_rank": "markov_rank", "confidence_head": "confidence_head",
-              "confidence_with_markov": "confidence_with_markov"}
-
-
-def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, seed: int = 0,
-                  feature_layers: Optional[Sequence[int]] = None, mask_token_id: Optional[int] = None,
-                  target_dir: Optional[str] = None, **overrides):
-    """A freshly initialised drafter for ``target`` (weights deterministic in ``seed``).
-
-    block_size counts the anchor (released: 16 drafts 15 tokens; DSpark's release uses 7). feature_layers
-    None -> the released default for ``num_layers`` (``default_target_layer_ids``). mask_token_id: None =
-    automatic (``choose_mask``: the first token id the tokenizer in ``target_dir`` leaves unused, as Qwen3's
-    151669, else a learned vector), an id = that token's frozen embedding, -1 = a learned vector.
-    Sizes default to the target's (heads, kv heads, head_dim, intermediate, rms eps, rope theta);
-    ``overrides`` may set num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta,
-    hidden_act, markov_rank (DSpark's r, default 256), confidence_head, confidence_with_markov.
-    """
-    if kind not in DRAFTERS:
-        raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS)}")
-    bad = sorted(set(overrides) - set(_OVERRIDES))
-    if bad:
-        raise ValueError(f"unknown drafter override(s) {bad}; allowed: {sorted(_OVERRIDES)} "
-                         f"(hidden_size always equals the target's)")
-    d = int(target.hidden_size)
-    heads = int(_tcfg(target, "num_attention_heads", max(1, d // 64)))
-    sizes = dict(num_heads=heads, num_kv_heads=int(_tcfg(target, "num_key_value_heads", heads)),
-                 head_dim=int(_tcfg(target, "head_dim", d // heads)),
-                 intermediate_size=int(_tcfg(target, "intermediate_size", 4 * d)),
-                 rms_norm_eps=float(_tcfg(target, "rms_norm_eps", 1e-6)), rope_theta=target_rope_theta(target))
-    for k, v in overrides.items():
-        sizes[_OVERRIDES[k]] = v
-    if feature_layers is None:
-        feature_layers = default_target_layer_ids(target.num_layers, num_layers)
-    mask_id, learned = choose_mask(target, mask_token_id, target_dir)
-    cfg = DrafterConfig(kind=kind, num_layers=int(num_layers), block_size=int(block_size),
-                        feature_layers=tuple(int(i) for i in feature_layers), hidden_size=d,
-                        mask_token_id=mask_id, learned_mask=learned, target=target_identity(target), **sizes)
-    return DRAFTERS[kind](target, cfg, seed=seed)
-
-
-def shift_tokens(anchor_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """prev_tokens [N, W] for teacher forcing: ``cat([anchor_tokens[:, None], tokens[:, :-1]], 1)``."""
-    return torch.cat([anchor_tokens.reshape(-1, 1).to(tokens), tokens[:, :-1]], 1)
-
+from specopd.drafters.dspark import DSparkDrafter  # noqa: F401
+from specopd.drafters.layout import (describe_export, export_drafter, export_folder, load_drafter,  # noqa: F401
+                                     serving_commands)
 
 __all__ = ["Drafter", "build_drafter", "load_drafter", "export_drafter", "export_folder", "serving_commands",
            "shift_tokens", "pick_tokens", "DFlashDrafter", "DSparkDrafter", "DraftContext", "DrafterConfig",

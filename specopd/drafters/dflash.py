@@ -571,13 +571,6 @@ class DFlashDrafter(nn.Module):
         sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt", "kind": self.kind})
 
-    @classmethod
-    def load(cls, path: str, target) -> "DFlashDrafter":
-        """Any drafter folder (ours or the released layout); see ``specopd.drafters.load_drafter``."""
-        from specopd.drafters.layout import load_drafter
-
-        return load_drafter(path, target)
-
 
 class DraftContext:
     """Decoding cache of one sequence: every draft layer's context K/V [T, Hkv, hd] (after k_norm and RoPE).

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
 
 ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
@@ -273,8 +274,6 @@ def check_against_target(cfg: DrafterConfig, target, path: str, sd: Optional[dic
 def load_drafter(path: str, target, dtype: Optional[torch.dtype] = None):
     """A drafter from ``path`` (ours or the released layout) on ``target``'s device, parameters in ``dtype``
     (default float32: the training precision; bf16 weights convert exactly)."""
-    from specopd.drafters import DRAFTERS
-
     cfg, released = read_config(path, target_layers=int(target.num_layers))
     sd = read_weights(path)
     mask = read_mask_file(path)
@@ -425,21 +424,18 @@ def serving_commands(out_dir: str, cfg: DrafterConfig, target_path: Optional[str
             f"--speculative-draft-model-path {os.path.abspath(out_dir)} --speculative-num-draft-tokens {cfg.block_size}"]
 
 
-def resolve_export_source(src: str) -> tuple:
-    """RUN_DIR (-> its newest complete checkpoint) | a checkpoint / drafter folder -> (folder, run_dir or None)."""
-    from specopd.train.checkpoint import find_latest
-
-    if not os.path.isdir(src):
-        raise FileNotFoundError(f"{src!r} does not exist (give a run folder, i.e. a trainer.output_dir, or a "
-                                f"checkpoint / drafter folder)")
-    if os.path.isfile(os.path.join(src, "config.json")):
-        parent = os.path.dirname(os.path.abspath(src))
-        run = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
-        return src, run
-    if os.path.isdir(os.path.join(src, "checkpoints")):
-        ck = find_latest(src)
-        if ck is None:
-            raise FileNotFoundError(f"run {src!r} has no complete checkpoint yet (checkpoints/step-N with a COMPLETE "
-                                    f"marker); train longer or give a checkpoint folder")
-        return ck, src
-    raise FileNotFoundError(f"{src!r} is neither a run folder (no checkpoints/) nor a drafter folder (no config.json)")
+def describe_export(src: str, out_dir: str, cfg: DrafterConfig, target_path: Optional[str] = None) -> str:
+    """What ``specopd export`` (and the main job) print after an export: what was written, the learned-mask and
+    DSpark notes, and the vLLM / SGLang commands that serve it (``serving_commands``)."""
+    lines = [f"exported the {cfg.kind} drafter of {src} to {out_dir} (released layout: block_size {cfg.block_size} "
+             f"= anchor + {cfg.draft_len} drafted tokens, target_layer_ids {list(cfg.feature_layers)}, "
+             f"mask_token_id {cfg.mask_token_id})"]
+    if cfg.learned_mask:
+        lines.append(f"note: this target has no spare token id, so the drafter learned its mask vector "
+                     f"({out_dir}/{MASK_FILE}); vLLM substitutes it for embed_tokens[{cfg.mask_token_id}]")
+    if cfg.kind == "dspark":
+        lines.append("note: DSpark's Markov / confidence heads need an engine that implements DSparkDraftModel; "
+                     "the commands below are the DFlash ones")
+    vllm, sglang = serving_commands(out_dir, cfg, target_path)
+    lines += ["", "serve it with vLLM:", "  " + vllm, "or SGLang:", "  " + sglang]
+    return "\n".join(lines)

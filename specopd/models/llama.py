@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from specopd.models import register_model
 from specopd.models.base import DecoderLayer as BaseDecoderLayer
 from specopd.models.base import TargetModel
 from specopd.models.common import MLP, RMSNorm, Rotary, causal_mask, masked_attention
+from specopd.models.registry import register_model
 
 
 class Attention(nn.Module):

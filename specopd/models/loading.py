@@ -81,7 +81,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
     Returns a ``TargetModel`` in eval mode with ``requires_grad=False`` on all parameters.
     """
     from executors.base import check_kernels
-    from specopd.models import MODEL_TYPES
+    from specopd.models.registry import MODEL_TYPES
 
     dtype = resolve_dtype(dtype)
     device = check_device_dtype(device, dtype)

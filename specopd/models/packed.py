@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specopd.models.base import RunContext, TargetCache
+from specopd.models.context import RunContext, TargetCache
 
 
 class PackedUnsupported(Exception):

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule
-from specopd.models import register_model
 from specopd.models.base import DecoderLayer as BaseDecoderLayer
 from specopd.models.base import TargetModel
 from specopd.models.common import MLP, MoE, RMSNorm, Rotary, activation, causal_mask, masked_attention
+from specopd.models.registry import register_model
 
 
 def _get(cfg, name, default=None):

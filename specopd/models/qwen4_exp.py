@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specopd.models import register_model
 from specopd.models.base import DecoderLayer as BaseDecoderLayer
-from specopd.models.base import RunContext, TargetModel
+from specopd.models.base import TargetModel
 from specopd.models.common import MoE, RMSNorm, masked_attention, rope_cos_sin
+from specopd.models.context import RunContext
 from specopd.models.qwen3_next import GatedAttention, GatedDeltaNet, stack_expert_tensors
+from specopd.models.registry import register_model
 
 # ----------------------------------------------------------------------------------------- helpers
 

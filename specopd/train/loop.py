@@ -6,7 +6,10 @@ ids) is split by sample across the workers; ``denom`` (the global branch count) 
 for SpecOPD and the off-policy baselines (``train_step``), and formed after the rollouts for Draft-OPD
 (``stage`` -> sum -> ``finish``). Writes ``<output_dir>/metrics.jsonl`` (one line per logged step),
 checkpoints (always one when the run ends), profile spans, and ``train_summary.json`` with the held-out
-expected acceptance length before and after training.
+expected acceptance length before and after training. ``trainer.eval_every`` = N: every N steps and at the
+last one the same held-out evaluation (``evaluate_heldout``: fixed anchors and branches, per-sample
+generators, so it never touches the training RNG streams) goes into that step's metrics line
+(``heldout_expected_al``), the progress bar and ``<output_dir>/heldout_al.png``.
 
 Nothing is lost, nothing is overwritten:
 - resume (``trainer.resume``): ``auto`` takes the newest checkpoint that verifies (sizes + sha256) and moves
@@ -100,9 +103,17 @@ def reduce_metrics(results: list, wall_s: float) -> dict:
     return m
 
 
-def evaluate_heldout(group, heldout_ids: list) -> dict:
-    """Expected acceptance length (bonus included) of the drafter on held-out samples (on-policy estimate)."""
-    res = group.call("evaluate", [(s,) for s in shard(heldout_ids, group.num_workers)])
+def evaluate_heldout(group, heldout_ids: list, batch_size: Optional[int] = None) -> dict:
+    """Expected acceptance length (bonus included) of the drafter on held-out samples (on-policy estimate).
+
+    The samples go ``batch_size`` at a time (split across the workers like a training batch), so a worker
+    holds the trunk caches of at most its share of one batch, however many samples are held out; the cost is
+    the forward passes of ceil(len / batch_size) steps. None: all at once."""
+    ids = list(heldout_ids)
+    chunk = batch_size or max(1, len(ids))
+    res = []
+    for lo in range(0, max(1, len(ids)), chunk):
+        res += group.call("evaluate", [(s,) for s in shard(ids[lo: lo + chunk], group.num_workers)])
     m = reduce_metrics(res, 0.0)
     return {"expected_al": m["expected_al"], "alpha": m["alpha"], "branches": m["branches"]}
 
@@ -148,7 +159,7 @@ _REFUSE = ("seed", "model.target", "model.tiny_seed", "model.tiny", "drafter.kin
            "data.prompt_len", "data.seq_len", "data.sample_temperature", "data.seed", "data.heldout",
            "trainer.method")
 _SAME_RUN = ("trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
-             "trainer.eval_heldout", "trainer.eval_anchors_per_seq", "trainer.output_dir", "trainer.resume",
+             "trainer.eval_heldout", "trainer.eval_anchors_per_seq", "trainer.eval_every", "trainer.output_dir", "trainer.resume",
              "trainer.max_nonfinite_steps", "drafter.init_from", "model.device", "model.gdn_checkpoint_every",
              "runtime", "profile", "eval", "pipeline")
 
@@ -314,11 +325,24 @@ def _log(msg: str, bar) -> None:
     (tqdm.write if bar is not None and not bar.disable else print)(msg)
 
 
+def _plot_heldout(out: str, start: Optional[dict], bar) -> None:
+    """Redraw <out>/heldout_al.png from metrics.jsonl (a convenience: a failure is reported, not raised)."""
+    from specopd.profiling import plot_heldout_al
+
+    try:
+        plot_heldout_al(out, start=start["expected_al"] if start else None)
+    except Exception as e:  # noqa: BLE001
+        _log(f"warning: could not draw {os.path.join(out, 'heldout_al.png')} ({e}); the numbers are in "
+             f"metrics.jsonl (heldout_expected_al)", bar)
+
+
 # ---------------------------------------------------------------------------------------------- train
 def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     """Run the recipe; returns the summary (also written to <output_dir>/train_summary.json)."""
-    if getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job (prepare, warm up, train, eval)
-        return __import__("specopd.mainjob", fromlist=["run"]).run(cfg, progress=progress)
+    if cfg.pipeline.enabled:
+        raise RecipeError("pipeline.enabled=true is the main job (prepare, warm up, train, evaluate, export), which "
+                          "runs this training loop itself: run `specopd train RECIPE` or specopd.mainjob.run(cfg), "
+                          "or set pipeline.enabled=false to train on the recipe's data alone")
     from specopd.train.determinism import apply_deterministic
 
     t, out = cfg.trainer, cfg.trainer.output_dir
@@ -344,6 +368,10 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     step, saved_step, state = 0, None, {}
     try:
         info = group.call("data_info", [()] * n)[0]
+        if t.eval_every and not info["heldout_ids"]:
+            raise RecipeError(f"trainer.eval_every={t.eval_every} needs held-out sequences, and this data has none "
+                              f"(data.heldout={cfg.data.heldout}, or every held-out response is shorter than "
+                              f"drafter.block_size): raise data.heldout, or set trainer.eval_every=0")
         write_recipe(out, cfg)  # the recipe, the target and the data are valid: the workers are built
         W, B = info["draft_len"], t.anchors_per_seq
         order = BatchOrder(info["train_ids"], cfg.data.batch_size, cfg.data.seed)
@@ -367,7 +395,8 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                 print(f"the run is complete at step {step}; writing the summary it had not finished")
         else:
             _fresh_start(out)
-            state = {"eval_before": evaluate_heldout(group, info["heldout_ids"]) if t.eval_heldout else None}
+            evaluate = t.eval_heldout or t.eval_every  # eval_every: the curve starts at step 0
+            state = {"eval_before": evaluate_heldout(group, info["heldout_ids"], cfg.data.batch_size) if evaluate else None}
             if state["eval_before"]:
                 print(f"held-out expected AL (incl. bonus) before training: {state['eval_before']['expected_al']:.4f}")
         state["target_fingerprint"] = target_fingerprint(cfg.model)
@@ -388,7 +417,14 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
 
         bar = tqdm(total=t.max_steps, initial=min(step, t.max_steps), desc=f"train {t.method}", unit="step",
                    disable=not progress)
-        last, bad = {}, 0
+        last, bad, heldout = {}, 0, None  # heldout: (step, evaluate_heldout result) of the newest evaluation
+        if t.eval_every and step == 0 and state.get("eval_before"):
+            heldout = (0, state["eval_before"])
+        elif t.eval_every and step > 0:  # resumed: the newest evaluation the kept metrics lines carry
+            from specopd.profiling import read_heldout_al
+
+            pts = read_heldout_al(out)
+            heldout = (pts[-1][0], {"expected_al": pts[-1][1]}) if pts else None
         while step < t.max_steps:
             with ctrl.span("step", step=step + 1):
                 ids = order.next()
@@ -412,11 +448,21 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                     from specopd.profiling import append_spans
 
                     append_spans(out, spans())
-                if step % t.log_every == 0 or step == t.max_steps or last.get("skipped"):
+                due = t.eval_every and (step % t.eval_every == 0 or step == t.max_steps)
+                if due:  # after the step's timing (step_s excludes it); its worker spans are named "eval"
+                    t1 = time.perf_counter()
+                    heldout = (step, evaluate_heldout(group, info["heldout_ids"], cfg.data.batch_size))
+                    last.update(heldout_expected_al=heldout[1]["expected_al"], heldout_alpha=heldout[1]["alpha"],
+                                heldout_branches=heldout[1]["branches"], heldout_eval_s=time.perf_counter() - t1)
+                if step % t.log_every == 0 or step == t.max_steps or last.get("skipped") or due:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(last) + "\n")
-                bar.set_postfix(loss=f"{last['loss']:.4f}", AL=f"{last['expected_al']:.3f}",
-                                sup_tok_s=f"{last['supervised_tokens_per_s']:.0f}")
+                if due:
+                    _plot_heldout(out, state.get("eval_before"), bar)
+                post = dict(loss=f"{last['loss']:.4f}", AL=f"{last['expected_al']:.3f}")
+                if heldout is not None:
+                    post["heldout_AL"] = f"{heldout[1]['expected_al']:.3f}@{heldout[0]}"
+                bar.set_postfix(**post, sup_tok_s=f"{last['supervised_tokens_per_s']:.0f}")
                 bar.update(1)
                 bad = bad + 1 if last.get("skipped") else 0
                 if bad:
@@ -454,8 +500,12 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
             save()
         summary = {"method": t.method, "steps": step, "final_checkpoint": ck.find_latest(out),
                    "eval_before": state.get("eval_before"), "last_step": last}
-        if t.eval_heldout:
-            summary["eval_after"] = evaluate_heldout(group, info["heldout_ids"])
+        if t.eval_every and heldout is not None:
+            summary["heldout_expected_al"] = {"step": heldout[0], "expected_al": heldout[1]["expected_al"],
+                                              "figure": os.path.join(out, "heldout_al.png")}
+        if t.eval_heldout:  # the drafter after the last step: already evaluated there with eval_every
+            done = heldout is not None and heldout[0] == step and step > 0 and "alpha" in heldout[1]
+            summary["eval_after"] = heldout[1] if done else evaluate_heldout(group, info["heldout_ids"], cfg.data.batch_size)
             b = summary["eval_before"]["expected_al"] if summary["eval_before"] else float("nan")
             print(f"held-out expected AL (incl. bonus): before {b:.4f} -> after {summary['eval_after']['expected_al']:.4f}")
         if cfg.profile.enabled:

@@ -465,15 +465,19 @@ class Worker:
             return {"branches": 0, "alpha_sum": [0.0] * self.W, "surv_sum": [0.0] * self.W}
         was = self.drafter.training
         self.drafter.eval()
-        keep = self._phase
+        keep, recording = self._phase, self.prof.enabled
         try:
-            caches = self.prefill(sample_ids)
-            prop = self.propose(caches, sample_ids, "eval", anchors_per_seq or self.cfg.trainer.eval_anchors_per_seq)
-            hp = self.score(prop, caches)
+            with self.prof.span("eval"):  # one "eval" span in the profile (not its prefill / propose / score)
+                self.prof.enabled = False
+                caches = self.prefill(sample_ids)
+                prop = self.propose(caches, sample_ids, "eval",
+                                    anchors_per_seq or self.cfg.trainer.eval_anchors_per_seq)
+                hp = self.score(prop, caches)
+                return self._eval_sums(prop, hp)
         finally:
+            self.prof.enabled = recording
             self.drafter.train(was)
             self._phase = keep
-        return self._eval_sums(prop, hp)
 
     # ------------------------------------------------------------------ state
     def drafter_config(self) -> dict:

@@ -1,0 +1,197 @@
+"""Imports flow one way: cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels.
+
+The package is parsed with ``ast`` (nothing is imported). Every import counts, at module level or inside a
+function: ``import a.b``, ``from a import b`` (relative ones resolved), and ``__import__("a.b")``,
+``importlib.import_module("a.b")`` or any call whose first argument is the name of one of our modules (the
+CLI's ``_lazy("specopd.eval.cli", ...)``). ``from pkg import sub`` is an import of the module ``pkg.sub``.
+"""
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("specopd", "executors", "kernels")
+
+# lowest first: a module imports modules of its own layer and of the layers below, never above
+LAYERS = [
+    ("kernels", ("kernels",)),
+    ("executors", ("executors",)),
+    ("models / drafters", ("specopd.models", "specopd.drafters", "specopd.losses", "specopd.speculative")),
+    ("train / eval", ("specopd.train", "specopd.eval", "specopd.distributed", "specopd.data", "specopd.memory")),
+    ("jobs", ("specopd.mainjob",)),
+    ("cli", ("specopd.cli",)),
+]
+LEAVES = ("specopd", "specopd.config", "specopd.tree", "specopd.profiling")  # import none of our modules
+BELOW_JOBS = ("specopd/train", "specopd/eval", "specopd/drafters", "specopd/models", "executors", "kernels")
+
+
+def _modules() -> dict:
+    """module name -> path, for every .py file of the three packages."""
+    out = {}
+    for top in PACKAGES:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+def _imports(name: str, path: str, mods: dict) -> list:
+    """[(imported module, line)] of one module: every import anywhere in it, see the module docstring."""
+    is_pkg = path.endswith("__init__.py")
+    out = []
+
+    def add(target: str, line: int) -> None:
+        while target and target not in mods:  # "a.b.func" -> "a.b"
+            target = target.rpartition(".")[0]
+        if target and target != name and (target, line) not in out:
+            out.append((target, line))
+
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                pkg = name if is_pkg else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    pkg = pkg.rpartition(".")[0]
+                base = f"{pkg}.{base}" if base else pkg
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                add(full if full in mods else base, node.lineno)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            arg, fn = node.args[0].value, node.func
+            fname = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+            if isinstance(arg, str) and (arg in mods or fname in ("__import__", "import_module")):
+                add(arg, node.lineno)
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph():
+    mods = _modules()
+    return mods, {m: _imports(m, p, mods) for m, p in mods.items()}
+
+
+def _layer(m: str):
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(m == p or m.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def _cycles(edges: dict) -> list:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_parser_sees_every_kind_of_import(tmp_path):
+    """The checks below can fail: each import form is found (module level, in a function, relative, dynamic)."""
+    pkg = tmp_path / "specopd"
+    (pkg / "train").mkdir(parents=True)
+    for f in ("__init__.py", "mainjob.py", "cli.py", "train/__init__.py", "train/data.py"):
+        (pkg / f).write_text("")
+    (pkg / "train" / "loop.py").write_text(
+        "import specopd.cli\n"
+        "from . import data\n"
+        "def f():\n    from specopd.mainjob import run\n"
+        "def g():\n    return __import__('specopd.mainjob', fromlist=['run'])\n"
+        "def h(load):\n    return load('specopd.cli', 'main')\n")
+    mods = {"specopd": "", "specopd.mainjob": "", "specopd.cli": "", "specopd.train": "", "specopd.train.data": ""}
+    got = _imports("specopd.train.loop", str(pkg / "train" / "loop.py"), mods)
+    assert got == [("specopd.cli", 1), ("specopd.train.data", 2), ("specopd.mainjob", 4), ("specopd.mainjob", 6),
+                   ("specopd.cli", 8)]
+    assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles(graph):
+    _, imports = graph
+    cycles = _cycles({m: sorted({t for t, _ in ts}) for m, ts in imports.items()})
+    assert not cycles, "modules that import one another in a circle (function-level imports included): " + \
+        "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_nothing_below_the_jobs_imports_mainjob_or_cli(graph):
+    mods, imports = graph
+    bad = [f"{os.path.relpath(mods[m], ROOT)}:{line} imports {t}" for m, ts in imports.items() for t, line in ts
+           if t in ("specopd.mainjob", "specopd.cli")
+           and any(os.path.relpath(mods[m], ROOT).startswith(d + os.sep) for d in BELOW_JOBS)]
+    assert not bad, bad
+
+
+def test_imports_flow_down_the_layers(graph):
+    """cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels, never upwards; the shared
+    leaves (config, tree, profiling) import none of our modules; a submodule imports its siblings' modules,
+    not its own package (whose __init__ re-exports them)."""
+    mods, imports = graph
+    unplaced = [m for m in mods if _layer(m) is None and m not in LEAVES]
+    assert not unplaced, f"modules in no layer of this test: {unplaced} (add them to LAYERS)"
+    bad = []
+    for m, ts in imports.items():
+        for t, line in ts:
+            where = f"{os.path.relpath(mods[m], ROOT)}:{line}"
+            if m in LEAVES and t not in LEAVES:
+                bad.append(f"{where}: the leaf {m} imports {t}")
+            elif m not in LEAVES and t not in LEAVES and _layer(t) > _layer(m):
+                bad.append(f"{where}: {m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]}), a layer above")
+            if m.startswith(t + ".") and t != "specopd":
+                bad.append(f"{where}: {m} imports its own package {t} (import the sibling module instead)")
+    assert not bad, "\n".join(bad)
+
+
+def test_public_names_stay_where_they_are():
+    """The public API of DESIGN.md and the names other areas import from the package roots."""
+    from specopd.drafters import (DRAFTERS, DFlashDrafter, DraftContext, DrafterConfig, Drafter, DSparkDrafter,
+                                  build_drafter, choose_mask, default_target_layer_ids, export_drafter,
+                                  export_folder, load_drafter, pick_tokens, serving_commands, shift_tokens)
+    from specopd.eval import SpeculativeDecoder
+    from specopd.losses import e2e_tv_loss
+    from specopd.models import MODEL_TYPES, RunContext, TargetCache, TargetModel, load_target, register_model
+    from specopd.models.base import DecoderLayer, VerifyState
+    from specopd.models.common import causal_mask, masked_attention, sdpa_attention
+    from specopd.tree import ProposalTree
+
+    assert sorted(DRAFTERS) == ["dflash", "dspark"] and Drafter is DFlashDrafter
+    assert DRAFTERS["dspark"] is DSparkDrafter and issubclass(DSparkDrafter, DFlashDrafter)
+    assert {"llama", "qwen3", "qwen3_next", "qwen3_5", "qwen4_exp"} <= set(MODEL_TYPES)
+    assert all(issubclass(c, TargetModel) for c in MODEL_TYPES.values())
+    assert all(isinstance(c, type) for c in (DraftContext, DrafterConfig, SpeculativeDecoder, RunContext, TargetCache,
+                                             DecoderLayer, VerifyState, ProposalTree))
+    assert all(callable(f) for f in (build_drafter, choose_mask, default_target_layer_ids, export_drafter,
+                                     export_folder, load_drafter, pick_tokens, serving_commands, shift_tokens,
+                                     e2e_tv_loss, load_target, register_model, causal_mask, masked_attention,
+                                     sdpa_attention))
