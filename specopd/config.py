@@ -192,6 +192,12 @@ class TrainerConfig:
     Needs held-out sequences (data.heldout > 0). It does not change the training numbers. One evaluation costs
     the forward passes (no backward) of ceil(held-out sequences / data.batch_size) steps, data.batch_size
     sequences at a time."""
+    cache_trunks: bool = False
+    """Off-policy methods (offpolicy_ce, offpolicy_e2e_tv) only: keep each training sequence's drafter features
+    and final hidden states in its worker's memory after its first prefill, so later epochs skip the target
+    (SpecForge's "offline" mode, for small runs: T x (F + D) floats per sequence, F = len(feature_layers) x D).
+    The numbers are the same as without it. On-policy methods score branches against the trunk's full K/V and
+    cannot use it."""
     max_nonfinite_steps: int = 5
     """A step whose loss or gradient is NaN / inf is skipped (no update) and logged; this many in a row stop
     the run (with a checkpoint and a message naming the steps)."""
@@ -361,6 +367,10 @@ class RecipeConfig:
         if self.trainer.batch_invariant and (self.runtime.roles == "split" or self.trainer.method == "draft_opd"):
             raise RecipeError("trainer.batch_invariant=true needs runtime.roles=colocated and a method other than "
                               "draft_opd (its rollouts form the batch); set trainer.batch_invariant=false")
+        if self.trainer.cache_trunks and not self.trainer.method.startswith("offpolicy"):
+            raise RecipeError(f"trainer.cache_trunks=true keeps only features and hidden states, but "
+                              f"trainer.method={self.trainer.method} scores branches against the trunk's K/V: set "
+                              f"trainer.cache_trunks=false (or use offpolicy_ce / offpolicy_e2e_tv)")
         if self.trainer.eval_every > 0 and self.data.heldout == 0:
             raise RecipeError(f"trainer.eval_every={self.trainer.eval_every} evaluates on held-out sequences, but "
                               f"data.heldout=0 holds none out: set data.heldout to a fraction such as 0.1 (those "

@@ -284,6 +284,43 @@ def test_baselines_train(tmp_path, method):
     assert os.path.isfile(os.path.join(summary["final_checkpoint"], "model.safetensors"))
 
 
+@pytest.mark.parametrize("method", ["offpolicy_ce", "offpolicy_e2e_tv"])
+def test_cache_trunks_same_numbers_one_prefill_per_sequence(tmp_path, method):
+    """trainer.cache_trunks: bit-identical losses and weights, and the target runs once per sequence (counted on
+    its first decoder layer); on-policy methods refuse it."""
+    from specopd.config import RecipeError
+    from specopd.train.checkpoint import find_latest
+
+    over = [f"trainer.method={method}", "trainer.max_steps=6", "trainer.eval_heldout=false", "data.num_samples=6",
+            "data.heldout=0", "data.batch_size=4"]
+    runs = {}
+    for cache in (False, True):
+        out = str(tmp_path / f"c{int(cache)}")
+        calls = []
+        import specopd.train.worker as W
+
+        orig = W.Worker.__init__
+
+        def init(self, *a, **k):
+            orig(self, *a, **k)
+            self.target.model.layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))
+
+        W.Worker.__init__ = init
+        try:
+            train(tiny_recipe(out, over + [f"trainer.cache_trunks={str(cache).lower()}"]), progress=False)
+        finally:
+            W.Worker.__init__ = orig
+        from safetensors.torch import load_file
+
+        runs[cache] = ([json.loads(x)["loss"] for x in open(os.path.join(out, "metrics.jsonl"))],
+                       load_file(os.path.join(find_latest(out), "model.safetensors")), len(calls))
+    (l0, w0, n0), (l1, w1, n1) = runs[False], runs[True]
+    assert l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert n0 == 6 * 4 and n1 == 6  # 6 steps x 4 sequences prefilled vs each of the 6 sequences once
+    with pytest.raises(RecipeError, match="cache_trunks"):
+        tiny_recipe(str(tmp_path / "x"), ["trainer.method=specopd", "trainer.cache_trunks=true"])
+
+
 def test_expected_al_rises_on_heldout(tmp_path):
     """A short SpecOPD run raises the held-out expected acceptance length (bonus included)."""
     cfg = tiny_recipe(str(tmp_path), ["trainer.max_steps=25", "trainer.lr=3e-2", "data.batch_size=4"])

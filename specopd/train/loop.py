@@ -159,7 +159,8 @@ _REFUSE = ("seed", "model.target", "model.tiny_seed", "model.tiny", "drafter.kin
            "data.prompt_len", "data.seq_len", "data.sample_temperature", "data.seed", "data.heldout",
            "trainer.method")
 _SAME_RUN = ("trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
-             "trainer.eval_heldout", "trainer.eval_anchors_per_seq", "trainer.eval_every", "trainer.output_dir", "trainer.resume",
+             "trainer.eval_heldout", "trainer.eval_anchors_per_seq", "trainer.eval_every", "trainer.output_dir",
+             "trainer.resume", "trainer.cache_trunks",
              "trainer.max_nonfinite_steps", "drafter.init_from", "model.device", "model.gdn_checkpoint_every",
              "runtime", "profile", "eval", "pipeline")
 

@@ -38,6 +38,7 @@ k >= 1 is the target's score of the branch prefix ``tokens[:k]``; so only W - 1 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import warnings
@@ -140,6 +141,7 @@ class Worker:
         self._phase: dict = {}
         self._allreduce: Optional[Callable] = None
         self._staged = None
+        self._trunk_cache = {}  # trainer.cache_trunks: sample id -> TargetCache without layer caches
         self._trunks = None  # split roles, target side: trunk caches between stage_trunks and score_staged
         self.steps_done = 0  # optimizer steps applied to this replica (checkpoints are labelled with it)
 
@@ -193,11 +195,19 @@ class Worker:
     def prefill(self, sample_ids) -> list:
         """One target pass per reference sequence -> TargetCache list (layer caches, drafter features [T, F],
         the final hidden [T, D] that lm_head reads; no [T, V] logits)."""
+        keep = self.cfg.trainer.cache_trunks
         with self._span("prefill"):
-            return self.target.prefill_batch([self.sample(s)["input_ids"].to(self.device) for s in sample_ids],
-                                             feature_layers=self.drafter.feature_layers,
-                                             gdn_checkpoint_every=self.cfg.model.gdn_checkpoint_every,
-                                             keep_logits=False, keep_hidden=True)
+            todo = [s for s in dict.fromkeys(int(s) for s in sample_ids) if s not in self._trunk_cache] if keep \
+                else list(sample_ids)
+            new = self.target.prefill_batch([self.sample(s)["input_ids"].to(self.device) for s in todo],
+                                            feature_layers=self.drafter.feature_layers,
+                                            gdn_checkpoint_every=self.cfg.model.gdn_checkpoint_every,
+                                            keep_logits=False, keep_hidden=True) if todo else []
+            if not keep:
+                return new
+            for s, c in zip(todo, new):  # trainer.cache_trunks: off-policy needs no K/V, only these
+                self._trunk_cache[int(s)] = dataclasses.replace(c, layers=[], extra={})
+            return [self._trunk_cache[int(s)] for s in sample_ids]
 
     def propose(self, caches, sample_ids, step, anchors_per_seq: Optional[int] = None,
                 temperature: Optional[float] = None, reference: bool = False) -> dict:
