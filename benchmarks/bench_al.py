@@ -122,7 +122,8 @@ def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str)
     from specopd.train.loop import train
 
     c = stage_cfg(cfg, prep, method=method, output_dir=out_dir, max_steps=steps, save_every=save_every,
-                  keep_last=max(2, steps // max(1, save_every) + 1))
+                  keep_last=max(2, steps // max(1, save_every) + 1),
+                  cache_trunks=method.startswith("offpolicy"))  # the off-policy baselines as fast as they go
     done = [s for s, _ in _checkpoints(out_dir)]
     if not done or max(done) < steps:
         print(f"\n[bench_al] {method}: {steps} steps from the warm drafter -> {out_dir}", flush=True)

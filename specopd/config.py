@@ -196,8 +196,9 @@ class TrainerConfig:
     """Off-policy methods (offpolicy_ce, offpolicy_e2e_tv) only: keep each training sequence's drafter features
     and final hidden states in its worker's memory after its first prefill, so later epochs skip the target
     (SpecForge's "offline" mode, for small runs: T x (F + D) floats per sequence, F = len(feature_layers) x D).
-    The numbers are the same as without it. On-policy methods score branches against the trunk's full K/V and
-    cannot use it."""
+    The numbers are the same as without it. Colocated roles only (split roles prefill every step). On-policy
+    methods score branches against the trunk's full K/V and cannot use it (held-out evaluation, which does,
+    prefills in full)."""
     max_nonfinite_steps: int = 5
     """A step whose loss or gradient is NaN / inf is skipped (no update) and logged; this many in a row stop
     the run (with a checkpoint and a message naming the steps)."""

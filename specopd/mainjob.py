@@ -8,15 +8,19 @@
                target itself at ``pipeline.data_temperature`` (`specopd.data.prepare.prepare_data`: several
                prompts per packed target pass, resumable) into $SPECOPD_CACHE/data/; written to ``data.path``
                for the trainer
-3. warm-up     a drafter trained from scratch with ``pipeline.warmup_method`` (off-policy CE) for
-               ``pipeline.warmup_steps`` -> <output_dir>/warmup/checkpoints/step-N (skipped when it exists)
+3. warm-up     a drafter trained from scratch with ``pipeline.warmup_method`` (off-policy CE; each reference
+               prefilled once: ``trainer.cache_trunks``) for ``pipeline.warmup_steps``
+               -> <output_dir>/warmup/checkpoints/step-N (skipped when it exists)
 4. train       ``trainer.method`` (SpecOPD) from the warm drafter, on ``runtime``
                -> <output_dir>/checkpoints/step-N
 5. evaluate    real speculative decoding of ``eval.prompts`` held-out chat prompts (first turns of *held-out*
                conversations that never open a training conversation: ``specopd.data.conversations``) x
                ``eval.max_new_tokens`` tokens at each of ``pipeline.eval_temperatures`` with the warm and the
                trained drafter: a before / after table of acceptance length (incl. the bonus token) with the
-               per-position acceptance counts; the profile figures of step 4 are in <output_dir>/profile/
+               per-position acceptance counts; the profile figures of step 4 are in <output_dir>/profile/,
+               the held-out expected AL during training in <output_dir>/heldout_al.png (``trainer.eval_every``)
+6. export      the final drafter in the released DFlash layout -> <output_dir>/export (vLLM / SGLang commands
+               printed)
 
 Writes <output_dir>/mainjob_summary.json (stage wall times, the table's numbers). ``prepare`` (stages 1-3) and
 ``stage_cfg`` are shared with benchmarks/bench_al.py, so the comparison starts from this job's warm drafter.
@@ -107,7 +111,8 @@ def _warmup_cfg(cfg, target_dir: str, out: str):
     pl = cfg.pipeline
     c = stage_cfg(cfg, {"target_dir": target_dir}, method=pl.warmup_method, output_dir=out,
                   max_steps=pl.warmup_steps, save_every=0, lr=pl.warmup_lr, min_lr_ratio=pl.warmup_min_lr_ratio,
-                  warmup_steps=min(cfg.trainer.warmup_steps, pl.warmup_steps), eval_heldout=False)
+                  warmup_steps=min(cfg.trainer.warmup_steps, pl.warmup_steps), eval_heldout=False,
+                  cache_trunks=pl.warmup_method.startswith("offpolicy"))  # each reference prefilled once
     c.drafter.init_from = None
     c.profile.enabled = False
     return c

@@ -319,6 +319,12 @@ def test_cache_trunks_same_numbers_one_prefill_per_sequence(tmp_path, method):
     assert n0 == 6 * 4 and n1 == 6  # 6 steps x 4 sequences prefilled vs each of the 6 sequences once
     with pytest.raises(RecipeError, match="cache_trunks"):
         tiny_recipe(str(tmp_path / "x"), ["trainer.method=specopd", "trainer.cache_trunks=true"])
+    # held-out evaluation scores sampled branches (full K/V): it prefills in full next to the reused trunks
+    out = str(tmp_path / "ev")
+    train(tiny_recipe(out, [f"trainer.method={method}", "trainer.max_steps=4", "trainer.cache_trunks=true",
+                            "trainer.eval_every=2"]), progress=False)
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "heldout_expected_al" in r] == [2, 4]
 
 
 def test_expected_al_rises_on_heldout(tmp_path):

@@ -192,10 +192,11 @@ class Worker:
 
     # ------------------------------------------------------------------ the SpecOPD step, phase by phase
     @torch.no_grad()
-    def prefill(self, sample_ids) -> list:
+    def prefill(self, sample_ids, reuse: bool = False) -> list:
         """One target pass per reference sequence -> TargetCache list (layer caches, drafter features [T, F],
-        the final hidden [T, D] that lm_head reads; no [T, V] logits)."""
-        keep = self.cfg.trainer.cache_trunks
+        the final hidden [T, D] that lm_head reads; no [T, V] logits). ``reuse`` (off-policy training steps with
+        trainer.cache_trunks): caches without layer caches, each sequence run once and kept."""
+        keep = reuse
         with self._span("prefill"):
             todo = [s for s in dict.fromkeys(int(s) for s in sample_ids) if s not in self._trunk_cache] if keep \
                 else list(sample_ids)
@@ -364,7 +365,7 @@ class Worker:
 
             proposals, hp = draft_opd_rollout(self, sample_ids, step)
         else:
-            caches = self.prefill(sample_ids)
+            caches = self.prefill(sample_ids, reuse=self.cfg.trainer.cache_trunks)
             proposals = self.propose(caches, sample_ids, step, reference=method.startswith("offpolicy"))
             hp = self.score(proposals, caches)
         self._staged = (proposals, hp)
