@@ -21,7 +21,7 @@ import os
 import re
 from typing import Optional
 
-from specopd.data.references import split_of
+from specopd.data.references import chitchat_data, split_of
 
 HELDOUT_MAX_PROMPT_TOKENS = 96  # short chat prompts keep CPU evaluation (and reference generation) quick
 
@@ -29,15 +29,8 @@ HELDOUT_MAX_PROMPT_TOKENS = 96  # short chat prompts keep CPU evaluation (and re
 def chitchat_conversations() -> list:
     """Every chitchat-dataset conversation -> list of (id, messages), roles alternating user / assistant
     (turn k of the conversation is one speaker's utterances joined by newlines)."""
-    try:
-        import chitchat_dataset
-    except ImportError:
-        raise ImportError("the chat text comes from the PyPI package chitchat-dataset; run "
-                          "`pip install --no-deps chitchat-dataset`") from None
-    with open(os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json")) as f:
-        data = json.load(f)
     out = []
-    for cid, conv in data.items():
+    for cid, conv in chitchat_data().items():
         msgs = []
         for turn in conv.get("messages") or []:
             text = "\n".join(u["text"] for u in turn if u.get("text")).strip()

@@ -62,21 +62,23 @@ def read_prompts(path: str) -> list:
     return out
 
 
-def chitchat_prompts() -> list:
-    """First user turn of every chitchat-dataset conversation -> list of (conversation id, messages)."""
+def chitchat_data() -> dict:
+    """chitchat-dataset's conversations (id -> {"messages": [[{"text": ...}, ...] per turn], ...})."""
     try:
         import chitchat_dataset
     except ImportError:
-        raise ImportError("the default prompts come from the PyPI package chitchat-dataset; run "
-                          "`pip install chitchat-dataset`, or pass --prompts FILE.jsonl") from None
+        raise ImportError("the chat text comes from the PyPI package chitchat-dataset; run "
+                          "`pip install --no-deps chitchat-dataset`, or pass --prompts FILE.jsonl") from None
     with open(os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json")) as f:
-        data = json.load(f)
+        return json.load(f)
+
+
+def chitchat_prompts() -> list:
+    """First user turn of every chitchat-dataset conversation -> list of (conversation id, messages)."""
     out = []
-    for cid, conv in data.items():
+    for cid, conv in chitchat_data().items():
         msgs = conv.get("messages") or []
-        if not msgs:
-            continue
-        text = "\n".join(u["text"] for u in msgs[0] if u.get("text")).strip()
+        text = "\n".join(u["text"] for u in msgs[0] if u.get("text")).strip() if msgs else ""
         if text:
             out.append((cid, [{"role": "user", "content": text}]))
     return out
