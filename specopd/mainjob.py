@@ -153,14 +153,17 @@ def prepare(cfg, progress: bool = True) -> dict:
 
 
 def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
-    """Real speculative decoding of the held-out chat prompts with each (label, checkpoint or None) of ``rows``
-    at every ``pipeline.eval_temperatures``. -> [{drafter, checkpoint, by_temperature: {T: numbers}}]."""
+    """Speculative decoding of the held-out chat prompts with each (label, checkpoint or None) of ``rows`` at every
+    ``pipeline.eval_temperatures``: T > 0 decoded for real; T = 0 replayed exactly on the target's greedy
+    continuations (``specopd.eval.replay``: the same rounds and counts as real greedy decoding, at a fraction of
+    the cost). -> [{drafter, checkpoint, by_temperature: {T: numbers}}]."""
     import torch
 
     from specopd.data.conversations import heldout_prompt_ids
     from specopd.data.prepare import load_tokenizer, stop_token_ids
     from specopd.drafters import build_drafter, load_drafter
     from specopd.eval.cli import evaluate_al
+    from specopd.eval.replay import greedy_continuations, replay_greedy_al
     from specopd.models import load_target
     from specopd.models.loading import resolve_dtype
 
@@ -168,7 +171,7 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
     target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device="cpu", kernels=cfg.model.kernels)
     prompts = heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
-    out = []
+    out, greedy = [], None  # greedy: the target's greedy continuations, shared by every drafter's T=0 replay
     for label, path in rows:
         d = load_drafter(path, target) if path else build_drafter(
             cfg.drafter.kind, target, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
@@ -176,10 +179,17 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
             target_dir=target_dir)
         res = {}
         for t in cfg.pipeline.eval_temperatures:
-            r = evaluate_al(target, d, prompts, cfg.eval.max_new_tokens, float(t), seed=cfg.eval.seed,
-                            stop_token_ids=stops, progress=progress)
+            if float(t) == 0:  # exact: equal to real greedy decoding, round by round (tests/test_replay.py)
+                if greedy is None:
+                    greedy = greedy_continuations(target, prompts, cfg.eval.max_new_tokens + d.draft_len,
+                                                  progress=progress)
+                r = dict(replay_greedy_al(target, d, prompts, greedy, cfg.eval.max_new_tokens, stop_token_ids=stops),
+                         spec_tokens_per_s=None, times={}, how="replay")
+            else:
+                r = dict(evaluate_al(target, d, prompts, cfg.eval.max_new_tokens, float(t), seed=cfg.eval.seed,
+                                     stop_token_ids=stops, progress=progress), how="decode")
             res[f"{float(t):g}"] = {k: r[k] for k in ("mean_al", "rounds", "new_tokens", "accepted_at", "reached_at",
-                                                      "per_position_acceptance", "spec_tokens_per_s", "times")}
+                                                      "per_position_acceptance", "spec_tokens_per_s", "times", "how")}
         out.append({"drafter": label, "checkpoint": path, "by_temperature": res})
     return out
 
@@ -229,8 +239,9 @@ def run(cfg, progress: bool = True) -> dict:
     w = cfg.drafter.block_size - 1  # W drafted tokens
     title = (f"\nHeld-out acceptance length (AL = tokens committed per target verification round, incl. the bonus "
              f"token; max {w + 1})\n{cfg.eval.prompts} chat prompts of held-out conversations, {cfg.eval.max_new_tokens}"
-             f" new tokens each, real speculative decoding (T=0: greedy, exact match), {cfg.drafter.kind} W={w}, "
-             f"target {os.path.basename(prep['target_dir'])}")
+             f" new tokens each, speculative decoding (T=0: greedy, exact match, replayed exactly on the target's "
+             f"greedy continuation; T>0: decoded), {cfg.drafter.kind} W={w}, target "
+             f"{os.path.basename(prep['target_dir'])}")
     print(format_al_table(results, temps, w, title))
     print(f"\nwarm-up drafter: {warm}\nfinal drafter:   {final}")
     export = _export_final(final, out, prep["target_dir"])
