@@ -335,6 +335,19 @@ def drafter_activation_bytes(drafter, n: int, w: int, ctx_rows: int, act: int) -
 
 
 # ---------------------------------------------------------------------------------------------- the plan
+def _num_sequences(cfg) -> Optional[int]:
+    """Training sequences of the recipe's data (an upper bound: held-out ones included); None when unknown
+    (a prepared file that does not exist yet)."""
+    d = cfg.data
+    if d.source != "prepared":
+        return int(d.num_samples)
+    path = d.path if os.path.isfile(d.path) else os.path.join(d.path, "data.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
 def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]:
     """The plan of one GPU (one worker) for ``cfg``; None when the target's shape is unknown (see notes of
     ``target_shape``). ``device_bytes`` overrides the device memory (default: ``device_memory(cfg)``)."""
@@ -428,6 +441,12 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
              "AdamW (foreach) temporaries: sqrt(exp_avg_sq) and more (1.5x the weights measured on the CPU, "
              "torch 2.13); 2x planned"),
     ]
+    if t.cache_trunks:  # every worker ends up keeping every training sequence it was ever given: all of them
+        n_seq = _num_sequences(cfg)
+        if n_seq is not None:
+            terms.append(Term("kept trunks (cache_trunks)", n_seq * tt * (feats + 1) * hid * bpe, all_,
+                              "trainer.cache_trunks", f"{n_seq} sequences x T x ({feats} feature layers + the final "
+                              f"hidden) x D, on every worker", verb="turn off"))
     if on_gpu:
         terms += [
             Term("autocast weight copies", dparams * act, ("propose", "loss"), "drafter.num_layers",

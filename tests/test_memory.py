@@ -201,3 +201,16 @@ def test_one_forward_activations_span_propose_to_loss(tmp_path):
     assert p.role_peaks()["target"][0] == max(p.phase_bytes()[k] for k in ("prefill", "score"))
     opd, p = term("trainer.method=draft_opd")
     assert opd.phases == ("loss",) and "drafter forward (no grad)" in [t.name for t in p.terms]
+
+
+def test_cache_trunks_is_planned_and_named(tmp_path):
+    """trainer.cache_trunks keeps every training sequence's features + hidden on every worker: planned from the
+    data size, and named (turn off) when it does not fit."""
+    base = ["trainer.method=offpolicy_ce", "data.seq_len=40", "data.prompt_len=8", "drafter.feature_layers=[0, 1]"]
+    p = memory_plan(_tiny(tmp_path, *base, "data.num_samples=100", "trainer.cache_trunks=true"), device_bytes=10**9)
+    assert _term(p, "kept trunks (cache_trunks)") == 100 * 40 * (2 + 1) * 64 * 4  # tiny llama: D = 64, fp32
+    assert "kept trunks (cache_trunks)" not in [t.name for t in memory_plan(_tiny(tmp_path, *base),
+                                                                           device_bytes=10**9).terms]
+    big = memory_plan(_tiny(tmp_path, *base, "data.num_samples=400000", "trainer.cache_trunks=true"),
+                      device_bytes=10**9)
+    assert not big.fits and any(a.startswith("turn off trainer.cache_trunks") for a in big.advice())
