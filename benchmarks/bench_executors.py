@@ -28,6 +28,14 @@ def bench(kind: str):
     return deco
 
 
+def print_table(rows: list, width: int, fmt: str = ".4g", cols=None) -> None:
+    """Rows of dicts as a ' | '-separated table of ``cols`` (default: the first row's keys); floats with ``fmt``."""
+    cols = list(cols or rows[0])
+    print(" | ".join(f"{c:>{width}}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>{width}{fmt}}" if isinstance(r[c], float) else f"{r[c]:>{width}}" for c in cols))
+
+
 def random_target(model_type: str, cfg: dict, device, dtype, seed: int = 0):
     """Our ``model_type`` implementation with random weights (no checkpoint): linear weights ~ N(0, 0.05),
     norms ~ 1 + N(0, 0.1) (unit-offset norms ~ N(0, 0.1))."""
@@ -96,12 +104,9 @@ def gdn_replay_table(args, target=None):
                          gdn_cache_MiB=allb / 2 ** 20, max_replay=replay, prefill_ms=1e3 * t_pre,
                          score_ms=1e3 * t_score,
                          rel_diff_vs_C16=float((p - ref).abs().max() / ref.abs().max())))
-    cols = list(rows[0])
     print(f"gdn replay cost vs C: T={args.T} branches={args.branches} W={args.W} gdn_layers={len(gdn)} "
           f"(max_replay = longest anchor-state replay, < C)")
-    print(" | ".join(f"{c:>14}" for c in cols))
-    for r in rows:
-        print(" | ".join(f"{r[c]:>14.4g}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols))
+    print_table(rows, 14)
     return rows
 
 
@@ -152,12 +157,9 @@ def gqa_score_paths(args, target=None):
     base = rows[0]["score_ms"]
     for r in rows:
         r["speedup_vs_dense"] = base / r["score_ms"]
-    cols = list(rows[0])
     print(f"gqa score paths: T={args.T} branches={args.branches} W={args.W} layers={args.layers} "
           f"(one trunk; entries = attention scores computed per head and layer)")
-    print(" | ".join(f"{c:>17}" for c in cols))
-    for r in rows:
-        print(" | ".join(f"{r[c]:>17.4g}" if isinstance(r[c], float) else f"{r[c]:>17}" for c in cols))
+    print_table(rows, 17)
     return rows
 
 
@@ -277,9 +279,7 @@ def main(argv=None):
                 "speedup", "max_rel_diff"]
         print(f"threads={torch.get_num_threads()} device={args.device} (packed = prefill + score; "
               f"speedup = naive / packed)")
-        print(" | ".join(f"{c:>12}" for c in cols))
-        for r in rows:
-            print(" | ".join(f"{r[c]:>12.3g}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in cols))
+        print_table(rows, 12, ".3g", cols)
     for k in kinds:
         for extra in EXTRAS.get(k, []) if "EXTRAS" in globals() else []:
             rows.extend(dict(kind=f"{k}:{extra.__name__}", **r) for r in extra(args))

@@ -60,6 +60,29 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
+def _peak_start(cuda: bool) -> int:
+    """Reset the peak counter (the allocator's on CUDA, VmHWM on the CPU) -> the bytes held now (base)."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    if not _rss_peak_reset():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): Linux only")
+    return _status("VmRSS")
+
+
+def _peak_now(cuda: bool) -> int:
+    """The peak since ``_peak_start`` (absolute bytes; after a CUDA sync)."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status("VmHWM")
+
+
 def measure_one(method: str, n: int, w: int, v: int, d: int, device: str, chunk, temperature: float,
                 dtype: str, seed: int = 0) -> dict:
     """Loss forward + backward once; returns {peak_bytes, seconds, loss} (peak above the live inputs)."""
@@ -74,14 +97,7 @@ def measure_one(method: str, n: int, w: int, v: int, d: int, device: str, chunk,
     hq = (torch.randn(n, w, d, generator=g) * 3).to(device=device, dtype=dt).requires_grad_(True)
     hp = (torch.randn(n, w, d, generator=g) * 3).to(device=device, dtype=dt)
     cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        if not _rss_peak_reset():
-            raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): Linux only")
-        base = _status("VmRSS")
+    base = _peak_start(cuda)
     t0 = time.perf_counter()
     if method == "fused":
         loss = fused_e2e_tv(hq, weight, hp, temperature=temperature, chunk_rows=chunk).loss
@@ -91,10 +107,8 @@ def measure_one(method: str, n: int, w: int, v: int, d: int, device: str, chunk,
             p = (hp @ weight.t()).float()
         loss = e2e_tv_loss(q, p, temperature=temperature)
     loss.backward()
-    if cuda:
-        torch.cuda.synchronize()
+    peak = _peak_now(cuda) - base
     sec = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - base
     return {"peak_bytes": int(peak), "seconds": sec, "loss": float(loss.detach()),
             "chunk_rows": resolve_chunk_rows(chunk, v, device) if method == "fused" else None}
 
@@ -142,20 +156,11 @@ def measure_step(v: int, b: int, w: int, t: int, s: int, d: int, chunk, device: 
     ids = wk.train_ids[:s]
     wk.train_step(ids, 0, None)  # warm-up: AdamW state, allocator pools
     cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        if not _rss_peak_reset():
-            raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): Linux only")
-        base = _status("VmRSS")
+    base = _peak_start(cuda)
     t0 = time.perf_counter()
     m = wk.train_step(ids, 1, None)
-    if cuda:
-        torch.cuda.synchronize()
+    peak = _peak_now(cuda)
     sec = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")
     pb = plan.phase_bytes()
     resident = sum(x.bytes for x in plan.terms if x.name in STEP_RESIDENT)
     return {"step_peak_bytes": int(peak - base), "process_peak_bytes": int(peak), "seconds": sec,
@@ -338,7 +343,7 @@ def main(argv=None) -> int:
     print(f"device {args.device}, {args.dtype}, D={args.D}, W={args.W}, T={args.temperature}, chunk {args.chunk}; "
           f"peak = {'max_memory_allocated' if args.device.startswith('cuda') else 'peak RSS'} above the live inputs")
     rows = []
-    hdr = f"| V | N | W | N*W | full peak MiB | fused peak MiB | ratio | full s | fused s | chunk rows | |loss diff| |"
+    hdr = "| V | N | W | N*W | full peak MiB | fused peak MiB | ratio | full s | fused s | chunk rows | |loss diff| |"
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for v in vs:
