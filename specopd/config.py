@@ -314,7 +314,12 @@ class PipelineConfig:
     data_temperature: float = 1.0
     """Sampling temperature of the target's responses (0: greedy)."""
     data_batch_size: int = 64
-    """Prompts answered together (one packed target pass per generated token)."""
+    """Prompts answered together by the built-in engine (one packed target pass per generated token)."""
+    data_engine: str = "auto"
+    """Who answers the prompts: auto (vLLM when its venv is there, `make vllm`, else builtin) | builtin | vllm."""
+    data_prompts: str = "first_turns"
+    """first_turns: distinct first user turns of train conversations; all_turns: then their later user turns too
+    (58k prompts: pretraining). Held-out conversations' openings are never used."""
     warmup_steps: int = 20
     """Steps of the warm drafter from a fresh one (0: start trainer.method from a random drafter)."""
     warmup_method: str = "offpolicy_ce"
@@ -331,6 +336,8 @@ class PipelineConfig:
         _check_range("pipeline", "data_max_new_tokens", self.data_max_new_tokens, lo=1)
         _check_range("pipeline", "data_temperature", self.data_temperature, lo=0)
         _check_range("pipeline", "data_batch_size", self.data_batch_size, lo=1)
+        _check_choice("pipeline", "data_engine", self.data_engine, ["auto", "builtin", "vllm"])
+        _check_choice("pipeline", "data_prompts", self.data_prompts, ["first_turns", "all_turns"])
         _check_range("pipeline", "warmup_steps", self.warmup_steps, lo=0)
         _check_choice("pipeline", "warmup_method", self.warmup_method, ["offpolicy_ce", "offpolicy_e2e_tv"])
         _check_range("pipeline", "warmup_lr", self.warmup_lr, lo=0, lo_open=True)

@@ -51,29 +51,37 @@ def _target_dir(name: str) -> str:
 
 def _references(cfg, target_dir: str) -> tuple:
     """-> (reference folder, records of the wanted prompts): the first data_num distinct train prompts answered
-    by the target (generated once, cached; a larger data_num generates only the new ones)."""
-    from specopd.data.conversations import train_chat_prompts
+    by the target (generated once, cached; a larger data_num generates only the new ones) with
+    ``pipeline.data_engine`` (auto: vLLM when its venv is there)."""
+    from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
     from specopd.data.prepare import load_tokenizer, prepare_data
     from specopd.data.references import DATA_FILE, read_records
     from specopd.data.smollm2 import cache_root
+    from specopd.engines import auto_engine
     from specopd.models.loading import read_config
 
     pl = cfg.pipeline
+    engine, why = auto_engine() if pl.data_engine == "auto" else (pl.data_engine, "pipeline.data_engine")
     name = os.path.basename(os.path.normpath(target_dir))
-    ref_dir = os.path.join(cache_root(), "data", f"chitchat-train-{name}-t{pl.data_max_new_tokens}-"
-                                                 f"T{pl.data_temperature:g}")
+    kind = {"first_turns": "train", "all_turns": "train-turns"}[pl.data_prompts]
+    suffix = "" if engine == "builtin" else f"-{engine}"  # builtin keeps the folders of earlier runs
+    ref_dir = os.path.join(cache_root(), "data", f"chitchat-{kind}-{name}-t{pl.data_max_new_tokens}-"
+                                                 f"T{pl.data_temperature:g}{suffix}")
     tok = load_tokenizer(target_dir, int(read_config(target_dir)["vocab_size"]))
-    prompts = train_chat_prompts(pl.data_num, tokenizer=tok)
+    pick = train_chat_prompts if pl.data_prompts == "first_turns" else pretrain_chat_prompts
+    prompts = pick(pl.data_num, tokenizer=tok)
     want = {pid for pid, _ in prompts}
     have = {r["id"] for r in read_records(os.path.join(ref_dir, DATA_FILE))}
     if want - have:
         print(f"[specopd] the target answers {len(want - have)} of {len(want)} chat prompts (<= "
-              f"{pl.data_max_new_tokens} tokens, T={pl.data_temperature:g}; cached in {ref_dir}, an interrupted run "
-              f"resumes)", flush=True)
+              f"{pl.data_max_new_tokens} tokens, T={pl.data_temperature:g}) with the {engine} engine ({why}); "
+              f"cached in {ref_dir}, an interrupted run resumes", flush=True)
         dev = "cpu" if cfg.model.device == "auto" else cfg.model.device
-        prepare_data(target_dir, ref_dir, prompts=prompts, prompts_label="chitchat-train-distinct",
+        label = {"first_turns": "chitchat-train-distinct", "all_turns": "chitchat-train-turns"}[pl.data_prompts]
+        prepare_data(target_dir, ref_dir, prompts=prompts, prompts_label=label,
                      max_new_tokens=pl.data_max_new_tokens, temperature=pl.data_temperature, top_p=1.0, seed=0,
-                     heldout_fraction=0.0, device=dev, dtype=cfg.model.dtype, batch_size=pl.data_batch_size)
+                     heldout_fraction=0.0, device=dev, dtype=cfg.model.dtype if engine == "builtin" else "bfloat16",
+                     batch_size=pl.data_batch_size, engine=engine)
     else:
         print(f"[specopd] references cached in {ref_dir} ({len(want)} prompts)")
     recs = [r for r in read_records(os.path.join(ref_dir, DATA_FILE)) if r["id"] in want]
@@ -137,7 +145,11 @@ def prepare(cfg, progress: bool = True) -> dict:
     times["references"] = time.perf_counter() - t0
 
     warm = None
-    t0 = _stage(f"3/5 warm-up: {pl.warmup_method}, {pl.warmup_steps} steps from a fresh drafter")
+    if pl.warmup_steps == 0 and cfg.drafter.init_from:
+        t0 = _stage(f"3/5 starting drafter: {cfg.drafter.init_from} (drafter.init_from; no warm-up)")
+        warm = cfg.drafter.init_from
+    else:
+        t0 = _stage(f"3/5 warm-up: {pl.warmup_method}, {pl.warmup_steps} steps from a fresh drafter")
     if pl.warmup_steps > 0:
         wout = os.path.join(cfg.trainer.output_dir, "warmup")
         done = [s for s, _ in complete_checkpoints(wout)]
@@ -229,8 +241,13 @@ def run(cfg, progress: bool = True) -> dict:
     temps = list(cfg.pipeline.eval_temperatures)
     t0 = _stage(f"5/5 held-out speculative decoding ({cfg.eval.prompts} prompts x {cfg.eval.max_new_tokens} tokens, "
                 f"T={', '.join(f'{float(t):g}' for t in temps)})")
-    rows = [(f"before: {cfg.pipeline.warmup_method} warm-up ({cfg.pipeline.warmup_steps} steps)", warm)
-            if warm else ("before: untrained drafter", None),
+    if warm and cfg.pipeline.warmup_steps == 0:
+        before = (f"before: {os.path.basename(os.path.normpath(warm))} (drafter.init_from)", warm)
+    elif warm:
+        before = (f"before: {cfg.pipeline.warmup_method} warm-up ({cfg.pipeline.warmup_steps} steps)", warm)
+    else:
+        before = ("before: untrained drafter", None)
+    rows = [before,
             (f"after: + {cfg.trainer.method} ({summary['steps']} steps)", final)]
     results = evaluate_rows(cfg, prep["target_dir"], rows, progress=progress)
     times["eval"] = time.perf_counter() - t0
