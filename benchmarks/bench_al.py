@@ -52,6 +52,13 @@ def _wall_at(metrics: list) -> dict:
     return out
 
 
+def _loss_at(metrics: list, window: int = 10) -> dict:
+    """step -> mean training loss of the ``window`` logged steps up to it (the loss is noisy step to step)."""
+    pts = sorted((int(m["step"]), float(m["loss"])) for m in metrics if m.get("loss") is not None)
+    return {s: sum(v for _, v in pts[max(0, i - window + 1): i + 1]) / len(pts[max(0, i - window + 1): i + 1])
+            for i, (s, _) in enumerate(pts)}
+
+
 def _checkpoints(run_dir: str) -> list:
     from specopd.train.checkpoint import complete_checkpoints
 
@@ -90,28 +97,29 @@ class Evaluator:
 
     def __call__(self, folder: str, real: bool) -> dict:
         from specopd.drafters import load_drafter
-        from specopd.eval.cli import evaluate_al
+        from specopd.eval.cli import al_stderr, evaluate_al
         from specopd.eval.replay import replay_greedy_al
 
         a = self.args
         key = os.path.abspath(folder)
         res = self.cache.setdefault(key, {})
         drafter = None
-        if "replay_t0" not in res:
+        if "replay_t0" not in res or "se" not in res["replay_t0"]:
             drafter = load_drafter(folder, self.target)
             r = replay_greedy_al(self.target, drafter, self.prompts, self.conts, a.max_new_tokens, self.stops)
-            res["replay_t0"] = {k: r[k] for k in ("mean_al", "rounds", "accepted_at", "reached_at")}
+            res["replay_t0"] = {**{k: r[k] for k in ("mean_al", "rounds", "accepted_at", "reached_at")},
+                                "se": al_stderr(r["accept_lengths"])}
             self._save()
         if real:
             for t in a.temperatures:
                 tk = f"real_t{t:g}"
-                if tk in res:
+                if tk in res and "se" in res[tk]:
                     continue
                 drafter = drafter or load_drafter(folder, self.target)
                 r = evaluate_al(self.target, drafter, self.prompts, a.max_new_tokens, t, seed=0,
                                 stop_token_ids=self.stops, progress=True)
-                res[tk] = {k: r[k] for k in ("mean_al", "rounds", "new_tokens", "accepted_at", "reached_at",
-                                             "spec_tokens_per_s")}
+                res[tk] = {**{k: r[k] for k in ("mean_al", "rounds", "new_tokens", "accepted_at", "reached_at",
+                                                "spec_tokens_per_s")}, "se": al_stderr(r["accept_lengths"])}
                 self._save()
         return res
 
@@ -129,17 +137,18 @@ def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str)
         print(f"\n[bench_al] {method}: {steps} steps from the warm drafter -> {out_dir}", flush=True)
         train(c, progress=True)
     m = _metrics(out_dir)
-    return {"steps": steps, "wall_at": _wall_at(m), "checkpoints": _checkpoints(out_dir),
+    return {"steps": steps, "wall_at": _wall_at(m), "checkpoints": _checkpoints(out_dir), "loss_at": _loss_at(m),
             "mean_step_s": (sum(x.get("step_s", 0.0) for x in m) / max(1, len(m)))}
 
 
-def _row(label, steps, wall, res, temps, w) -> dict:
-    row = {"method": label, "steps": steps, "train_wall_s": round(wall, 1),
-           "al_t0_replay": res["replay_t0"]["mean_al"]}
+def _row(label, steps, wall, res, temps, w, loss=None) -> dict:
+    row = {"method": label, "steps": steps, "train_wall_s": round(wall, 1), "loss": loss,
+           "al_t0_replay": res["replay_t0"]["mean_al"], "se_t0_replay": res["replay_t0"].get("se")}
     for t in temps:
         r = res.get(f"real_t{t:g}")
         if r:
             row[f"al_t{t:g}"] = r["mean_al"]
+            row[f"se_t{t:g}"] = r.get("se")
             row[f"accept_t{t:g}"] = [f"{a / n:.2f} ({a}/{n})" if n else "-"
                                      for a, n in zip(r["accepted_at"], r["reached_at"])][:w]
     return row
@@ -155,7 +164,20 @@ def _figures(out: str, data: dict, temps: list) -> list:
     paths = []
     for xkey, fname, xlabel in (("step", "al_vs_steps.png", "training steps from the warm drafter"),
                                 ("wall_s", "al_vs_wall.png", "training wall time from the warm drafter (s)")):
-        fig, axes = plt.subplots(1, 1 + len(temps), figsize=(5.2 * (1 + len(temps)), 4.2), squeeze=False)
+        extra = 1 if xkey == "step" else 0  # a panel of each method's training loss (relative to its first)
+        fig, axes = plt.subplots(1, 1 + len(temps) + extra, figsize=(5.2 * (1 + len(temps) + extra), 4.2),
+                                 squeeze=False)
+        if extra:
+            ax = axes[0][-1]
+            for method, pts in data["curves"].items():
+                xs = [p["step"] for p in pts if p.get("loss") is not None]
+                ys = [p["loss"] for p in pts if p.get("loss") is not None]
+                if xs:
+                    ax.plot(xs, [y / ys[0] for y in ys], "-o", ms=4, color=colors.get(method), label=method)
+            ax.set_title("training loss / its value at the first checkpoint (10-step mean)", fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
         panels = [("replay_t0", "T=0 (replayed greedy decoding, every checkpoint)")] + [
             (f"real_t{t:g}", f"T={t:g} (real speculative decoding)") for t in temps]
         for ax, (key, title) in zip(axes[0], panels):
@@ -229,9 +251,10 @@ def main(argv=None) -> int:
         for step, folder in r["checkpoints"]:
             res = ev(folder, real=args.real_at == "all" or step == last)
             pts.append({"step": step, "wall_s": r["wall_at"].get(step, float("nan")), "checkpoint": folder,
-                        **{k: v["mean_al"] for k, v in res.items()}})
+                        "loss": r["loss_at"].get(step), **{k: v["mean_al"] for k, v in res.items()}})
             if step == last:
-                rows.append(_row(m, step, r["wall_at"].get(step, 0.0), res, args.temperatures, W))
+                rows.append(_row(m, step, r["wall_at"].get(step, 0.0), res, args.temperatures, W,
+                                 r["loss_at"].get(step)))
         if warm_res:
             pts.insert(0, {"step": 0, "wall_s": 0.0, "checkpoint": prep["warm"],
                            **{k: v["mean_al"] for k, v in warm_res.items()}})
@@ -249,7 +272,8 @@ def main(argv=None) -> int:
             res = ev(folder, real=True)
             equal_time[m] = {"step": step, "wall_s": r["wall_at"].get(step, float("nan")), "checkpoint": folder,
                              "budget_s": budget, **{k: v["mean_al"] for k, v in res.items()}}
-            rows.append(_row(f"{m} (equal time)", step, r["wall_at"].get(step, 0.0), res, args.temperatures, W))
+            rows.append(_row(f"{m} (equal time)", step, r["wall_at"].get(step, 0.0), res, args.temperatures, W,
+                             r["loss_at"].get(step)))
 
     title = (f"{os.path.basename(args.recipe)}: {len(ev.prompts)} held-out chat prompts x {args.max_new_tokens} "
              f"tokens, W={W}, from one warm drafter; AL incl. bonus")
@@ -265,10 +289,12 @@ def main(argv=None) -> int:
 
     cols = ["al_t0_replay"] + [f"al_t{t:g}" for t in args.temperatures]
     print(f"\n{title}\n{cmd}")
-    print(f"{'method':<40}{'steps':>6}{'train s':>9}" + "".join(f"{c:>14}" for c in cols))
+    print(f"{'method':<40}{'steps':>6}{'train s':>9}{'loss':>9}" + "".join(f"{c + ' +- se':>20}" for c in cols))
     for r in rows:
-        print(f"{r['method']:<40}{r['steps']:>6}{r['train_wall_s']:>9.0f}" +
-              "".join(f"{r[c]:>14.3f}" if c in r else f"{'':>14}" for c in cols))
+        se = {c: r.get(c.replace("al_", "se_")) for c in cols}
+        loss = f"{r['loss']:>9.4f}" if r.get("loss") is not None else f"{'':>9}"
+        print(f"{r['method']:<40}{r['steps']:>6}{r['train_wall_s']:>9.0f}{loss}" +
+              "".join(f"{r[c]:>12.3f} +- {se[c]:.3f}" if c in r else f"{'':>20}" for c in cols))
     for t in args.temperatures:
         print(f"\nacceptance at draft position 1..{W}, T={t:g} (accepted/reached; '-' never reached)")
         for r in rows:

@@ -38,7 +38,7 @@ def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens
     was_training = drafter.training
     drafter.eval()
     rounds = committed = new_tokens = 0
-    accepted_at = [0] * w
+    accepted_at, per_prompt = [0] * w, []
     spec_wall = ar_wall = 0.0
     ar_tokens = 0
     times: dict = {}
@@ -48,6 +48,7 @@ def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens
             res = dec.generate(p, max_new_tokens=max_new_tokens, generator=g)
             rounds += res.rounds
             committed += sum(res.accept_lengths)
+            per_prompt.append([int(x) for x in res.accept_lengths])
             new_tokens += res.tokens.numel()
             accepted_at = [a + b for a, b in zip(accepted_at, res.accepted_at)]
             spec_wall += res.wall_time
@@ -65,12 +66,27 @@ def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens
                temperature=float(temperature), num_prompts=len(prompts), max_new_tokens=int(max_new_tokens),
                per_position_acceptance=[a / r if r else None for a, r in zip(accepted_at, reached)],
                survival=[a / max(1, rounds) for a in accepted_at], accepted_at=accepted_at, reached_at=reached,
-               spec_wall_s=spec_wall, spec_tokens_per_s=new_tokens / max(spec_wall, 1e-9),
+               accept_lengths=per_prompt, spec_wall_s=spec_wall, spec_tokens_per_s=new_tokens / max(spec_wall, 1e-9),
                times={k: round(v, 4) for k, v in times.items()})
     if baseline:
         out.update(ar_wall_s=ar_wall, ar_tokens_per_s=ar_tokens / max(ar_wall, 1e-9), ar_new_tokens=ar_tokens)
         out["speedup"] = out["spec_tokens_per_s"] / max(out["ar_tokens_per_s"], 1e-9)
     return out
+
+
+def al_stderr(accept_lengths: Sequence[Sequence[int]]) -> float:
+    """Standard error of the AL (a ratio: committed tokens / rounds) over prompts, the unit that is sampled:
+    ``accept_lengths`` [prompts][rounds]. Delta method for a ratio of sums (rounds of one prompt are not
+    independent, so this is wider than a per-round error). nan below 2 prompts."""
+    tok = [float(sum(x)) for x in accept_lengths if len(x)]
+    rnd = [float(len(x)) for x in accept_lengths if len(x)]
+    n = len(tok)
+    if n < 2:
+        return float("nan")
+    al = sum(tok) / sum(rnd)
+    mr = sum(rnd) / n
+    var = sum((t - al * r) ** 2 for t, r in zip(tok, rnd)) / (n - 1)
+    return (var / n) ** 0.5 / mr
 
 
 def acceptance_cells(r: dict) -> list:

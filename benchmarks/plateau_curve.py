@@ -1,0 +1,91 @@
+"""Held-out greedy AL over a run's checkpoints: where off-policy pretraining flattens.
+
+    python benchmarks/plateau_curve.py [--run runs/smollm2-135m-dflash-pretrain] [--prompts 64]
+        [--max-new-tokens 64] [--out benchmarks/figures/pretrain_curve.png]
+
+Every complete checkpoint of ``--run`` (and the untrained drafter of its recipe, step 0) is replayed exactly at
+T = 0 on ``--prompts`` held-out chat prompts (``specopd.eval.replay``, equal to real greedy speculative decoding),
+with the standard error over prompts; the run's own periodic held-out expected AL (``heldout_expected_al`` in
+metrics.jsonl) and its training loss are drawn beside it. Prints its command and a table; AL includes the bonus.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", default=os.path.join(ROOT, "runs", "smollm2-135m-dflash-pretrain"))
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "figures", "pretrain_curve.png"))
+    args = ap.parse_args(argv)
+    args.temperatures = []
+    cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + list(argv or sys.argv[1:]))
+    print(cmd, flush=True)
+
+    from bench_al import Evaluator, _checkpoints, _loss_at, _metrics
+
+    from specopd.config import load_recipe
+
+    cfg = load_recipe(os.path.join(args.run, "recipe.yaml"), [])
+    ev = Evaluator(cfg.model.target, args, args.run)
+    metrics = _metrics(args.run)
+    loss_at = _loss_at(metrics)
+    expected = {int(m["step"]): m["heldout_expected_al"] for m in metrics if m.get("heldout_expected_al")}
+    rows = []
+    for step, folder in _checkpoints(args.run):
+        r = ev(folder, real=False)["replay_t0"]
+        rows.append({"step": step, "al": r["mean_al"], "se": r["se"], "loss": loss_at.get(step),
+                     "expected_al": expected.get(step), "accepted_at": r["accepted_at"],
+                     "reached_at": r["reached_at"], "checkpoint": folder})
+    title = (f"{os.path.basename(os.path.normpath(args.run))}: held-out greedy AL (incl. bonus), {len(ev.prompts)} "
+             f"prompts x {args.max_new_tokens} tokens, W={cfg.drafter.block_size - 1}")
+    print(f"\n{title}\n{'step':>6}{'AL T=0':>9}{'+- se':>8}{'loss':>9}{'expected AL':>13}  acceptance 1..W")
+    for r in rows:
+        acc = "  ".join(f"{a / n:.2f}" if n else "-" for a, n in zip(r["accepted_at"], r["reached_at"]))
+        ex = f"{r['expected_al']:>13.3f}" if r["expected_al"] else f"{'':>13}"
+        loss = f"{r['loss']:>9.4f}" if r["loss"] is not None else f"{'':>9}"
+        print(f"{r['step']:>6}{r['al']:>9.3f}{r['se']:>8.3f}{loss}{ex}  {acc}")
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump({"command": cmd, "title": title, "rows": rows}, f, indent=1)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs = [r["step"] for r in rows]
+    a1.errorbar(xs, [r["al"] for r in rows], yerr=[2 * r["se"] for r in rows], fmt="-o", ms=4, capsize=3,
+                label="greedy AL, held-out prompts (+- 2 se)")
+    ex = [(r["step"], r["expected_al"]) for r in rows if r["expected_al"]]
+    if ex:
+        a1.plot(*zip(*ex), "--s", ms=3, label="expected AL (T=1), held-out references")
+    a1.set_xlabel("off-policy CE steps")
+    a1.set_ylabel("AL (incl. bonus)")
+    a1.grid(alpha=0.3)
+    a1.legend(fontsize=8)
+    lx = sorted(loss_at)
+    a2.plot(lx, [loss_at[s] for s in lx], lw=1)
+    a2.set_xlabel("off-policy CE steps")
+    a2.set_ylabel("training loss (10-step mean)")
+    a2.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
