@@ -58,7 +58,9 @@ def test_prepare_data_exact_resumable_and_split(target_dir, tmp_path):
     out = str(tmp_path / "out")
     kw = dict(max_new_tokens=12, temperature=0.0, seed=1, heldout_fraction=0.5, progress=False)
     c = P.prepare_data(target_dir, out, pf, **kw)
-    assert c == dict(written=4, skipped_done=0, skipped_too_long=1, total_records=4)
+    assert c == dict(written=4, skipped_done=0, skipped_too_long=1, failed=0, total_records=4)
+    skipped = [json.loads(x) for x in open(os.path.join(out, P.SKIPPED_FILE))]
+    assert len(skipped) == 1 and "context" in skipped[0]["reason"]  # the counts add up to the 5 prompts
     recs = R.read_records(os.path.join(out, R.DATA_FILE))
     # greedy responses equal the plain forward's greedy continuation, and stop after EOS
     target = load_target(target_dir)
@@ -220,6 +222,23 @@ def test_chitchat_conversations_and_heldout_prompts():
     assert len(set(texts)) == 40 and not set(texts) & train_firsts  # no repeats, never a training opening
     with pytest.raises(ValueError, match="distinct held-out"):
         C.heldout_chat_prompts(10 ** 5)
+
+
+def test_pretrain_prompts_never_hold_a_heldout_prompt():
+    """The pretraining prompts (first, then later user turns of train conversations) never repeat the normalised
+    text of any held-out conversation's opening, and come from train conversations only."""
+    from specopd.data import conversations as C
+
+    pre = C.pretrain_chat_prompts(20000)
+    assert pre[:50] == C.pretrain_chat_prompts(50)  # a longer list extends a shorter one (cached data reused)
+    convs = C.chitchat_conversations()
+    banned = {C._norm(m[0]["content"]) for c, m in convs if R.split_of(c, 0, 0.1) == "heldout"}
+    texts = [C._norm(m[0]["content"]) for _, m in pre]
+    assert len(set(texts)) == len(texts) == 20000 and not set(texts) & banned
+    assert all(R.split_of(pid.split("#")[0], 0, 0.1) == "train" for pid, _ in pre)
+    assert any("#" in pid for pid, _ in pre)  # later turns are in
+    held = {C._norm(m[0]["content"]) for _, m in C.heldout_chat_prompts(64)}
+    assert not held & set(texts)
 
 
 def test_write_conversation_data(target_dir, tmp_path):
