@@ -80,7 +80,8 @@ class Evaluator:
         self.target = load_target(target_dir)
         self.prompts = heldout_prompt_ids(target_dir, self.target.vocab_size, args.prompts)
         self.stops = sorted(stop_token_ids(load_tokenizer(target_dir, self.target.vocab_size), self.target))
-        self.cache_path = os.path.join(out, "eval_cache.json")
+        # one cache per evaluation set: results of other prompt counts / lengths never mix
+        self.cache_path = os.path.join(out, f"eval_cache_{args.prompts}x{args.max_new_tokens}.json")
         self.cache = json.load(open(self.cache_path)) if os.path.isfile(self.cache_path) else {}
         cont_path = os.path.join(out, f"greedy_continuations_{args.prompts}x{args.max_new_tokens + 32}.pt")
         if os.path.isfile(cont_path):

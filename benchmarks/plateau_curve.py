@@ -55,6 +55,7 @@ def main(argv=None) -> int:
         ex = f"{r['expected_al']:>13.3f}" if r["expected_al"] else f"{'':>13}"
         loss = f"{r['loss']:>9.4f}" if r["loss"] is not None else f"{'':>9}"
         print(f"{r['step']:>6}{r['al']:>9.3f}{r['se']:>8.3f}{loss}{ex}  {acc}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         json.dump({"command": cmd, "title": title, "rows": rows}, f, indent=1)
 
@@ -81,7 +82,6 @@ def main(argv=None) -> int:
     a2.grid(alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"\nwrote {args.out}")
     return 0
