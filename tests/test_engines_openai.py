@@ -13,7 +13,7 @@ import pytest
 from oracle import make_tiny_checkpoint
 from specopd.data import prepare as P
 from specopd.data import references as R
-from specopd.engines import openai as O
+from specopd.engines import openai_api as O
 from test_data import write_char_tokenizer
 
 EOS = 2  # the char tokenizer's <|im_end|>
