@@ -289,8 +289,8 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         t = float(run["temperature"])
         v = vllm_numbers(run["counters"], k)
         ov = ours_on_vllm_schedule(target, drafter, prompts, max_new_tokens, t, stop_token_ids, seed, greedy=full)
-        own = evaluate_al(target, drafter, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens, t, seed,
-                          stop_token_ids=stop_token_ids, progress=progress) if own else None
+        mine = evaluate_al(target, drafter, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens, t, seed,
+                           stop_token_ids=stop_token_ids, progress=progress) if own else None
         dis = disagreements(ov, v, t)
         if t == 0:
             vt = [o["token_ids"] for o in run["outputs"]]
@@ -301,9 +301,9 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
                            f"(a near-tie of the target's argmax, or a wrong target computation on one side)")
         report["by_temperature"][f"{t:g}"] = dict(vllm=v, ours_vllm_schedule={x: y for x, y in ov.items()
                                                                                if x != "tokens"},
-                                                  ours={x: own[x] for x in ("mean_al", "rounds", "accepted_at",
-                                                                            "reached_at", "per_position_acceptance")}
-                                                  if own else None,
+                                                  ours={x: mine[x] for x in ("mean_al", "rounds", "accepted_at",
+                                                                             "reached_at", "per_position_acceptance")}
+                                                  if mine else None,
                                                   disagreements=dis)
         report["checks"][f"T={t:g} acceptance: vLLM == ours on vLLM's schedule"] = (not dis, "; ".join(dis))
         problems += dis
