@@ -35,6 +35,8 @@ def _llm(args, speculative_config=None):
               disable_log_stats=False, seed=0, enable_prefix_caching=False)
     if speculative_config:
         kw["speculative_config"] = speculative_config
+    if getattr(args, "max_num_seqs", None):
+        kw["max_num_seqs"] = args.max_num_seqs
     return LLM(**kw)
 
 
@@ -153,6 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"],
                    help="judge, T > 0: drafts sampled from the drafter with its probabilities in the ratio test (our "
                         "decoder's algorithm), or vLLM's default: argmax drafts treated as one-hot")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests run together (vLLM's max_num_seqs)")
     p.add_argument("--temperatures", default=None, help="judge: comma-separated, e.g. 0,1 (default: each request's)")
     args = p.parse_args(argv)
     return generate(args) if args.what == "generate" else judge(args)
