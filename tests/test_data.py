@@ -58,7 +58,7 @@ def test_prepare_data_exact_resumable_and_split(target_dir, tmp_path):
     out = str(tmp_path / "out")
     kw = dict(max_new_tokens=12, temperature=0.0, seed=1, heldout_fraction=0.5, progress=False)
     c = P.prepare_data(target_dir, out, pf, **kw)
-    assert c == dict(written=4, skipped_done=0, skipped_too_long=1, total_records=4)
+    assert c == dict(written=4, skipped_done=0, skipped_too_long=1, failed=0, total_records=4)
     recs = R.read_records(os.path.join(out, R.DATA_FILE))
     # greedy responses equal the plain forward's greedy continuation, and stop after EOS
     target = load_target(target_dir)
