@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     rows = []
     for name, dt in (("builtin fp32", torch.float32), ("builtin bf16", torch.bfloat16)):
         rows.append((name, builtin(target_dir, prompts, a.new, dt, a.batch_size, stops)))
+        print(f"  {name}: {rows[-1][1]['tokens']} tokens in {rows[-1][1]['gen_s']:.1f} s", flush=True)
     why = vllm_missing_reason()
     if why:
         print(f"vLLM rows skipped: {why}")
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
         for dt in ("float32", "bfloat16"):
             rows.append((f"vLLM {'fp32' if dt == 'float32' else 'bf16'}", vllm(target_dir, prompts, a.new, dt, stops,
                                                                                work)))
+            print(f"  {rows[-1][0]}: {rows[-1][1]['tokens']} tokens in {rows[-1][1]['gen_s']:.1f} s", flush=True)
     ref = rows[0][1]
     print(f"\n{len(prompts)} held-out chat prompts x <= {a.new} greedy new tokens, target {target_dir}, "
           f"{os.cpu_count()} CPU threads; builtin batch {a.batch_size}")
