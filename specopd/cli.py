@@ -193,8 +193,14 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     cfg = _load(args.recipe, args.overrides)
     fn = _lazy("specopd.eval.cli", "main_eval")
-    rc = fn(cfg, args)
+    judge = _lazy("specopd.eval.engine", "eval_with_vllm") if getattr(args, "engine", "builtin") == "vllm" else None
+    rc = fn(cfg, args, judge=judge)
     return rc if isinstance(rc, int) else 0
+
+
+def cmd_serve_check(args) -> int:
+    fn = _lazy("specopd.eval.engine", "main_serve_check")
+    return int(fn(args) or 0)
 
 
 def cmd_prepare(args) -> int:
@@ -278,7 +284,26 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "text (one prompt a line); the target's chat template applies")
     ev.add_argument("--temperatures", default=None, help="comma-separated decoding temperatures, e.g. 0,1 "
                                                          "(default: eval.temperature)")
+    ev.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                    help="vllm: serve the drafter in vLLM (its own venv, `make vllm`) and report its counters next to "
+                         "ours (specopd.eval.engine)")
     ev.set_defaults(fn=cmd_eval)
+    sc = sub.add_parser("serve-check", help="serve an exported drafter in vLLM and check it against ours")
+    sc.add_argument("export", help="a `specopd export` folder (or a checkpoint folder: exported first)")
+    sc.add_argument("--target", required=True, help="the target's Hugging Face folder")
+    sc.add_argument("--checkpoint", default=None, help="the checkpoint the export came from: the export must hold "
+                                                      "exactly its drafter")
+    sc.add_argument("--prompts", default=None, help="prompts file (JSONL or text); default: held-out chat prompts")
+    sc.add_argument("--num", type=int, default=8, help="prompts (default 8)")
+    sc.add_argument("--max-new-tokens", type=int, default=32)
+    sc.add_argument("--temperatures", default="0,1")
+    sc.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="float32: the counts must agree exactly at T=0")
+    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--vllm-default", action="store_true", help="also vLLM's default argmax drafts at T > 0")
+    sc.add_argument("--work-dir", default=None, help="where the requests, outputs and vLLM logs go (default: a tmp dir)")
+    sc.add_argument("--json", default=None, help="write the report here")
+    sc.set_defaults(fn=cmd_serve_check)
     pr = sub.add_parser("prepare", help="prepare a model (`prepare model NAME`) or data (`prepare data ...`)")
     pr.add_argument("what", choices=["model", "data"])
     pr.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the prepare step (see `specopd prepare model|data -h`)")

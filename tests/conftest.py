@@ -26,6 +26,9 @@ if not os.environ.get("RAY_AUTH_TOKEN_PATH") and not os.path.isfile(os.path.expa
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))  # else Ray writes ~/.ray/auth_token
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the main job's vLLM rows (specopd.eval.engine.judge_rows) start vLLM: off for every test that runs the main job;
+# tests/test_vllm.py calls the judge itself
+os.environ.setdefault("SPECOPD_VLLM_JUDGE", "0")
 torch.set_num_threads(1)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,6 +17,7 @@ PACKAGES = ("specopd", "executors", "kernels")
 
 # lowest first: a module imports modules of its own layer and of the layers below, never above
 LAYERS = [
+    ("engines (stdlib only: serving engines run as their own processes)", ("specopd.engines",)),
     ("kernels", ("kernels",)),
     ("executors", ("executors",)),
     ("models / drafters", ("specopd.models", "specopd.drafters", "specopd.losses", "specopd.speculative")),

@@ -212,10 +212,10 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
                        heldout_fraction, dtype, progress)
     else:
-        from specopd.engines.openai import generate_openai
+        from specopd.engines.openai_api import generate_openai
 
         generate_openai(servers, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                        heldout_fraction, concurrency, progress)
+                        heldout_fraction, concurrency, progress, make_record=make_record, seed_of=_seed_of)
     counts["total_records"] = len(read_records(data_path))
     return counts
 

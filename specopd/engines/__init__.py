@@ -42,12 +42,19 @@ def vllm_missing_reason() -> Optional[str]:
     return None
 
 
+def vllm_env() -> dict:
+    """The environment a vLLM process gets (also for ``python -m vllm.entrypoints.openai.api_server``)."""
+    return _env()
+
+
 def _env() -> dict:
     """The child's environment: none of our venv's paths; Intel OpenMP preloaded (vLLM's CPU speculative path
     warns without it); a bounded KV cache."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
     iomp = os.path.join(os.path.dirname(os.path.dirname(vllm_python() or "")), "lib", "libiomp5.so")
     if os.path.isfile(iomp) and "libiomp5" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(x for x in (iomp, env.get("LD_PRELOAD")) if x)

@@ -6,8 +6,10 @@
 ``generate``: each input line ``{"id", "prompt_ids": [...], "max_tokens", "temperature", "top_p", "seed"}`` ->
 one output line ``{"id", "token_ids": [...], "finish": "eos" | "length"}`` per request, appended and flushed
 chunk by chunk (the caller resumes by sending only the ids it does not have). ``judge``: the same requests,
-optionally with the drafter as DFlash (``--drafter``), -> one JSON with every output and vLLM's own
-speculative-decoding counters. Progress goes to stderr as ``[vllm-runner] done/total tok/s`` lines.
+optionally with the drafter as DFlash (``--drafter``), at each of ``--temperatures`` -> one JSON
+``{"runs": [{"temperature", "outputs", "wall_s", "tokens_per_s", "counters"}], ...}`` with every output and
+vLLM's own speculative-decoding counters of that run (drafts, draft tokens, accepted tokens, accepted per
+position). Progress goes to stderr as ``[vllm-runner] done/total tok/s`` lines.
 """
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ import json
 import os
 import sys
 import time
+
+# run as a script, this folder is sys.path[0]: none of its modules may shadow a package vLLM imports
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
 
 
 def _log(msg: str) -> None:
@@ -29,14 +35,19 @@ def _llm(args, speculative_config=None):
               disable_log_stats=False, seed=0, enable_prefix_caching=False)
     if speculative_config:
         kw["speculative_config"] = speculative_config
+    if getattr(args, "max_num_seqs", None):
+        kw["max_num_seqs"] = args.max_num_seqs
     return LLM(**kw)
 
 
 def _params(r: dict):
     from vllm import SamplingParams
 
+    kw = {}
+    if r.get("stop_token_ids") is not None:  # the caller's stop set, exactly: ignore_eos drops vLLM's own EOS rule
+        kw = dict(stop_token_ids=[int(t) for t in r["stop_token_ids"]], ignore_eos=True)
     return SamplingParams(temperature=float(r["temperature"]), top_p=float(r.get("top_p", 1.0)),
-                          max_tokens=int(r["max_tokens"]), seed=int(r.get("seed", 0)), ignore_eos=False)
+                          max_tokens=int(r["max_tokens"]), seed=int(r.get("seed", 0)), **kw)
 
 
 def _read(path: str) -> list:
@@ -85,23 +96,49 @@ def generate(args) -> int:
 
 
 def judge(args) -> int:
+    """The same requests at each of ``--temperatures`` (or each request's own temperature), with the drafter as
+    DFlash (``--drafter``) or plain; vLLM's speculative counters are read before and after each temperature's
+    ``generate`` call, so each run gets its own."""
     reqs = _read(args.input)
     spec = None
     if args.drafter:
-        spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
+        spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens,
+                "draft_sample_method": args.draft_sample_method}
     llm = _llm(args, spec)
     _log(f"loaded {args.model}" + (f" with DFlash drafter {args.drafter}" if spec else "") + f"; {len(reqs)} requests")
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in reqs], [_params(r) for r in reqs],
-                        use_tqdm=False)
-    wall = time.perf_counter() - t0
-    res = {"outputs": [{"id": r["id"], "token_ids": list(o.outputs[0].token_ids), "finish": _finish(o.outputs[0])}
-                       for r, o in zip(reqs, outs)],
-           "wall_s": wall, "counters": _counters(llm) if spec else None}
+    temps = [float(t) for t in args.temperatures.split(",")] if args.temperatures else [None]
+    runs = []
+    for temp in temps:
+        rs = [dict(r, temperature=temp) if temp is not None else r for r in reqs]
+        before = _counters(llm) if spec else None
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in rs], [_params(r) for r in rs],
+                            use_tqdm=False)
+        wall = time.perf_counter() - t0
+        after = _counters(llm) if spec else None
+        counters = None
+        if spec:
+            counters = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+            bp = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+            counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], bp)]
+        out = [{"id": r["id"], "token_ids": list(o.outputs[0].token_ids), "finish": _finish(o.outputs[0]),
+                "text": o.outputs[0].text} for r, o in zip(rs, outs)]
+        n_tok = sum(len(o["token_ids"]) for o in out)
+        runs.append({"temperature": temp, "outputs": out, "wall_s": wall, "tokens_per_s": n_tok / max(wall, 1e-9),
+                     "counters": counters})
+        _log(f"T={temp}: {n_tok / max(wall, 1e-9):.1f} tok/s" + (f", counters {counters}" if counters else ""))
+    res = {"runs": runs, "model": args.model, "drafter": args.drafter, "dtype": args.dtype,
+           "num_speculative_tokens": args.num_speculative_tokens if spec else 0,
+           "draft_sample_method": args.draft_sample_method if spec else None, "vllm": _version()}
     with open(args.output, "w") as f:
         json.dump(res, f)
-    _log(f"{sum(len(o['token_ids']) for o in res['outputs']) / wall:.1f} tok/s")
     return 0
+
+
+def _version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "?"))
 
 
 def main(argv=None) -> int:
@@ -115,6 +152,11 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=256, help="requests per llm.generate call (one flush each)")
     p.add_argument("--drafter", default=None, help="judge: a DFlash export folder")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"],
+                   help="judge, T > 0: drafts sampled from the drafter with its probabilities in the ratio test (our "
+                        "decoder's algorithm), or vLLM's default: argmax drafts treated as one-hot")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests run together (vLLM's max_num_seqs)")
+    p.add_argument("--temperatures", default=None, help="judge: comma-separated, e.g. 0,1 (default: each request's)")
     args = p.parse_args(argv)
     return generate(args) if args.what == "generate" else judge(args)
 

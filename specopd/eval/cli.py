@@ -199,10 +199,12 @@ def _parse_args(args) -> argparse.Namespace:
     p.add_argument("--prompts", default=None, help="prompts file: JSONL with 'prompt' or chat 'messages', or "
                                                    "plain text (one prompt a line); the target's chat template applies")
     p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: eval.temperature)")
+    p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
+                   help="vllm: also serve the drafter in vLLM and put its counters next to ours")
     ns, rest = p.parse_known_args(list(args or []))
     if rest:
         raise SystemExit(f"specopd eval: unknown arguments {rest}; options: --json PATH, --no-baseline, "
-                         f"--block-size K, --prompts FILE, --temperatures 0,1 (recipe keys go as section.key=value)")
+                         f"--block-size K, --prompts FILE, --temperatures 0,1, --engine builtin|vllm (recipe keys go as section.key=value)")
     return ns
 
 
@@ -221,12 +223,14 @@ def file_prompt_ids(path: str, target_dir: str, vocab_size: int) -> list:
     return [torch.tensor(encode_prompt(tok, msgs)) for _, msgs in prompts]
 
 
-def main_eval(cfg, args=None) -> dict:
+def main_eval(cfg, args=None, judge=None) -> dict:
     """Entry of `specopd eval`: cfg is the loaded RecipeConfig; args an argparse Namespace or extra argv.
 
     Prompts: ``--prompts FILE``, else the main job's held-out chat prompts (a recipe with ``pipeline``), else
     the run's held-out samples. One table per temperature (``--temperatures``, default ``eval.temperature``).
     Returns the first temperature's numbers at the top level and every temperature's under ``by_temperature``.
+    ``--engine vllm``: ``judge(cfg, target_dir, target, drafter, source, prompts, stops, temps, ns)`` instead
+    (``specopd.eval.engine.eval_with_vllm``: vLLM's counters next to ours), which returns the report.
     """
     from specopd.models import load_target
     from specopd.train.tiny import resolve_target_path
@@ -257,6 +261,11 @@ def main_eval(cfg, args=None) -> dict:
     else:
         prompts, where = sample_prompt_ids(cfg, target, cfg.eval.prompts), "held-out samples"
     stops = () if cfg.model.is_tiny else _eos_ids(target)
+    if getattr(ns, "engine", "builtin") == "vllm":  # vLLM judges: its counters next to ours (specopd.eval.engine)
+        if judge is None:
+            raise ValueError("--engine vllm: main_eval needs judge=specopd.eval.engine.eval_with_vllm (the `specopd "
+                             "eval` command passes it)")
+        return judge(cfg, path, target, drafter, source, prompts, stops, temps, ns)
     runs = []
     for temp in temps:
         r = evaluate_al(target, drafter, prompts, cfg.eval.max_new_tokens, temp, cfg.eval.seed,

@@ -1,0 +1,499 @@
+"""vLLM as the judge of a drafter: ``specopd eval --engine vllm`` and ``specopd serve-check EXPORT``.
+
+vLLM (its own venv and process: ``specopd.engines.run_vllm``) serves the target with the exported drafter as
+DFlash on the same prompt ids, max tokens and stop ids as our ``SpeculativeDecoder``, and its own counters
+(drafts, accepted tokens, accepted per draft position; AL incl. bonus = 1 + accepted / drafts) are put next to
+ours.
+
+**The two schedules.** vLLM's first new token comes from the prompt's prefill, and its first draft block is
+anchored at that token (context: the whole prompt); its counters count only the rounds after it. Our decoder
+prefills the prompt but its last token, and its first block is anchored at that last prompt token. So the
+two decode the same text in *different* rounds (all boundaries move), and their counts are two samples, not
+one. ``ours_on_vllm_schedule`` runs our decoder on vLLM's schedule (the first token from our own target, then
+``generate(prompt + [t1], n - 1)``): at T = 0 in fp32 its counts must equal vLLM's exactly, and a difference is
+a bug in one of the two computations (or a near-tie of the target's argmax, which the greedy text check shows).
+At T > 0 the two sample with different generators: a per-position acceptance rate that differs by more than
+``NOISE_SIGMAS`` standard errors is reported as a disagreement.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Optional, Sequence
+
+import torch
+
+NOISE_SIGMAS = 4.0  # a T > 0 acceptance rate further apart than this many standard errors is a disagreement
+
+
+class ServeCheckFailed(RuntimeError):
+    """The served drafter does not compute what ours does; the message lists every failed check."""
+
+
+# ------------------------------------------------------------------------------------------- vLLM side
+def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, max_new_tokens: int,
+              temperatures: Sequence[float], stop_token_ids: Sequence[int], dtype: str = "float32",
+              num_speculative_tokens: Optional[int] = None, seed: int = 0, work_dir: Optional[str] = None,
+              max_model_len: Optional[int] = None, draft_sample_method: str = "probabilistic") -> dict:
+    """vLLM generates ``prompts`` ([T_i] ids) at each temperature, with ``drafter_dir`` (a released-layout export)
+    as DFlash or, with None, plain. ``draft_sample_method`` (T > 0): ``probabilistic`` samples drafts from the
+    drafter and uses its probabilities in the ratio test, as our decoder does; ``greedy`` is vLLM's default
+    (argmax drafts, treated as one-hot: lossless too, but another acceptance).
+
+    Returns {runs: [{temperature, outputs: [{token_ids, finish}], counters: {num_drafts, num_draft_tokens,
+    num_accepted_tokens, accepted_per_pos [k]} or None, tokens_per_s, wall_s}], num_speculative_tokens, log}.
+    """
+    from specopd.engines import run_vllm
+
+    work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
+    os.makedirs(work, exist_ok=True)
+    tag = f"spec-{draft_sample_method}" if drafter_dir else "plain"
+    req, out, log = (os.path.join(work, f"{tag}.{x}") for x in ("requests.jsonl", "json", "log"))
+    longest = max(len(p) for p in prompts)
+    if num_speculative_tokens is None and drafter_dir:
+        with open(os.path.join(drafter_dir, "config.json")) as f:
+            num_speculative_tokens = int(json.load(f)["block_size"]) - 1
+    with open(req, "w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"id": str(i), "prompt_ids": [int(t) for t in p], "max_tokens": int(max_new_tokens),
+                                "temperature": 0.0, "seed": int(seed) * 1_000_003 + i,
+                                "stop_token_ids": [int(t) for t in stop_token_ids]}) + "\n")
+    mml = max_model_len or (longest + max_new_tokens + (num_speculative_tokens or 0) + 8)
+    args = ["judge", "--model", target_dir, "--input", req, "--output", out, "--dtype", dtype,
+            "--temperatures", ",".join(f"{float(t):g}" for t in temperatures), "--max-model-len", str(mml)]
+    if drafter_dir:
+        args += ["--drafter", drafter_dir, "--num-speculative-tokens", str(num_speculative_tokens),
+                 "--draft-sample-method", draft_sample_method]
+    run_vllm(args, log_path=log)
+    with open(out) as f:
+        res = json.load(f)
+    res["log"] = log
+    return res
+
+
+def vllm_numbers(counters: dict, k: int) -> dict:
+    """vLLM's counters -> our table's keys: mean_al (1 + accepted / drafts), rounds, accepted_at, reached_at,
+    per_position_acceptance."""
+    drafts = int(counters["num_drafts"])
+    acc = list(counters["accepted_per_pos"]) + [0] * (k - len(counters["accepted_per_pos"]))
+    reached = [drafts] + acc[:-1]
+    return dict(mean_al=1.0 + counters["num_accepted_tokens"] / max(1, drafts), rounds=drafts, accepted_at=acc,
+                reached_at=reached, per_position_acceptance=[a / r if r else None for a, r in zip(acc, reached)],
+                num_draft_tokens=int(counters["num_draft_tokens"]))
+
+
+# ------------------------------------------------------------------------------------------- our side
+def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: int, temperature: float,
+                          stop_token_ids: Sequence[int] = (), seed: int = 0, block_size: Optional[int] = None,
+                          greedy: Optional[Sequence] = None) -> dict:
+    """Our ``SpeculativeDecoder`` on vLLM's schedule: the first new token from the target's prefill (greedy, or
+    sampled at T > 0), then rounds anchored at it. -> {mean_al, rounds, accepted_at, reached_at,
+    per_position_acceptance, tokens: [ids per prompt, cut at max_new_tokens]}.
+
+    Args:
+        prompts: [T_i] ids; greedy: the target's greedy continuations (``greedy_continuations``, >= max_new_tokens
+            + W tokens each): at T = 0 the rounds are then replayed exactly on them (``replay_greedy_al``: the same
+            rounds and counts as real greedy decoding) instead of decoded.
+        block_size: verify the first k drafted tokens (vLLM's ``num_speculative_tokens``; default W).
+    """
+    from specopd.eval.decoder import SpeculativeDecoder, autoregressive
+    from specopd.eval.replay import replay_greedy_al
+
+    stops = set(int(t) for t in stop_token_ids)
+    if temperature == 0 and greedy is not None:
+        idx = [i for i, g in enumerate(greedy) if int(g[0]) not in stops and max_new_tokens > 1]
+        r = replay_greedy_al(target, drafter, [torch.cat([torch.as_tensor(prompts[i]).reshape(-1), greedy[i][:1]])
+                                               for i in idx], [greedy[i][1:] for i in idx], max_new_tokens - 1,
+                             stop_token_ids=stop_token_ids, block_size=block_size) if idx else None
+        k = r["block_size"] if r else (block_size or drafter.draft_len)
+        acc = list(r["accepted_at"]) if r else [0] * k
+        rounds = r["rounds"] if r else 0
+        reached = [rounds] + acc[:-1]
+        return dict(mean_al=1.0 + sum(acc) / max(1, rounds), rounds=rounds, accepted_at=acc, reached_at=reached,
+                    per_position_acceptance=[a / n if n else None for a, n in zip(acc, reached)], temperature=0.0,
+                    block_size=k, how="replay")
+
+    dec = SpeculativeDecoder(target, drafter, temperature=temperature, block_size=block_size,
+                             stop_token_ids=stop_token_ids)
+    k = dec.block_size
+    rounds, accepted_at, tokens = 0, [0] * k, []
+    was = drafter.training
+    drafter.eval()
+    try:
+        for i, p in enumerate(prompts):
+            p = [int(t) for t in p]
+            g = torch.Generator().manual_seed(int(seed) * 1_000_003 + i)
+            first = int(autoregressive(target, p, 1, temperature, g).tokens[0])
+            out = [first]
+            if first not in stops and max_new_tokens > 1:
+                res = dec.generate(p + [first], max_new_tokens - 1, generator=g)
+                rounds += res.rounds
+                accepted_at = [a + b for a, b in zip(accepted_at, res.accepted_at)]
+                out += res.tokens.tolist()
+            tokens.append(out[:max_new_tokens])
+    finally:
+        drafter.train(was)
+    reached = [rounds] + accepted_at[:-1]
+    return dict(mean_al=1.0 + sum(accepted_at) / max(1, rounds), rounds=rounds, accepted_at=accepted_at,
+                reached_at=reached, per_position_acceptance=[a / r if r else None for a, r in zip(accepted_at, reached)],
+                tokens=tokens, temperature=float(temperature), block_size=k, how="decode")
+
+
+def disagreements(ours: dict, vllm: dict, temperature: float) -> list:
+    """What differs beyond noise: at T = 0 any count; at T > 0 a per-position acceptance rate more than
+    NOISE_SIGMAS standard errors apart. -> list of sentences (empty: they agree)."""
+    out = []
+    if temperature == 0:
+        if ours["rounds"] != vllm["rounds"] or list(ours["accepted_at"]) != list(vllm["accepted_at"]):
+            out.append(f"T=0: vLLM drafts {vllm['rounds']}, accepted per position {vllm['accepted_at']}; ours on "
+                       f"vLLM's schedule {ours['rounds']} rounds, {ours['accepted_at']} (greedy: these must be equal)")
+        return out
+    for i, (ao, ro, av, rv) in enumerate(zip(ours["accepted_at"], ours["reached_at"], vllm["accepted_at"],
+                                             vllm["reached_at"])):
+        if not ro or not rv:
+            continue
+        po, pv = ao / ro, av / rv
+        pooled = (ao + av) / (ro + rv)
+        se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / ro + 1 / rv))
+        if abs(po - pv) > NOISE_SIGMAS * se + 1e-12:
+            out.append(f"T={temperature:g}: acceptance at draft position {i + 1}: ours {po:.3f} ({ao}/{ro}) vs vLLM "
+                       f"{pv:.3f} ({av}/{rv}), {abs(po - pv) / se:.1f} standard errors apart (> {NOISE_SIGMAS:g})")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the export
+def check_export(export_dir: str, target, checkpoint: Optional[str] = None) -> list:
+    """Static checks of a released-layout folder before serving it: it loads as a drafter of ``target`` (config,
+    every weight, fc's input = len(target_layer_ids) x hidden, layer ids inside the target), and with
+    ``checkpoint`` it holds exactly that checkpoint's drafter (config and every tensor). -> problems (sentences)."""
+    from specopd.drafters import load_drafter
+    from specopd.drafters.layout import export_folder, read_weights
+
+    problems = []
+    try:
+        with open(os.path.join(export_dir, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        return [f"{export_dir}/config.json cannot be read: {e}"]
+    ids = (raw.get("dflash_config") or {}).get("target_layer_ids")
+    n_layers = int(target.num_layers)
+    if not isinstance(ids, list) or not ids:
+        problems.append(f"config.json has no dflash_config.target_layer_ids (vLLM reads the target layers the drafter "
+                        f"conditions on from it)")
+    elif any(int(i) < 0 or int(i) >= n_layers for i in ids):
+        problems.append(f"dflash_config.target_layer_ids {ids} reach outside the target's {n_layers} layers")
+    try:
+        sd = read_weights(export_dir)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return problems + [f"the weights in {export_dir} cannot be read: {e}"]
+    if "fc.weight" not in sd:
+        problems.append("fc.weight is missing: vLLM would serve a drafter without its feature projection (fc maps "
+                        "the concatenated target features to the hidden size)")
+    elif isinstance(ids, list) and ids and sd["fc.weight"].shape[1] != len(ids) * int(sd["fc.weight"].shape[0]):
+        problems.append(f"fc.weight is {tuple(sd['fc.weight'].shape)} but target_layer_ids {ids} give "
+                        f"{len(ids)} x {sd['fc.weight'].shape[0]} input features")
+    if not problems:
+        try:
+            load_drafter(export_dir, target)
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            problems.append(f"it does not load as a drafter of this target: {e}")
+    if checkpoint and not problems:
+        ref = tempfile.mkdtemp(prefix="specopd-ref-export-")
+        try:
+            export_folder(checkpoint, ref)
+            with open(os.path.join(ref, "config.json")) as f:
+                want = json.load(f)
+            for key in ("block_size", "dflash_config", "num_hidden_layers", "hidden_size"):
+                if raw.get(key) != want.get(key):
+                    problems.append(f"config.json {key} = {raw.get(key)} but the checkpoint {checkpoint} has "
+                                    f"{want.get(key)}")
+            ref_sd = read_weights(ref)
+            for name in sorted(set(ref_sd) | set(sd)):
+                if name not in sd or name not in ref_sd:
+                    problems.append(f"weight {name} is only in the {'checkpoint' if name in ref_sd else 'export'}")
+                elif not torch.equal(sd[name].float(), ref_sd[name].float()):
+                    problems.append(f"weight {name} differs from the checkpoint's")
+            mask_e, mask_r = (os.path.isfile(os.path.join(d, "mask_embedding.pt")) for d in (export_dir, ref))
+            if mask_e != mask_r:
+                problems.append("mask_embedding.pt is " + ("missing" if mask_r else "there but the checkpoint has none"))
+        finally:
+            shutil.rmtree(ref, ignore_errors=True)
+    return problems
+
+
+def ensure_export(path: str, work_dir: str) -> tuple:
+    """A drafter folder -> (released-layout folder vLLM loads, the checkpoint it came from or None): our
+    checkpoints are exported into ``work_dir``; a released folder is used as is."""
+    from specopd.drafters.layout import export_folder, is_released, read_json
+
+    if is_released(read_json(path)):
+        return path, None
+    out = os.path.join(work_dir, "export")
+    shutil.rmtree(out, ignore_errors=True)
+    export_folder(path, out)
+    return out, path
+
+
+# ------------------------------------------------------------------------------------------- the judge
+def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens: int,
+          temperatures: Sequence[float] = (0.0, 1.0), stop_token_ids: Sequence[int] = (), dtype: str = "float32",
+          seed: int = 0, plain: bool = False, checkpoint: Optional[str] = None, work_dir: Optional[str] = None,
+          target=None, own: bool = True, vllm_default: bool = False, progress: bool = False) -> dict:
+    """Serve ``drafter_path`` (a checkpoint, exported here, or an export) with ``target_dir`` in vLLM and put
+    its counters next to ours on the same prompts, max tokens and stops, at each temperature.
+
+    Args:
+        prompts: [T_i] prompt ids (chat-templated); stop_token_ids: both sides stop after one of them.
+        plain: also run vLLM without the drafter at T = 0 (the greedy text check of serve-check).
+        checkpoint: the checkpoint an export came from (the static check compares them).
+        own: also our decoder on its own schedule (``evaluate_al``: what ``specopd eval`` reports).
+        vllm_default: also vLLM with its default ``draft_sample_method: greedy`` at T > 0 (what a plain
+            ``vllm serve`` does: argmax drafts as one-hot proposals; reported, not compared: another algorithm).
+    Returns:
+        {by_temperature: {T: {vllm, ours_vllm_schedule, ours (our own schedule, ``evaluate_al``),
+        disagreements}}, checks: {name: (ok, detail)}, problems: [...], export, num_speculative_tokens,
+        tokens_per_s: {vllm_spec: {T: tok/s}, vllm_plain}}; ``problems`` empty = every check passed.
+    """
+    from specopd.drafters import load_drafter
+    from specopd.eval.cli import evaluate_al
+    from specopd.eval.replay import greedy_continuations
+    from specopd.models import load_target
+
+    work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
+    os.makedirs(work, exist_ok=True)
+    export, ck = ensure_export(drafter_path, work)
+    ck = checkpoint or ck
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    target = target if target is not None else load_target(target_dir, dtype=torch_dtype, device="cpu")
+    problems = [f"export: {p}" for p in check_export(export, target, ck)]
+    report = dict(export=export, checkpoint=ck, target=target_dir, dtype=dtype, max_new_tokens=int(max_new_tokens),
+                  num_prompts=len(prompts), stop_token_ids=[int(t) for t in stop_token_ids], checks={},
+                  problems=problems, by_temperature={}, tokens_per_s={})
+    if problems:
+        return report
+    drafter = load_drafter(ck or export, target).eval()
+    k = drafter.draft_len
+    temps = [float(t) for t in temperatures]
+    full = greedy = None
+    if plain or 0.0 in temps:  # the target's greedy continuations (batched), cut after a stop token for the text
+        full = greedy_continuations(target, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens + k)
+        greedy = [_cut(g.tolist()[:max_new_tokens], stop_token_ids) for g in full]
+    spec = run_judge(target_dir, export, prompts, max_new_tokens, temps, stop_token_ids, dtype, k, seed,
+                     os.path.join(work, "vllm"))
+    report["num_speculative_tokens"] = spec["num_speculative_tokens"]
+    report["tokens_per_s"]["vllm_spec"] = {f"{r['temperature']:g}": r["tokens_per_s"] for r in spec["runs"]}
+    for run in spec["runs"]:
+        t = float(run["temperature"])
+        v = vllm_numbers(run["counters"], k)
+        ov = ours_on_vllm_schedule(target, drafter, prompts, max_new_tokens, t, stop_token_ids, seed, greedy=full)
+        mine = evaluate_al(target, drafter, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens, t, seed,
+                           stop_token_ids=stop_token_ids, progress=progress) if own else None
+        dis = disagreements(ov, v, t)
+        if t == 0:
+            vt = [o["token_ids"] for o in run["outputs"]]
+            bad = [i for i, (a, b) in enumerate(zip(vt, greedy)) if a != b]
+            report["checks"]["vllm speculative greedy == our greedy"] = (not bad, _diff_text(bad, vt, greedy))
+            if bad:
+                dis.append(f"T=0: vLLM's speculative greedy output differs from our greedy output on prompts {bad} "
+                           f"(a near-tie of the target's argmax, or a wrong target computation on one side)")
+        report["by_temperature"][f"{t:g}"] = dict(vllm=v, ours_vllm_schedule={x: y for x, y in ov.items()
+                                                                               if x != "tokens"},
+                                                  ours={x: mine[x] for x in ("mean_al", "rounds", "accepted_at",
+                                                                             "reached_at", "per_position_acceptance")}
+                                                  if mine else None,
+                                                  disagreements=dis)
+        report["checks"][f"T={t:g} acceptance: vLLM == ours on vLLM's schedule"] = (not dis, "; ".join(dis))
+        problems += dis
+    hot = [t for t in temps if t > 0]
+    if vllm_default and hot:
+        dg = run_judge(target_dir, export, prompts, max_new_tokens, hot, stop_token_ids, dtype, k, seed,
+                       os.path.join(work, "vllm"), draft_sample_method="greedy")
+        for run in dg["runs"]:
+            report["by_temperature"][f"{float(run['temperature']):g}"]["vllm_greedy_drafts"] = vllm_numbers(
+                run["counters"], k)
+    if plain:
+        pl = run_judge(target_dir, None, prompts, max_new_tokens, [0.0], stop_token_ids, dtype, None, seed,
+                       os.path.join(work, "vllm"))
+        pt = [o["token_ids"] for o in pl["runs"][0]["outputs"]]
+        report["tokens_per_s"]["vllm_plain"] = pl["runs"][0]["tokens_per_s"]
+        bad = [i for i, (a, b) in enumerate(zip(pt, greedy)) if a != b]
+        report["checks"]["vLLM plain greedy == our greedy"] = (not bad, _diff_text(bad, pt, greedy))
+        if bad:
+            problems.append(f"vLLM's plain greedy output differs from ours on prompts {bad}: {_diff_text(bad, pt, greedy)}")
+        if 0.0 in temps:
+            st = [o["token_ids"] for o in spec["runs"][temps.index(0.0)]["outputs"]]
+            bad = [i for i, (a, b) in enumerate(zip(st, pt)) if a != b]
+            report["checks"]["vLLM speculative greedy == vLLM plain greedy"] = (not bad, _diff_text(bad, st, pt))
+            if bad:
+                problems.append(f"vLLM's speculative greedy output differs from its plain output on prompts {bad}: "
+                                f"speculative decoding there is not lossless")
+    return report
+
+
+def _cut(ids: list, stops) -> list:
+    """ids cut after the first stop token."""
+    s = set(int(t) for t in stops)
+    for j, t in enumerate(ids):
+        if t in s:
+            return ids[: j + 1]
+    return ids
+
+
+def _diff_text(bad: list, a: list, b: list) -> str:
+    if not bad:
+        return ""
+    i = bad[0]
+    j = next((n for n, (x, y) in enumerate(zip(a[i], b[i])) if x != y), min(len(a[i]), len(b[i])))
+    return f"prompt {i} first differs at new token {j}: {a[i][j:j + 4]} vs {b[i][j:j + 4]}"
+
+
+def format_judge(report: dict, title: str = "") -> str:
+    """The judge's numbers as a table: per temperature vLLM, ours on vLLM's schedule, ours on our own."""
+    from specopd.eval.cli import acceptance_cells
+
+    lines = [title] if title else []
+    lines.append(f"export {report['export']} | target {report['target']} | {report['dtype']} | {report['num_prompts']} "
+                 f"prompts x {report['max_new_tokens']} new tokens | vLLM num_speculative_tokens "
+                 f"{report.get('num_speculative_tokens')} | AL incl. bonus = 1 + accepted / drafts | T>0: vLLM with "
+                 f"draft_sample_method=probabilistic (our algorithm) unless marked")
+    for t, r in report["by_temperature"].items():
+        lines.append(f"T={t}")
+        for name, key in (("vLLM (its counters)", "vllm"), ("ours on vLLM's schedule", "ours_vllm_schedule"),
+                          ("ours (SpeculativeDecoder)", "ours"), ("vLLM default: argmax drafts", "vllm_greedy_drafts")):
+            x = r.get(key)
+            if x is None:
+                continue
+            lines.append(f"  {name:<28} AL {x['mean_al']:.3f}  drafts {x['rounds']:>6}  accepted/reached "
+                         + "  ".join(acceptance_cells(x)))
+    for name, (ok, detail) in report["checks"].items():
+        lines.append(f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail and not ok else ""))
+    for p in report["problems"]:
+        if p.startswith("export: "):
+            lines.append(f"FAIL {p}")
+    if report.get("tokens_per_s"):
+        lines.append("vLLM tokens/s: " + json.dumps({k: v for k, v in report["tokens_per_s"].items()}))
+    lines.append("verdict: " + ("agree" if not report["problems"] else
+                                f"{len(report['problems'])} problem(s): a bug in the export, in vLLM or in ours"))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- the main job
+def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
+    """The main job's vLLM rows: each (label, checkpoint) of ``rows`` served by vLLM on the held-out chat
+    prompts at ``pipeline.eval_temperatures`` -> rows in ``evaluate_rows``' format (label + " | vLLM") for
+    ``format_al_table``, plus ours on vLLM's schedule (label + " | ours, vLLM's schedule") and vLLM's default
+    argmax drafts at T > 0 (label + " | vLLM default (argmax drafts)"). Without a vLLM venv (or with
+    SPECOPD_VLLM_JUDGE=0) -> [] and a line saying why. A judge that fails prints why; the job goes on."""
+    from specopd.data.conversations import heldout_prompt_ids
+    from specopd.data.prepare import load_tokenizer, stop_token_ids
+    from specopd.engines import vllm_missing_reason
+    from specopd.models import load_target
+    from specopd.models.loading import resolve_dtype
+
+    why = vllm_missing_reason() or ("SPECOPD_VLLM_JUDGE=0" if os.environ.get("SPECOPD_VLLM_JUDGE") == "0" else None)
+    if why:
+        print(f"[specopd] no vLLM rows: {why}", flush=True)
+        return []
+    dtype = "bfloat16" if resolve_dtype(cfg.model.dtype) == torch.bfloat16 else "float32"
+    target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device="cpu")
+    prompts = [p.tolist() for p in heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)]
+    stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
+    out = []
+    for label, path in rows:
+        if not path:
+            continue
+        try:
+            rep = judge(target_dir, path, prompts, cfg.eval.max_new_tokens, cfg.pipeline.eval_temperatures, stops,
+                        dtype, seed=cfg.eval.seed, target=target, own=False, vllm_default=True, progress=progress,
+                        work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)))
+        except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
+            print(f"[specopd] vLLM judge of {path} failed: {e}", flush=True)
+            continue
+        print(format_judge(rep, f"vLLM judge: {label}"), flush=True)
+        by = rep["by_temperature"]
+        out.append({"drafter": f"{label} | vLLM", "checkpoint": path, "engine": "vllm",
+                    "by_temperature": {t: dict(r["vllm"], how="vllm") for t, r in by.items()},
+                    "problems": rep["problems"]})
+        out.append({"drafter": f"{label} | ours, vLLM's schedule", "checkpoint": path, "engine": "ours",
+                    "by_temperature": {t: dict(r["ours_vllm_schedule"]) for t, r in by.items()}})
+        if any("vllm_greedy_drafts" in r for r in by.values()):  # T = 0 is the same algorithm either way
+            out.append({"drafter": f"{label} | vLLM default (argmax drafts)", "checkpoint": path, "engine": "vllm",
+                        "by_temperature": {t: dict(r.get("vllm_greedy_drafts") or r["vllm"], how="vllm")
+                                           for t, r in by.items()}})
+    return out
+
+
+# ------------------------------------------------------------------------------------------- commands
+def main_serve_check(args) -> int:
+    """``specopd serve-check EXPORT --target DIR``: serve the export in vLLM and check it three ways (vLLM's
+    plain greedy text == ours, its speculative greedy text == its plain one, its acceptance counts == ours on the
+    same schedule; T > 0 within noise) after static checks of the folder. -> 0 when all pass, 1 otherwise."""
+    from specopd.data.prepare import load_tokenizer, stop_token_ids
+    from specopd.eval.cli import file_prompt_ids, parse_temperatures
+    from specopd.models import load_target
+    from specopd.engines import vllm_missing_reason
+    from specopd.models.loading import read_config
+
+    why = vllm_missing_reason()
+    if why:
+        print(f"specopd serve-check: vLLM cannot run here: {why}")
+        return 2
+    if not os.path.isdir(args.export):
+        raise FileNotFoundError(f"serve-check: {args.export!r} is not a folder (give a `specopd export` folder, or a "
+                                f"checkpoint folder: it is exported first)")
+    if not args.target or not os.path.isdir(args.target):
+        raise FileNotFoundError(f"serve-check needs --target DIR, the target's Hugging Face folder (got "
+                                f"{args.target!r})")
+    temps = parse_temperatures(args.temperatures)
+    vocab = int(read_config(args.target)["vocab_size"])
+    if args.prompts:
+        prompts = [p.tolist() for p in file_prompt_ids(args.prompts, args.target, vocab)]
+    else:
+        from specopd.data.conversations import heldout_prompt_ids
+
+        prompts = [p.tolist() for p in heldout_prompt_ids(args.target, vocab, args.num)]
+    prompts = prompts[: args.num]
+    target = load_target(args.target, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype])
+    stops = sorted(stop_token_ids(load_tokenizer(args.target, vocab), target))
+    rep = judge(args.target, args.export, prompts, args.max_new_tokens, temps, stops, args.dtype, seed=args.seed,
+                plain=True, checkpoint=args.checkpoint, target=target, work_dir=args.work_dir,
+                vllm_default=args.vllm_default)
+    print(format_judge(rep, f"specopd serve-check {args.export}"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1, default=str)
+    if rep["problems"]:
+        print("serve-check FAILED:\n  " + "\n  ".join(rep["problems"]))
+        return 1
+    print("serve-check passed")
+    return 0
+
+
+def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: list, stops, temps, ns) -> dict:
+    """``specopd eval --engine vllm``: the judge on the eval prompts (the drafter exported first; an untrained
+    one is exported from memory). Prints the table; -> the report."""
+    from specopd.drafters import export_drafter
+    from specopd.engines import EngineUnavailable, vllm_missing_reason
+
+    why = vllm_missing_reason()
+    if why:
+        raise EngineUnavailable(f"specopd eval --engine vllm: {why}; or drop --engine vllm (our decoder only)")
+    work = os.path.join(cfg.trainer.output_dir, "vllm-judge", "eval")
+    os.makedirs(work, exist_ok=True)
+    path = source
+    if not os.path.isdir(str(source)):  # "untrained": a drafter only in memory
+        path = export_drafter(drafter, os.path.join(work, "untrained-export"))
+    dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
+    rep = judge(target_dir, path, [p.tolist() for p in prompts], cfg.eval.max_new_tokens, temps, stops, dtype,
+                seed=cfg.eval.seed, target=target, work_dir=work, vllm_default=True, progress=True)
+    print(format_judge(rep, f"specopd eval --engine vllm: drafter {source}"))
+    json_path = getattr(ns, "json", None)
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(rep, f, indent=1, default=str)
+        print(f"wrote {json_path}")
+    return rep

