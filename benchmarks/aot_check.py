@@ -39,7 +39,8 @@ SHARED_LIMIT = {90: 232448, 100: 232448}  # max dynamic shared memory per block 
 # The recipes' shapes, as the executors launch the kernels for them (bf16 targets). GDN q / k reach the kernels
 # expanded to the value heads (``GatedDeltaNet.split_qkv``), so HQ = H; the chunk kernels get q / k / v in bf16
 # (``executors.gdn`` casts them for tensor-core dots), the fused recurrent and replay kernels get fp32 (their
-# launchers / the executor pass split_qkv's fp32 outputs). QSA: index queries and pooled keys in bf16.
+# launchers / the executor pass split_qkv's fp32 outputs). QSA: index queries and pooled keys in fp32
+# (selection is discrete: the indexer runs in fp32 for every target dtype), attention q / k / v in bf16.
 SHAPES = {
     "8B": dict(gqa=(128, 32, 8)),  # Qwen3-8B: 32 / 8 heads of 128
     "27B": dict(gqa=(256, 24, 4), gdn=(48, 128, 128)),  # Qwen3.5-27B: gated attention; GDN 48 value heads
@@ -103,9 +104,10 @@ def _variants() -> list:
         if "qsa" in shape:  # QSA prefill and score: indexer scores, exact top-k, sparse attention
             hi, di, topk = shape["indexer"]
             cfg = indexer.scores_config(di)
-            out.append((f"qsa_index_scores[{name} {hi}x{di} {dt}]", "kernels.qsa.indexer", "_index_scores_fwd",
-                        dict(q=f"*{dt}", keys=f"*{dt}", n_complete="*i32", scores=f32), ("inv_div",),
-                        dict(HI=hi, DI=di, BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"], DOT_PREC="tf32"),
+            # the indexer runs in fp32 whatever the target's dtype (QSAttention.index_project): IEEE fp32 dots
+            out.append((f"qsa_index_scores[{name} {hi}x{di} fp32]", "kernels.qsa.indexer", "_index_scores_fwd",
+                        dict(q=f32, keys=f32, n_complete="*i32", scores=f32), ("inv_div",),
+                        dict(HI=hi, DI=di, BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"], DOT_PREC="ieee"),
                         dict(num_warps=cfg["num_warps"])))
             cfg = indexer.topk_config(topk)
             out.append((f"qsa_topk[{name} k{topk}]", "kernels.qsa.indexer", "_topk_groups_fwd",
