@@ -90,9 +90,10 @@ def test_triton_equals_torch_fp32(kind):
 
 @pytest.mark.parametrize("kind", ["gqa", "gdn", "qsa"])
 def test_triton_bf16_within_bf16_noise(kind):
-    """bf16 triton within 1.5x the bf16 torch path's distance to fp32 (+1e-2); that noise itself is bf16-sized
-    (<= 3e-2: measured on the CPU 7e-3 .. 9e-3 for commit vs prefill with qsa forced equal, tests/test_qsa_bf16.py),
-    so the bound cannot pass a broken kernel; commit vs prefill within 2e-2 (2x that measured noise)."""
+    """bf16 triton within 1.5x the bf16 torch path's distance to fp32 (+1e-2); that noise itself must be bf16-sized
+    (<= 2x what the torch path measures on the CPU for this case: gqa 1.45e-2, gdn 4.57e-2, qsa forced equal 9.9e-3)
+    so the bound cannot pass a broken kernel; commit vs prefill within 2e-2 (measured on the CPU: 8.9e-3, 2.9e-3,
+    9.1e-3)."""
     target = _target(kind, forced_equal=True)
     trunks, tree = _case(target.vocab_size, seed=1)
     _, ref, _, _ = _run(target, "torch", trunks, tree)  # fp32
@@ -102,7 +103,7 @@ def test_triton_bf16_within_bf16_noise(kind):
     noise = _rel(p_torch, ref)
     print(f"{kind}: bf16 noise (torch vs fp32) {noise:.2e}, triton vs fp32 {_rel(p_triton, ref):.2e}, "
           f"commit vs prefill {_rel(new.logits, pre.logits):.2e}")
-    assert 0 < noise <= 3e-2, noise
+    assert 0 < noise <= {"gqa": 3e-2, "gdn": 1e-1, "qsa": 2e-2}[kind], noise
     assert _rel(p_triton, ref) <= 1.5 * noise + 1e-2, (noise, _rel(p_triton, ref))
     assert _rel(new.logits, pre.logits) <= 2e-2, _rel(new.logits, pre.logits)
 

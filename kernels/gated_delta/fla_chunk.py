@@ -146,7 +146,7 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def prefill_backend(name: str):
-    """The sequence recurrence for ``name``: "chunk" (our Triton chunk kernel), "fla" (fla on CUDA; untested) or
+    """The sequence recurrence for ``name``: "chunk" (our Triton chunk kernel), "fla" (fla on CUDA; interpreted on the CPU in tests) or
     "recurrent" (the fused recurrent Triton kernel). All share ``naive.recurrent_gated_delta_rule``'s contract."""
     if name == "chunk":
         from kernels.gated_delta.chunk import chunk_gated_delta_rule
