@@ -244,8 +244,9 @@ def bench_qsa(recipe, shape, dev, dt, timer, g):
     r = 4
     q = torch.randn(t, h, hd, generator=g).to(dev, dt)
     k, v = (torch.randn(t, hkv, hd, generator=g).to(dev, dt) for _ in range(2))
-    qi = torch.randn(t, hi, di, generator=g).to(dev, dt)
-    pooled = torch.randn(t // r, di, generator=g).to(dev, dt)
+    # the indexer runs in fp32 for every target dtype (QSAttention.index_project): fp32 index queries and keys
+    qi = torch.randn(t, hi, di, generator=g).to(dev, torch.float32)
+    pooled = torch.randn(t // r, di, generator=g).to(dev, torch.float32)
     last = torch.arange(t, device=dev)
     scale = hd ** -0.5
     sec, (o, sel) = timer(lambda: qsa_prefill(q, k, v, qi, pooled, last, topk, r, scale, chunk=1024))
@@ -254,7 +255,7 @@ def bench_qsa(recipe, shape, dev, dt, timer, g):
     groups = int(((last + 1) // r).sum())
     flops = 4 * hd * h * keys + 2 * hi * di * groups
     el = q.element_size()
-    nbytes = el * (q.numel() * 2 + qi.numel() + pooled.numel() + keys * hkv * hd * 2) + 8 * sel.numel()
+    nbytes = el * (q.numel() * 2 + keys * hkv * hd * 2) + 4 * (qi.numel() + pooled.numel()) + 8 * sel.numel()
     rows = [_row("qsa_prefill", recipe, "triton indexer + top-k + sparse attention", sec, flops, nbytes, o, o, T=t,
                  keys_per_query=keys / t)]
     # the dense baseline: the same selection as a [T, T] token mask through SDPA (attention only)
@@ -310,7 +311,8 @@ def main(argv=None) -> int:
         sh = shapes[recipe]
         with torch.no_grad():
             if "tree" in sh:
-                section(bench_tree(recipe, sh["tree"], dev, dt, timer, g), time.perf_counter())
+                t0 = time.perf_counter()
+                section(bench_tree(recipe, sh["tree"], dev, dt, timer, g), t0)
             if "gdn" in sh:
                 t0 = time.perf_counter()
                 section(bench_gdn(recipe, sh["gdn"], dev, dt, timer, g), t0)
