@@ -6,7 +6,7 @@ VLLM_VENV ?= .venv-vllm
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup vllm demo test test-fast test-kernels dry-run
+.PHONY: setup vllm demo test test-fast test-kernels dry-run tt36
 
 setup: $(VENV)/.installed vllm
 
@@ -34,9 +34,16 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/specopd train recipes/smollm2-135m-dflash.yaml
 
+# triton 3.6 (the H200 machine's) in a folder of its own, for benchmarks/aot_check.py under that version
+# (tests/test_kernels_aot.py); gitignored. The venv keeps its own triton.
+tt36: .tt36/triton/__init__.py
+
+.tt36/triton/__init__.py: $(VENV)/.installed
+	$(PIP) install -q --no-deps --target .tt36 triton==3.6.0
+
 # Default tests, then the slow ones, then a dry run of every recipe. pytest's exit code 5 (no tests) fails.
 # The slow set serves tiny models in vLLM (tests/test_vllm.py): setup built its venv, so its absence is an error here.
-test: setup
+test: setup tt36
 	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -p no:cacheprovider
 	RAY_USAGE_STATS_ENABLED=0 SPECOPD_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider -m slow
 	$(MAKE) dry-run

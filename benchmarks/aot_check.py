@@ -2,12 +2,14 @@
 and sm_100 (B200) at the block sizes its launcher picks for the recipes' shapes, and read registers, shared
 memory and local (spill) bytes from the cubin with the cuobjdump bundled in triton.
 
-    python benchmarks/aot_check.py [--json OUT] [--arch 90,100] [--jobs 2]
+    python benchmarks/aot_check.py [--json OUT] [--arch 90,100] [--jobs 2] [--dtypes bf16,fp32]
+    PYTHONPATH=.tt36:. python benchmarks/aot_check.py --arch 90      # under triton 3.6 (`make tt36`)
 
 Prints a table (kernel, arch, registers, shared bytes, local bytes) and the tree-attention block plan's share of
 the dense grid at the 8B recipe's shapes; writes JSON as a list of {"kernel", "arch", "ok", "registers",
 "shared_bytes", "local_bytes"}. Exits non-zero on any compile failure, shared memory over the arch's per-block
-limit, or spills (local bytes > 0). Shapes (``SHAPES``, as the executors launch the kernels for bf16 targets):
+limit, or spills (local + stack bytes > 0) other than the measured, explained ``KNOWN_SPILLS`` (fp32 variants:
+reported only, see ``FP32_SPILLS_ACCEPTED``). Shapes (``SHAPES``, as the executors launch the kernels for bf16 targets):
   8B   (recipes/qwen3-8b-dflash-8gpu.yaml): GQA 32 / 8 heads, head_dim 128
   27B  (recipes/qwen3.5-27b-dflash-8gpu.yaml, Qwen3.5-27B): gated attention 24 / 4 heads, head_dim 256;
        GDN 48 value heads (q / k expanded to them), K = V = 128, C = 64
@@ -35,11 +37,31 @@ if ROOT not in sys.path:
 
 SHARED_LIMIT = {90: 232448, 100: 232448}  # max dynamic shared memory per block (227 KiB) on sm_90 / sm_100
 
+# Spills measured with this script and accepted: (label, triton "major.minor", arch) -> (max local + stack bytes,
+# why). Anything else that spills fails. Measured 2026-12-01 on the CPU (no GPU run yet).
+KNOWN_SPILLS = {
+    ("tree_attention[27B hd256 G6 bf16 chain]", "3.6", 90): (
+        16, "triton 3.6's ptxas (the H200 machine's) gives the head-dim-256 chain kernel (q [64, 256] bf16 and acc "
+            "[64, 256] fp32 in registers, 255 registers) a 16 B stack frame (cuobjdump: LOCAL 0, STACK 16); triton "
+            "3.9: none. Kept; the GPU run's bench_kernels times it"),
+    ("gdn_fused_recurrent[27B]", "3.6", 90): (
+        8, "triton 3.6 gives the 48-head fused recurrent kernel without h0 an 8 B stack frame (LOCAL 0, STACK 8; the "
+           "qwen4_exp 32-head and the h0 variants: none; triton 3.9: none); this kernel runs the prefill only when "
+           "gdn_checkpoint_every is not a multiple of 16, which no recipe uses"),
+}
+# fp32 variants (--dtypes fp32): reported, never failed. fp32 targets are for the exactness tests at small head
+# dims (tests/test_executor_gpu.py: hidden 128); the recipes run bf16. At the recipes' head dims the block sizes,
+# chosen for bf16, hold fp32 tiles twice as large, and IEEE fp32 dots run on FMA units: the tree attention and GDN
+# chunk kernels keep 1.7-20 KB of stack under triton 3.6 and 3.9 alike (benchmarks/NOTES.md). Slower, not wrong.
+FP32_SPILLS_ACCEPTED = True
+FP32_ONLY = {"gdn_replay", "gdn_fused_recurrent", "qsa_index_scores", "qsa_topk"}  # fp32 for every target: no pass
+
 
 # The recipes' shapes, as the executors launch the kernels for them (bf16 targets). GDN q / k reach the kernels
 # expanded to the value heads (``GatedDeltaNet.split_qkv``), so HQ = H; the chunk kernels get q / k / v in bf16
 # (``executors.gdn`` casts them for tensor-core dots), the fused recurrent and replay kernels get fp32 (their
-# launchers / the executor pass split_qkv's fp32 outputs). QSA: index queries and pooled keys in bf16.
+# launchers / the executor pass split_qkv's fp32 outputs). QSA: index queries and pooled keys in fp32
+# (selection is discrete: the indexer runs in fp32 for every target dtype), attention q / k / v in bf16.
 SHAPES = {
     "8B": dict(gqa=(128, 32, 8)),  # Qwen3-8B: 32 / 8 heads of 128
     "27B": dict(gqa=(256, 24, 4), gdn=(48, 128, 128)),  # Qwen3.5-27B: gated attention; GDN 48 value heads
@@ -47,15 +69,26 @@ SHAPES = {
 }
 
 
-def _variants() -> list:
+def _variants(dtypes=("bf16",)) -> list:
     """(label, module, kernel name, pointer dtypes by arg, fp32 scalar args, constexprs, launch options): every
-    Triton kernel the executors launch, at the block sizes their launchers pick (the same config functions)."""
+    Triton kernel the executors launch, at the block sizes their launchers pick (the same config functions), for
+    targets of each of ``dtypes`` ("bf16": the recipes; "fp32": fp32 targets, whose launchers use IEEE dots).
+    Kernels whose operands are fp32 for every target (GDN replay / fused recurrent, QSA indexer / top-k) appear
+    once, with the first dtype."""
+    out = []
+    for i, dt in enumerate(dtypes):
+        out += _variants_of(dt, first=i == 0)
+    return out
+
+
+def _variants_of(dt: str, first: bool) -> list:
     from kernels.gated_delta import chunk, replay
     from kernels.qsa import indexer, sparse_attention
     from kernels.tree_attention import triton_fwd as tree
 
     out = []
-    f32, dt = "*fp32", "bf16"
+    f32 = "*fp32"
+    prec = "ieee" if dt == "fp32" else "tf32"  # the launchers' DOT_PREC for q's dtype
     for name, shape in SHAPES.items():
         if "gqa" in shape:  # GQA score: tree attention over the block plan (chains; general trees)
             hd, h, hkv = shape["gqa"]
@@ -68,13 +101,13 @@ def _variants() -> list:
                 out.append((f"tree_attention[{name} hd{hd} G{h // hkv} {dt} {'chain' if chain else 'tree'}]",
                             "kernels.tree_attention.triton_fwd", "_tree_attn_fwd", ptrs, ("qk_scale",),
                             dict(G=h // hkv, HD=hd, BLOCK_D=cfg["BLOCK_D"], BM=cfg["BM"], BMN=cfg["BMN"],
-                                 BN=cfg["BN"], CHAIN=chain, DOT_PREC="tf32"),
+                                 BN=cfg["BN"], CHAIN=chain, DOT_PREC=prec),
                             dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
         if "gdn" in shape:  # GDN prefill (chunk 64 = C; fresh trunks and extensions) and score (fused replay)
             h, kd, vd = shape["gdn"]
             bt = chunk.chunk_size_for(64)
             cfg = chunk.kernel_config(kd, vd)
-            common = dict(H=h, HQ=h, K=kd, V=vd, BT=bt, BK=cfg["BK"], DOT_PREC="tf32")
+            common = dict(H=h, HQ=h, K=kd, V=vd, BT=bt, BK=cfg["BK"], DOT_PREC=prec)
             out.append((f"gdn_chunk_wy[{name} {dt}]", "kernels.gated_delta.chunk", "_chunk_wy_fwd",
                         dict(k=f"*{dt}", v=f"*{dt}", g=f32, beta=f32, gc_out=f32, w_out=f32, u_out=f32), (),
                         dict(common, BV=cfg["BV_WY"]), dict(num_warps=cfg["warps_wy"])))
@@ -87,7 +120,7 @@ def _variants() -> list:
                         dict(q=f"*{dt}", k=f"*{dt}", gc=f32, h=f32, vn=f32, o=f32), (),
                         dict(common, BV=cfg["BV_O"]), dict(num_warps=cfg["warps_o"])))
             rcfg = replay.kernel_config(kd, vd)
-            for store in (False, True):
+            for store in ((False, True) if first else ()):
                 ptrs = {n: f32 for n in ("states0", "scratch", "states_out", "o", "rk", "rv", "rg", "rbeta", "nq",
                                          "nk", "nv", "ng", "nbeta")}
                 ptrs.update({n: "*i32" for n in ("seg_state", "seg_tok", "seg_stop_ptr", "stop_len",
@@ -96,27 +129,28 @@ def _variants() -> list:
                             "_replay_fwd", ptrs, (), dict(H=h, HQ=h, K=kd, V=vd, BK=rcfg["BK"], BV=rcfg["BV"],
                                                           STORE_STATES=store), dict(num_warps=rcfg["num_warps"])))
             # fused recurrent: prefill when C is not a multiple of 16 (its launcher: BK = K, BV = 32, 4 warps)
-            for h0 in (False, True):
+            for h0 in ((False, True) if first else ()):
                 out.append((f"gdn_fused_recurrent[{name}{' h0' if h0 else ''}]", "kernels.gated_delta.fused_recurrent",
                             "_fwd_kernel", {n: f32 for n in ("q", "k", "v", "g", "beta", "o", "h0", "ht", "ck")}, (),
                             dict(H=h, K=kd, V=vd, BK=kd, BV=32, USE_H0=h0, SAVE_CK=True), dict(num_warps=4)))
         if "qsa" in shape:  # QSA prefill and score: indexer scores, exact top-k, sparse attention
             hi, di, topk = shape["indexer"]
-            cfg = indexer.scores_config(di)
-            out.append((f"qsa_index_scores[{name} {hi}x{di} {dt}]", "kernels.qsa.indexer", "_index_scores_fwd",
-                        dict(q=f"*{dt}", keys=f"*{dt}", n_complete="*i32", scores=f32), ("inv_div",),
-                        dict(HI=hi, DI=di, BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"], DOT_PREC="tf32"),
-                        dict(num_warps=cfg["num_warps"])))
-            cfg = indexer.topk_config(topk)
-            out.append((f"qsa_topk[{name} k{topk}]", "kernels.qsa.indexer", "_topk_groups_fwd",
-                        dict(scores=f32, n_complete="*i32", out="*i32"), (), dict(K_SEL=topk, BG=cfg["BG"]),
-                        dict(num_warps=cfg["num_warps"])))
+            cfg = indexer.scores_config(di, fp32=True)
+            if first:  # the indexer runs in fp32 whatever the target's dtype (QSAttention.index_project): IEEE fp32 dots
+                out.append((f"qsa_index_scores[{name} {hi}x{di} fp32]", "kernels.qsa.indexer", "_index_scores_fwd",
+                            dict(q=f32, keys=f32, n_complete="*i32", scores=f32), ("inv_div",),
+                            dict(HI=hi, DI=di, BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"], DOT_PREC="ieee"),
+                            dict(num_warps=cfg["num_warps"])))
+                cfg = indexer.topk_config(topk)
+                out.append((f"qsa_topk[{name} k{topk}]", "kernels.qsa.indexer", "_topk_groups_fwd",
+                            dict(scores=f32, n_complete="*i32", out="*i32"), (), dict(K_SEL=topk, BG=cfg["BG"]),
+                            dict(num_warps=cfg["num_warps"])))
             hd, h, hkv = shape["qsa"]
             cfg = sparse_attention.kernel_config(hd, h // hkv)
             out.append((f"qsa_sparse_attention[{name} hd{hd} G{h // hkv} {dt}]", "kernels.qsa.sparse_attention",
                         "_sparse_attn_fwd", dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", idx="*i32", n_keys="*i32",
                                                  o=f"*{dt}"), ("qk_scale",),
-                        dict(G=h // hkv, BH=cfg["BH"], HD=hd, BLOCK_D=cfg["BLOCK_D"], BN=cfg["BN"], DOT_PREC="tf32"),
+                        dict(G=h // hkv, BH=cfg["BH"], HD=hd, BLOCK_D=cfg["BLOCK_D"], BN=cfg["BN"], DOT_PREC=prec),
                         dict(num_warps=cfg["num_warps"])))
     return out
 
@@ -197,7 +231,14 @@ def compile_one(args) -> dict:
         if shared > SHARED_LIMIT[arch]:
             problems.append(f"shared memory {shared} B > {SHARED_LIMIT[arch]} B")
         if row["local_bytes"] > 0:
-            problems.append(f"spills: {row['local_bytes']} B of local memory / stack")
+            known = KNOWN_SPILLS.get((label, ".".join(triton.__version__.split(".")[:2]), arch))
+            spill = f"spills: {row['local_bytes']} B (local {res['local_bytes']}, stack {res['stack']})"
+            if known and row["local_bytes"] <= known[0]:
+                row["note"] = f"known, KNOWN_SPILLS: {spill}"
+            elif FP32_SPILLS_ACCEPTED and " fp32" in label and label.split("[")[0] not in FP32_ONLY:
+                row["note"] = f"fp32 variant {spill} (accepted, see FP32_SPILLS_ACCEPTED)"
+            else:
+                problems.append(spill)
         row["ok"] = not problems
         if problems:
             row["error"] = "; ".join(problems)
@@ -238,6 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="90,100", help="comma-separated compute capabilities (default 90,100)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
     ap.add_argument("--only", default="", help="compile only kernels whose label contains this text")
+    ap.add_argument("--dtypes", default="bf16", help="target dtypes of the variants: bf16 (the recipes), fp32")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("aot_check compiles real kernels: unset TRITON_INTERPRET", file=sys.stderr)
@@ -249,7 +291,14 @@ def main(argv=None) -> int:
     if bad:
         print(f"unknown arch {bad}; use 90 and/or 100", file=sys.stderr)
         return 2
-    jobs = [(*v, a) for v in _variants() for a in archs if args.only in v[0]]
+    dtypes = tuple(d for d in args.dtypes.split(",") if d)
+    if not dtypes or set(dtypes) - {"bf16", "fp32"}:
+        print(f"unknown --dtypes {args.dtypes!r}; use bf16 and/or fp32", file=sys.stderr)
+        return 2
+    import triton
+
+    print(f"triton {triton.__version__} ({os.path.dirname(triton.__file__)})")
+    jobs = [(*v, a) for v in _variants(dtypes) for a in archs if args.only in v[0]]
     t0 = time.time()
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as ex:
@@ -261,7 +310,7 @@ def main(argv=None) -> int:
     for r in rows:
         fmt = lambda x: "-" if x is None else str(x)  # noqa: E731
         print(f"{r['kernel']:<{w}}  {r['arch']:<6} {fmt(r['registers']):>5} {fmt(r['shared_bytes']):>9} "
-              f"{fmt(r['local_bytes']):>8}  {'ok' if r['ok'] else 'FAIL: ' + r.get('error', '')}")
+              f"{fmt(r['local_bytes']):>8}  {('ok' + ('  (' + r['note'] + ')' if r.get('note') else '')) if r['ok'] else 'FAIL: ' + r.get('error', '')}")
     print(f"{len(rows)} compiles in {time.time() - t0:.1f} s")
     for recipe, (t, n, w, seqs, hd, h, hkv) in PLAN_SHAPES.items():
         st = plan_fraction(recipe)

@@ -269,23 +269,37 @@ def main(argv=None):
         if k not in known:
             ap.error(f"unknown kind {k!r}; available: {sorted(known)}")
     rows = []
+
+    def save():  # after every row: a run cut short by a time limit still leaves its finished rows
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+
     if not args.extras_only:
-        for k in kinds:
-            target, cache = known[k](args), {}
-            for mode in [m for m in args.kernels.split(",") if m]:
-                target.kernels = mode
-                rows.append(run_one(k, target, args, cache))
         cols = ["kind", "kernels", "T", "branches", "W", "dtype", "prefill_ms", "score_ms", "packed_ms", "naive_ms",
                 "speedup", "max_rel_diff"]
         print(f"threads={torch.get_num_threads()} device={args.device} (packed = prefill + score; "
-              f"speedup = naive / packed)")
-        print_table(rows, 12, ".3g", cols)
+              f"speedup = naive / packed); one row as each finishes:", flush=True)
+        print(" | ".join(f"{c:>12}" for c in cols), flush=True)
+        for k in kinds:
+            t0 = time.perf_counter()
+            target, cache = known[k](args), {}
+            print(f"# {k}: target built in {time.perf_counter() - t0:.1f} s", flush=True)
+            for mode in [m for m in args.kernels.split(",") if m]:
+                target.kernels = mode
+                t0 = time.perf_counter()
+                rows.append(run_one(k, target, args, cache))
+                r = rows[-1]
+                print(" | ".join(f"{r[c]:>12.3g}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in cols) +
+                      f"   ({time.perf_counter() - t0:.1f} s incl. compile / autotune)", flush=True)
+                save()
+        print("table:")
+        print_table([r for r in rows if r["kind"] in kinds], 12, ".3g", cols)
     for k in kinds:
         for extra in EXTRAS.get(k, []) if "EXTRAS" in globals() else []:
             rows.extend(dict(kind=f"{k}:{extra.__name__}", **r) for r in extra(args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            save()
+    save()
     return rows
 
 

@@ -244,8 +244,9 @@ def bench_qsa(recipe, shape, dev, dt, timer, g):
     r = 4
     q = torch.randn(t, h, hd, generator=g).to(dev, dt)
     k, v = (torch.randn(t, hkv, hd, generator=g).to(dev, dt) for _ in range(2))
-    qi = torch.randn(t, hi, di, generator=g).to(dev, dt)
-    pooled = torch.randn(t // r, di, generator=g).to(dev, dt)
+    # the indexer runs in fp32 for every target dtype (QSAttention.index_project): fp32 index queries and keys
+    qi = torch.randn(t, hi, di, generator=g).to(dev, torch.float32)
+    pooled = torch.randn(t // r, di, generator=g).to(dev, torch.float32)
     last = torch.arange(t, device=dev)
     scale = hd ** -0.5
     sec, (o, sel) = timer(lambda: qsa_prefill(q, k, v, qi, pooled, last, topk, r, scale, chunk=1024))
@@ -254,7 +255,7 @@ def bench_qsa(recipe, shape, dev, dt, timer, g):
     groups = int(((last + 1) // r).sum())
     flops = 4 * hd * h * keys + 2 * hi * di * groups
     el = q.element_size()
-    nbytes = el * (q.numel() * 2 + qi.numel() + pooled.numel() + keys * hkv * hd * 2) + 8 * sel.numel()
+    nbytes = el * (q.numel() * 2 + keys * hkv * hd * 2) + 4 * (qi.numel() + pooled.numel()) + 8 * sel.numel()
     rows = [_row("qsa_prefill", recipe, "triton indexer + top-k + sparse attention", sec, flops, nbytes, o, o, T=t,
                  keys_per_query=keys / t)]
     # the dense baseline: the same selection as a [T, T] token mask through SDPA (attention only)
@@ -288,29 +289,49 @@ def main(argv=None) -> int:
     timer = Timer(dev, 1 if args.tiny else args.repeats)
     g = torch.Generator().manual_seed(0)
     rows = []
+
+    def save():  # after every section: a run cut short by its time limit keeps what finished
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreted)",
+                               dtype=str(dt), torch=torch.__version__, rows=rows), f, indent=1)
+
+    def section(new_rows, t0):
+        rows.extend(new_rows)
+        print_rows(new_rows, dev, dt, header=False)
+        print(f"# section done in {time.perf_counter() - t0:.1f} s (incl. compile / autotune)", flush=True)
+        save()
+
     for recipe in [x for x in args.recipes.split(",") if x]:
         if recipe not in shapes:
             print(f"unknown recipe {recipe!r}; choose from {sorted(shapes)}", file=sys.stderr)
             return 2
+    print_header(dev, dt)
+    for recipe in [x for x in args.recipes.split(",") if x]:
         sh = shapes[recipe]
         with torch.no_grad():
             if "tree" in sh:
-                rows += bench_tree(recipe, sh["tree"], dev, dt, timer, g)
+                t0 = time.perf_counter()
+                section(bench_tree(recipe, sh["tree"], dev, dt, timer, g), t0)
             if "gdn" in sh:
-                rows += bench_gdn(recipe, sh["gdn"], dev, dt, timer, g)
+                t0 = time.perf_counter()
+                section(bench_gdn(recipe, sh["gdn"], dev, dt, timer, g), t0)
             for s in sh.get("qsa", []):
-                rows += bench_qsa(recipe, s, dev, dt, timer, g)
-        print_rows([r for r in rows if r["recipe"] == recipe], dev, dt)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreted)",
-                           dtype=str(dt), torch=torch.__version__, rows=rows), f, indent=1)
+                t0 = time.perf_counter()
+                section(bench_qsa(recipe, s, dev, dt, timer, g), t0)
+    save()
     return 1 if any("error" in r for r in rows if r["impl"] != "flex_attention BlockMask") else 0
 
 
-def print_rows(rows, dev, dt):
+def print_header(dev, dt):
     print(f"device={dev} dtype={str(dt).replace('torch.', '')}")
-    print(f"{'section':<15} {'recipe':<10} {'impl':<44} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>8} {'rel_diff':>9}  extra")
+    print(f"{'section':<15} {'recipe':<10} {'impl':<44} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>8} {'rel_diff':>9}  extra",
+          flush=True)
+
+
+def print_rows(rows, dev, dt, header=True):
+    if header:
+        print_header(dev, dt)
     for r in rows:
         if "error" in r:
             print(f"{r['section']:<15} {r['recipe']:<10} {r['impl']:<44} ERROR {r['error']}")

@@ -4,13 +4,18 @@
 #   bash benchmarks/gpu_check.sh [--out DIR]               # on the GPU machine (CUDA)
 #   bash benchmarks/gpu_check.sh --cpu-smoke [--out DIR]   # here: every step at toy sizes on the CPU
 #
-# Steps (each under its own time limit, together 480 s on the GPU; a failing step does not stop the others; the exit code is non-zero if
-# any failed):
+# Steps (each under its own time limit, together 550 s on the GPU; a failing step does not stop the others; the
+# exit code is non-zero if any failed). Limits from compile times measured on the CPU (no GPU run yet): our Triton
+# kernels compile in ~2.3 s each for sm_90 (benchmarks/aot_check.py, triton 3.6: 23 in 52 s on one core), fla's
+# recorded launches in ~4.6 s each (tests/test_fla.py: 6 in 28 s); fla autotunes 42 configs per shape: ~100-200 s
+# on its first shape (the env step's fla_verified), hence env 90 s + tests 200 s; bench rows are written as each
+# finishes, so a step cut by its limit still reports what it measured. Move seconds after the first run.
 #   wheels          pip-installs .whl/*.whl (fla-core, omegaconf, antlr4-python3-runtime; carried in the working
 #                   tree, see GPU_NOTES.md) into a target folder on PYTHONPATH: that machine has no network
 #   env             versions: torch, triton, GPU, fla, flash-attn, torch varlen_attn
-#   tests           pytest -m gpu: executors' Triton kernels vs torch (fp32 exact, bf16 noise), packed prefill,
-#                   fla vs our chunk kernel, drafter flex_attention fwd + bwd, the kernels' own bf16 checks
+#   tests           pytest -m gpu -v -rA: executors' Triton kernels vs torch (fp32 exact, bf16 noise), packed
+#                   prefill (backend asserted), fla vs our chunk kernel and the recurrence (tests/test_fla.py),
+#                   drafter flex_attention fwd + bwd, the fused loss on CUDA, the kernels' own bf16 checks
 #   bench_kernels   benchmarks/bench_kernels.py at the 8B / 27B / qwen4_exp shapes (TFLOP/s, GB/s) -> JSON
 #   bench_executors benchmarks/bench_executors.py: whole-target prefill + score, kernels torch vs triton -> JSON
 #   train           3 SpecOPD steps of recipes/tiny.yaml on the GPU, in-process (runtime.backend=local: no Ray)
@@ -38,6 +43,10 @@ rm -f "$WORK"/*.json "$WORK"/*.log
 exec > >(tee "$DEST/gpu_check.log") 2>&1
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Triton keeps autotune results in its cache (triton >= 3.4): fla's kernels autotune 42 configs per new shape (4
+# cumsum + 6 kkt_solve + 9 recompute_w_u + 4 state + 3 output + 16 conv, counted in fla-core 0.6.0) once, in
+# the env step's fla check, not again in every later process
+export TRITON_CACHE_AUTOTUNING=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 T_START=$(date +%s)
 echo "gpu_check mode=$MODE out=$DEST commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -63,7 +72,7 @@ else
   echo "no .whl/*.whl: fla-core / omegaconf come from the environment, if at all"
 fi
 
-step env 30 "$PY" - <<'EOF'
+step env 90 "$PY" - <<'EOF'
 import importlib.util, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
       torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
@@ -81,19 +90,20 @@ print("torch varlen_attn:", importlib.util.find_spec("torch.nn.attention.varlen"
 print("omegaconf importable:", importlib.util.find_spec("omegaconf") is not None)
 EOF
 
+# pytest: -v -rA --tb=short: every test's outcome, and each failure's assertion with its values (not -q)
+PYTEST=("$PY" -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu --junitxml "$DEST/tests.xml")
+GPU_TESTS=(tests/test_executor_gpu.py tests/test_fla.py tests/test_losses.py tests/test_kernels_tree_attention.py
+           tests/test_kernels_gdn.py tests/test_kernels_gdn_chunk.py tests/test_kernels_qsa.py)
 if [ "$MODE" = gpu ]; then
-  step tests 170 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml "$DEST/tests.xml" \
-    tests/test_executor_gpu.py tests/test_kernels_tree_attention.py tests/test_kernels_gdn.py \
-    tests/test_kernels_gdn_chunk.py tests/test_kernels_qsa.py
-  step bench_kernels 160 "$PY" benchmarks/bench_kernels.py --repeats 10 --json "$WORK/bench_kernels.json"
+  step tests 200 "${PYTEST[@]}" "${GPU_TESTS[@]}"
+  step bench_kernels 150 "$PY" benchmarks/bench_kernels.py --repeats 10 --json "$WORK/bench_kernels.json"
   step bench_executors 60 "$PY" benchmarks/bench_executors.py --device cuda --dtype bfloat16 --kinds gqa,gdn,qsa \
     --T 2048 --branches 64 --W 15 --hidden 1024 --layers 4 --vocab 32000 --repeats 3 --kernels torch,triton \
     --json "$WORK/bench_executors.json"
-  step train 50 "$PY" -m specopd.cli train recipes/tiny.yaml model.device=cuda runtime.backend=local \
+  step train 40 "$PY" -m specopd.cli train recipes/tiny.yaml model.device=cuda runtime.backend=local \
     trainer.max_steps=3 trainer.save_every=0 "trainer.output_dir=$WORK/train" trainer.resume=none
 else
-  step tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml "$DEST/tests.xml" \
-    tests/test_executor_gpu.py
+  step tests 120 "${PYTEST[@]}" tests/test_executor_gpu.py
   step bench_kernels 900 env TRITON_INTERPRET=1 "$PY" benchmarks/bench_kernels.py --tiny --json "$WORK/bench_kernels.json"
   step bench_executors 300 "$PY" benchmarks/bench_executors.py --device cpu --kinds gqa,gdn,qsa --T 40 \
     --branches 3 --W 3 --hidden 32 --layers 2 --vocab 64 --repeats 1 --kernels torch --json "$WORK/bench_executors.json"

@@ -24,7 +24,8 @@ Kernels (``options["kernels"]``, see ``executors.base.resolve_kernels``):
           above (``anchor_states``) and level-by-level tree steps (``gated_delta_step``).
   triton  prefill: ``options["gdn_prefill"]`` = "auto" | "chunk" | "fla" | "recurrent": our chunked Triton
           kernel (``kernels.gated_delta.chunk``, chunk states = the fp32 checkpoints; needs C % 16 == 0),
-          fla's chunked rule + ``causal_conv1d`` (CUDA with fla-core; C % 64 == 0; UNTESTED here), or the
+          fla's chunked rule + ``causal_conv1d`` (CUDA with fla-core; C % 64 == 0; tested on the CPU under
+          TRITON_INTERPRET=1 by tests/test_fla.py, not yet on a GPU), or the
           fused recurrent kernel (any C). "auto": fla on CUDA when it imports and agrees with the chunk kernel on
           a small check (``fla_verified``, once per process) and C % 64 == 0, else chunk when C % 16 == 0, else
           recurrent. Score / verify: the fused replay kernel (``kernels.gated_delta.replay``:
@@ -152,7 +153,7 @@ def _check_bare(caches, trunk: torch.Tensor, anchor: torch.Tensor) -> None:
 def _conv_seq(mixer, u, history, fla: bool = False, cu_seqlens=None):
     """The causal conv over a sequence (``mixer.conv_seq``: u [1, T, Cd], history [1, W-1, Cd] or None); with
     ``fla`` (CUDA, SiLU), fla's ``causal_conv1d`` over [history ; u], or over packed sequences with
-    ``cu_seqlens`` (UNTESTED here: fla-core is not installed on this machine)."""
+    ``cu_seqlens`` (tests/test_fla.py: interpreted on the CPU)."""
     if not fla or mixer.act is not torch.nn.functional.silu:
         if cu_seqlens is not None:
             b = cu_seqlens.tolist()
@@ -208,7 +209,7 @@ class GDNExecutor(Executor):
         """Fresh trunks packed along the token dim: x [1, N, D], cu_seqlens [n + 1] (python ints) -> (out [1, N,
         D], one GDNCache per trunk). Projections and gates run once over all N tokens; the conv and recurrence
         run per trunk, or in one varlen pass through fla (``cu_seqlens``) when the prefill backend is "fla"
-        (CUDA; UNTESTED here)."""
+        (CUDA; tests/test_fla.py runs it interpreted on the CPU)."""
         every, keep = _every(options), _keep(options)
         u, z, g, beta = mixer.project(x)
         run, name = _recurrence(options, x.device, every if keep else None)

@@ -32,6 +32,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def lowp_check(got: torch.Tensor, exact: torch.Tensor, rounded: torch.Tensor, factor: float = 2.5,
+               what: str = "") -> float:
+    """A low-precision kernel result against measured noise: ``exact`` = the fp32 reference on the fp32 inputs,
+    ``rounded`` = the same reference on the inputs rounded to the kernel's dtype. Noise = rel(rounded, exact);
+    asserts rel(got, exact) <= factor * noise (the kernel may round its intermediates and output too, each about
+    as much as its inputs). Returns the error."""
+    noise, err = rel(rounded, exact), rel(got, exact)
+    print(f"{what}: error {err:.2e}, input rounding noise {noise:.2e} (bound {factor:g}x)")
+    assert 0 < noise and err <= factor * noise, (what, err, noise)
+    return err
+
+
 def run(test_file: str, check: str, *args: str, timeout: int = 300) -> None:
     """Run ``check`` (a name that ``test_file``'s ``__main__`` dispatches) in-process on CUDA, else interpreted."""
     if torch.cuda.is_available():

@@ -170,6 +170,45 @@ def test_flex_mask_matches_chunked_forward():
         torch.testing.assert_close(out, chunked_branch_attention(*args, layout, 0.3), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not flex_available(), reason="torch without flex_attention")
+def test_flex_compiled_mask_and_forward_on_cpu():
+    """The drafter's BlockMask (create_block_mask _compile=True) and forward through torch.compile(flex_attention,
+    dynamic=False) compile on the CPU and give the chunked path's values (dynamic=True fails to build C++ here)."""
+    import warnings
+
+    layout, args = _layout_case(dtype=torch.float32)
+    args = [a.detach() for a in args]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flex_branch_attention(*args, layout, 0.3, compiled=True, dynamic=False)
+    torch.testing.assert_close(out, chunked_branch_attention(*args, layout, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not flex_available(), reason="torch without flex_attention")
+def test_flex_compile_failure_on_cuda_falls_back_with_one_warning(monkeypatch):
+    """On CUDA a failed flex compile warns once, returns the chunked result, and later "auto" calls pick chunked.
+    Simulated on the CPU: the fallback guard is on and the compiled flex raises."""
+    from specopd.drafters import attention as A
+
+    layout, args = _layout_case(dtype=torch.float32)
+    args = [a.detach() for a in args]
+    monkeypatch.setattr(A, "_FLEX", {})
+    monkeypatch.setattr(A, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(A, "_compiled_flex", lambda dynamic: (_ for _ in ()).throw(RuntimeError("inductor: boom")))
+    q = args[0]
+    with pytest.warns(RuntimeWarning, match="flex_attention failed to compile.*boom.*SPECOPD_DRAFTER_ATTENTION"):
+        out = A.flex_branch_attention(q, *args[1:], layout, 0.3)
+    torch.testing.assert_close(out, chunked_branch_attention(*args, layout, 0.3))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second failure stays silent
+        A.flex_branch_attention(q, *args[1:], layout, 0.3)
+    assert "boom" in A.flex_failed()
+    assert A.resolve_backend("auto", torch.device("cuda")) == "chunked"
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_drafter_values_and_gradients_match_per_branch(ckpt, batch, kind):
     target = load_target(ckpt, dtype=torch.float64)

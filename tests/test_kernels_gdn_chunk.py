@@ -76,17 +76,22 @@ def test_chunk_errors_name_the_fix():
     kernel_check.run(FILE, "errors")
 
 
-def test_backend_selection_and_fla_guard():
-    """"chunk" / "recurrent" / "fla" are selectable; without fla-core the fla path says what to install."""
+def test_backend_selection_and_fla_guard(monkeypatch):
+    """"chunk" / "recurrent" / "fla" are selectable; without fla-core (simulated: ``import fla`` fails, whether or
+    not it is installed) the fla path says what to install."""
+    import sys
+
     from kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule, prefill_backend
 
     assert prefill_backend("fla") is fla_chunk_gated_delta_rule
     with pytest.raises(ValueError, match="'chunk', 'fla' or 'recurrent'"):
         prefill_backend("nope")
-    if not fla_available():
-        q, k, v, g, beta, _ = inputs(1, 4, 1, 1, 16, 16)
-        with pytest.raises(RuntimeError, match="fla-core"):
-            fla_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, checkpoint_every=64)
+    for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")] + ["fla"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    assert not fla_available()
+    q, k, v, g, beta, _ = inputs(1, 4, 1, 1, 16, 16)
+    with pytest.raises(RuntimeError, match="fla-core"):
+        fla_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, checkpoint_every=64)
 
 
 def check_gpu() -> None:
@@ -110,7 +115,27 @@ def test_chunk_bf16_and_fla_on_cuda():
     check_gpu()
 
 
-CHECKS = {"chunk": check_chunk, "errors": check_errors, "gpu": check_gpu}
+def check_fp16() -> None:
+    """fp16 q / k / v (bf16's stand-in under the interpreter), extension with an initial state and checkpoints:
+    o, final state and fp32 checkpoints within 2.5x the recurrence's own input rounding noise."""
+    from kernels.gated_delta.chunk import chunk_gated_delta_rule
+
+    q, k, v, g, beta, s0 = inputs(1, 150, 2, 4, 32, 32, seed=7, device=kernel_check.device())
+    exact = reference(q, k, v, g, beta, s0, 64, 30)
+    half = [x.half() for x in (q, k, v)]
+    rounded = reference(*half, g, beta, s0, 64, 30)
+    got = chunk_gated_delta_rule(*half, g=g, beta=beta, initial_state=s0, checkpoint_every=64, start=30)
+    assert got[2].dtype == torch.float32
+    for what, a, e, r in zip(("o", "final", "checkpoints"), got, exact, rounded):
+        kernel_check.lowp_check(a, e, r, what=f"gdn chunk fp16 {what}")
+
+
+def test_chunk_fp16_within_noise():
+    pytest.importorskip("triton")
+    kernel_check.run(FILE, "fp16")
+
+
+CHECKS = {"chunk": check_chunk, "errors": check_errors, "gpu": check_gpu, "fp16": check_fp16}
 
 if __name__ == "__main__":
     kernel_check.main(CHECKS)

@@ -174,7 +174,39 @@ def test_qsa_kernels_bf16_on_cuda():
     check_gpu()
 
 
-CHECKS = {"indexer": check_indexer, "sparse": check_sparse_attention, "prefill": check_prefill, "gpu": check_gpu}
+def check_fp16() -> None:
+    """fp16 sparse attention (bf16's stand-in under the interpreter) over an exact selection, head dims 64 and
+    256: within 2.5x the fp32 reference's own input rounding noise. (The indexer runs in fp32 for every target.)"""
+    from kernels.qsa.sparse_attention import group_rows, sparse_attention
+    from specopd.models.qwen4_exp import select_groups
+
+    dev = kernel_check.device()
+    g_ = torch.Generator().manual_seed(4)
+    t, hi, di, topk = 160, 2, 32, 8
+    qi, keys = torch.randn(t, hi, di, generator=g_), torch.randn(t // 4, di, generator=g_)
+    n = (torch.arange(t) + 1) // 4
+    sel = select_groups(group_scores(qi, keys), n, topk)
+    idx, nk = group_rows(sel, torch.arange(t), 4)
+    for h, hkv, d in ((4, 2, 64), (8, 1, 256)):
+        q = torch.randn(t, h, d, generator=g_)
+        k, v = torch.randn(t, hkv, d, generator=g_), torch.randn(t, hkv, d, generator=g_)
+        rows = slice(t - 24, t)
+        ref = gathered_attention(q[rows], k, v, idx[rows], nk[rows], d ** -0.5)
+        r16 = lambda x: x.half().float()  # noqa: E731
+        rounded = gathered_attention(r16(q[rows]), r16(k), r16(v), idx[rows], nk[rows], d ** -0.5)
+        b = lambda x: x.to(dev, torch.float16)  # noqa: E731
+        got = sparse_attention(b(q[rows]), b(k), b(v), idx[rows].to(dev), nk[rows].to(dev), d ** -0.5)
+        assert got.dtype == torch.float16
+        kernel_check.lowp_check(got, ref, rounded, what=f"qsa sparse attention fp16 h{h}/{hkv} d{d}")
+
+
+def test_sparse_attention_fp16_within_noise():
+    pytest.importorskip("triton")
+    kernel_check.run(FILE, "fp16")
+
+
+CHECKS = {"indexer": check_indexer, "sparse": check_sparse_attention, "prefill": check_prefill, "gpu": check_gpu,
+          "fp16": check_fp16}
 
 if __name__ == "__main__":
     kernel_check.main(CHECKS)

@@ -188,7 +188,33 @@ def test_triton_bf16_on_cuda():
     check_triton_bf16()
 
 
-CHECKS = {"triton": check_triton, "bf16": check_triton_bf16}
+def check_triton_fp16() -> None:
+    """fp16 (the interpreter's stand-in for bf16, whose tl.dot it gets wrong) at small sizes, chain and general
+    trees, head dims 32 and 256: within 2.5x the fp32 reference's own input rounding noise."""
+    from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
+
+    dev = kernel_check.device()
+    for (h, hkv, d, general) in ((4, 2, 32, False), (4, 2, 32, True), (6, 1, 256, False)):
+        lens = [90, 40]
+        anchor, parent, tix = make_tree(lens, 5, [3], general=general)
+        q, k, v, tk, tv = make_inputs(lens, anchor.numel(), h, hkv, d)
+        ref = tree_attention_reference(q, k, v, tk, tv, anchor, parent, tix, d ** -0.5)
+        r16 = lambda x: x.half().float()  # noqa: E731
+        rounded = tree_attention_reference(r16(q), r16(k), r16(v), [r16(x) for x in tk], [r16(x) for x in tv],
+                                           anchor, parent, tix, d ** -0.5)
+        plan = build_tree_plan(anchor, parent, tix, lens, **plan_blocks(d, h, hkv))
+        b = lambda x: x.to(dev, torch.float16)  # noqa: E731
+        got = tree_attention(b(q), b(k), b(v), b(torch.cat(tk)), b(torch.cat(tv)), plan, d ** -0.5)
+        assert got.dtype == torch.float16
+        kernel_check.lowp_check(got, ref, rounded, what=f"tree attention fp16 h{h}/{hkv} d{d} general={general}")
+
+
+def test_triton_fp16_within_noise():
+    pytest.importorskip("triton")
+    kernel_check.run(FILE, "fp16")
+
+
+CHECKS = {"triton": check_triton, "bf16": check_triton_bf16, "fp16": check_triton_fp16}
 
 if __name__ == "__main__":
     kernel_check.main(CHECKS)

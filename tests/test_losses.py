@@ -438,6 +438,7 @@ def test_fused_bf16_close_to_fp32():
     assert out.alpha.dtype == torch.float32
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_cuda_bf16_paper_scale_memory_and_value():
     """V = 151,936, 4,096 branch rows, bf16 on CUDA: the loss + backward stays within inputs + one chunk, and

@@ -1,15 +1,16 @@
 """Trunk prefill through flash-linear-attention's chunked gated delta rule (CUDA), keeping its per-chunk states
 in fp32 as the GDN checkpoints.
 
-UNTESTED: fla-core is not installed in the development environment and no GPU was available when this was
-written. It follows fla's code as read in fla-org/flash-linear-attention (chunk.py / common/chunk_delta_h.py):
-``chunk_gated_delta_rule_fwd`` calls ``chunk_gated_delta_rule_fwd_h(k=..., w=..., u=..., ...)``, which allocates
-the chunk states ``h`` [B, NT, HV, K, V] in k's dtype and stores the fp32 register state into it. This wrapper
-replaces that name inside ``fla.ops.gated_delta_rule.chunk`` for the duration of one call with a version that
-passes k in fp32, so ``h`` is allocated (and the state update k^T v_new is computed) in fp32, and keeps ``h``.
-If fla changes that call, the wrapper raises instead of returning wrong states. Compare it against
-``kernels.gated_delta.chunk.chunk_gated_delta_rule`` (our own Triton version of the same maths) on a GPU before
-relying on it.
+It follows fla-core 0.6.0 (chunk.py / common/chunk_delta_h.py): ``chunk_gated_delta_rule_fwd`` calls
+``chunk_gated_delta_rule_fwd_h(k=..., w=..., u=..., ...)``, which allocates the chunk states ``h`` [B, NT, HV, K, V]
+in k's dtype and stores the fp32 register state into it. This wrapper replaces that name inside
+``fla.ops.gated_delta_rule.chunk`` for the duration of one call with a version that passes k, w and u in fp32, so
+``h`` is allocated (and the state update k^T v_new computed) in fp32, and keeps that ``h``. fla's output kernel
+(``chunk_fwd_o``: q @ h, A @ v_new) then gets h and v_new cast back to q / k's dtype: every fla kernel sees one
+dtype on its dot operands (bf16 q against fp32 h does not compile: "Both operands must be same dtype").
+If fla changes that call, the wrapper raises instead of returning wrong states. Tested on the CPU under
+TRITON_INTERPRET=1 against the plain recurrence (fp32 and fp16, ``tests/test_fla.py``, which also compiles the
+launches it records for sm_90 in bf16); ``fla_verified`` checks it against our chunk kernel once per CUDA device.
 """
 from __future__ import annotations
 
@@ -108,10 +109,14 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if args or "k" not in kwargs:
             raise RuntimeError("fla's chunk_gated_delta_rule_fwd now takes positional arguments; update "
                                "kernels/gated_delta/fla_chunk.py")
-        kwargs["k"] = kwargs["k"].float()
+        dtype = kwargs["k"].dtype
+        for name in ("k", "w", "u"):  # one dtype per kernel: the state recurrence runs on fp32 operands
+            kwargs[name] = kwargs[name].float()
         h, v_new, final = orig(*args, **kwargs)
         captured["h"] = h
-        return h, v_new, final
+        # chunk_fwd_o multiplies q by h and the intra-chunk attention by v_new: hand it both in q / k's dtype
+        # (what fla itself stores for bf16 inputs), keeping the fp32 h as the checkpoints
+        return h.to(dtype), None if v_new is None else v_new.to(dtype), final
 
     with _lock, torch.no_grad():
         fla_chunk.chunk_gated_delta_rule_fwd_h = fwd_h_fp32
@@ -141,7 +146,7 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def prefill_backend(name: str):
-    """The sequence recurrence for ``name``: "chunk" (our Triton chunk kernel), "fla" (fla on CUDA; untested) or
+    """The sequence recurrence for ``name``: "chunk" (our Triton chunk kernel), "fla" (fla on CUDA; interpreted on the CPU in tests) or
     "recurrent" (the fused recurrent Triton kernel). All share ``naive.recurrent_gated_delta_rule``'s contract."""
     if name == "chunk":
         from kernels.gated_delta.chunk import chunk_gated_delta_rule

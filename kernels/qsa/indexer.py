@@ -93,9 +93,13 @@ def _topk_groups_fwd(scores, n_complete, out, stride_sq, K_SEL: tl.constexpr, BG
             written += tl.sum(keep, 0)
 
 
-def scores_config(head_dim: int) -> dict:
+def scores_config(head_dim: int, fp32: bool = True) -> dict:
+    """Tiles of ``_index_scores_fwd``. fp32 operands (the indexer's, ``QSAttention.index_project``) take half the
+    group tile of 16-bit ones: a [BLOCK_D, 128] fp32 key tile next to the fp32 q tile spilled 288 B under triton
+    3.6 (the H200 machine's) at di = 128 (``benchmarks/aot_check.py``)."""
     block_d = triton.next_power_of_2(head_dim)
-    return dict(BQ=64, BG=128 if block_d <= 128 else 64, BLOCK_D=block_d, num_warps=8)
+    bg = 128 if block_d <= 128 else 64
+    return dict(BQ=32 if fp32 else 64, BG=bg // 2 if fp32 else bg, BLOCK_D=block_d, num_warps=8)
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, n_complete: torch.Tensor) -> torch.Tensor:
@@ -110,7 +114,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, n_complete: torch.Tensor) 
     out = torch.empty(nq, max(g, 1), dtype=torch.float32, device=q.device)
     if nq == 0 or g == 0:
         return out[:, :g]
-    cfg = scores_config(di)
+    cfg = scores_config(di, q.dtype == torch.float32)
     grid = (triton.cdiv(nq, cfg["BQ"]), triton.cdiv(g, cfg["BG"]))
     _index_scores_fwd[grid](q, keys, n_complete.to(torch.int32).contiguous(), out, nq, g, math.sqrt(di),
                             q.stride(0), q.stride(1), keys.stride(0), out.stride(0), HI=hi, DI=di,

@@ -265,25 +265,84 @@ def flex_block_mask(layout: BranchLayout, device, compile_mask: Optional[bool] =
     return bm
 
 
-def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float) -> torch.Tensor:
-    """flex_attention over one packed key sequence (compiled on CUDA; eager elsewhere, forward only)."""
+def _compiled_flex(dynamic: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
+    key = ("compiled", bool(dynamic))
+    if key not in _FLEX:
+        _FLEX[key] = torch.compile(flex_attention, dynamic=bool(dynamic))
+    return _FLEX[key]
+
+
+def flex_failed() -> Optional[str]:
+    """Why flex_attention failed to compile in this process (then "auto" resolves to "chunked"), else None."""
+    return _FLEX.get("failed")
+
+
+def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float,
+                          compiled: Optional[bool] = None, dynamic: bool = True) -> torch.Tensor:
+    """flex_attention over one packed key sequence. ``compiled`` (default: on CUDA) compiles the BlockMask and the
+    forward with ``torch.compile(flex_attention, dynamic=dynamic)``; else eager (unfused, forward only).
+
+    On CUDA a failed compile does not stop training: it warns once (naming the error and the switch
+    ``SPECOPD_DRAFTER_ATTENTION=chunked``), falls back to the exact chunked path for this call and, through
+    ``resolve_backend``, for every later "auto" call of the process."""
     _check(q, k_blk, v_blk, k_ctx, v_ctx, layout)
+    if compiled is None:
+        compiled = _on_cuda(q)
+    if not compiled:
+        return _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, None, False)
+    if not _on_cuda(q):  # CPU (tests): errors propagate
+        return _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, _compiled_flex(dynamic), True)
+    try:
+        _probe(q, k_blk, dynamic)
+        return _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, _compiled_flex(dynamic), True)
+    except Exception as e:  # noqa: BLE001 - inductor / triton compile errors of any type
+        import warnings
+
+        if "failed" not in _FLEX:
+            _FLEX["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            warnings.warn(f"flex_attention failed to compile on {q.device} ({_FLEX['failed']}); the drafter's "
+                          f"branch attention falls back to the chunked path (exact, slower) for the rest of this "
+                          f"process. Set SPECOPD_DRAFTER_ATTENTION=chunked to skip the attempt.", RuntimeWarning,
+                          stacklevel=2)
+        return chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)
+
+
+def _on_cuda(q) -> bool:
+    """On CUDA flex compiles by default, and a failed compile falls back to the chunked path (with one warning);
+    elsewhere it runs eagerly unless asked, and compile errors raise."""
+    return q.device.type == "cuda"
+
+
+def _probe(q, k_blk, dynamic: bool) -> None:
+    """Once per (device, dtype, heads, head dim): the compiled forward and backward of a tiny problem, so a compile
+    error of the backward (compiled at the first backward, outside any try of the caller) shows up here."""
+    key = ("probed", str(q.device), q.dtype, q.shape[2], k_blk.shape[2], q.shape[3], bool(dynamic))
+    if _FLEX.get(key):
+        return
+    s, h, hkv, hd = q.shape[1], q.shape[2], k_blk.shape[2], q.shape[3]
+    layout = BranchLayout(torch.tensor([0, 0], device=q.device), torch.tensor([0, 3], device=q.device), 3, s)
+    with torch.enable_grad():
+        args = [torch.randn(*sh, device=q.device, dtype=q.dtype, requires_grad=True)
+                for sh in ((2, s, h, hd), (2, s, hkv, hd), (2, s, hkv, hd), (3, hkv, hd), (3, hkv, hd))]
+        o = _flex_forward(*args, layout, hd ** -0.5, _compiled_flex(dynamic), True)
+        o.float().sum().backward()
+    _FLEX[key] = True
+
+
+def _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, fn, compile_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
     n, s, h, hd = q.shape
     hkv = k_blk.shape[2]
-    bm = flex_block_mask(layout, q.device)
+    bm = flex_block_mask(layout, q.device, compile_mask=compile_mask)
     dev = q.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype  # one dtype for q, k, v
     qf = q.to(dt).reshape(1, n * s, h, hd).transpose(1, 2)  # [1, H, N*S, hd]
     k = torch.cat([k_ctx.to(dt), k_blk.to(dt).reshape(n * s, hkv, hd)]).transpose(0, 1)[None]  # [1, Hkv, C+N*S, hd]
     v = torch.cat([v_ctx.to(dt), v_blk.to(dt).reshape(n * s, hkv, hd)]).transpose(0, 1)[None]
-    fn = flex_attention
-    if q.device.type == "cuda":
-        fn = _FLEX.get("compiled")
-        if fn is None:
-            fn = _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
-    o = fn(qf, k, v, block_mask=bm, scale=float(scale), enable_gqa=h != hkv)
+    o = (fn or flex_attention)(qf, k, v, block_mask=bm, scale=float(scale), enable_gqa=h != hkv)
     return o.transpose(1, 2).reshape(n, s, h, hd).to(q.dtype)
 
 
@@ -302,7 +361,7 @@ def resolve_backend(backend: Backend, device: torch.device) -> Backend:
     if backend not in ("auto", "chunked", "flex"):
         raise ValueError(f"attention backend must be auto | chunked | flex (or a callable); got {backend!r}")
     if backend == "auto":
-        return "flex" if device.type == "cuda" and flex_available() else "chunked"
+        return "flex" if device.type == "cuda" and flex_available() and not flex_failed() else "chunked"
     if backend == "flex" and not flex_available():
         raise RuntimeError("attention backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
     return backend

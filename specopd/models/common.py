@@ -170,8 +170,10 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Top-k router (HF qwen3_moe / qwen3_next): softmax in fp32 over all experts, top-k, optional
-    renormalisation of the k weights. x [N, D] -> (weights [N, k] in x.dtype, experts [N, k] long)."""
+    """Top-k router (HF qwen3_moe / qwen3_next): logits and softmax in fp32 over all experts, top-k, optional
+    renormalisation of the k weights. x [N, D] -> (weights [N, k] in x.dtype, experts [N, k] long).
+    The logits are fp32 from the projection on (HF: in x's dtype): the top-k decides which experts' weights run,
+    and a bf16 rounding flip there would route the same token differently in prefill, score and commit."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool = True):
         super().__init__()
@@ -179,12 +181,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
 
     def forward(self, x: torch.Tensor):
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x.float(), self.weight.float())
         probs = F.softmax(logits, dtype=torch.float, dim=-1)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), idx
+        return top.to(x.dtype), idx
 
 
 class Experts(nn.Module):

@@ -128,17 +128,22 @@ class QSAttention(GatedAttention):
 
     # ---------------------------------------------------------------- pieces
     def index_project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [B, T, D] -> index queries [B, T, Hi, di] (q_layernorm + RoPE), raw index keys [B, T, di]."""
+        """x [B, T, D] -> index queries [B, T, Hi, di] (q_layernorm + RoPE), raw index keys [B, T, di], both fp32
+        whatever x's dtype: selection is discrete, so the indexer runs in fp32 from the projection on (a bf16
+        rounding flip would change which tokens a query attends, and differently in prefill, score and commit,
+        which compute the same rows in different batches)."""
         b, t, _ = x.shape
         ix = self.indexer
-        q, raw = torch.split(ix.index_qk_proj(x), [ix.n_heads * ix.head_dim, ix.head_dim], dim=-1)
+        proj = torch.nn.functional.linear(x.float(), ix.index_qk_proj.weight.float())
+        q, raw = torch.split(proj, [ix.n_heads * ix.head_dim, ix.head_dim], dim=-1)
         q = ix.q_layernorm(q.reshape(b, t, ix.n_heads, ix.head_dim))
-        cos, sin = self._cos_sin(positions, q.dtype)
+        cos, sin = self._cos_sin(positions, torch.float32)
         return rope_last(q, cos[:, :, None], sin[:, :, None]), raw
 
     def pool_keys(self, raw_groups: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """raw_groups [..., ratio, di], starts [...] (position of each group's first token) -> keys [..., di]."""
-        pooled = raw_groups.float().mean(dim=-2).to(raw_groups.dtype)
+        """raw_groups [..., ratio, di], starts [...] (position of each group's first token) -> keys [..., di]
+        (fp32: mean, k_layernorm and RoPE in fp32, see ``index_project``)."""
+        pooled = raw_groups.float().mean(dim=-2)
         pooled = self.indexer.k_layernorm(pooled)
         cos, sin = self._cos_sin(starts, pooled.dtype)
         return rope_last(pooled, cos, sin)
