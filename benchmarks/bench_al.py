@@ -105,22 +105,23 @@ class Evaluator:
         key = os.path.abspath(folder)
         res = self.cache.setdefault(key, {})
         drafter = None
-        if "replay_t0" not in res or "se" not in res["replay_t0"]:
+        if "replay_t0" not in res or "accept_lengths" not in res["replay_t0"]:
             drafter = load_drafter(folder, self.target)
             r = replay_greedy_al(self.target, drafter, self.prompts, self.conts, a.max_new_tokens, self.stops)
-            res["replay_t0"] = {**{k: r[k] for k in ("mean_al", "rounds", "accepted_at", "reached_at")},
-                                "se": al_stderr(r["accept_lengths"])}
+            res["replay_t0"] = {**{k: r[k] for k in ("mean_al", "rounds", "accepted_at", "reached_at",
+                                                     "accept_lengths")}, "se": al_stderr(r["accept_lengths"])}
             self._save()
         if real:
             for t in a.temperatures:
                 tk = f"real_t{t:g}"
-                if tk in res and "se" in res[tk]:
+                if tk in res and "accept_lengths" in res[tk]:
                     continue
                 drafter = drafter or load_drafter(folder, self.target)
                 r = evaluate_al(self.target, drafter, self.prompts, a.max_new_tokens, t, seed=0,
                                 stop_token_ids=self.stops, progress=True)
                 res[tk] = {**{k: r[k] for k in ("mean_al", "rounds", "new_tokens", "accepted_at", "reached_at",
-                                                "spec_tokens_per_s")}, "se": al_stderr(r["accept_lengths"])}
+                                                "spec_tokens_per_s", "accept_lengths")},
+                           "se": al_stderr(r["accept_lengths"])}
                 self._save()
         return res
 
@@ -144,12 +145,14 @@ def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str)
 
 def _row(label, steps, wall, res, temps, w, loss=None) -> dict:
     row = {"method": label, "steps": steps, "train_wall_s": round(wall, 1), "loss": loss,
-           "al_t0_replay": res["replay_t0"]["mean_al"], "se_t0_replay": res["replay_t0"].get("se")}
+           "al_t0_replay": res["replay_t0"]["mean_al"], "se_t0_replay": res["replay_t0"].get("se"),
+           "_lengths": {"t0_replay": res["replay_t0"]["accept_lengths"]}}
     for t in temps:
         r = res.get(f"real_t{t:g}")
         if r:
             row[f"al_t{t:g}"] = r["mean_al"]
             row[f"se_t{t:g}"] = r.get("se")
+            row["_lengths"][f"t{t:g}"] = r["accept_lengths"]
             row[f"accept_t{t:g}"] = [f"{a / n:.2f} ({a}/{n})" if n else "-"
                                      for a, n in zip(r["accepted_at"], r["reached_at"])][:w]
     return row
@@ -231,6 +234,7 @@ def main(argv=None) -> int:
     print(cmd, flush=True)
 
     from specopd.config import load_recipe
+    from specopd.eval.cli import al_diff_stderr
     from specopd.mainjob import prepare
 
     os.makedirs(args.out, exist_ok=True)
@@ -296,11 +300,30 @@ def main(argv=None) -> int:
         loss = f"{r['loss']:>9.4f}" if r.get("loss") is not None else f"{'':>9}"
         print(f"{r['method']:<40}{r['steps']:>6}{r['train_wall_s']:>9.0f}{loss}" +
               "".join(f"{r[c]:>12.3f} +- {se[c]:.3f}" if c in r else f"{'':>20}" for c in cols))
+    ref = next(r for r in rows if r["method"] == "specopd")
+    print(f"\nSpecOPD minus each row, paired over the same prompts (difference +- its standard error; > 2 se: "
+          f"SpecOPD ahead beyond noise)")
+    for r in rows:
+        if r is ref:
+            continue
+        cells = []
+        for c in cols:
+            key = c.replace("al_", "")
+            if c in r and key in r["_lengths"] and key in ref["_lengths"]:
+                d = ref[c] - r[c]
+                se = al_diff_stderr(ref["_lengths"][key], r["_lengths"][key])
+                r.setdefault("specopd_minus", {})[c] = {"diff": d, "se": se}
+                cells.append(f"{d:>+12.3f} +- {se:.3f}")
+            else:
+                cells.append(f"{'':>20}")
+        print(f"{r['method']:<40}{'':>24}" + "".join(cells))
     for t in args.temperatures:
         print(f"\nacceptance at draft position 1..{W}, T={t:g} (accepted/reached; '-' never reached)")
         for r in rows:
             if f"accept_t{t:g}" in r:
                 print(f"{r['method']:<40}" + "  ".join(r[f"accept_t{t:g}"]))
+    with open(os.path.join(args.out, "bench_al.json"), "w") as f:  # again, with the paired differences
+        json.dump(data, f, indent=1, default=str)
     print(f"\nwrote {os.path.join(args.out, 'bench_al.json')}, {', '.join(figs)}")
     return 0
 

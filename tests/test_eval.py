@@ -425,3 +425,21 @@ def test_main_eval_prompts_file_and_temperatures(tmp_path, capsys):
         main_eval(cfg, ["--prompts", str(tmp_path / "p.txt"), "--temperatures", "-1"])
     with pytest.raises(FileNotFoundError, match="--prompts"):
         main_eval(cfg, ["--prompts", str(tmp_path / "missing.txt")])
+
+
+def test_al_standard_errors():
+    """al_stderr: with equal rounds per prompt it is the plain standard error of the per-prompt ALs;
+    al_diff_stderr: paired, so a constant shift on every prompt has no error and a drafter against itself 0."""
+    import statistics
+
+    from specopd.eval.cli import al_diff_stderr, al_stderr
+
+    a = [[1, 2, 1, 3], [3, 1, 1, 1], [1, 1, 1, 1], [2, 2, 4, 1], [1, 3, 2, 2]]
+    per = [sum(x) / len(x) for x in a]
+    assert abs(al_stderr(a) - statistics.stdev(per) / len(per) ** 0.5) < 1e-12
+    assert al_diff_stderr(a, a) == 0.0
+    b = [[x + 1 for x in r] for r in a]  # every round one token longer: AL(b) - AL(a) = 1 exactly, on every prompt
+    assert al_diff_stderr(b, a) < 1e-12 < al_stderr(a)
+    assert al_stderr([[1, 2]]) != al_stderr([[1, 2]])  # nan below 2 prompts
+    with pytest.raises(ValueError, match="same >= 2 prompts"):
+        al_diff_stderr(a, a[:3])

@@ -89,6 +89,24 @@ def al_stderr(accept_lengths: Sequence[Sequence[int]]) -> float:
     return (var / n) ** 0.5 / mr
 
 
+def _influence(accept_lengths: Sequence[Sequence[int]]) -> list:
+    """Each prompt's linearised contribution to the AL ratio (delta method), one value a prompt."""
+    tok = [float(sum(x)) for x in accept_lengths]
+    rnd = [float(len(x)) for x in accept_lengths]
+    al, mr = sum(tok) / max(1.0, sum(rnd)), sum(rnd) / max(1, len(rnd))
+    return [(t - al * r) / mr for t, r in zip(tok, rnd)]
+
+
+def al_diff_stderr(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
+    """Standard error of AL(a) - AL(b) for two drafters decoded on the *same* prompts (paired over prompts:
+    the prompt-to-prompt spread that both share cancels). ``a``, ``b``: accept_lengths [prompts][rounds]."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"al_diff_stderr needs the same >= 2 prompts on both sides; got {len(a)} and {len(b)}")
+    d = [x - y for x, y in zip(_influence(a), _influence(b))]
+    m = sum(d) / len(d)
+    return (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+
+
 def acceptance_cells(r: dict) -> list:
     """Per draft position: ``"0.41 (52/127)"`` (accepted / reached), or ``"-"`` where it was never reached."""
     return [f"{a / n:.2f} ({a}/{n})" if n else "-" for a, n in zip(r["accepted_at"], r["reached_at"])]
