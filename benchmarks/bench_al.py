@@ -2,7 +2,7 @@
 
     python benchmarks/bench_al.py [--recipe recipes/smollm2-135m-dflash.yaml] [--steps 60] [--eval-every 20]
         [--methods specopd,draft_opd,offpolicy_ce,offpolicy_e2e_tv] [--prompts 32] [--max-new-tokens 64]
-        [--temperatures 0,1] [--real-at all|final] [--no-equal-time] [--out runs/bench-al] [key=value ...]
+        [--temperatures 0,1|none] [--real-at all|final] [--no-equal-time] [--out runs/bench-al] [key=value ...]
 
 1. prepare   the recipe's main-job stages 1-3 (``specopd.mainjob.prepare``: target, data, warm drafter; cached),
              so every method starts from the same warm drafter and trains on the same data
@@ -225,7 +225,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from specopd.eval.cli import parse_temperatures
 
-    args.temperatures = parse_temperatures(args.temperatures)
+    # "none": T = 0 only (replayed exactly at every checkpoint), no real decoding
+    args.temperatures = [] if args.temperatures == "none" else parse_temperatures(args.temperatures)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or "specopd" not in methods:
