@@ -281,11 +281,12 @@ def profile_all(target_dir: str, dtype: str, tmp: str, rates: dict) -> str:
     def rnd(seqs=seqs, record=None):
         t = [time.perf_counter()]
         with torch.no_grad():
-            d, q = spec.draft(drafter, seqs, 1.0, gens)
+            g = gens[: len(seqs)]
+            d, q = spec.draft(drafter, seqs, 1.0, g)
             t.append(time.perf_counter())
             p, state = spec.verify(target, seqs, d)
             t.append(time.perf_counter())
-            nacc, nxt = spec.accept(d, q, p, 1.0, gens)
+            nacc, nxt = spec.accept(d, q, p, 1.0, g)
             new = spec.commit(target, seqs, state, nacc, nxt)
             t.append(time.perf_counter())
         if record is not None:
@@ -378,21 +379,21 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         before = matmul_rates()
         results = [bench_training(args.target, s, dtypes, args.steps, args.warmup, tmp) for s in settings]
-        dec = bench_decode(args.target, dtypes, args.decode_prompts, args.decode_new) if args.decode else None
         after = matmul_rates()
         rates = {d: {k: max(before[d][k], after[d][k]) for k in before[d]} for d in before}
-        prof = profile_all(args.target, args.profile_dtype, tmp, rates) if args.profile else None
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; target {args.target}; one worker; "
-          f"{args.steps} timed steps per row after {args.warmup} warm-up; drafter 1-layer DFlash, fp32 master weights")
-    print(rates_table(before, after))
-    print()
-    print(training_table(results, rates))
-    if dec:
+        print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; target {args.target}; one worker; "
+              f"{args.steps} timed steps per row after {args.warmup} warm-up; drafter 1-layer DFlash, fp32 master "
+              f"weights; roofline rate = the best matmul rate of the dtype")
+        print(rates_table(before, after))
         print()
-        print(decode_table(dec, args.decode_prompts, args.decode_new))
-    if prof:
-        print()
-        print(prof)
+        print(training_table(results, rates), flush=True)
+        dec = bench_decode(args.target, dtypes, args.decode_prompts, args.decode_new) if args.decode else None
+        if dec:
+            print()
+            print(decode_table(dec, args.decode_prompts, args.decode_new), flush=True)
+        if args.profile:
+            print()
+            print(profile_all(args.target, args.profile_dtype, tmp, rates), flush=True)
     if args.json:
         out.update(rates=rates, training=[{**r, "stats": {f"{k[0]}/{k[1]}": v for k, v in r["stats"].items()}}
                                           for r in results], decode=dec)
