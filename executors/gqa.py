@@ -19,8 +19,11 @@ holding its rows' ancestors. ``options["gqa_backend"]``:
   "triton"  the Triton kernel over the same plan (``kernels.tree_attention.triton_fwd.tree_attention``)
   "dense" / "sdpa"  the dense per-trunk [M_i, t_cut + M_i] tree mask (HF-eager numerics / torch SDPA):
             the baseline ``benchmarks/bench_executors.py`` measures against; its mask grows as M_i x (T + M_i)
-Prefill is causal attention: "dense" (exact HF-eager, CPU default) or "sdpa" (lower-right causal bias, the
-flash kernel; CUDA default); GQA has no Triton kernel of its own for prefill (flash attention is faster).
+Prefill is causal attention: "dense" (exact HF-eager; the CPU default in fp32) or "sdpa" (torch's fused
+attention: is_causal / a lower-right causal bias; the CUDA default, and the CPU default in bf16 / fp16, where
+the [T, T] fp32 score tensor of "dense" costs more than the matmuls; within bf16 noise, docs/exactness.md);
+GQA has no Triton kernel of its own for prefill (flash attention is faster). The "blocked" score path runs
+bf16 / fp16 query blocks through the same fused kernel with the tree mask (``kernels.tree_attention.plan``).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from executors.attention import masked_attention, sdpa_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
@@ -65,11 +69,13 @@ def _option(options) -> str:
 
 
 def _backend(q, options) -> str:
-    """The dense-mask backend for prefill: "dense" on the CPU, "sdpa" on the GPU, unless one is named."""
+    """The dense-mask backend for prefill: "dense" (the exact HF-eager numerics) for fp32 on the CPU, "sdpa"
+    on the GPU and for bf16 / fp16 on the CPU (torch's flash kernel: no [T, T] score tensor, fp32 accumulation;
+    bf16 results are promised within bf16 noise only, docs/exactness.md), unless one is named."""
     backend = _option(options)
     if backend in BACKENDS:
         return backend
-    return "dense" if q.device.type == "cpu" else "sdpa"
+    return "dense" if q.device.type == "cpu" and q.dtype == torch.float32 else "sdpa"
 
 
 def score_backend(device, options) -> str:
@@ -96,6 +102,10 @@ def attend_causal(q, k, v, scaling, options=None):
     (no dense mask) lets torch pick its flash kernel."""
     tq, tk = q.shape[1], k.shape[1]
     if _backend(q, options) == "sdpa" and tq > 0:
+        if q.device.type == "cpu" and (tq == tk or tq == 1):  # no mask object: the CPU flash kernel, GQA in place
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=tq > 1, scale=scaling, enable_gqa=True)
+            return o.transpose(1, 2)
         from torch.nn.attention.bias import causal_lower_right
 
         return sdpa_attention(q, k, v, None, scaling, bias=causal_lower_right(tq, tk))
@@ -210,7 +220,8 @@ class GQAExecutor(Executor):
             u = int(torch.nonzero(bad)[0])
             i = int(tree.trunk_index[u])
             raise ValueError(f"anchor {int(tree.anchor[u])} is outside trunk {i} of length {lens[i]}")
-        q, k, v, extra = mixer.project(x, tree.positions.to(dev).view(1, -1))
+        pos = tree_cached(tree, ("positions", str(dev)), lambda: tree.positions.to(dev).view(1, -1))
+        q, k, v, extra = mixer.project(x, pos)  # one positions tensor per tree: RoPE tables once per pass
         backend = score_backend(dev, options)
         if backend in BACKENDS:
             o = self._score_dense(mixer, q, k, v, tree, caches, options)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from kernels.tree_attention.naive import attend
 
@@ -205,7 +206,8 @@ def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tr
     """Tree attention in torch that computes only the plan's blocks (the CPU path; exact in fp32).
 
     q [M, H, D]; k, v [M, Hkv, D] (node order); trunk_k/v [sum T_i, Hkv, D] packed at ``plan.trunk_offsets``
-    -> o [M, H, D] fp32. Per query block: its trunk prefix [0, t_len) and its listed node blocks.
+    -> o [M, H, D] fp32 (bf16 / fp16 inputs on the CPU: the fused kernel's output in fp32 storage, see
+    ``_attend_block``). Per query block: its trunk prefix [0, t_len) and its listed node blocks.
     """
     o = torch.empty(plan.num_nodes, q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
     order = plan.order.to(q.device)
@@ -228,5 +230,16 @@ def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tr
             vals.append(v[nodes])
             masks.append(block_visibility(plan, b, e)[:, k0 - kb * plan.block_n: k1 - kb * plan.block_n])
         mask = torch.cat(masks, dim=1).to(q.device)
-        o[rows] = attend(q[rows], torch.cat(keys), torch.cat(vals), mask, scale)
+        o[rows] = _attend_block(q[rows], torch.cat(keys), torch.cat(vals), mask, scale).float()
     return o
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query block: fp32 inputs -> ``attend`` (exact fp32, the reference's numerics); bf16 / fp16 on the CPU ->
+    torch's fused attention on the half-precision inputs (fp32 accumulation inside, no fp32 copies of the keys;
+    within bf16 noise of the reference, docs/exactness.md). q [Q, H, D], k/v [S, Hkv, D], mask [Q, S] -> [Q, H, D]."""
+    if q.dtype == torch.float32 or q.device.type != "cpu":
+        return attend(q, k, v, mask, scale)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask[None, None], scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

@@ -7,6 +7,7 @@ the transformers oracle to fp32 rounding. No buffers anywhere: models are built 
 from __future__ import annotations
 
 import math
+import weakref
 from functools import lru_cache
 
 import torch
@@ -120,21 +121,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)
 
 
+_ROPE_MEMO: dict = {}  # id(positions) -> (weakref to it, its _version, {key: (cos, sin)})
+
+
+def memo_cos_sin(positions: torch.Tensor, key, build):
+    """``build()`` -> (cos, sin) once per live ``positions`` tensor and ``key``: every layer of one pass reads the
+    same positions tensor, so RoPE tables are computed once per pass, not once per layer (the same values:
+    bit-identical). An entry is used only while it is the same tensor object with the same version counter."""
+    if torch.is_grad_enabled() and positions.requires_grad:
+        return build()
+    ent = _ROPE_MEMO.get(id(positions))
+    if ent is None or ent[0]() is not positions or ent[1] != positions._version:
+        if len(_ROPE_MEMO) >= 8:
+            _ROPE_MEMO.clear()
+        ent = _ROPE_MEMO[id(positions)] = (weakref.ref(positions), positions._version, {})
+    out = ent[2].get(key)
+    if out is None:
+        out = ent[2][key] = build()
+    return out
+
+
 class Rotary:
-    """RoPE of one attention layer (plain object, no buffers): ``rotary(q, k, positions)``."""
+    """RoPE of one attention layer (plain object, no buffers): ``rotary(q, k, positions)``. Layers with the same
+    RoPE settings share their cos / sin tables within a pass (``memo_cos_sin``)."""
 
     def __init__(self, cfg: dict, head_dim: int, layer_type: str | None = None):
         self.params = rope_parameters(cfg, layer_type)
         self.head_dim = head_dim
         self.inv_freq = rope_inv_freq(self.params, head_dim)  # CPU fp32
         self._on_device: dict = {}  # device -> inv_freq copy (a plain dict, not a buffer)
+        self._key = (tuple(self.inv_freq.tolist()),)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q [B, T, H, hd], k [B, T, Hkv, hd], positions [B, T] -> rotated (q, k)."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [B, T] -> cos, sin [B, T, rot_dim] in ``dtype`` (memoised per positions tensor)."""
         inv = self._on_device.get(positions.device)
         if inv is None:
             inv = self._on_device[positions.device] = self.inv_freq.to(positions.device)
-        cos, sin = rope_cos_sin(positions, inv, q.dtype)
+        return memo_cos_sin(positions, self._key + (dtype, str(positions.device)),
+                            lambda: rope_cos_sin(positions, inv, dtype))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q [B, T, H, hd], k [B, T, Hkv, hd], positions [B, T] -> rotated (q, k)."""
+        cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 

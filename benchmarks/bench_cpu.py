@@ -1,0 +1,406 @@
+"""Training at this CPU's limit: fp32 vs bf16 target, SpecOPD vs fair Draft-OPD, against the roofline, in one run.
+
+For each setting (``main``: the main job's shapes, recipes/smollm2-135m-dflash.yaml: chat sequences cut to 192
+tokens, batch 8, 16 anchors, block_size 5; ``long``: 512-token trunks, batch 4, 64 anchors / rounds per sequence,
+as ``bench_throughput.py --preset long``) and each target dtype, SpecOPD and Draft-OPD (the serving-engine
+rollout: one batched target pass per round, caches, commits from the verify pass) train the same fresh drafter
+(fp32 master weights) on the same batches, ONE worker in this process; steps alternate over (dtype, method) so
+that load changes on the shared machine hit all four alike. The first ``--warmup`` steps are not timed.
+
+Roofline: the matmul FLOPs of one step of each method (``torch.utils.flop_counter.FlopCounterMode``: mm / bmm /
+addmm / attention; elementwise work is not counted), at the best matmul rate measured in this run for that dtype
+(``[2048x576] @ [576x1536]`` and ``[512x576] @ [576x49152]``, the target's MLP and the vocabulary projection;
+measured before and after the steps, the larger taken): roofline tokens/s = rate / (FLOPs per supervised token);
+share = measured tokens/s / roofline tokens/s.
+
+Decoding (batch 1, ``--decode``): our autoregressive and speculative (T = 0, a fresh drafter: AL ~ 1, so this
+measures a round's cost) decoding on held-out chat prompts, fp32 and bf16. vLLM's decoding on the same prompts
+is an optional column: it needs ``specopd.engines`` (vLLM in its own venv), which is not on this branch yet.
+
+``--profile``: torch.profiler op tables (top ops by self CPU time) and per-phase time + achieved matmul FLOP/s
+for one SpecOPD step, one Draft-OPD round (8 sequences), one autoregressive token and one speculative round
+(batch 1), in the bf16 (``--profile-dtype``) target.
+
+The CPU is shared with other jobs: only ratios measured side by side in one run mean anything.
+
+    python benchmarks/bench_cpu.py [--settings main,long] [--dtypes float32,bfloat16] [--steps 2] [--warmup 1]
+                                   [--decode] [--profile] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml")
+SETTINGS = {  # seq_len, recipe overrides
+    "main": (192, ["data.batch_size=8", "trainer.anchors_per_seq=16"]),
+    "long": (512, ["data.batch_size=4", "trainer.anchors_per_seq=64"]),
+}
+SHAPES = ((2048, 576, 1536), (512, 576, 49152))
+
+
+def matmul_rates(reps: int = 5) -> dict:
+    """{dtype name: {"MxKxN": GFLOP/s}} best of ``reps`` per shape, fp32 and bf16 alternating."""
+    out = {"float32": {}, "bfloat16": {}}
+    for m, k, n in SHAPES:
+        a32, b32 = torch.randn(m, k), torch.randn(k, n)
+        ops = {"float32": (a32, b32), "bfloat16": (a32.bfloat16(), b32.bfloat16())}
+        best = {d: float("inf") for d in ops}
+        for _ in range(reps):
+            for d, (a, b) in ops.items():
+                a @ b
+                t0 = time.perf_counter()
+                a @ b
+                best[d] = min(best[d], time.perf_counter() - t0)
+        for d in ops:
+            out[d][f"{m}x{k}x{n}"] = 2 * m * k * n / best[d] / 1e9
+    return out
+
+
+def chat_data(target_dir: str, vocab: int, seq_len: int, path: str, exact: bool, num: int = 64) -> str:
+    """Chat conversations (chitchat, the target's chat template) cut to ``seq_len`` tokens -> prepared JSONL;
+    ``exact``: keep only those that reach seq_len (full-length trunks)."""
+    from specopd.data.conversations import write_conversation_data
+    from specopd.data.prepare import load_tokenizer
+
+    tok = load_tokenizer(target_dir, vocab)
+    write_conversation_data(tok, path, num, seq_len, min_response_tokens=seq_len // 3)
+    if exact:
+        recs = [json.loads(line) for line in open(path)]
+        with open(path, "w") as f:
+            for r in recs:
+                if len(r["input_ids"]) == seq_len:
+                    f.write(json.dumps(r) + "\n")
+    return path
+
+
+def count_flops(fn) -> tuple:
+    """(result, matmul FLOPs) of fn() under FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        r = fn()
+    return r, int(fc.get_total_flops())
+
+
+def make_workers(target_dir: str, data: str, seq_len: int, overrides: list, dtypes: list, out_dir: str) -> dict:
+    from specopd.config import load_recipe
+    from specopd.train.worker import Worker
+
+    workers = {}
+    for dt in dtypes:
+        shared = None
+        for method in ("specopd", "draft_opd"):
+            ov = [f"model.target={target_dir}", f"model.dtype={dt}", f"data.path={data}", f"data.seq_len={seq_len}",
+                  "data.heldout=0.0", "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
+                  f"trainer.method={method}", f"trainer.output_dir={out_dir}", "trainer.eval_heldout=false", "trainer.eval_every=0",
+                  *overrides]
+            w = Worker(load_recipe(RECIPE, ov), target=shared)
+            shared = w.target
+            workers[(dt, method)] = w
+    return workers
+
+
+def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warmup: int, tmp: str) -> dict:
+    from specopd.train.data import BatchOrder
+
+    seq_len, ov = SETTINGS[setting]
+    w0 = None
+    data = chat_data(target_dir, 49152, seq_len, os.path.join(tmp, f"chat{seq_len}.jsonl"), exact=setting == "long")
+    workers = make_workers(target_dir, data, seq_len, ov, dtypes, os.path.join(tmp, f"run-{setting}"))
+    w0 = next(iter(workers.values()))
+    order = BatchOrder(w0.train_ids, w0.cfg.data.batch_size, w0.cfg.data.seed)
+    batches = [order.next() for _ in range(steps + warmup)]
+    stats = {k: {"steps": 0, "tokens": 0, "seconds": 0.0, "phase_s": {}} for k in workers}
+    for step, ids in enumerate(batches):
+        for key, w in workers.items():
+            t0 = time.perf_counter()
+            n = w.stage(ids, step)["branches"]
+            m = w.finish(n)
+            dt = time.perf_counter() - t0
+            print(f"  [{setting}] step {step} {key[0]} {key[1]}: {dt:.2f} s, {m['supervised_tokens']} tokens",
+                  flush=True)
+            if step < warmup:
+                continue
+            s = stats[key]
+            s["steps"] += 1
+            s["tokens"] += m["supervised_tokens"]
+            s["seconds"] += dt
+            for k, v in m["phase_s"].items():
+                s["phase_s"][k] = s["phase_s"].get(k, 0.0) + v
+    for key, w in workers.items():  # FLOPs of one more step (same batch as the first timed one)
+        def one(w=w):
+            n = w.stage(batches[warmup], warmup)["branches"]
+            return w.finish(n)
+        m, flops = count_flops(one)
+        stats[key]["flops_per_token"] = flops / m["supervised_tokens"]
+        stats[key]["tokens_per_s"] = stats[key]["tokens"] / stats[key]["seconds"]
+    return {"setting": setting, "seq_len": seq_len, "batch": w0.cfg.data.batch_size,
+            "anchors": w0.cfg.trainer.anchors_per_seq, "W": w0.W, "stats": stats}
+
+
+def training_table(results: list, rates: dict) -> str:
+    lines = ["| setting | target | method | supervised tokens/s | vs fp32 | SpecOPD / Draft-OPD | GFLOP / token | "
+             "roofline tokens/s | share of roofline | prefill s | propose s | score s | commit s | loss+bwd s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        st = r["stats"]
+        for (dt, method), s in st.items():
+            rate = max(rates[dt].values()) * 1e9
+            roof = rate / s["flops_per_token"]
+            fp32 = st.get(("float32", method))
+            vs = f"{s['tokens_per_s'] / fp32['tokens_per_s']:.2f}x" if fp32 else "-"
+            ratio = (f"{s['tokens_per_s'] / st[(dt, 'draft_opd')]['tokens_per_s']:.2f}x"
+                     if method == "specopd" else "-")
+            ph = {k: v / max(1, s["steps"]) for k, v in s["phase_s"].items()}
+            lines.append(
+                f"| {r['setting']} ({r['seq_len']} tok, batch {r['batch']}, B {r['anchors']}, W {r['W']}) | {dt} | "
+                f"{method} | {s['tokens_per_s']:.1f} | {vs} | {ratio} | {s['flops_per_token'] / 1e9:.2f} | "
+                f"{roof:.0f} | {100 * s['tokens_per_s'] / roof:.0f}% | {ph.get('prefill', 0):.2f} | "
+                f"{ph.get('propose', 0):.2f} | {ph.get('score', 0):.2f} | {ph.get('commit', 0):.2f} | "
+                f"{ph.get('loss_backward', 0):.2f} |")
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def bench_decode(target_dir: str, dtypes: list, n_prompts: int, n_new: int) -> list:
+    from specopd.data.conversations import heldout_prompt_ids
+    from specopd.drafters import build_drafter
+    from specopd.eval import SpeculativeDecoder, autoregressive
+    from specopd.models import load_target
+
+    rows = []
+    models = {dt: load_target(target_dir, dtype=getattr(torch, dt)) for dt in dtypes}
+    prompts = heldout_prompt_ids(target_dir, 49152, n_prompts)
+    drafters = {dt: build_drafter("dflash", t, num_layers=1, block_size=5, seed=0, feature_layers=[29]).eval()
+                for dt, t in models.items()}
+    res = {(dt, k): [0, 0.0, []] for dt in dtypes for k in ("ar", "spec")}
+    for p in [prompts[0]] + prompts:  # the first prompt once more, untimed (warm-up)
+        warm = p is prompts[0] and not res[(dtypes[0], "ar")][0] and not res[(dtypes[0], "ar")][2]
+        for dt, t in models.items():
+            a = autoregressive(t, p, n_new, temperature=0.0)
+            s = SpeculativeDecoder(t, drafters[dt], temperature=0.0).generate(p, n_new)
+            if warm:
+                res[(dt, "ar")][2].append("warm")
+                continue
+            for k, r in (("ar", a), ("spec", s)):
+                res[(dt, k)][0] += r.tokens.numel()
+                res[(dt, k)][1] += r.wall_time
+                if k == "spec":
+                    res[(dt, k)][2].extend(r.accept_lengths)
+    for (dt, k), (n, sec, al) in res.items():
+        rows.append({"dtype": dt, "mode": k, "tokens_per_s": n / sec,
+                     "al": (sum(al) / len(al)) if k == "spec" and al else None})
+    return rows
+
+
+def decode_table(rows: list, n_prompts: int, n_new: int) -> str:
+    base = {r["dtype"]: r["tokens_per_s"] for r in rows if r["mode"] == "ar"}
+    lines = [f"{n_prompts} held-out chat prompts x {n_new} new tokens, greedy, batch 1 (prefill included)",
+             "| target | decoding | tokens/s | vs fp32 AR | AL (incl. bonus) | vLLM tokens/s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        al = f"{r['al']:.2f}" if r["al"] else "-"
+        lines.append(f"| {r['dtype']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s'] / base.get('float32', float('nan')):.2f}x | {al} | "
+                     f"n/a (specopd.engines not merged) |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- profiling
+def _op_table(fn, rows: int = 12) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=28)
+
+
+def _phase(name: str, fn, out: list):
+    """Time fn() once, then count its FLOPs in a second identical call; append (name, s, GFLOP)."""
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    r, flops = count_flops(fn)
+    out.append((name, dt, flops / 1e9))
+    return r
+
+
+def profile_all(target_dir: str, dtype: str, tmp: str, rates: dict) -> str:
+    from specopd import speculative as spec
+    from specopd.data.conversations import heldout_prompt_ids
+
+    seq_len, ov = SETTINGS["main"]
+    data = chat_data(target_dir, 49152, seq_len, os.path.join(tmp, f"chat{seq_len}.jsonl"), exact=False)
+    ws = make_workers(target_dir, data, seq_len, ov, [dtype], os.path.join(tmp, "run-profile"))
+    w = ws[(dtype, "specopd")]
+    target, drafter = w.target, w.drafter
+    ids = w.train_ids[:8]
+    n = w.stage(ids, 0)["branches"]
+    w.finish(n)  # warm-up
+    rate = max(rates[dtype].values())
+    out = [f"### one SpecOPD step ({dtype}, main shapes)"]
+    phases = []
+    caches = _phase("prefill", lambda: w.prefill(ids), phases)
+    prop = w.propose(caches, ids, 1)
+    t0 = time.perf_counter()
+    w.propose(caches, ids, 1)
+    tp = time.perf_counter() - t0
+    _, fl = count_flops(lambda: w.propose(caches, ids, 1))
+    phases.append(("propose (drafter fwd + sampling)", tp, fl / 1e9))
+    hp = _phase("score", lambda: w.score(prop, caches), phases)
+    denom = prop["tokens"].shape[0]
+
+    def lb():
+        p = w.propose(caches, ids, 1)
+        w.loss_backward(p, hp, denom)
+    t0 = time.perf_counter()
+    lb()
+    tl = time.perf_counter() - t0 - tp
+    _, fl2 = count_flops(lb)
+    phases.append(("loss + backward", tl, fl2 / 1e9 - fl / 1e9))
+    out.append(_phase_table(phases, rate))
+
+    def step():
+        k = w.stage(ids, 2)["branches"]
+        w.finish(k)
+    out.append(_op_table(step))
+
+    # one Draft-OPD round over 8 sequences (engine-style: one drafter call, one verify pass, commit)
+    samples = [w.sample(s) for s in ids]
+    seqs = [spec.start(target, s["input_ids"][: s["prompt_len"]], drafter.feature_layers) for s in samples]
+    gens = [torch.Generator().manual_seed(i) for i in range(len(seqs))]
+    drafter.eval()
+
+    def rnd(seqs=seqs, record=None):
+        t = [time.perf_counter()]
+        with torch.no_grad():
+            g = gens[: len(seqs)]
+            d, q = spec.draft(drafter, seqs, 1.0, g)
+            t.append(time.perf_counter())
+            p, state = spec.verify(target, seqs, d)
+            t.append(time.perf_counter())
+            nacc, nxt = spec.accept(d, q, p, 1.0, g)
+            new = spec.commit(target, seqs, state, nacc, nxt)
+            t.append(time.perf_counter())
+        if record is not None:
+            record.extend(zip(("draft", "verify", "accept + commit"), [b - a for a, b in zip(t, t[1:])]))
+        return new
+    seqs = rnd(seqs)  # warm
+    out.append(f"### one Draft-OPD round ({dtype}, 8 sequences, W = {drafter.draft_len})")
+    rec = []
+    nxt = rnd(seqs, rec)
+    fl_round = count_flops(lambda: rnd(nxt))[1]
+    out.append(f"draft / verify / accept+commit s: {', '.join(f'{k} {v:.3f}' for k, v in rec)}; round "
+               f"{sum(v for _, v in rec):.3f} s, {fl_round / 1e9:.1f} GFLOP -> "
+               f"{fl_round / 1e9 / sum(v for _, v in rec):.0f} GFLOP/s ({100 * fl_round / 1e9 / sum(v for _, v in rec) / rate:.0f}% "
+               f"of {rate:.0f})")
+    out.append(_op_table(lambda: rnd(nxt)))
+
+    # one autoregressive token and one speculative round at batch 1
+    prompt = heldout_prompt_ids(target_dir, 49152, 1)[0]
+    cache = target.prefill(prompt[:-1], keep_logits=False, keep_checkpoints=False)
+    last = prompt[-1:]
+
+    def ar_token():
+        with torch.no_grad():
+            return target.prefill(last, cache=cache, keep_logits=True, keep_checkpoints=False)
+    ar_token()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        ar_token()
+    t_ar = (time.perf_counter() - t0) / 5
+    fl_ar = count_flops(ar_token)[1]
+    out.append(f"### one autoregressive token ({dtype}, batch 1, context {prompt.numel()})")
+    out.append(f"{t_ar * 1e3:.1f} ms/token ({1 / t_ar:.1f} tokens/s), {fl_ar / 1e9:.3f} GFLOP -> "
+               f"{fl_ar / 1e9 / t_ar:.1f} GFLOP/s ({100 * fl_ar / 1e9 / t_ar / rate:.1f}% of {rate:.0f})")
+    out.append(_op_table(ar_token))
+    one = [spec.start(target, prompt, drafter.feature_layers)]
+    one = rnd(one)
+    rec = []
+    rnd(one, rec)
+    fl_sr = count_flops(lambda: rnd(one))[1]
+    t_sr = sum(v for _, v in rec)
+    out.append(f"### one speculative round ({dtype}, batch 1, W = {drafter.draft_len})")
+    out.append(f"draft / verify / accept+commit s: {', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in rec)}; round "
+               f"{t_sr * 1e3:.1f} ms, {fl_sr / 1e9:.3f} GFLOP -> {fl_sr / 1e9 / t_sr:.1f} GFLOP/s")
+    out.append(_op_table(lambda: rnd(one)))
+    return "\n\n".join(out)
+
+
+def _phase_table(phases: list, rate: float) -> str:
+    lines = ["| phase | s | GFLOP (matmul) | GFLOP/s | % of matmul rate |", "|---|---|---|---|---|"]
+    tot_s, tot_f = 0.0, 0.0
+    for name, s, gf in phases:
+        tot_s, tot_f = tot_s + s, tot_f + gf
+        lines.append(f"| {name} | {s:.3f} | {gf:.1f} | {gf / s:.0f} | {100 * gf / s / rate:.0f}% |")
+    lines.append(f"| step | {tot_s:.3f} | {tot_f:.1f} | {tot_f / tot_s:.0f} | {100 * tot_f / tot_s / rate:.0f}% |")
+    return "\n".join(lines)
+
+
+def rates_table(before: dict, after: dict) -> str:
+    lines = ["| matmul | fp32 GFLOP/s (before / after) | bf16 GFLOP/s (before / after) |", "|---|---|---|"]
+    for key in before["float32"]:
+        lines.append(f"| {key} | {before['float32'][key]:.0f} / {after['float32'][key]:.0f} | "
+                     f"{before['bfloat16'][key]:.0f} / {after['bfloat16'][key]:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None, help="HF folder (default: the prepared smollm2-135m)")
+    ap.add_argument("--settings", default="main,long")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per (dtype, method)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--decode", action="store_true", help="also decoding tokens/s at batch 1")
+    ap.add_argument("--decode-prompts", type=int, default=4)
+    ap.add_argument("--decode-new", type=int, default=32)
+    ap.add_argument("--profile", action="store_true", help="also the op tables (see the module doc)")
+    ap.add_argument("--profile-dtype", default="bfloat16")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    print("command:", " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), flush=True)
+    if args.target is None:
+        from specopd.data.smollm2 import default_model_dir
+
+        args.target = default_model_dir()
+    dtypes = args.dtypes.split(",")
+    settings = [s for s in args.settings.split(",") if s]
+    out = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = matmul_rates()
+        results = [bench_training(args.target, s, dtypes, args.steps, args.warmup, tmp) for s in settings]
+        after = matmul_rates()
+        rates = {d: {k: max(before[d][k], after[d][k]) for k in before[d]} for d in before}
+        print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; target {args.target}; one worker; "
+              f"{args.steps} timed steps per row after {args.warmup} warm-up; drafter 1-layer DFlash, fp32 master "
+              f"weights; roofline rate = the best matmul rate of the dtype")
+        print(rates_table(before, after))
+        print()
+        print(training_table(results, rates), flush=True)
+        dec = bench_decode(args.target, dtypes, args.decode_prompts, args.decode_new) if args.decode else None
+        if dec:
+            print()
+            print(decode_table(dec, args.decode_prompts, args.decode_new), flush=True)
+        if args.profile:
+            print()
+            print(profile_all(args.target, args.profile_dtype, tmp, rates), flush=True)
+    if args.json:
+        out.update(rates=rates, training=[{**r, "stats": {f"{k[0]}/{k[1]}": v for k, v in r["stats"].items()}}
+                                          for r in results], decode=dec)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
