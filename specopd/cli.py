@@ -25,6 +25,22 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
+def _check_json(args) -> None:
+    """``--json PATH`` that cannot be written is refused before any work (not after a finished training)."""
+    from specopd.errors import BadInputError, output_file_problem
+
+    path = getattr(args, "json", None)
+    why = output_file_problem(path) if path else None
+    if why is not None:
+        raise BadInputError(f"--json {path!r} cannot be written: {why}")
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
 def _load(recipe: str, overrides: list):
     from specopd.config import RecipeError, load_recipe
 
@@ -144,6 +160,7 @@ def _print_plan(p: dict) -> None:
 # ---------------------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
     cfg = _load(args.recipe, args.overrides)
+    _check_json(args)
     if args.dry_run:
         try:
             p = plan(cfg)
@@ -164,8 +181,7 @@ def cmd_train(args) -> int:
             p = extend(cfg, p)
         _print_plan(p)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({k: v for k, v in p.items() if not k.startswith("_")}, f, indent=1)
+            _write_json(args.json, {k: v for k, v in p.items() if not k.startswith("_")})
         return 0
     from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError
     from specopd.train.checkpoint import CheckpointError
@@ -185,13 +201,13 @@ def cmd_train(args) -> int:
             raise
         return _fail(str(e), 1)  # the message names the cause, the checkpoint and the fix
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        _write_json(args.json, summary)
     return 0
 
 
 def cmd_eval(args) -> int:
     cfg = _load(args.recipe, args.overrides)
+    _check_json(args)
     fn = _lazy("specopd.eval.cli", "main_eval")
     rc = fn(cfg, args)
     return rc if isinstance(rc, int) else 0
@@ -230,6 +246,9 @@ def resolve_export_source(src: str) -> tuple:
     """RUN_DIR (-> its newest complete checkpoint) | a checkpoint / drafter folder -> (folder, run_dir or None)."""
     from specopd.train.checkpoint import find_latest
 
+    if os.path.exists(src) and not os.path.isdir(src):
+        raise FileNotFoundError(f"{src!r} is a file, not a folder (give a run folder, i.e. a trainer.output_dir, or "
+                                f"a checkpoint / drafter folder: the folder holding config.json + model.safetensors)")
     if not os.path.isdir(src):
         raise FileNotFoundError(f"{src!r} does not exist (give a run folder, i.e. a trainer.output_dir, or a "
                                 f"checkpoint / drafter folder)")
@@ -246,15 +265,37 @@ def resolve_export_source(src: str) -> tuple:
     raise FileNotFoundError(f"{src!r} is neither a run folder (no checkpoints/) nor a drafter folder (no config.json)")
 
 
+def check_source(src: str, run) -> None:
+    """A damaged checkpoint (files against its manifest, with checksums) is refused, naming it and the newest
+    checkpoint of its run that verifies."""
+    from specopd.errors import DamagedFolderError
+    from specopd.train.checkpoint import MARKER, newest_good, verify
+
+    if not os.path.isfile(os.path.join(src, MARKER)):
+        return  # a released / drafter folder: load_drafter / export_folder check what it has
+    why = verify(src)
+    if why is None:
+        return
+    good = newest_good(run) if run else None
+    raise DamagedFolderError(f"checkpoint {src} is damaged: {why}. " + (
+        f"The newest checkpoint of the run that verifies is {good}: give that one" if good else
+        "No other checkpoint of its run verifies: train again (trainer.resume=auto moves the damaged one aside)"))
+
+
 def cmd_export(args) -> int:
     """RUN_DIR (its newest complete checkpoint) | CHECKPOINT | released folder -> the released layout."""
     from specopd.drafters.layout import DTYPES, describe_export, export_folder
+    from specopd.errors import BadInputError, dir_problem
 
     src, run = resolve_export_source(args.source)
-    if args.max_shard_gb <= 0:
-        return _fail(f"--max-shard-gb must be > 0; got {args.max_shard_gb}")
+    if args.max_shard_gb <= 0 or args.max_shard_gb != args.max_shard_gb:
+        return _fail(f"--max-shard-gb must be a number > 0; got {args.max_shard_gb}")
+    why = dir_problem(args.out_dir)
+    if why is not None:
+        raise BadInputError(f"export folder {args.out_dir!r} cannot be written: {why}; give a new or empty folder")
+    check_source(src, run)
     cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
-                        max_shard_bytes=int(args.max_shard_gb * 1024 ** 3))
+                        max_shard_bytes=int(args.max_shard_gb * 1024 ** 3), force=args.force)
     print(describe_export(src, args.out_dir, cfg, args.target or _run_target(run)))
     return 0
 
@@ -292,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--target", default=None, help="target model path for the printed serving commands "
                                                   "(default: the run's recipe)")
     ex.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into shards of this size")
+    ex.add_argument("--force", action="store_true", help="write into a folder that holds other files (its "
+                                                        "drafter files are replaced, the rest kept)")
     ex.set_defaults(fn=cmd_export)
     pf = sub.add_parser("profile", help="render profile outputs (trace.json, timeline.png, summary.json)")
     pf.add_argument("run_dir")
@@ -308,16 +351,24 @@ def main(argv=None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    from specopd.errors import UserError
+
     try:
         return int(args.fn(args) or 0)
+    except UserError as e:  # a user's mistake (specopd.errors): the message names the cause and the fix
+        if os.environ.get("SPECOPD_DEBUG"):
+            raise
+        return _fail(str(e))
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and how to fix it, no traceback
         if os.environ.get("SPECOPD_DEBUG"):
             raise
         return _fail(f"{type(e).__name__}: {e}  (SPECOPD_DEBUG=1 shows the traceback)")
     except SystemExit as e:
+        if isinstance(e.code, str):  # raise SystemExit("message"): a refusal worded for the user
+            print(f"specopd: error: {e.code}", file=sys.stderr)
         return int(e.code or 0) if isinstance(e.code, int) else 2
     except KeyboardInterrupt:
-        return _fail("interrupted (a checkpoint of the completed steps was written)", 130)
+        return _fail("interrupted (what was kept is said above)", 130)
 
 
 if __name__ == "__main__":

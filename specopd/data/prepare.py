@@ -136,15 +136,25 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
     """Regenerate responses for the first ``num`` prompts, ``batch_size`` streams at a time (resumable: records
     are appended per finished batch; a rerun skips finished ids). Prompts: ``prompts`` (a list of (id,
     messages), named ``prompts_label`` in meta.json), else ``prompts_file``, else chitchat's first user turns.
-    Returns counts {written, skipped_done, skipped_too_long, total_records}."""
-    from specopd.models import load_target
-
+    Returns counts {written, skipped_done, skipped_too_long, total_records}. Holds the lock of ``out_dir``
+    (``specopd.train.lock``): a second writer there is refused."""
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"--max-new-tokens and --batch-size must be >= 1; got {max_new_tokens}, {batch_size}")
-    if temperature < 0 or not 0 < top_p <= 1:
+    if not 0 <= temperature < float("inf") or not 0 < top_p <= 1:
         raise ValueError(f"need --temperature >= 0 and 0 < --top-p <= 1; got {temperature}, {top_p}")
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"--heldout-fraction must be in [0, 1); got {heldout_fraction}")
+    from specopd.train.lock import run_lock
+
+    with run_lock(out_dir, "prepare data --out"):  # one writer per data folder, for the whole run
+        return _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed,
+                             heldout_fraction, device, dtype, progress, batch_size, prompts, prompts_label)
+
+
+def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed, heldout_fraction,
+                  device, dtype, progress, batch_size, prompts, prompts_label) -> dict:
+    from specopd.models import load_target
+
     target = load_target(target_dir, dtype=dtype, device=device)
     tok = load_tokenizer(target_dir, target.vocab_size)
     if prompts is None:
