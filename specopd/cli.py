@@ -14,6 +14,7 @@ cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels (tes
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -221,7 +222,8 @@ def cmd_prepare(args) -> int:
 
 def cmd_profile(args) -> int:
     if not os.path.isdir(args.run_dir):
-        return _fail(f"run folder {args.run_dir!r} does not exist (give a trainer.output_dir)")
+        return _fail(f"run folder {args.run_dir!r} " + ("is a file, not a folder" if os.path.exists(args.run_dir)
+                                                        else "does not exist") + " (give a trainer.output_dir)")
     fn = _lazy("specopd.profiling", "render")
     out = fn(args.run_dir)
     if out is not None:
@@ -294,8 +296,17 @@ def cmd_export(args) -> int:
     if why is not None:
         raise BadInputError(f"export folder {args.out_dir!r} cannot be written: {why}; give a new or empty folder")
     check_source(src, run)
-    cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
-                        max_shard_bytes=int(args.max_shard_gb * 1024 ** 3), force=args.force)
+    try:
+        cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
+                            max_shard_bytes=int(args.max_shard_gb * 1024 ** 3), force=args.force)
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as e:  # the folder refused a write
+        raise BadInputError(f"export folder {args.out_dir!r} cannot be written: {e.strerror} ({e.filename}); give "
+                            f"a writable folder") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+            raise
+        raise BadInputError(f"export folder {args.out_dir!r} cannot be written: {e.strerror}; free space or give "
+                            f"another folder (a partial export may be left there)") from None
     print(describe_export(src, args.out_dir, cfg, args.target or _run_target(run)))
     return 0
 
@@ -368,7 +379,7 @@ def main(argv=None) -> int:
             print(f"specopd: error: {e.code}", file=sys.stderr)
         return int(e.code or 0) if isinstance(e.code, int) else 2
     except KeyboardInterrupt:
-        return _fail("interrupted (what was kept is said above)", 130)
+        return _fail("interrupted", 130)
 
 
 if __name__ == "__main__":

@@ -250,7 +250,8 @@ def main_eval(cfg, args=None) -> dict:
         path = MODELS[path]()
     prompts_file = getattr(ns, "prompts", None)
     if prompts_file and not os.path.isfile(prompts_file):
-        raise FileNotFoundError(f"--prompts {prompts_file!r} does not exist (give a JSONL or text file)")
+        raise FileNotFoundError(f"--prompts {prompts_file!r} " + ("is a folder" if os.path.isdir(prompts_file) else
+                                                                "does not exist") + " (give a JSONL or text file)")
     target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device), kernels=cfg.model.kernels)
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)

@@ -97,6 +97,11 @@ def acquire(folder: str, what: str = "trainer.output_dir") -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a filesystem without file locks
+                print(f"[lock] warning: {what}={folder}: this filesystem has no file locks ({e.strerror}); running "
+                      f"without the one-writer lock", file=sys.stderr)
+                _HELD[key] = [_open(path), 1, os.getpid()]
+                return _HELD[key][0]
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
             h = read_holder(folder)
