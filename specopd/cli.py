@@ -246,13 +246,14 @@ def _run_target(run_dir) -> str | None:
 
 def resolve_export_source(src: str) -> tuple:
     """RUN_DIR (-> its newest complete checkpoint) | a checkpoint / drafter folder -> (folder, run_dir or None)."""
+    from specopd.errors import MissingInputError
     from specopd.train.checkpoint import find_latest
 
     if os.path.exists(src) and not os.path.isdir(src):
-        raise FileNotFoundError(f"{src!r} is a file, not a folder (give a run folder, i.e. a trainer.output_dir, or "
+        raise MissingInputError(f"{src!r} is a file, not a folder (give a run folder, i.e. a trainer.output_dir, or "
                                 f"a checkpoint / drafter folder: the folder holding config.json + model.safetensors)")
     if not os.path.isdir(src):
-        raise FileNotFoundError(f"{src!r} does not exist (give a run folder, i.e. a trainer.output_dir, or a "
+        raise MissingInputError(f"{src!r} does not exist (give a run folder, i.e. a trainer.output_dir, or a "
                                 f"checkpoint / drafter folder)")
     if os.path.isfile(os.path.join(src, "config.json")):
         parent = os.path.dirname(os.path.abspath(src))
@@ -261,10 +262,10 @@ def resolve_export_source(src: str) -> tuple:
     if os.path.isdir(os.path.join(src, "checkpoints")):
         ck = find_latest(src)
         if ck is None:
-            raise FileNotFoundError(f"run {src!r} has no complete checkpoint yet (checkpoints/step-N with a COMPLETE "
+            raise MissingInputError(f"run {src!r} has no complete checkpoint yet (checkpoints/step-N with a COMPLETE "
                                     f"marker); train longer or give a checkpoint folder")
         return ck, src
-    raise FileNotFoundError(f"{src!r} is neither a run folder (no checkpoints/) nor a drafter folder (no config.json)")
+    raise MissingInputError(f"{src!r} is neither a run folder (no checkpoints/) nor a drafter folder (no config.json)")
 
 
 def check_source(src: str, run) -> None:

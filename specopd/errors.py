@@ -24,6 +24,10 @@ class BadInputError(UserError, ValueError):
     """A file a user named cannot be used as given (bad encoding, bad record, wrong kind of path)."""
 
 
+class MissingInputError(UserError, FileNotFoundError):
+    """A file or folder a user named is not there (or is not the kind of path asked for)."""
+
+
 class DamagedFolderError(UserError, ValueError):
     """A checkpoint / drafter folder whose files do not match its manifest (or cannot be read)."""
 

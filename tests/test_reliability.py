@@ -99,7 +99,7 @@ def _holder(folder):
     return p
 
 
-def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path):
+def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path, capsys):
     out = tmp_path / "run"
     holder = _holder(out)
     try:
@@ -112,8 +112,9 @@ def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path):
         data = tmp_path / "data"
         holder2 = _holder(data)
         try:
-            rc, so, err = _specopd("prepare", "data", "--target", tmp_path / "no-target", "--out", data)
-            _refused(rc, so, err, f"prepare data --out='{data}' is in use by pid {holder2.pid}")
+            capsys.readouterr()
+            rc = main(["prepare", "data", "--target", str(tmp_path / "no-target"), "--out", str(data)])
+            _refused(rc, "", capsys.readouterr().err, f"prepare data --out='{data}' is in use by pid {holder2.pid}")
         finally:
             holder2.kill()
             holder2.wait()
@@ -210,7 +211,14 @@ def load_state(step_dir):
     return load_file(os.path.join(step_dir, "model.safetensors"))
 
 
-def test_export_and_eval_refuse_a_damaged_step_naming_the_newest_good_one(run, tmp_path):
+def _main(capsys, *argv):
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    o = capsys.readouterr()
+    return rc, o.out, o.err
+
+
+def test_export_and_eval_refuse_a_damaged_step_naming_the_newest_good_one(run, tmp_path, capsys):
     out = _copy(run, tmp_path / "run")
     newest, good = (os.path.join(out, "checkpoints", f"step-{s}") for s in (STEPS, 2))
     _poison_fc(newest)  # an inf in fc.weight: same size, other sha256
@@ -218,16 +226,16 @@ def test_export_and_eval_refuse_a_damaged_step_naming_the_newest_good_one(run, t
     _refused(rc, so, err, f"checkpoint {newest} is damaged", "model.safetensors does not match its sha256",
              f"newest checkpoint of the run that verifies is {good}")
     assert not os.path.exists(tmp_path / "exp")
-    rc, so, err = _specopd("eval", RECIPE, *_args(out), "eval.prompts=1", "eval.max_new_tokens=2", "--no-baseline")
+    rc, so, err = _main(capsys, "eval", RECIPE, *_args(out), "eval.prompts=1", "eval.max_new_tokens=2", "--no-baseline")
     _refused(rc, so, err, f"checkpoint {newest} is damaged", f"eval.checkpoint={good}")
     f = os.path.join(newest, "model.safetensors")
     os.truncate(f, os.path.getsize(f) // 2)  # a truncated step: named, no SafetensorError traceback
-    rc, so, err = _specopd("export", newest, tmp_path / "exp")
+    rc, so, err = _main(capsys, "export", newest, tmp_path / "exp")
     _refused(rc, so, err, "(truncated or overwritten)", good)
-    rc, so, err = _specopd("eval", RECIPE, *_args(out), f"eval.checkpoint={newest}", "eval.prompts=1",
-                           "eval.max_new_tokens=2", "--no-baseline")
+    rc, so, err = _main(capsys, "eval", RECIPE, *_args(out), f"eval.checkpoint={newest}", "eval.prompts=1",
+                        "eval.max_new_tokens=2", "--no-baseline")
     _refused(rc, so, err, f"checkpoint {newest} is damaged", "truncated")
-    assert _specopd("export", good, tmp_path / "exp")[0] == 0
+    assert _main(capsys, "export", good, tmp_path / "exp")[0] == 0
 
 
 def test_init_from_and_released_folders_are_verified(run, tmp_path):
@@ -459,6 +467,26 @@ def _cases(tmp_path, run):
     ])
 
 
+def _nothing_trained(tmp_path):
+    for d in os.listdir(tmp_path):
+        if d.startswith("out"):  # refused before any training: no recipe, no checkpoint
+            assert not {"recipe.yaml", "checkpoints", "metrics.jsonl"} & set(os.listdir(tmp_path / d)), d
+
+
+def test_every_user_mistake_is_a_clear_message_with_exit_2_in_process(run, tmp_path, capsys):
+    """The cases of the subprocess test below through ``main()`` in this process (fast: no interpreter start per
+    case): an exception escaping ``main`` would fail the test, as a traceback would."""
+    for name, argv, needles in _cases(tmp_path, run):
+        capsys.readouterr()
+        rc = main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert rc == 2, (name, rc, err[-3000:])
+        for n in needles:
+            assert n in err, (name, n, err[-3000:])
+    _nothing_trained(tmp_path)
+
+
+@pytest.mark.slow
 def test_every_user_mistake_is_a_clear_message_with_exit_2(run, tmp_path):
     """Each case through the CLI in a subprocess (two at a time): exit 2, the cause named, no traceback; nothing
     trained or written into trainer.output_dir."""
@@ -471,21 +499,21 @@ def test_every_user_mistake_is_a_clear_message_with_exit_2(run, tmp_path):
         assert rc == 2 and "Traceback" not in err, (name, rc, err[-3000:])
         for n in needles:
             assert n in err, (name, n, err[-3000:])
-    for d in os.listdir(tmp_path):
-        if d.startswith("out"):  # refused before any training: no recipe, no checkpoint
-            assert not {"recipe.yaml", "checkpoints", "metrics.jsonl"} & set(os.listdir(tmp_path / d)), d
+    _nothing_trained(tmp_path)
 
 
-def test_internal_bugs_still_show_a_traceback(tmp_path):
-    """A bug (an exception that is not a user's mistake) is not dressed up as one."""
-    code = textwrap.dedent(f"""
-        import sys
-        import specopd.train.loop as loop
-        def bug(*a, **k):
-            raise KeyError("an internal bug")
-        loop.evaluate_heldout = bug
-        from specopd.cli import main
-        sys.exit(main(["train", {RECIPE!r}] + {_args(tmp_path / 'run', 'trainer.eval_heldout=true')!r}))
-    """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
-    assert r.returncode == 1 and "Traceback" in r.stderr and "an internal bug" in r.stderr
+def test_internal_bugs_still_show_a_traceback(tmp_path, monkeypatch):
+    """A bug (an exception that is not a user's mistake) is not dressed up as one: it leaves ``main`` (Python
+    prints its traceback), while a user's mistake of the same run is a message."""
+    import specopd.train.loop as loop
+
+    def bug(*a, **k):
+        raise KeyError("an internal bug")
+
+    monkeypatch.setattr(loop, "evaluate_heldout", bug)
+    monkeypatch.delenv("SPECOPD_DEBUG", raising=False)
+    with pytest.raises(KeyError, match="an internal bug"):
+        main(["train", RECIPE, *_args(tmp_path / "run", "trainer.eval_heldout=true")])
+    with pytest.raises(AttributeError):  # an internal AttributeError is not a user's mistake either
+        monkeypatch.setattr(loop, "evaluate_heldout", lambda *a, **k: None.missing)
+        main(["train", RECIPE, *_args(tmp_path / "run2", "trainer.eval_heldout=true")])
