@@ -81,6 +81,12 @@ def plan(cfg, device_bytes=None) -> dict:
     if shape is None:
         notes.append(f"model.target={m.target!r} is prepared by the main job on first use (stage 1, cached); "
                      f"no memory estimate until then" if pipeline else f"no memory estimate: {source}")
+    from specopd.train.lock import busy
+
+    holder = busy(t.output_dir)
+    if holder:
+        notes.append(f"trainer.output_dir={t.output_dir!r} is in use by {holder}: the run would be refused until "
+                     f"that one ends (one writer per folder)")
     if t.resume != "none":
         from specopd.train.checkpoint import CheckpointError, find_latest, read_state
 

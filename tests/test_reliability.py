@@ -109,6 +109,9 @@ def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path, capsys):
                               f"{socket.gethostname()}", "one writer per folder")
         assert time.time() - t0 < 60 and not os.path.exists(out / "recipe.yaml")  # refused before any work
         assert not os.path.exists(out / "checkpoints") and not os.path.exists(out / "metrics.jsonl")
+        capsys.readouterr()
+        assert main(["train", RECIPE, *_args(out), "--dry-run"]) == 0  # the plan says so, and writes nothing
+        assert f"is in use by pid {holder.pid} on host" in capsys.readouterr().out
         data = tmp_path / "data"
         holder2 = _holder(data)
         try:

@@ -57,6 +57,24 @@ def read_holder(folder: str) -> Optional[dict]:
         return None
 
 
+def busy(folder: str) -> Optional[str]:
+    """Who holds ``folder``'s lock right now ("pid N on host H (...)"), or None; writes nothing (``--dry-run``)."""
+    path = os.path.join(folder, LOCK_FILE)
+    if not os.path.isfile(path) or os.path.realpath(folder) in _HELD:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except OSError as e:
+        return _describe(read_holder(folder)) if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK) else None
+    finally:
+        os.close(fd)
+
+
 def _describe(h: Optional[dict]) -> str:
     if not h:
         return "another process (it has not recorded itself yet)"
