@@ -39,7 +39,7 @@ def _env():
     return env
 
 
-def _specopd(*argv, timeout=300):
+def _specopd(*argv, timeout=600):
     """``python -m specopd.cli ARGV`` in a subprocess -> (exit code, stdout, stderr)."""
     r = subprocess.run([sys.executable, "-m", "specopd.cli", *map(str, argv)], capture_output=True, text=True,
                        env=_env(), cwd=ROOT, timeout=timeout)
