@@ -14,6 +14,7 @@ cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels (tes
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -23,6 +24,22 @@ import sys
 def _fail(msg: str, code: int = 2) -> int:
     print(f"specopd: error: {msg}", file=sys.stderr)
     return code
+
+
+def _check_json(args) -> None:
+    """``--json PATH`` that cannot be written is refused before any work (not after a finished training)."""
+    from specopd.errors import BadInputError, output_file_problem
+
+    path = getattr(args, "json", None)
+    why = output_file_problem(path) if path else None
+    if why is not None:
+        raise BadInputError(f"--json {path!r} cannot be written: {why}")
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
 
 
 def _load(recipe: str, overrides: list):
@@ -64,6 +81,12 @@ def plan(cfg, device_bytes=None) -> dict:
     if shape is None:
         notes.append(f"model.target={m.target!r} is prepared by the main job on first use (stage 1, cached); "
                      f"no memory estimate until then" if pipeline else f"no memory estimate: {source}")
+    from specopd.train.lock import busy
+
+    holder = busy(t.output_dir)
+    if holder:
+        notes.append(f"trainer.output_dir={t.output_dir!r} is in use by {holder}: the run would be refused until "
+                     f"that one ends (one writer per folder)")
     if t.resume != "none":
         from specopd.train.checkpoint import CheckpointError, find_latest, read_state
 
@@ -144,6 +167,7 @@ def _print_plan(p: dict) -> None:
 # ---------------------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
     cfg = _load(args.recipe, args.overrides)
+    _check_json(args)
     if args.dry_run:
         try:
             p = plan(cfg)
@@ -164,8 +188,7 @@ def cmd_train(args) -> int:
             p = extend(cfg, p)
         _print_plan(p)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({k: v for k, v in p.items() if not k.startswith("_")}, f, indent=1)
+            _write_json(args.json, {k: v for k, v in p.items() if not k.startswith("_")})
         return 0
     from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError
     from specopd.train.checkpoint import CheckpointError
@@ -185,13 +208,13 @@ def cmd_train(args) -> int:
             raise
         return _fail(str(e), 1)  # the message names the cause, the checkpoint and the fix
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        _write_json(args.json, summary)
     return 0
 
 
 def cmd_eval(args) -> int:
     cfg = _load(args.recipe, args.overrides)
+    _check_json(args)
     fn = _lazy("specopd.eval.cli", "main_eval")
     judge = _lazy("specopd.eval.engine", "eval_with_vllm") if getattr(args, "engine", "builtin") == "vllm" else None
     rc = fn(cfg, args, judge=judge)
@@ -211,7 +234,8 @@ def cmd_prepare(args) -> int:
 
 def cmd_profile(args) -> int:
     if not os.path.isdir(args.run_dir):
-        return _fail(f"run folder {args.run_dir!r} does not exist (give a trainer.output_dir)")
+        return _fail(f"run folder {args.run_dir!r} " + ("is a file, not a folder" if os.path.exists(args.run_dir)
+                                                        else "does not exist") + " (give a trainer.output_dir)")
     fn = _lazy("specopd.profiling", "render")
     out = fn(args.run_dir)
     if out is not None:
@@ -234,10 +258,14 @@ def _run_target(run_dir) -> str | None:
 
 def resolve_export_source(src: str) -> tuple:
     """RUN_DIR (-> its newest complete checkpoint) | a checkpoint / drafter folder -> (folder, run_dir or None)."""
+    from specopd.errors import MissingInputError
     from specopd.train.checkpoint import find_latest
 
+    if os.path.exists(src) and not os.path.isdir(src):
+        raise MissingInputError(f"{src!r} is a file, not a folder (give a run folder, i.e. a trainer.output_dir, or "
+                                f"a checkpoint / drafter folder: the folder holding config.json + model.safetensors)")
     if not os.path.isdir(src):
-        raise FileNotFoundError(f"{src!r} does not exist (give a run folder, i.e. a trainer.output_dir, or a "
+        raise MissingInputError(f"{src!r} does not exist (give a run folder, i.e. a trainer.output_dir, or a "
                                 f"checkpoint / drafter folder)")
     if os.path.isfile(os.path.join(src, "config.json")):
         parent = os.path.dirname(os.path.abspath(src))
@@ -246,21 +274,52 @@ def resolve_export_source(src: str) -> tuple:
     if os.path.isdir(os.path.join(src, "checkpoints")):
         ck = find_latest(src)
         if ck is None:
-            raise FileNotFoundError(f"run {src!r} has no complete checkpoint yet (checkpoints/step-N with a COMPLETE "
+            raise MissingInputError(f"run {src!r} has no complete checkpoint yet (checkpoints/step-N with a COMPLETE "
                                     f"marker); train longer or give a checkpoint folder")
         return ck, src
-    raise FileNotFoundError(f"{src!r} is neither a run folder (no checkpoints/) nor a drafter folder (no config.json)")
+    raise MissingInputError(f"{src!r} is neither a run folder (no checkpoints/) nor a drafter folder (no config.json)")
+
+
+def check_source(src: str, run) -> None:
+    """A damaged checkpoint (files against its manifest, with checksums) is refused, naming it and the newest
+    checkpoint of its run that verifies."""
+    from specopd.errors import DamagedFolderError
+    from specopd.train.checkpoint import MARKER, newest_good, verify
+
+    if not os.path.isfile(os.path.join(src, MARKER)):
+        return  # a released / drafter folder: load_drafter / export_folder check what it has
+    why = verify(src)
+    if why is None:
+        return
+    good = newest_good(run) if run else None
+    raise DamagedFolderError(f"checkpoint {src} is damaged: {why}. " + (
+        f"The newest checkpoint of the run that verifies is {good}: give that one" if good else
+        "No other checkpoint of its run verifies: train again (trainer.resume=auto moves the damaged one aside)"))
 
 
 def cmd_export(args) -> int:
     """RUN_DIR (its newest complete checkpoint) | CHECKPOINT | released folder -> the released layout."""
     from specopd.drafters.layout import DTYPES, describe_export, export_folder
+    from specopd.errors import BadInputError, dir_problem
 
     src, run = resolve_export_source(args.source)
-    if args.max_shard_gb <= 0:
-        return _fail(f"--max-shard-gb must be > 0; got {args.max_shard_gb}")
-    cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
-                        max_shard_bytes=int(args.max_shard_gb * 1024 ** 3))
+    if args.max_shard_gb <= 0 or args.max_shard_gb != args.max_shard_gb:
+        return _fail(f"--max-shard-gb must be a number > 0; got {args.max_shard_gb}")
+    why = dir_problem(args.out_dir)
+    if why is not None:
+        raise BadInputError(f"export folder {args.out_dir!r} cannot be written: {why}; give a new or empty folder")
+    check_source(src, run)
+    try:
+        cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
+                            max_shard_bytes=int(args.max_shard_gb * 1024 ** 3), force=args.force)
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as e:  # the folder refused a write
+        raise BadInputError(f"export folder {args.out_dir!r} cannot be written: {e.strerror} ({e.filename}); give "
+                            f"a writable folder") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+            raise
+        raise BadInputError(f"export folder {args.out_dir!r} cannot be written: {e.strerror}; free space or give "
+                            f"another folder (a partial export may be left there)") from None
     print(describe_export(src, args.out_dir, cfg, args.target or _run_target(run)))
     return 0
 
@@ -317,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--target", default=None, help="target model path for the printed serving commands "
                                                   "(default: the run's recipe)")
     ex.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into shards of this size")
+    ex.add_argument("--force", action="store_true", help="write into a folder that holds other files (its "
+                                                        "drafter files are replaced, the rest kept)")
     ex.set_defaults(fn=cmd_export)
     pf = sub.add_parser("profile", help="render profile outputs (trace.json, timeline.png, summary.json)")
     pf.add_argument("run_dir")
@@ -333,16 +394,24 @@ def main(argv=None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    from specopd.errors import UserError
+
     try:
         return int(args.fn(args) or 0)
+    except UserError as e:  # a user's mistake (specopd.errors): the message names the cause and the fix
+        if os.environ.get("SPECOPD_DEBUG"):
+            raise
+        return _fail(str(e))
     except (FileNotFoundError, ValueError) as e:  # bad input: say what and how to fix it, no traceback
         if os.environ.get("SPECOPD_DEBUG"):
             raise
         return _fail(f"{type(e).__name__}: {e}  (SPECOPD_DEBUG=1 shows the traceback)")
     except SystemExit as e:
+        if isinstance(e.code, str):  # raise SystemExit("message"): a refusal worded for the user
+            print(f"specopd: error: {e.code}", file=sys.stderr)
         return int(e.code or 0) if isinstance(e.code, int) else 2
     except KeyboardInterrupt:
-        return _fail("interrupted (a checkpoint of the completed steps was written)", 130)
+        return _fail("interrupted", 130)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from specopd.errors import UserError, dir_problem, is_finite_number, nonfinite_keys, read_text
+
 TINY_PREFIX = "tiny:"
 TINY_MODEL_TYPES = ("llama", "qwen3_next", "qwen4_exp")
 METHODS = ("specopd", "draft_opd", "offpolicy_ce", "offpolicy_e2e_tv")
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe or override is invalid; the message names the key and the fix."""
 
 
@@ -28,6 +30,9 @@ def _check_choice(section: str, key: str, value, choices) -> None:
 
 
 def _check_range(section: str, key: str, value, lo=None, hi=None, lo_open=False) -> None:
+    if not is_finite_number(value):
+        raise RecipeError(f"{section}.{key}={value!r} is not a finite number; give a number (NaN and inf are "
+                          f"refused)")
     bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
     if bad:
         lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
@@ -221,11 +226,15 @@ class TrainerConfig:
         _check_range("trainer", "warmup_steps", self.warmup_steps, lo=0)
         _check_range("trainer", "min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)
         _check_range("trainer", "weight_decay", self.weight_decay, lo=0)
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        if len(self.betas) != 2 or not all(is_finite_number(b) and 0 <= b < 1 for b in self.betas):
             raise RecipeError(f"trainer.betas={list(self.betas)} must be two numbers in [0, 1)")
         _check_range("trainer", "grad_clip", self.grad_clip, lo=0)
         _check_range("trainer", "anchors_per_seq", self.anchors_per_seq, lo=1)
         _check_range("trainer", "temperature", self.temperature, lo=0, lo_open=True)
+        why = dir_problem(self.output_dir, writable=False)
+        if why is not None:
+            raise RecipeError(f"trainer.output_dir={self.output_dir!r} cannot be the run folder: {why}; give a "
+                              f"folder (it is created when missing)")
         if not (self.resume in ("auto", "none") or os.path.isdir(self.resume)):
             raise RecipeError(f"trainer.resume={self.resume!r}: use auto, none, or an existing checkpoint folder "
                               f"(<output_dir>/checkpoints/step-N)")
@@ -342,7 +351,7 @@ class PipelineConfig:
         _check_choice("pipeline", "warmup_method", self.warmup_method, ["offpolicy_ce", "offpolicy_e2e_tv"])
         _check_range("pipeline", "warmup_lr", self.warmup_lr, lo=0, lo_open=True)
         _check_range("pipeline", "warmup_min_lr_ratio", self.warmup_min_lr_ratio, lo=0, hi=1)
-        if not self.eval_temperatures or any(t < 0 for t in self.eval_temperatures):
+        if not self.eval_temperatures or any(not is_finite_number(t) or t < 0 for t in self.eval_temperatures):
             raise RecipeError(f"pipeline.eval_temperatures={list(self.eval_temperatures)} must list one or more "
                               f"temperatures >= 0 (0 = greedy)")
 
@@ -457,12 +466,15 @@ def load_recipe(path: Optional[str], overrides=None) -> RecipeConfig:
 
     data: dict = {}
     if path is not None:
+        if os.path.isdir(path):
+            raise RecipeError(f"recipe {path!r} is a folder; give a YAML file (e.g. recipes/tiny.yaml)")
         if not os.path.isfile(path):
             hint = ""
             rdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
             if os.path.isdir(rdir):
                 hint = f"; recipes shipped in {rdir}: {sorted(f for f in os.listdir(rdir) if f.endswith('.yaml'))}"
             raise FileNotFoundError(f"recipe {path!r} does not exist{hint}")
+        read_text(path, "recipe")  # a file that is not UTF-8 is named with its line
         try:
             loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         except Exception as e:  # noqa: BLE001
@@ -482,6 +494,9 @@ def load_recipe(path: Optional[str], overrides=None) -> RecipeConfig:
         exp = _expected_type(key)
         raise RecipeError(f"{key}: {getattr(e, 'msg', str(e)).splitlines()[0]}"
                           + (f" (expected {exp})" if exp else "")) from None
+    bad = nonfinite_keys(to_dict(cfg))
+    if bad:
+        raise RecipeError(f"{', '.join(bad)}: not a finite number (NaN / inf); give a finite value")
     return cfg
 
 

@@ -222,12 +222,21 @@ def format_al_table(results: list, temps, w: int, title: str) -> str:
 
 
 def run(cfg, progress: bool = True) -> dict:
+    """The main job (module docstring); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
+    from specopd.train.lock import run_lock
+    from specopd.train.loop import check_device
+
+    check_device(cfg)
+    with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
+        return _run(cfg, progress)
+
+
+def _run(cfg, progress: bool) -> dict:
     from specopd.train.checkpoint import find_latest
     from specopd.train.loop import train
 
     t_all = time.perf_counter()
     out = cfg.trainer.output_dir
-    os.makedirs(out, exist_ok=True)
     prep = prepare(cfg, progress=progress)
     times = dict(prep["times"])
     warm = prep["warm"]

@@ -59,6 +59,20 @@ def test_worker_that_fails_to_start_names_rank_node_and_cause(ray_session, tmp_p
     assert live_groups() == []
 
 
+def test_a_users_mistake_in_a_worker_keeps_its_type(ray_session, tmp_path):
+    """A user error raised while a Ray worker starts (here: every record held out) reaches the driver as itself
+    (a UserError: the CLI's exit 2 with its message), not as a "failed to start" RuntimeError."""
+    from specopd.errors import BadInputError, UserError
+
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": list(range(10, 40)), "prompt_len": 4, "split": "heldout"}) + "\n"
+                            for _ in range(6)))
+    with pytest.raises(BadInputError, match="every one of the 6 records .* is held out") as e:
+        RayGroup(_cfg(tmp_path / "run", "data.source=prepared", f"data.path={data}", workers=1))
+    assert isinstance(e.value, UserError)
+    assert live_groups() == []
+
+
 def test_two_ray_workers_train_like_one_local_worker(ray_session, tmp_path):
     """recipes/tiny.yaml, same global batches: 2 Ray actors (1 CPU each, gloo all-reduce) end with the
     drafter of 1 in-process worker that sees the whole batch, up to fp32 rounding of the split gradient

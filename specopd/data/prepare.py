@@ -140,7 +140,8 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
                  prompts_label: Optional[str] = None, engine: str = "builtin", servers: Optional[str] = None,
                  concurrency: int = 8) -> dict:
     """Regenerate responses for the first ``num`` prompts (resumable: records are appended as they finish; a
-    rerun skips finished ids).
+    rerun skips finished ids). Holds the lock of ``out_dir`` (``specopd.train.lock``): a second writer there is
+    refused.
 
     Args:
         prompts / prompts_label: a list of (id, messages), named ``prompts_label`` in meta.json; else
@@ -154,16 +155,26 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         <out>/skipped.jsonl and <out>/errors.jsonl.
     """
     from specopd.engines import check_engine
-    from specopd.models.loading import read_config
+    from specopd.train.lock import run_lock
 
     if max_new_tokens < 1 or batch_size < 1 or concurrency < 1:
         raise ValueError(f"--max-new-tokens, --batch-size and --concurrency must be >= 1; got {max_new_tokens}, "
                          f"{batch_size}, {concurrency}")
-    if temperature < 0 or not 0 < top_p <= 1:
+    if not 0 <= temperature < float("inf") or not 0 < top_p <= 1:
         raise ValueError(f"need --temperature >= 0 and 0 < --top-p <= 1; got {temperature}, {top_p}")
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"--heldout-fraction must be in [0, 1); got {heldout_fraction}")
     engine = check_engine(engine, servers)
+    with run_lock(out_dir, "prepare data --out"):  # one writer per data folder, for the whole run
+        return _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed,
+                             heldout_fraction, device, dtype, progress, batch_size, prompts, prompts_label, engine,
+                             servers, concurrency)
+
+
+def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed, heldout_fraction,
+                  device, dtype, progress, batch_size, prompts, prompts_label, engine, servers, concurrency) -> dict:
+    from specopd.models.loading import read_config
+
     config = read_config(target_dir)
     vocab_size = int(config["vocab_size"])
     tok = load_tokenizer(target_dir, vocab_size)

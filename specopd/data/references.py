@@ -27,10 +27,12 @@ def read_prompts(path: str) -> list:
       a line, optional "id"; a trailing assistant message is dropped (the target answers it).
     - plain text (anything else): every non-empty line is one user prompt, id ``line<N>``.
     """
+    from specopd.errors import read_text_lines
+
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompts file {path!r} does not exist")
-    with open(path) as f:
-        lines = [(ln, line.rstrip("\n")) for ln, line in enumerate(f, 1) if line.strip()]
+        raise FileNotFoundError(f"prompts file {path!r} " + ("is a folder; give a JSONL or text file"
+                                                            if os.path.isdir(path) else "does not exist"))
+    lines = [(ln, line.rstrip("\r\n")) for ln, line in read_text_lines(path, "prompts file") if line.strip()]
     if not lines:
         raise ValueError(f"prompts file {path!r} holds no prompts (empty file?)")
     if not lines[0][1].lstrip().startswith("{"):

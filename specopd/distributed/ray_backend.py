@@ -102,13 +102,24 @@ class _WorkerHost:
         apply_deterministic(bool(_get(cfg, "trainer.deterministic", False)))  # before any CUDA work
         self.rank, self.world_size = rank, world_size
         kw = {"role": role} if role else {}  # colocated: the plain constructor (custom worker classes too)
-        self.worker = _resolve(worker_cls)(cfg, rank, world_size, **kw)
+        from specopd.errors import UserError
+
+        self.init_error = None
+        try:
+            self.worker = _resolve(worker_cls)(cfg, rank, world_size, **kw)
+        except UserError as e:  # a user's mistake (bad data, ...): raised by info() with its own type, so the
+            self.init_error = e  # driver reports it as such (an actor that fails in __init__ loses the type)
+            self.sampler, self.gpu_note = None, None
+            return
         from specopd.profiling import start_gpu_sampler
 
         self.sampler, self.gpu_note = start_gpu_sampler(cfg, f"{'target' if role == 'target' else 'worker'}{rank}")
 
     def info(self) -> dict:
         import ray
+
+        if self.init_error is not None:
+            raise self.init_error
 
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),

@@ -21,12 +21,16 @@ loads back exactly.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import struct
 import warnings
 from typing import Optional
 
 import torch
+
+from specopd.errors import DamagedFolderError, FolderNotEmptyError, make_dir, read_text
 
 from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
@@ -56,6 +60,112 @@ class NotADrafterError(ValueError):
         super().__init__(f"{path!r} is not a drafter folder: {why}. {DRAFTER_FOLDER[0].upper()}{DRAFTER_FOLDER[1:]}")
 
 
+# ------------------------------------------------------------------------------------------- integrity
+MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: str, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def verify_folder(path: str, checksums: bool = True) -> Optional[str]:
+    """None when a folder's files match its manifest; else what is wrong (one line).
+
+    A checkpoint folder (``specopd.train.checkpoint``) has ``manifest.json`` (size + sha256 of every other file)
+    and a ``COMPLETE`` marker recording the manifest's sha256. A manifest that is missing where the marker records
+    one is damage, as are a manifest that does not match the marker, a listed file that is missing, of another
+    size or (``checksums``) of another sha256. A folder with neither (a released drafter, a checkpoint from before
+    manifests) has nothing to check against: None."""
+    mk, mf = os.path.join(path, MARKER), os.path.join(path, MANIFEST)
+    marker = None
+    if os.path.isfile(mk):
+        try:
+            with open(mk) as f:
+                marker = json.load(f)
+        except (OSError, ValueError) as e:
+            if os.path.isfile(mf):
+                return f"unreadable {MARKER} marker ({e})"
+        if not isinstance(marker, dict):
+            marker = None
+    if not os.path.isfile(mf):
+        if marker is not None and marker.get("manifest_sha256"):
+            return (f"{MANIFEST} is missing, but the {MARKER} marker records its sha256 (it was deleted after the "
+                    f"checkpoint was written): the files cannot be verified")
+        return None
+    try:
+        with open(mf) as f:
+            files = json.load(f)["files"]
+        items = [(str(n), int(m["bytes"]), str(m["sha256"])) for n, m in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable {MANIFEST} ({type(e).__name__}: {e})"
+    if checksums and marker is not None and marker.get("manifest_sha256") not in (None, sha256_file(mf)):
+        return f"{MANIFEST} does not match the checksum in {MARKER}"
+    for name, nbytes, digest in items:
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            return f"{name} is missing"
+        size = os.path.getsize(p)
+        if size != nbytes:
+            return f"{name} has {size} bytes, the manifest says {nbytes} (truncated or overwritten)"
+        if checksums and sha256_file(p) != digest:
+            return f"{name} does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+def check_folder(path: str, what: str = "drafter folder") -> None:
+    """``verify_folder`` with checksums; a ``DamagedFolderError`` naming the folder and what is wrong."""
+    why = verify_folder(path)
+    if why is not None:
+        raise DamagedFolderError(f"{what} {path} is damaged: {why}. It cannot be used: give another checkpoint "
+                                 f"(an earlier <output_dir>/checkpoints/step-N) or train again")
+
+
+# ------------------------------------------------------------------------------------------- safetensors
+def stabilize_safetensors(path: str) -> None:
+    """Rewrite a safetensors file's header in place with its ``__metadata__`` keys sorted, so the same tensors and
+    metadata always give the same bytes (safetensors writes its metadata map in a random order). The header keeps
+    its length; tensor entries and offsets are unchanged."""
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+        head = json.loads(raw)
+        meta = head.pop("__metadata__", None)
+        out = ({"__metadata__": dict(sorted(meta.items()))} if meta is not None else {})
+        out.update(sorted(head.items()))
+        text = json.dumps(out, separators=(",", ":")).encode()
+        if len(text) > n:  # cannot happen (same entries, same separators); never write a longer header
+            raise RuntimeError(f"{path}: the reordered safetensors header is longer than the original")
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
+
+
+def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
+    """``safetensors.torch.save_file`` with a fixed header order (``stabilize_safetensors``): byte-reproducible."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    stabilize_safetensors(path)
+
+
+def load_safetensors(fp: str) -> dict:
+    """``safetensors.torch.load_file``; a ``DamagedFolderError`` naming the file when it cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(fp)
+    except (SafetensorError, OSError) as e:
+        raise DamagedFolderError(f"{fp} is not a readable safetensors file (truncated or damaged?): "
+                                 f"{type(e).__name__}: {e}. Give another drafter folder or export / train again") from None
+
+
 # ------------------------------------------------------------------------------------------- reading
 
 
@@ -65,11 +175,10 @@ def read_json(path: str) -> dict:
         raise FileNotFoundError(f"drafter folder {path!r} does not exist")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json: not a drafter folder ({DRAFTER_FOLDER})")
-    with open(cfg_path) as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise NotADrafterError(path, f"its config.json is not valid JSON ({e})") from None
+    try:
+        raw = json.loads(read_text(cfg_path, "drafter config"))
+    except json.JSONDecodeError as e:
+        raise NotADrafterError(path, f"its config.json is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise NotADrafterError(path, f"its config.json holds a {type(raw).__name__}, not a JSON object")
     return raw
@@ -82,14 +191,15 @@ def is_released(raw: dict) -> bool:
 def read_weights(path: str) -> dict:
     """All tensors of a folder: ``model.safetensors``, or the shards listed by ``model.safetensors.index.json``,
     or (neither) every ``*.safetensors`` file in it."""
-    from safetensors.torch import load_file
-
     single, index = os.path.join(path, "model.safetensors"), os.path.join(path, INDEX_FILE)
     if os.path.isfile(single):
         files = [single]
     elif os.path.isfile(index):
-        with open(index) as f:
-            wmap = json.load(f).get("weight_map") or {}
+        try:
+            with open(index) as f:
+                wmap = json.load(f).get("weight_map") or {}
+        except (ValueError, AttributeError) as e:
+            raise DamagedFolderError(f"{index} is not a valid safetensors index ({e})") from None
         files = [os.path.join(path, s) for s in sorted(set(wmap.values()))]
         missing = [s for s in files if not os.path.isfile(s)]
         if missing:
@@ -100,7 +210,7 @@ def read_weights(path: str) -> dict:
             raise FileNotFoundError(f"{path!r} has no safetensors weights (model.safetensors or an index)")
     sd = {}
     for fp in files:
-        for k, v in load_file(fp).items():
+        for k, v in load_safetensors(fp).items():
             if k in sd:
                 raise ValueError(f"tensor {k!r} appears in two files of {path!r}")
             sd[k] = v
@@ -112,7 +222,10 @@ def read_mask_file(path: str) -> Optional[tuple]:
     fp = os.path.join(path, MASK_FILE)
     if not os.path.isfile(fp):
         return None
-    state = torch.load(fp, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(fp, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (unpickling errors of a damaged file have no common class)
+        raise DamagedFolderError(f"{fp} cannot be read ({type(e).__name__}: {e})") from None
     if isinstance(state, dict):
         return state.get("mask_token_id"), state["embedding"].reshape(-1)
     return None, state.reshape(-1)
@@ -273,7 +386,10 @@ def check_against_target(cfg: DrafterConfig, target, path: str, sd: Optional[dic
 
 def load_drafter(path: str, target, dtype: Optional[torch.dtype] = None):
     """A drafter from ``path`` (ours or the released layout) on ``target``'s device, parameters in ``dtype``
-    (default float32: the training precision; bf16 weights convert exactly)."""
+    (default float32: the training precision; bf16 weights convert exactly). A checkpoint folder is verified first
+    against its manifest (``check_folder``): a damaged one raises ``DamagedFolderError``."""
+    if os.path.isdir(path):
+        check_folder(path, "checkpoint" if os.path.isfile(os.path.join(path, MARKER)) else "drafter folder")
     cfg, released = read_config(path, target_layers=int(target.num_layers))
     sd = read_weights(path)
     mask = read_mask_file(path)
@@ -342,12 +458,10 @@ def released_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
 def _write_weights(out_dir: str, sd: dict, max_shard_bytes: int) -> list:
     """safetensors: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + the index when the
     weights exceed ``max_shard_bytes``. Returns the file names written."""
-    from safetensors.torch import save_file
-
     total = sum(t.numel() * t.element_size() for t in sd.values())
     meta = {"format": "pt"}
     if total <= max_shard_bytes:
-        save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata=meta)
+        save_safetensors(sd, os.path.join(out_dir, "model.safetensors"), metadata=meta)
         return ["model.safetensors"]
     shards, cur, size = [], {}, 0
     for k in sorted(sd):
@@ -361,7 +475,7 @@ def _write_weights(out_dir: str, sd: dict, max_shard_bytes: int) -> list:
     names, wmap = [], {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata=meta)
+        save_safetensors(shard, os.path.join(out_dir, name), metadata=meta)
         names.append(name)
         wmap.update({k: name for k in shard})
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
@@ -369,9 +483,17 @@ def _write_weights(out_dir: str, sd: dict, max_shard_bytes: int) -> list:
     return names + [INDEX_FILE]
 
 
+def _drafter_file(name: str) -> bool:
+    return name in ("config.json", INDEX_FILE, MASK_FILE) or name.endswith(".safetensors")
+
+
 def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Optional[torch.dtype] = None,
-                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list:
-    """Write a drafter (config + state dict with our names) in the released layout; returns the files."""
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> list:
+    """Write a drafter (config + state dict with our names) in the released layout; returns the files (mode 0644).
+
+    ``out_dir`` must be empty or new (``FolderNotEmptyError`` otherwise); ``force``: write into a folder holding
+    other files, replacing its drafter files (config.json, safetensors, index, mask_embedding.pt) and keeping the
+    rest."""
     sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     mask = sd.pop("mask_embedding", None)
     if (mask is not None) != bool(cfg.learned_mask):
@@ -379,31 +501,41 @@ def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Op
     if dtype is None:
         dtype = next(iter(sd.values())).dtype
     sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        stale = [n for n in os.listdir(out_dir) if n.endswith(".safetensors") or n in (INDEX_FILE, MASK_FILE)]
-        if stale:
-            raise FileExistsError(f"{out_dir!r} already holds drafter weights ({stale[0]}); export into an empty folder")
-    os.makedirs(out_dir, exist_ok=True)
+    have = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if have and not force:
+        stale = [n for n in have if _drafter_file(n) and n != "config.json"]
+        what = f"drafter weights ({stale[0]})" if stale else f"{len(have)} other file(s) ({', '.join(have[:3])})"
+        raise FolderNotEmptyError(f"{out_dir!r} already holds {what}; export into an empty folder, or pass --force "
+                                  f"(force=True) to replace its drafter files")
+    make_dir(out_dir, "the export folder")
+    for n in have:
+        if _drafter_file(n) and os.path.isfile(os.path.join(out_dir, n)):
+            os.remove(os.path.join(out_dir, n))
     files = _write_weights(out_dir, sd, int(max_shard_bytes))
     if mask is not None:
         torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask.to(dtype)}, os.path.join(out_dir, MASK_FILE))
         files.append(MASK_FILE)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(released_config(cfg, dtype), f, indent=2)
-    return ["config.json"] + files
+    files = ["config.json"] + files
+    for n in files:
+        os.chmod(os.path.join(out_dir, n), 0o644)
+    return files
 
 
 def export_drafter(drafter, out_dir: str, dtype: Optional[torch.dtype] = None,
-                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> str:
     """Write ``drafter`` in the released layout into ``out_dir`` (weights in ``dtype``, default: as trained).
     ``load_drafter(out_dir, target)`` gives back the same weights (bit-exact when dtype is kept)."""
-    write_released(out_dir, drafter.config, drafter.state_dict(), dtype, max_shard_bytes)
+    write_released(out_dir, drafter.config, drafter.state_dict(), dtype, max_shard_bytes, force=force)
     return out_dir
 
 
 def export_folder(src: str, out_dir: str, dtype: Optional[torch.dtype] = None,
-                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> DrafterConfig:
-    """Export a drafter folder (our checkpoint, or a released folder) without loading its target."""
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> DrafterConfig:
+    """Export a drafter folder (our checkpoint, or a released folder) without loading its target. The source is
+    verified first (``check_folder``: a damaged checkpoint raises ``DamagedFolderError``)."""
+    check_folder(src, "checkpoint" if os.path.isfile(os.path.join(src, MARKER)) else "drafter folder")
     cfg, released = read_config(src)
     sd = read_weights(src)
     if released:
@@ -411,7 +543,7 @@ def export_folder(src: str, out_dir: str, dtype: Optional[torch.dtype] = None,
         if mask is not None:
             cfg.learned_mask = True
             sd["mask_embedding"] = mask[1]
-    write_released(out_dir, cfg, sd, dtype, max_shard_bytes)
+    write_released(out_dir, cfg, sd, dtype, max_shard_bytes, force=force)
     return cfg
 
 

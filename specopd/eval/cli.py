@@ -179,7 +179,26 @@ def load_eval_drafter(cfg, target):
         path = ck
         if not os.path.isdir(path):
             raise FileNotFoundError(f"eval.checkpoint={ck!r}: no such folder (use latest, none, or a drafter folder)")
+    _check_checkpoint(path, cfg.trainer.output_dir if ck == "latest" else None)
     return load_drafter(path, target), path
+
+
+def _check_checkpoint(path: str, run_dir: Optional[str]) -> None:
+    """A damaged checkpoint is refused naming what is wrong and the newest one of its run that verifies."""
+    from specopd.errors import DamagedFolderError
+    from specopd.train.checkpoint import MARKER, newest_good, verify
+
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        return
+    why = verify(path)
+    if why is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    run = run_dir or (os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None)
+    good = newest_good(run) if run else None
+    raise DamagedFolderError(f"checkpoint {path} is damaged: {why}. " + (
+        f"The newest checkpoint of the run that verifies is {good}: pass eval.checkpoint={good}" if good else
+        "No other checkpoint of its run verifies: train again (trainer.resume=auto moves the damaged one aside)"))
 
 
 def sample_prompt_ids(cfg, target, num: int) -> list:
@@ -202,7 +221,7 @@ def parse_temperatures(text) -> list:
         temps = [float(x) for x in items if str(x).strip() != ""]
     except ValueError:
         raise ValueError(f"--temperatures {text!r}: give numbers separated by commas, e.g. 0,1") from None
-    if not temps or any(t < 0 for t in temps):
+    if not temps or any(not t == t or t < 0 or t == float("inf") for t in temps):
         raise ValueError(f"--temperatures {text!r}: give one or more temperatures >= 0 (0 = greedy), e.g. 0,1")
     return temps
 
@@ -253,7 +272,10 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     from specopd.models import load_target
     from specopd.train.tiny import resolve_target_path
 
+    from specopd.train.loop import check_device
+
     ns = _parse_args(args)
+    check_device(cfg)
     temps = parse_temperatures(getattr(ns, "temperatures", None) or [cfg.eval.temperature])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
@@ -266,7 +288,8 @@ def main_eval(cfg, args=None, judge=None) -> dict:
         path = MODELS[path]()
     prompts_file = getattr(ns, "prompts", None)
     if prompts_file and not os.path.isfile(prompts_file):
-        raise FileNotFoundError(f"--prompts {prompts_file!r} does not exist (give a JSONL or text file)")
+        raise FileNotFoundError(f"--prompts {prompts_file!r} " + ("is a folder" if os.path.isdir(prompts_file) else
+                                                                "does not exist") + " (give a JSONL or text file)")
     target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device), kernels=cfg.model.kernels)
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)

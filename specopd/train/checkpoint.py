@@ -20,7 +20,6 @@ sha256. ``find_latest`` returns the newest complete checkpoint whose file sizes 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
@@ -31,13 +30,14 @@ from typing import Optional
 
 import torch
 
-MARKER = "COMPLETE"
-MANIFEST = "manifest.json"
+from specopd.drafters.layout import MANIFEST, MARKER, save_safetensors, sha256_file, verify_folder
+from specopd.errors import UserError
+
 _STEP = re.compile(r"^step-(\d+)$")
 _TMP = re.compile(r"^\.(tmp|old|prune)-step-(\d+)-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written, or is incomplete / damaged; the message names it and the fix."""
 
 
@@ -50,6 +50,16 @@ def controller_rng() -> dict:
 
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def seed_controller_rng(seed: int) -> None:
+    """A fresh run starts the controller's python / numpy / torch RNGs from ``seed`` (they are saved in every
+    checkpoint), so the same run writes byte-identical checkpoints in any process."""
+    import numpy as np
+
+    random.seed(int(seed))
+    np.random.seed(int(seed) % 2 ** 32)
+    torch.manual_seed(int(seed))
 
 
 def set_controller_rng(st: dict) -> None:
@@ -83,16 +93,6 @@ def _write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-def sha256_file(path: str, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
 
 
 def _manifest(folder: str) -> dict:
@@ -153,11 +153,9 @@ def save_checkpoint(output_dir: str, step: int, worker_state: dict, state: dict,
 
 
 def _write_files(tmp: str, step: int, worker_state: dict, state: dict) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in worker_state["drafter"].items()},
-              os.path.join(tmp, "model.safetensors"),
-              metadata={"format": "pt", "kind": str(worker_state.get("drafter_kind", ""))})
+    save_safetensors({k: v.contiguous() for k, v in worker_state["drafter"].items()},
+                     os.path.join(tmp, "model.safetensors"),
+                     metadata={"format": "pt", "kind": str(worker_state.get("drafter_kind", ""))})
     _fsync_file(os.path.join(tmp, "model.safetensors"))
     _write_json(os.path.join(tmp, "config.json"), worker_state["drafter_config"])
     with open(os.path.join(tmp, "trainer_state.pt"), "wb") as f:
@@ -189,37 +187,29 @@ def complete_checkpoints(output_dir: str) -> list:
 def verify(path: str, checksums: bool = True) -> Optional[str]:
     """None when ``path`` is a complete, undamaged checkpoint; else what is wrong (one line).
 
-    Checks the marker, the manifest (its own sha256 recorded in the marker), every listed file's size and,
-    with ``checksums``, its sha256. Checkpoints written before manifests existed pass if their files are
-    present (there is nothing to compare against)."""
+    Checks the marker, the manifest (its own sha256 recorded in the marker; a manifest missing where the marker
+    records one is damage), every listed file's size and, with ``checksums``, its sha256
+    (``specopd.drafters.layout.verify_folder``). Checkpoints written before manifests existed (a marker without a
+    manifest checksum) pass if their files are present (there is nothing to compare against)."""
     if not os.path.isdir(path):
         return "no such folder"
-    mk = os.path.join(path, MARKER)
-    if not os.path.isfile(mk):
+    if not os.path.isfile(os.path.join(path, MARKER)):
         return f"no {MARKER} marker (it was not fully written)"
-    mf = os.path.join(path, MANIFEST)
-    if not os.path.isfile(mf):
+    why = verify_folder(path, checksums=checksums)
+    if why is not None:
+        return why
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
         missing = [f for f in ("model.safetensors", "config.json", "trainer_state.pt", "state.json")
                    if not os.path.isfile(os.path.join(path, f))]
         return f"missing {', '.join(missing)}" if missing else None
-    try:
-        with open(mk) as f:
-            marker = json.load(f)
-        with open(mf) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MARKER} / {MANIFEST} ({e})"
-    if checksums and marker.get("manifest_sha256") not in (None, sha256_file(mf)):
-        return f"{MANIFEST} does not match the checksum in {MARKER}"
-    for name, meta in files.items():
-        p = os.path.join(path, name)
-        if not os.path.isfile(p):
-            return f"{name} is missing"
-        size = os.path.getsize(p)
-        if size != meta["bytes"]:
-            return f"{name} has {size} bytes, the manifest says {meta['bytes']} (truncated or overwritten)"
-        if checksums and sha256_file(p) != meta["sha256"]:
-            return f"{name} does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+def newest_good(output_dir: str, below: Optional[int] = None) -> Optional[str]:
+    """The newest complete checkpoint of a run that verifies with checksums (steps < ``below`` when given)."""
+    for step, d in reversed(complete_checkpoints(output_dir)):
+        if (below is None or step < below) and verify(d) is None:
+            return d
     return None
 
 
@@ -319,7 +309,7 @@ def load_checkpoint(path: str, map_location="cpu", checksums: bool = True) -> di
 
     Verifies the folder first; raises ``CheckpointError`` naming what is wrong when it is incomplete,
     damaged or cannot be read."""
-    from safetensors.torch import load_file
+    from specopd.drafters.layout import load_safetensors
 
     why = verify(path, checksums=checksums)
     if why is not None:
@@ -327,7 +317,7 @@ def load_checkpoint(path: str, map_location="cpu", checksums: bool = True) -> di
     state = read_state(path)
     try:
         ts = torch.load(os.path.join(path, "trainer_state.pt"), map_location=map_location, weights_only=False)
-        drafter = load_file(os.path.join(path, "model.safetensors"))
+        drafter = load_safetensors(os.path.join(path, "model.safetensors"))
     except Exception as e:  # noqa: BLE001  (SafetensorError, unpickling errors, ...)
         raise CheckpointError(f"checkpoint {path} cannot be read: {type(e).__name__}: {e}") from None
     ws = {"drafter": drafter, "optimizer": ts["optimizer"], "scheduler": ts["scheduler"], "rng": ts["worker_rng"],

@@ -54,13 +54,34 @@ def sample_references(target, num_samples: int, prompt_len: int, seq_len: int, t
     return out
 
 
+def _bad_token(ids, vocab_size: Optional[int]) -> Optional[str]:
+    """What is wrong with a record's input_ids (None when they are valid token ids)."""
+    if not isinstance(ids, list):
+        return f"input_ids is a {type(ids).__name__}, not a list of token ids"
+    for j, x in enumerate(ids):
+        if type(x) is not int:  # noqa: E721  (bool and 3.0 / 3.7 are not token ids)
+            return f"input_ids[{j}] = {json.dumps(x)} is not an integer token id"
+        if x < 0:
+            return f"input_ids[{j}] = {x} is negative"
+        if vocab_size is not None and x >= vocab_size:
+            return (f"input_ids[{j}] = {x}: token id {x} >= target vocab {vocab_size} (data prepared with another "
+                    f"tokenizer?)")
+    return None
+
+
 def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, context: Optional[int] = None,
                   stats: Optional[dict] = None) -> list:
     """Records of a prepared .jsonl, cut to ``min(seq_len, context)`` tokens (``context``: the target's
     max_position_embeddings). Dropped, and counted in ``stats`` (when given): records whose prompt does not
     fit the target's context (``prompt_too_long``) and records with no response token left after the cut
-    (``no_response``); ``cut_to_context`` counts records shortened to the context."""
+    (``no_response``); ``cut_to_context`` counts records shortened to the context. Every record is validated as it
+    is read: input_ids are integers (no 3.7, no "3", no booleans) in [0, vocab_size), prompt_len an integer; a bad
+    one, or a line that is not UTF-8 JSON, is a ``BadInputError`` naming file:line."""
+    from specopd.errors import BadInputError, read_text_lines
+
     fp = os.path.join(path, "data.jsonl") if os.path.isdir(path) else path
+    if os.path.isdir(fp):
+        raise BadInputError(f"data.path={path!r}: {fp} is a folder; give a .jsonl file or a folder holding data.jsonl")
     if not os.path.isfile(fp):
         raise FileNotFoundError(f"prepared data {fp!r} not found (run `specopd prepare data ...`, or point "
                                 f"data.path at a .jsonl with input_ids / prompt_len per line)")
@@ -68,39 +89,42 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, con
     st.update(records=0, prompt_too_long=0, no_response=0, cut_to_context=0)
     limit = min(seq_len, context) if context else seq_len
     out = []
-    with open(fp) as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ids = rec["input_ids"]
-                pl = int(rec["response_start"] if "response_start" in rec else rec["prompt_len"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{fp}:{ln}: expected a JSON object with input_ids (list of ints) and "
-                                 f"prompt_len (int): {e}") from None
-            st["records"] += 1
-            if context and pl >= context:
-                st["prompt_too_long"] += 1  # the response would start beyond the target's context
-                continue
-            if context and len(ids) > context and seq_len > context:
-                st["cut_to_context"] += 1
-            ids = torch.tensor(ids[:limit], dtype=torch.long)
-            if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
-                raise ValueError(f"{fp}:{ln}: token id {int(ids.max())} >= target vocab {vocab_size} "
-                                 f"(data prepared with another tokenizer?)")
-            if pl < 1 or ids.numel() <= pl:
-                st["no_response"] += 1  # no response left after cutting
-                continue
-            rec_out = {"input_ids": ids, "prompt_len": pl}
-            if rec.get("split") in ("train", "heldout"):
-                rec_out["split"] = rec["split"]
-            out.append(rec_out)
+    for ln, line in read_text_lines(fp, "data.path"):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            ids = rec["input_ids"]
+            pl = rec["response_start"] if "response_start" in rec else rec["prompt_len"]
+        except (ValueError, KeyError, TypeError) as e:
+            what = f"no key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise BadInputError(f"{fp}:{ln}: expected a JSON object with input_ids (list of ints) and "
+                                f"prompt_len (int): {what}") from None
+        bad = _bad_token(ids, vocab_size)
+        if bad is None and type(pl) is not int:  # noqa: E721
+            bad = f"prompt_len = {json.dumps(pl)} is not an integer"
+        if bad is not None:
+            raise BadInputError(f"{fp}:{ln}: {bad}; fix the record or prepare the data again "
+                                f"(`specopd prepare data`)")
+        st["records"] += 1
+        if context and pl >= context:
+            st["prompt_too_long"] += 1  # the response would start beyond the target's context
+            continue
+        if context and len(ids) > context and seq_len > context:
+            st["cut_to_context"] += 1
+        ids = torch.tensor(ids[:limit], dtype=torch.long)
+        if pl < 1 or ids.numel() <= pl:
+            st["no_response"] += 1  # no response left after cutting
+            continue
+        rec_out = {"input_ids": ids, "prompt_len": pl}
+        if rec.get("split") in ("train", "heldout"):
+            rec_out["split"] = rec["split"]
+        out.append(rec_out)
     if not out:
         ctx = f" and the target context of {context}" if context else ""
-        raise ValueError(f"{fp}: no usable sequences of {st['records']} (each needs prompt_len >= 1 and a response "
-                         f"within data.seq_len={seq_len} tokens{ctx}; {st['prompt_too_long']} had a longer prompt "
-                         f"than the target's context)")
+        raise BadInputError(f"{fp}: no usable sequences of {st['records']} (each needs prompt_len >= 1 and a "
+                            f"response within data.seq_len={seq_len} tokens{ctx}; {st['prompt_too_long']} had a longer "
+                            f"prompt than the target's context)")
     return out
 
 

@@ -16,8 +16,13 @@ Nothing is lost, nothing is overwritten:
   damaged ones aside, saying so; an explicit folder that fails verification is an error. A resume whose
   recipe changed in a way that makes it another run (target, drafter shape, data, seed, method) is refused;
   other changes continue and are listed (``recipe_changes``). A finished run says so and how to extend it.
-- ``recipe.yaml`` is written only once the workers are built (the recipe, target and data are valid); a
-  different recipe already there is kept in ``recipe.history/``. A fresh run in a used folder moves the
+- one writer per run folder: ``train`` holds ``specopd.train.lock.run_lock(trainer.output_dir)`` throughout; a
+  second run there is refused at once (``RunLockedError``) naming the holder's pid and host.
+- a resume also compares the run's inputs (``specopd.train.inputs``: the prepared data's records and the target's
+  files, by sha256) with the checkpoint's, and refuses one whose data or target changed, naming it.
+- ``recipe.yaml`` is written only once the run is accepted (the workers are built, so the recipe, target and data
+  are valid, and a resume passed its checks and loaded its checkpoint); a different recipe already there is kept
+  in ``recipe.history/``. A fresh run in a used folder moves the
   old metrics, profile, checkpoints and summary aside (``*.before-<time>``).
 - a step whose loss or gradient is NaN / inf is skipped on every worker (no update), logged (``skipped`` in
   its metrics line), and ``trainer.max_nonfinite_steps`` of them in a row stop the run with a checkpoint.
@@ -38,6 +43,7 @@ from specopd.memory import check_memory
 from specopd.profiling import Profiler
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder, num_branches
+from specopd.train.inputs import input_changes, input_fingerprints
 
 
 class NonFiniteError(RuntimeError):
@@ -225,6 +231,16 @@ def recipe_changes(old: dict, new: dict, old_fp: Optional[str] = None, new_fp: O
     return refused, same, here
 
 
+def check_inputs(cfg: RecipeConfig, c: dict) -> None:
+    """Refuse a resume whose data or target changed since the checkpoint (``input_changes``: RecipeChangeError)."""
+    changes = input_changes(c["state"].get("inputs"), input_fingerprints(cfg))
+    if changes:
+        raise RecipeChangeError(
+            f"cannot resume from {c['path']} (step {c['state']['step']}): {'; '.join(changes)}. Restore the "
+            f"original to continue that run, or start a new one on the new inputs: another trainer.output_dir (or "
+            f"trainer.resume=none here: the old run is moved aside, not deleted)")
+
+
 def check_resume(cfg: RecipeConfig, c: dict) -> None:
     """Refuse a resume that would be another run; list the other changes (RecipeChangeError / prints)."""
     st = c["state"]
@@ -337,23 +353,53 @@ def _plot_heldout(out: str, start: Optional[dict], bar) -> None:
              f"metrics.jsonl (heldout_expected_al)", bar)
 
 
+def _al(m: Optional[dict]) -> str:
+    """An expected AL for display: "-" when it was taken over no branch (no held-out sequence)."""
+    return "-" if not m or not m.get("branches", 1) else f"{m['expected_al']:.4f}"
+
+
+def check_device(cfg: RecipeConfig) -> None:
+    """model.device=cuda on a machine whose torch sees no CUDA device: a RecipeError (Ray clusters given by
+    runtime.address are not checked here: their workers may have GPUs the driver lacks)."""
+    if cfg.model.device == "cuda" and cfg.runtime.address is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RecipeError(f"model.device=cuda, but torch sees no CUDA device on this machine (torch "
+                              f"{torch.__version__}, torch.cuda.is_available() is False): use model.device=cpu, or "
+                              f"model.device=auto (cuda when available)")
+
+
 # ---------------------------------------------------------------------------------------------- train
 def train(cfg: RecipeConfig, progress: bool = True) -> dict:
-    """Run the recipe; returns the summary (also written to <output_dir>/train_summary.json)."""
+    """Run the recipe; returns the summary (also written to <output_dir>/train_summary.json). Holds the run
+    folder's lock (``specopd.train.lock``) throughout: a second writer is refused."""
     if cfg.pipeline.enabled:
         raise RecipeError("pipeline.enabled=true is the main job (prepare, warm up, train, evaluate, export), which "
                           "runs this training loop itself: run `specopd train RECIPE` or specopd.mainjob.run(cfg), "
                           "or set pipeline.enabled=false to train on the recipe's data alone")
-    from specopd.train.determinism import apply_deterministic
-
-    t, out = cfg.trainer, cfg.trainer.output_dir
-    os.makedirs(out, exist_ok=True)
     if cfg.data.batch_size < cfg.runtime.num_workers:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} < runtime.num_workers={cfg.runtime.num_workers}: "
                          f"every worker needs at least one sample per step")
+    check_device(cfg)
+    if cfg.drafter.init_from:
+        from specopd.drafters.layout import check_folder
+
+        check_folder(cfg.drafter.init_from, "drafter.init_from")
+    from specopd.train.lock import run_lock
+
+    with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
+        return _train(cfg, progress)
+
+
+def _train(cfg: RecipeConfig, progress: bool) -> dict:
+    from specopd.train.determinism import apply_deterministic
+
+    t, out = cfg.trainer, cfg.trainer.output_dir
     c = find_resume(cfg)
     if c is not None:
         check_resume(cfg, c)
+        check_inputs(cfg, c)
         k, prev = int(c["state"]["step"]), _read_summary(out)
         if k >= t.max_steps and prev is not None and prev.get("steps") == k:
             print(f"the run in {out} is complete: its checkpoint {c['path']} is at step {k} "
@@ -362,6 +408,8 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                   f"trainer.resume=none (the old run is moved aside) or another trainer.output_dir.")
             return {**prev, "already_complete": True}
     apply_deterministic(t.deterministic)
+    if c is None:
+        ck.seed_controller_rng(cfg.seed)  # byte-reproducible checkpoints (a resume restores the saved states)
     check_memory(cfg)  # a step larger than one device is a clear error (MemoryPlanError) before any work
     metrics_path = os.path.join(out, "metrics.jsonl")
     group = make_group(cfg)
@@ -373,7 +421,6 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
             raise RecipeError(f"trainer.eval_every={t.eval_every} needs held-out sequences, and this data has none "
                               f"(data.heldout={cfg.data.heldout}, or every held-out response is shorter than "
                               f"drafter.block_size): raise data.heldout, or set trainer.eval_every=0")
-        write_recipe(out, cfg)  # the recipe, the target and the data are valid: the workers are built
         W, B = info["draft_len"], t.anchors_per_seq
         order = BatchOrder(info["train_ids"], cfg.data.batch_size, cfg.data.seed)
         if c is not None:
@@ -394,13 +441,17 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
             print(f"resumed from {c['path']} (step {step})")
             if step >= t.max_steps:
                 print(f"the run is complete at step {step}; writing the summary it had not finished")
+            write_recipe(out, cfg)  # the resume passed its checks and its checkpoint is loaded
         else:
             _fresh_start(out)
+            write_recipe(out, cfg)  # the recipe, the target and the data are valid: the workers are built
             evaluate = t.eval_heldout or t.eval_every  # eval_every: the curve starts at step 0
             state = {"eval_before": evaluate_heldout(group, info["heldout_ids"], cfg.data.batch_size) if evaluate else None}
             if state["eval_before"]:
-                print(f"held-out expected AL (incl. bonus) before training: {state['eval_before']['expected_al']:.4f}")
+                print(f"held-out expected AL (incl. bonus) before training: {_al(state['eval_before'])}"
+                      + ("" if info["heldout_ids"] else " (no held-out sequence: data.heldout=0 or none usable)"))
         state["target_fingerprint"] = target_fingerprint(cfg.model)
+        state["inputs"] = input_fingerprints(cfg)
 
         positions = {step: order.position}  # data position after `k` completed steps
 
@@ -461,7 +512,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                 if due:
                     _plot_heldout(out, state.get("eval_before"), bar)
                 post = dict(loss=f"{last['loss']:.4f}", AL=f"{last['expected_al']:.3f}")
-                if heldout is not None:
+                if heldout is not None and heldout[1].get("branches", 1):
                     post["heldout_AL"] = f"{heldout[1]['expected_al']:.3f}@{heldout[0]}"
                 bar.set_postfix(**post, sup_tok_s=f"{last['supervised_tokens_per_s']:.0f}")
                 bar.update(1)
@@ -487,13 +538,22 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         bar.close()
     except BaseException as e:
         closed = getattr(group, "_closed", False)
+        said = False
         if "positions" in locals() and not closed and not isinstance(e, (ck.CheckpointError, NonFiniteError)):
             try:  # keep every completed step (unless that checkpoint exists already)
-                if group.call("state_dict", [()] * n)[0]["steps_done"] not in (saved_step, 0):
+                done = int(group.call("state_dict", [()] * n)[0]["steps_done"])
+                if done not in (saved_step, 0):
                     p, k = save()
                     print(f"run interrupted; checkpoint of step {k} written to {p}")
+                elif isinstance(e, KeyboardInterrupt):
+                    print("run interrupted before its first step: no checkpoint written (nothing to keep)" if done == 0
+                          else f"run interrupted; the checkpoint of step {done} exists already")
+                said = True
             except Exception as e2:  # noqa: BLE001
                 print(f"run interrupted and the checkpoint could not be written: {e2}")
+                said = True
+        if isinstance(e, KeyboardInterrupt) and not said:
+            print("run interrupted before training started: no checkpoint written")
         group.shutdown()
         raise
     try:
@@ -507,8 +567,9 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         if t.eval_heldout:  # the drafter after the last step: already evaluated there with eval_every
             done = heldout is not None and heldout[0] == step and step > 0 and "alpha" in heldout[1]
             summary["eval_after"] = heldout[1] if done else evaluate_heldout(group, info["heldout_ids"], cfg.data.batch_size)
-            b = summary["eval_before"]["expected_al"] if summary["eval_before"] else float("nan")
-            print(f"held-out expected AL (incl. bonus): before {b:.4f} -> after {summary['eval_after']['expected_al']:.4f}")
+            print(f"held-out expected AL (incl. bonus): before {_al(summary['eval_before'])} -> after "
+                  f"{_al(summary['eval_after'])}" + ("" if summary["eval_after"].get("branches", 1) else
+                                                     " (no held-out sequence to evaluate on: raise data.heldout)"))
         if cfg.profile.enabled:
             from specopd.profiling import write_profile
 

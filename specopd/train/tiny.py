@@ -63,6 +63,12 @@ def _tiny_config(model_type: str, overrides: dict) -> tuple:
         raise ValueError(f"no tiny config for model type {model_type!r}; known: {sorted(TINY_CONFIGS)}")
     cfg = TINY_CONFIGS[model_type]()
     init = dict(INIT_KEYS)
+    unknown = sorted(k for k in dict(overrides or {}) if k not in cfg and k not in init)
+    if unknown:
+        from specopd.config import RecipeError
+
+        raise RecipeError(f"model.tiny: unknown key(s) {unknown} for tiny:{model_type}; valid keys: "
+                          f"{sorted(set(cfg) | set(init))} (a typo would otherwise land in the target's config.json)")
     for k, v in dict(overrides or {}).items():
         if k in init:
             init[k] = float(v)

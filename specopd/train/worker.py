@@ -125,6 +125,13 @@ class Worker:
         dropped = len(train_ids) + len(heldout_ids) - len(self.train_ids) - len(self.heldout_ids)
         if dropped and rank == 0:
             print(f"[data] {dropped} sequence(s) skipped: response shorter than block_size = {self.W + 1} tokens")
+        if not train_ids:
+            from specopd.errors import BadInputError
+
+            raise BadInputError(
+                f"every one of the {len(self.dataset)} records of data.path={cfg.data.path!r} is held out (\"split\": "
+                f"\"heldout\"), so there is nothing to train on: mark the training records \"split\": \"train\" (or "
+                f"remove the split fields to let data.heldout={cfg.data.heldout} choose the held-out ones)")
         if not self.train_ids:
             raise ValueError(f"no training sequence has a response of at least drafter.block_size={self.W + 1} "
                              f"tokens; lower drafter.block_size or raise data.seq_len")

@@ -1,0 +1,148 @@
+"""What a run depends on besides its recipe, fingerprinted: the data and the target's weights.
+
+Every checkpoint's state.json carries ``inputs`` = ``input_fingerprints(cfg)``; a resume compares them with the
+inputs of now (``input_changes``) and refuses one that differs, naming what changed (``specopd.train.loop``):
+
+- data (``data.source=prepared``): the sha256 of the records used (input_ids, prompt_len / response_start and
+  split of every line, in order; other fields, whitespace and key order do not count) and their number.
+  Synthetic data is a function of the recipe and the target, which are compared already.
+- target: the sha256 of its config.json and of every weight file (``*.safetensors``, ``*.bin``, the index).
+
+Hashes are cached in ``<output_dir>/.fingerprints.json`` by (absolute path, size, mtime), so a resume reads a
+large target or data file once per change, not once per run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from typing import Optional
+
+CACHE_FILE = ".fingerprints.json"
+_WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+
+
+def _stat_key(path: str) -> list:
+    st = os.stat(path)
+    return [int(st.st_size), int(st.st_mtime_ns)]
+
+
+class _Cache:
+    def __init__(self, output_dir: Optional[str]):
+        self.path = os.path.join(output_dir, CACHE_FILE) if output_dir else None
+        self.data, self.dirty = {}, False
+        if self.path and os.path.isfile(self.path):
+            try:
+                with open(self.path) as f:
+                    self.data = json.load(f)
+            except (OSError, ValueError):
+                self.data = {}
+
+    def get(self, kind: str, path: str, compute):
+        key = f"{kind}:{os.path.abspath(path)}"
+        stamp = _stat_key(path)
+        hit = self.data.get(key)
+        if isinstance(hit, dict) and hit.get("stat") == stamp:
+            return hit["value"]
+        value = compute(path)
+        self.data[key] = {"stat": stamp, "value": value}
+        self.dirty = True
+        return value
+
+    def save(self) -> None:
+        if not (self.dirty and self.path and os.path.isdir(os.path.dirname(self.path))):
+            return
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.data, f)
+            os.replace(tmp, self.path)
+        except OSError:  # a cache: failing to keep it costs a re-hash, nothing else
+            pass
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(8 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _records_sha256(path: str) -> dict:
+    """{records, sha256} over the fields of each line the trainer uses; a line that does not parse counts as
+    its raw bytes (reading the data later names it with its line)."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            n += 1
+            try:
+                rec = json.loads(raw)
+                used = [rec["input_ids"], rec.get("response_start", rec.get("prompt_len")), rec.get("split")]
+                h.update(json.dumps(used, separators=(",", ":")).encode() + b"\n")
+            except (ValueError, KeyError, TypeError):
+                h.update(b"raw:" + raw.rstrip(b"\r\n") + b"\n")
+    return {"records": n, "sha256": h.hexdigest()}
+
+
+def data_file(cfg) -> Optional[str]:
+    """The prepared data file of a recipe (None for synthetic data or a path that is not there)."""
+    d = cfg.data
+    if d.source != "prepared" or not d.path:
+        return None
+    fp = os.path.join(d.path, "data.jsonl") if os.path.isdir(d.path) else d.path
+    return fp if os.path.isfile(fp) else None
+
+
+def target_folder(cfg) -> Optional[str]:
+    """The target folder whose weights are fingerprinted: the HF folder, or the tiny target built under
+    trainer.output_dir (once it exists); None when it is not on this machine."""
+    m = cfg.model
+    folder = (os.path.join(cfg.trainer.output_dir, f"tiny-target-{m.target[len('tiny:'):]}") if m.is_tiny
+              else m.target)
+    return folder if os.path.isfile(os.path.join(folder, "config.json")) else None
+
+
+def input_fingerprints(cfg) -> dict:
+    """{"data": {path, records, sha256} | None, "target": {"files": {name: sha256}} | None} of a recipe."""
+    cache = _Cache(cfg.trainer.output_dir if os.path.isdir(cfg.trainer.output_dir) else None)
+    out = {"data": None, "target": None}
+    fp = data_file(cfg)
+    if fp is not None:
+        out["data"] = {"path": os.path.abspath(fp), **cache.get("records", fp, _records_sha256)}
+    folder = target_folder(cfg)
+    if folder is not None:
+        names = sorted(n for n in os.listdir(folder) if n == "config.json" or n.endswith(_WEIGHTS))
+        big = sum(os.path.getsize(os.path.join(folder, n)) for n in names)
+        if big > 1 << 30 and not all(f"file:{os.path.abspath(os.path.join(folder, n))}" in cache.data for n in names):
+            print(f"[inputs] hashing the target's files once ({big / 1e9:.1f} GB; cached in "
+                  f"{cache.path or 'memory'})", file=sys.stderr, flush=True)
+        out["target"] = {"folder": os.path.abspath(folder),
+                         "files": {n: cache.get("file", os.path.join(folder, n), _file_sha256) for n in names}}
+    cache.save()
+    return out
+
+
+def input_changes(old: Optional[dict], new: dict) -> list:
+    """What differs between a checkpoint's ``inputs`` and the inputs of now, one string each (empty: the same).
+    Parts the checkpoint did not record (older checkpoints, a target not on this machine) are not compared."""
+    if not old:
+        return []
+    out = []
+    a, b = old.get("data"), new.get("data")
+    if a and b and a.get("sha256") != b.get("sha256"):
+        n = (f"{b['records']} records now, {a['records']} then" if a.get("records") != b.get("records") else
+             f"the same {b['records']} records, other content or order")
+        out.append(f"the data {b['path']} changed since the checkpoint ({n}; sha256 of its records "
+                   f"{a['sha256'][:12]} -> {b['sha256'][:12]})")
+    a, b = (old.get("target") or {}).get("files"), (new.get("target") or {}).get("files")
+    if a and b and a != b:
+        changed = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
+        what = ", ".join(f"{n} ({'new' if n not in a else 'gone' if n not in b else 'other content'})"
+                         for n in changed[:4])
+        out.append(f"the target in {new['target']['folder']} changed since the checkpoint: {what}"
+                   f"{' ...' if len(changed) > 4 else ''}")
+    return out
