@@ -34,19 +34,27 @@ TINY = dict(vocab_size=128, hidden_size=64, num_attention_heads=2, num_key_value
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A tiny target (+ a char tokenizer with a chat template), a DFlash drafter trained 20 steps, its export."""
-    from specopd.config import load_recipe
-    from specopd.data.prepare import encode_prompt, load_tokenizer
-    from specopd.drafters.layout import export_folder
-    from specopd.train.checkpoint import find_latest
-    from specopd.train.loop import train
+def tiny_target(tmp_path_factory):
+    """A tiny target (+ a char tokenizer with a chat template) -> (folder, root)."""
     from specopd.train.tiny import build_tiny_target
     from test_data import write_char_tokenizer
 
     root = tmp_path_factory.mktemp("vllm")
     tdir = build_tiny_target("llama", str(root / "target"), seed=0, overrides=TINY)
     write_char_tokenizer(tdir)
+    return tdir, root
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target):
+    """The tiny target, a DFlash drafter trained 20 steps, its export, the prompts."""
+    from specopd.config import load_recipe
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.drafters.layout import export_folder
+    from specopd.train.checkpoint import find_latest
+    from specopd.train.loop import train
+
+    tdir, root = tiny_target
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_recipe(os.path.join(repo, "recipes", "tiny.yaml"), [
         f"trainer.output_dir={root / 'run'}", f"model.target={tdir}", "trainer.max_steps=20", "trainer.save_every=0",
@@ -135,12 +143,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_openai_engine_against_a_real_vllm_server(served, tmp_path):
+def test_openai_engine_against_a_real_vllm_server(tiny_target, tmp_path):
     """`prepare data --engine openai` on vLLM's OpenAI-compatible server: token ids come back (no re-tokenising)
     and the greedy references equal the built-in engine's."""
     from specopd.data import prepare as P
     from specopd.data import references as R
 
+    served = {"target": tiny_target[0]}
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", served["target"],
