@@ -89,7 +89,7 @@ def test_cli_dispatch_passes_arguments_through(monkeypatch):
     import specopd.cli as cli
 
     seen = {}
-    monkeypatch.setattr(cli, "_lazy", lambda module, func: (lambda *a: seen.setdefault(module, a)))
+    monkeypatch.setattr(cli, "_lazy", lambda module, func: (lambda *a, **kw: seen.setdefault(module, a)))
     assert main(["prepare", "data", "--num", "48", "--max-new-tokens", "64"]) == 0
     assert seen["specopd.data.prepare"] == (["data", "--num", "48", "--max-new-tokens", "64"],)
     assert main(["eval", os.path.join(ROOT, "recipes", "tiny.yaml"), "--json", "x.json", "eval.prompts=3"]) == 0
