@@ -157,7 +157,7 @@ def find_resume(cfg: RecipeConfig) -> Optional[dict]:
 _REFUSE = ("seed", "model.target", "model.tiny_seed", "model.tiny", "drafter.kind", "drafter.num_layers",
            "drafter.block_size", "drafter.feature_layers", "data.source", "data.path", "data.num_samples",
            "data.prompt_len", "data.seq_len", "data.sample_temperature", "data.seed", "data.heldout",
-           "trainer.method")
+           "trainer.method", "data.overlong", "data.bad_lines")
 _SAME_RUN = ("trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
              "trainer.eval_heldout", "trainer.eval_anchors_per_seq", "trainer.eval_every", "trainer.output_dir",
              "trainer.resume", "trainer.cache_trunks",
@@ -436,7 +436,9 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                     denom = sum(r["branches"] for r in group.call("stage", [(p, step) for p in parts]))
                     res = group.call("finish", [(denom,)] * n)
                 else:
-                    denom = sum(num_branches(info["lengths"][i], info["prompt_lens"][i], W, B) for i in ids)
+                    counts = info.get("anchor_counts")  # valid anchors per sample (response / loss mask)
+                    denom = sum(min(B, counts[i]) if counts is not None else
+                                num_branches(info["lengths"][i], info["prompt_lens"][i], W, B) for i in ids)
                     if t.batch_invariant:
                         bounds = shard_bounds(len(ids), n)
                         res = group.call("train_step_invariant", [(p, step, denom, bounds, len(ids)) for p in parts])
