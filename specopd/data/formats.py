@@ -127,6 +127,24 @@ def _parquet_records(path: str) -> list:
     return [(f"{path}:row {i}", r) for i, r in enumerate(rows, 1)]
 
 
+def count_records(path: str) -> Optional[int]:
+    """Records in a conversations file without parsing them (JSONL: non-empty lines; Parquet: its row count;
+    JSON: None), or None when the file does not exist (yet)."""
+    if not os.path.isfile(path):
+        return None
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            return None
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    if ext == ".json":
+        return None
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
 # ---------------------------------------------------------------------------------------------- validation
 def _content(m: dict, key: str) -> str:
     c = m.get(key)
@@ -161,7 +179,7 @@ def normalise(rec) -> tuple:
     for k, m in enumerate(turns):
         if not isinstance(m, dict):
             raise _Bad("bad_message", f"message {k} is not an object")
-        if "from" in m and "role" not in m:
+        if m.get("from") is not None and m.get("role") is None:  # ShareGPT (Parquet rows may carry both keys)
             role_raw, content = m["from"], _content(m, "value")
         else:
             role_raw, content = m.get("role"), _content(m, "content")

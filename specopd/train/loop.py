@@ -160,7 +160,8 @@ _REFUSE = ("seed", "model.target", "model.tiny_seed", "model.tiny", "drafter.kin
            "trainer.method", "data.overlong", "data.bad_lines")
 _SAME_RUN = ("trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
              "trainer.eval_heldout", "trainer.eval_anchors_per_seq", "trainer.eval_every", "trainer.output_dir",
-             "trainer.resume", "trainer.cache_trunks",
+             "trainer.resume", "trainer.cache_trunks", "trainer.loggers", "trainer.logger_project",
+             "trainer.run_name", "trainer.wandb_mode", "trainer.mlflow_tracking_uri",
              "trainer.max_nonfinite_steps", "drafter.init_from", "model.device", "model.gdn_checkpoint_every",
              "runtime", "profile", "eval", "pipeline")
 
@@ -362,11 +363,14 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                   f"trainer.resume=none (the old run is moved aside) or another trainer.output_dir.")
             return {**prev, "already_complete": True}
     apply_deterministic(t.deterministic)
+    from specopd.train.metrics import check_loggers, make_logger
+
+    check_loggers(t.loggers)  # a missing optional package (tensorboard / wandb / mlflow) names its extra first
     check_memory(cfg)  # a step larger than one device is a clear error (MemoryPlanError) before any work
     metrics_path = os.path.join(out, "metrics.jsonl")
     group = make_group(cfg)
     n = group.num_workers
-    step, saved_step, state = 0, None, {}
+    step, saved_step, state, sinks = 0, None, {}, None
     try:
         info = group.call("data_info", [()] * n)[0]
         if t.eval_every and not info["heldout_ids"]:
@@ -401,6 +405,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
             if state["eval_before"]:
                 print(f"held-out expected AL (incl. bonus) before training: {state['eval_before']['expected_al']:.4f}")
         state["target_fingerprint"] = target_fingerprint(cfg.model)
+        sinks = make_logger(cfg, resume_step=step if c is not None else None)  # metrics.jsonl + trainer.loggers
 
         positions = {step: order.position}  # data position after `k` completed steps
 
@@ -458,8 +463,7 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                     last.update(heldout_expected_al=heldout[1]["expected_al"], heldout_alpha=heldout[1]["alpha"],
                                 heldout_branches=heldout[1]["branches"], heldout_eval_s=time.perf_counter() - t1)
                 if step % t.log_every == 0 or step == t.max_steps or last.get("skipped") or due:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(last) + "\n")
+                    sinks.log(last)  # metrics.jsonl (the source of truth) and every trainer.loggers sink
                 if due:
                     _plot_heldout(out, state.get("eval_before"), bar)
                 post = dict(loss=f"{last['loss']:.4f}", AL=f"{last['expected_al']:.3f}")
@@ -496,13 +500,16 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                     print(f"run interrupted; checkpoint of step {k} written to {p}")
             except Exception as e2:  # noqa: BLE001
                 print(f"run interrupted and the checkpoint could not be written: {e2}")
+        if sinks is not None:
+            sinks.close()
         group.shutdown()
         raise
     try:
         if step != saved_step:
             save()
         summary = {"method": t.method, "steps": step, "final_checkpoint": ck.find_latest(out),
-                   "eval_before": state.get("eval_before"), "last_step": last}
+                   "eval_before": state.get("eval_before"), "last_step": last,
+                   "data": info.get("data_stats")}  # what was read, dropped, cut, skipped: nothing silently
         if t.eval_every and heldout is not None:
             summary["heldout_expected_al"] = {"step": heldout[0], "expected_al": heldout[1]["expected_al"],
                                               "figure": os.path.join(out, "heldout_al.png")}
@@ -522,4 +529,6 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         _atomic_write(os.path.join(out, "train_summary.json"), json.dumps(summary, indent=1))
         return summary
     finally:
+        if sinks is not None:
+            sinks.close()
         group.shutdown()
