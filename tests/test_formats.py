@@ -235,20 +235,24 @@ def test_tokenisation_cache_beside_the_data_keyed_by_content_and_tokenizer(tok, 
         if n.startswith("chat_template"):
             os.remove(os.path.join(other, n))
     assert F.tokenizer_hash(other) != F.tokenizer_hash(target_dir)
-    # a read-only data folder: the cache goes to the run folder
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    q = str(ro / "specforge.jsonl")
-    shutil.copy(os.path.join(FIX, "specforge.jsonl"), q)
-    os.chmod(ro, 0o555)
-    try:
-        if os.access(str(ro), os.W_OK):
-            pytest.skip("running as a user that writes into read-only folders")
-        st = {}
-        F.conversation_samples(q, tok, target_dir, run, 512, 256, stats=st)
-        assert st["cache"]["path"].startswith(os.path.join(run, "data"))
-    finally:
-        os.chmod(ro, 0o755)
+
+
+def test_cache_falls_back_to_the_run_folder_when_the_data_folder_is_not_writable(tok, target_dir, tmp_path,
+                                                                                   monkeypatch):
+    p = fixture("specforge.jsonl", tmp_path)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # makedirs below a file fails, for root too
+    real = F._cache_paths
+    monkeypatch.setattr(F, "_cache_paths", lambda path, key, out: [os.path.join(str(blocker), "c", "x.pt")]
+                        + real(path, key, out)[1:])
+    run = str(tmp_path / "run")
+    st: dict = {}
+    F.conversation_samples(p, tok, target_dir, run, 512, 256, stats=st)
+    assert st["cache"]["hit"] is False
+    assert st["cache"]["path"].startswith(os.path.join(run, "data", "conversations-specforge.jsonl."))
+    st = {}
+    F.conversation_samples(p, tok, target_dir, run, 512, 256, stats=st)
+    assert st["cache"]["hit"] is True
 
 
 def test_heldout_is_chosen_by_conversation(tok, target_dir, tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 from typing import Optional, Protocol
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -124,7 +125,7 @@ class WandbSink:
         base = os.path.join(run_dir, "wandb")
         os.makedirs(base, exist_ok=True)
         id_file = os.path.join(base, "specopd_run_id")
-        run_id = open(id_file).read().strip() if os.path.isfile(id_file) else wandb.util.generate_id()
+        run_id = open(id_file).read().strip() if os.path.isfile(id_file) else secrets.token_hex(4)
         self.run = wandb.init(project=project, name=name, dir=run_dir, mode=mode, id=run_id, resume="allow",
                               config=config, reinit="create_new",
                               settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
