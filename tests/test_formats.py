@@ -56,7 +56,7 @@ def masked_text(tok, ids, mask) -> list:
 # ---------------------------------------------------------------------------------------------- reading
 def test_each_format_reads_to_the_same_messages(tmp_path):
     sf = F.read_conversations(fixture("specforge.jsonl", tmp_path))
-    assert len(sf) == 8 and sf[0][1] == "sf-0" and sf[0][0].endswith("specforge.jsonl:1")
+    assert len(sf) == 24 and sf[0][1] == "sf-0" and sf[0][0].endswith("specforge.jsonl:1")
     assert [m["role"] for m in sf[0][2]] == ["user", "assistant", "user", "assistant"]
     assert sf[1][2] == [{"role": "user", "content": "Name a prime number."},
                         {"role": "assistant", "content": "Seven is a prime number."}]
@@ -72,10 +72,34 @@ def test_each_format_reads_to_the_same_messages(tmp_path):
     assert [m["role"] for m in oa[1][2]] == ["system", "user", "assistant"]
     pytest.importorskip("pyarrow", reason="Parquet needs pyarrow (pip install -e .[parquet])")
     pq = F.read_conversations(fixture("openai.parquet", tmp_path))
-    assert [(r[1], r[2]) for r in pq] == [(f"pq-{i}", r[2][:2]) for i, r in enumerate(sf)]  # its first exchanges
+    assert [(r[1], r[2]) for r in pq] == [(f"pq-{i}", r[2][:2]) for i, r in enumerate(sf[:8])]  # its first exchanges
     assert pq[0][0].endswith("openai.parquet:row 1")
     assert F.count_records(fixture("openai.parquet", tmp_path)) == 8
-    assert F.count_records(fixture("specforge.jsonl", tmp_path)) == 8
+    assert F.count_records(fixture("specforge.jsonl", tmp_path)) == 24
+
+
+@pytest.mark.parametrize("container", ["jsonl", "json", "parquet"])
+@pytest.mark.parametrize("name", ["specforge.jsonl", "sharegpt_multiturn.json", "openai.jsonl"])
+def test_every_schema_reads_the_same_from_every_container(tmp_path, name, container):
+    want = F.read_conversations(fixture(name, tmp_path))
+    recs = [json.loads(open(os.path.join(FIX, name)).read())] if name.endswith(".json") else \
+        [json.loads(x) for x in open(os.path.join(FIX, name))]
+    recs = recs[0] if name.endswith(".json") else recs
+    p = str(tmp_path / f"again.{container}")
+    if container == "jsonl":
+        open(p, "w").write("".join(json.dumps(r) + "\n" for r in recs))
+    elif container == "json":
+        json.dump(recs, open(p, "w"))
+    else:
+        pa = pytest.importorskip("pyarrow", reason="Parquet needs pyarrow (pip install -e .[parquet])")
+        import pyarrow.parquet as pq
+
+        if any(isinstance(m.get("content"), list) for r in recs for m in r.get("messages", [])):
+            recs = [r for r in recs if not any(isinstance(m.get("content"), list) for m in r.get("messages", []))]
+            want = [w for w in want if w[1] in {r["id"] for r in recs}]
+        pq.write_table(pa.Table.from_pylist(recs), p)
+    got = F.read_conversations(p)
+    assert [(g[1], g[2]) for g in got] == [(w[1], w[2]) for w in want]
 
 
 BAD = {  # reason -> (record line, what the message says)
@@ -314,8 +338,8 @@ def test_train_a_specforge_file_directly(target_dir, tmp_path):
     s = train(cfg, progress=False)
     assert s["steps"] == 3 and s["heldout_expected_al"]["expected_al"] >= 1.0
     d = json.loads(open(tmp_path / "run" / "train_summary.json").read())["data"]
-    assert d["source"] == "conversations" and d["records"] == 8 and d["conversations"] == 8
-    assert d["truncated"] >= 1 and d["train"] + d["heldout"] + d["skipped_short_response"] == 8
+    assert d["source"] == "conversations" and d["records"] == 24 and d["conversations"] == 24
+    assert d["truncated"] >= 1 and d["train"] + d["heldout"] + d["skipped_short_response"] == 24
     assert d["cache"]["hit"] is False and d["cache"]["path"].startswith(str(tmp_path / ".specopd-cache"))
     w = Worker(cfg)
     assert w.data_stats["cache"]["hit"] is True  # the second reader uses the cache
