@@ -149,8 +149,10 @@ class MlflowSink:
     def __init__(self, run_dir: str, project: str, name: str, params: dict, tracking_uri: Optional[str] = None):
         if tracking_uri is None:
             tracking_uri = "file:" + os.path.abspath(os.path.join(run_dir, "mlruns"))
-            # MLflow 3 keeps its file store "in maintenance mode" and refuses it unless this is set
+            # MLflow 3 keeps its file store "in maintenance mode" and refuses it unless this is set; a local
+            # store means no network, so no usage telemetry either (unless the environment says otherwise)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
