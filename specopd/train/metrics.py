@@ -23,6 +23,8 @@ import os
 import secrets
 from typing import Optional, Protocol
 
+from specopd.config import RecipeError
+
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 # record key -> sink name (lists become <name>/pos_<j>, dicts <name>/<key>)
 NAMES = {"loss": "train/loss", "expected_al": "train/expected_al", "alpha": "train/alpha",
@@ -62,8 +64,9 @@ class MetricsSink(Protocol):
         """Flush and release (the run ends, or is interrupted)."""
 
 
-class MissingExtraError(ImportError):
-    """A logger named in trainer.loggers needs a package that is not installed; names the extra."""
+class MissingExtraError(RecipeError, ImportError):
+    """A logger named in trainer.loggers needs a package that is not installed; names the extra (a recipe error:
+    the CLI prints it without a traceback)."""
 
 
 def check_loggers(names) -> None:
