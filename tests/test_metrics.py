@@ -151,6 +151,16 @@ def test_tensorboard_after_resume_matches_metrics_jsonl(tmp_path):
     assert tb["train/loss"] == [(r["step"], f32(r["loss"])) for r in lines]
 
 
+def test_a_fresh_run_in_a_used_folder_starts_new_sink_runs(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    run_tiny(out, ["tensorboard"], ["trainer.max_steps=2"])
+    run_tiny(out, ["tensorboard"], ["trainer.max_steps=3", "trainer.resume=none", "trainer.lr=0.02"])
+    assert len(glob.glob(str(out / "tensorboard.before-*"))) == 1
+    lines = jsonl(out)
+    assert read_tensorboard(out / "tensorboard")["train/loss"] == [(r["step"], f32(r["loss"])) for r in lines]
+
+
 def test_missing_extra_is_named_before_the_run_starts(tmp_path, monkeypatch):
     from specopd.train.loop import train
     from specopd.train.tiny import tiny_recipe

@@ -308,10 +308,11 @@ def _trim_metrics(path: str, step: int) -> None:
 
 
 def _fresh_start(out: str) -> None:
-    """A fresh run in a used folder: the old metrics, profile, checkpoints and summary are moved aside."""
+    """A fresh run in a used folder: the old metrics, profile, checkpoints and summary are moved aside (and the
+    old TensorBoard events, wandb runs and mlflow run id, so the sinks start a new run too)."""
     stamp = int(time.time())
     moved = []
-    for name in ("metrics.jsonl", "profile", "train_summary.json"):
+    for name in ("metrics.jsonl", "profile", "train_summary.json", "tensorboard", "wandb", "mlflow_run_id"):
         p = os.path.join(out, name)
         if os.path.exists(p):
             root, ext = os.path.splitext(name)
