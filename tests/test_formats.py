@@ -360,6 +360,9 @@ def test_train_a_specforge_file_directly(target_dir, tmp_path):
     assert d["cache"]["hit"] is False and d["cache"]["path"].startswith(str(tmp_path / ".specopd-cache"))
     w = Worker(cfg)
     assert w.data_stats["cache"]["hit"] is True  # the second reader uses the cache
+    from specopd.train.data import warm_conversation_cache
+
+    assert warm_conversation_cache(cfg) == {"path": d["cache"]["path"], "hit": True}  # what Ray runs do first
     second_turn = 0
     for sid, smp in enumerate(w.dataset):
         mask, pl = smp["loss_mask"], smp["prompt_len"]

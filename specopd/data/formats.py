@@ -396,6 +396,7 @@ def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict)
             except Exception:  # noqa: BLE001  (a damaged cache is rebuilt)
                 pass
     data = tokenise_file(path, tok)
+    st["cache"] = {"path": None, "hit": False}  # unless a place below takes it
     for p in places:  # beside the data; the run folder when that is not writable
         try:
             os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -407,6 +408,14 @@ def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict)
         except OSError:
             continue
     return data
+
+
+def build_cache(path: str, tok, target_dir: str, output_dir: str) -> dict:
+    """Tokenise ``path`` into its cache once (the controller does it before starting Ray workers, so that they
+    read it instead of each tokenising the file). Returns {"path", "hit"}."""
+    st: dict = {}
+    _cached_tokenise(path, tok, target_dir, output_dir, st)
+    return st["cache"]
 
 
 def conversation_samples(path: str, tok, target_dir: str, output_dir: str, seq_len: int, context: Optional[int],

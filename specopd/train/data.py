@@ -152,6 +152,22 @@ def load_conversations(cfg, target, stats: dict) -> list:
                                 heldout=d.heldout, stats=stats)
 
 
+def warm_conversation_cache(cfg) -> Optional[dict]:
+    """``data.source: conversations``: tokenise data.path into its cache here (the controller, before the
+    workers start: Ray workers then load it instead of each tokenising the file). Reads only the target's
+    config.json and tokenizer. Returns the cache's {"path", "hit"} (None for other sources)."""
+    if cfg.data.source != "conversations" or cfg.model.is_tiny:
+        return None
+    from specopd.data.formats import build_cache
+    from specopd.data.prepare import load_tokenizer
+
+    with open(os.path.join(cfg.model.target, "config.json")) as f:
+        conf = json.load(f)
+    vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
+    tok = load_tokenizer(cfg.model.target, int(vocab))
+    return build_cache(cfg.data.path, tok, cfg.model.target, cfg.trainer.output_dir)
+
+
 def load_dataset(cfg, target, progress: bool = True, stats: Optional[dict] = None) -> list:
     """The run's samples (list indexed by sample id), built once and cached for synthetic data. ``stats``:
     filled with what was read, dropped, cut or skipped (prepared and conversations data)."""

@@ -369,6 +369,11 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     check_loggers(t.loggers)  # a missing optional package (tensorboard / wandb / mlflow) names its extra first
     check_memory(cfg)  # a step larger than one device is a clear error (MemoryPlanError) before any work
     metrics_path = os.path.join(out, "metrics.jsonl")
+    warm_cache = None
+    if cfg.runtime.backend == "ray":  # conversations: tokenise once here, not in every worker actor at once
+        from specopd.train.data import warm_conversation_cache
+
+        warm_cache = warm_conversation_cache(cfg)
     group = make_group(cfg)
     n = group.num_workers
     step, saved_step, state, sinks = 0, None, {}, None
@@ -511,6 +516,8 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         summary = {"method": t.method, "steps": step, "final_checkpoint": ck.find_latest(out),
                    "eval_before": state.get("eval_before"), "last_step": last,
                    "data": info.get("data_stats")}  # what was read, dropped, cut, skipped: nothing silently
+        if warm_cache is not None and summary["data"]:
+            summary["data"]["cache"] = warm_cache  # built (or found) by the controller before the workers
         if t.eval_every and heldout is not None:
             summary["heldout_expected_al"] = {"step": heldout[0], "expected_al": heldout[1]["expected_al"],
                                               "figure": os.path.join(out, "heldout_al.png")}

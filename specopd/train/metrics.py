@@ -145,7 +145,9 @@ class WandbSink:
 class MlflowSink:
     """An MLflow run (experiment ``project``); default tracking store: files under ``<run_dir>/mlruns``
     (`mlflow ui --backend-store-uri <run_dir>/mlruns`). The recipe's keys are its params; a resumed run continues
-    the same run id (kept in ``<run_dir>/mlflow_run_id``)."""
+    the same run id (kept in ``<run_dir>/mlflow_run_id``). MLflow's metric history is append-only: steps an
+    interrupted run logged after its last checkpoint stay, and the resumed run logs them again (the newest value
+    of a step is the resumed run's; TensorBoard and metrics.jsonl drop the old ones)."""
 
     name = "mlflow"
 
