@@ -412,7 +412,15 @@ def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict)
 
 def build_cache(path: str, tok, target_dir: str, output_dir: str) -> dict:
     """Tokenise ``path`` into its cache once (the controller does it before starting Ray workers, so that they
-    read it instead of each tokenising the file). Returns {"path", "hit"}."""
+    read it instead of each tokenising the file).
+
+    Args:
+        path: the conversations file; tok: the target's tokenizer; target_dir: its folder (hashed into the key);
+        output_dir: the run folder (where the cache goes when the data's folder is not writable).
+
+    Returns:
+        {"path": the cache file (None if nothing could be written), "hit": whether it existed already}.
+    """
     st: dict = {}
     _cached_tokenise(path, tok, target_dir, output_dir, st)
     return st["cache"]
