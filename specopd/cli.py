@@ -102,6 +102,8 @@ def plan(cfg, device_bytes=None) -> dict:
     if d.source == "prepared" and not os.path.exists(d.path):
         notes.append(f"data.path={d.path!r} is written by the main job on first use (stage 2: references)" if pipeline
                      else f"data.path={d.path!r} does not exist yet (run `specopd prepare data ...` before training)")
+    if d.source == "conversations" and not os.path.isfile(d.path):
+        notes.append(f"data.path={d.path!r} does not exist (a .jsonl / .json / .parquet file of conversations)")
     if pipeline:
         notes.append("pipeline: the main job (specopd.mainjob) prepares the target and the references when missing, "
                      "warms the drafter up, trains and evaluates; no separate `specopd prepare` step is needed")

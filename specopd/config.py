@@ -18,6 +18,7 @@ from specopd.errors import UserError, dir_problem, is_finite_number, nonfinite_k
 TINY_PREFIX = "tiny:"
 TINY_MODEL_TYPES = ("llama", "qwen3_next", "qwen4_exp")
 METHODS = ("specopd", "draft_opd", "offpolicy_ce", "offpolicy_e2e_tv")
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 
 
 class RecipeError(UserError, ValueError):
@@ -119,10 +120,12 @@ class DrafterConfig:
 class DataConfig:
     source: str = "synthetic"
     """synthetic: references sampled from the target itself (random prompts + target continuations);
-    prepared: token ids written by ``specopd prepare data`` (see ``path``)."""
+    prepared: token ids written by ``specopd prepare data`` (see ``path``); conversations: chat data as users have
+    it (SpecForge ``conversations`` role/content, ShareGPT from/value, OpenAI ``messages``; JSONL, JSON or
+    Parquet), put through the target's chat template, loss on every assistant turn (specopd.data.formats)."""
     path: Optional[str] = None
     """prepared data: a .jsonl file (one {"input_ids": [...], "prompt_len": n} per line) or a folder holding
-    data.jsonl."""
+    data.jsonl; conversations: the .jsonl / .json / .parquet file."""
     num_samples: int = 256
     """synthetic: number of reference sequences generated (train + held-out)."""
     prompt_len: int = 8
@@ -137,12 +140,26 @@ class DataConfig:
     """Fraction of the sequences held out for evaluation (never trained on)."""
     seed: int = 1234
     """Seed of the synthetic data and of the train/held-out split (independent of the top-level seed)."""
+    # ---- conversations data (data.source: conversations; specopd.data.formats)
+    overlong: str = "truncate"
+    """conversations: a conversation longer than data.seq_len tokens (after the chat template) is cut there
+    (truncate) or left out (drop); both are counted in train_summary.json. One longer than the target's context
+    is bad data (see bad_lines)."""
+    bad_lines: str = "error"
+    """conversations: a bad record (not JSON / not UTF-8, unknown role, empty, no assistant turn, longer than the
+    target's context, ...) stops the run with its file and line (error), or is skipped and counted by reason in
+    train_summary.json (skip)."""
 
     def __post_init__(self):
-        _check_choice("data", "source", self.source, ["synthetic", "prepared"])
+        _check_choice("data", "source", self.source, ["synthetic", "prepared", "conversations"])
         if self.source == "prepared":
             if not self.path:
                 raise RecipeError("data.source=prepared needs data.path (run `specopd prepare data ...` first)")
+        if self.source == "conversations" and not self.path:
+            raise RecipeError("data.source=conversations needs data.path: a .jsonl / .json / .parquet file of "
+                              "conversations (SpecForge, ShareGPT or OpenAI messages)")
+        _check_choice("data", "overlong", self.overlong, ["truncate", "drop"])
+        _check_choice("data", "bad_lines", self.bad_lines, ["error", "skip"])
         _check_range("data", "num_samples", self.num_samples, lo=2)
         _check_range("data", "prompt_len", self.prompt_len, lo=2)
         _check_range("data", "seq_len", self.seq_len, lo=4)
@@ -218,6 +235,22 @@ class TrainerConfig:
     """Rows of [rows, V] fp32 logits the fused loss and the branch sampling hold at once: an integer >= 1, or
     auto (a budget of 2 GiB on CUDA / 256 MiB on the CPU, lowered to a quarter of the free GPU memory; see
     specopd.losses.auto_chunk_rows). Lower it if the loss phase runs out of memory."""
+    # ---- metrics sinks (specopd.train.metrics)
+    loggers: List[str] = field(default_factory=lambda: ["jsonl"])
+    """Where the metrics go: any of jsonl, tensorboard, wandb, mlflow. <output_dir>/metrics.jsonl is always
+    written (the source of truth: resume and the figures read it); the others get the same numbers under one
+    naming scheme (train/loss, train/alpha/pos_<j>, heldout/expected_al, train/supervised_tokens_per_s,
+    train/phase_s/<phase>, ...). tensorboard: <output_dir>/tensorboard; wandb: offline under <output_dir>/wandb
+    unless trainer.wandb_mode=online; mlflow: a file store <output_dir>/mlruns unless trainer.mlflow_tracking_uri."""
+    logger_project: str = "specopd"
+    """wandb project / mlflow experiment name."""
+    run_name: Optional[str] = None
+    """Run name in wandb / mlflow (null: the output_dir's folder name)."""
+    wandb_mode: str = "offline"
+    """offline (files under <output_dir>/wandb, `wandb sync` uploads them later) | online."""
+    mlflow_tracking_uri: Optional[str] = None
+    """null: a file store under <output_dir>/mlruns (`mlflow ui --backend-store-uri <output_dir>/mlruns`); else
+    any MLflow tracking URI (http://..., sqlite:///...)."""
 
     def __post_init__(self):
         _check_choice("trainer", "method", self.method, METHODS)
@@ -248,6 +281,9 @@ class TrainerConfig:
         if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise RecipeError(f"trainer.loss_chunk_rows={rows!r} is not valid; give an integer >= 1 (rows of "
                               f"[rows, V] logits per chunk of the fused loss) or auto")
+        for name in self.loggers:
+            _check_choice("trainer", "loggers", name, LOGGERS)
+        _check_choice("trainer", "wandb_mode", self.wandb_mode, ["offline", "online"])
 
 
 @dataclass

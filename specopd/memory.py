@@ -339,6 +339,10 @@ def _num_sequences(cfg) -> Optional[int]:
     """Training sequences of the recipe's data (an upper bound: held-out ones included); None when unknown
     (a prepared file that does not exist yet)."""
     d = cfg.data
+    if d.source == "conversations":
+        from specopd.data.formats import count_records
+
+        return count_records(d.path)
     if d.source != "prepared":
         return int(d.num_samples)
     path = d.path if os.path.isfile(d.path) else os.path.join(d.path, "data.jsonl")

@@ -332,6 +332,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", default=None, help="JSONL of {'prompt': ...} or {'messages': [...]}, or plain text "
                                                    "(one prompt a line) "
                                                    "(default: chitchat-dataset first user turns)")
+    d.add_argument("--from", dest="from_file", default=None,
+                   help="a conversations file (SpecForge / ShareGPT / OpenAI; .jsonl, .json or .parquet): keep each "
+                        "conversation's prompt (system + user turns before its first answer), regenerate the answer")
     d.add_argument("--target", default=None, help="target HF folder (default: the prepared smollm2-135m)")
     d.add_argument("--out", default=None, help="output folder (default <cache>/data/<prompts>-<target>)")
     d.add_argument("--cache-dir", default=None)
@@ -361,13 +364,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.target is None and not is_prepared(target):
         raise SystemExit(f"no --target given and the default target {target} is not prepared; run "
                          f"`specopd prepare model {MODEL_NAME}` first (or pass --target HF_DIR)")
+    prompts = label = None
+    if args.from_file:  # conversations as users have them -> (id, prompt messages)
+        from specopd.data.formats import conversation_prompts
+
+        if args.prompts:
+            raise SystemExit("give --prompts or --from, not both")
+        prompts, label = conversation_prompts(args.from_file), os.path.abspath(args.from_file)
     if args.out is None:
-        src = os.path.splitext(os.path.basename(args.prompts))[0] if args.prompts else "chitchat"
+        named = args.prompts or args.from_file
+        src = os.path.splitext(os.path.basename(named))[0] if named else "chitchat"
         args.out = os.path.join(cache_root(args.cache_dir), "data", f"{src}-{os.path.basename(os.path.normpath(target))}")
     counts = prepare_data(target, args.out, args.prompts, args.num, args.max_new_tokens, args.temperature,
                           args.top_p, args.seed, args.heldout_fraction, args.device, args.dtype,
                           batch_size=args.batch_size, engine=args.engine, servers=args.server,
-                          concurrency=args.concurrency)
+                          concurrency=args.concurrency, prompts=prompts, prompts_label=label)
     print(f"[specopd] references in {args.out}/{DATA_FILE}: {counts}")
     return 0
 

@@ -7,7 +7,13 @@ index. Two sources:
 - prepared: ``data.path`` is a .jsonl file (or a folder with ``data.jsonl``), one JSON object per line with
   ``input_ids`` (list of ints) and ``prompt_len`` (int); sequences are cut to ``data.seq_len`` and to the
   target's context (max_position_embeddings); records whose prompt does not fit it are dropped and counted.
-The train / held-out split is a seeded permutation; held-out samples are never trained on.
+  An optional ``loss_mask`` (list of 0/1, one per token) marks the supervised tokens (as conversations do).
+- conversations: chat data as users have it (``specopd.data.formats``): each conversation through the target's
+  chat template, with a ``loss_mask`` over every assistant turn (tokenisation cached beside the data).
+The train / held-out split is a seeded permutation (or the records' own split); held-out samples are never
+trained on. Anchors (``valid_anchors``): where the W tokens after the anchor are all supervised: the response
+after ``prompt_len``, or the masked tokens of a ``loss_mask``. What is dropped, cut or skipped is counted
+(``load_dataset(..., stats=)``) and lands in train_summary.json.
 """
 from __future__ import annotations
 
@@ -117,6 +123,12 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, con
             st["no_response"] += 1  # no response left after cutting
             continue
         rec_out = {"input_ids": ids, "prompt_len": pl}
+        if rec.get("loss_mask") is not None:  # supervised tokens given per token (e.g. multi-turn chats)
+            lm = rec["loss_mask"]
+            if not isinstance(lm, list) or len(lm) != len(rec["input_ids"]) or any(x not in (0, 1) for x in lm):
+                raise BadInputError(f"{fp}:{ln}: loss_mask must be a list of 0/1, one per input_ids token "
+                                    f"({len(rec['input_ids'])})")
+            rec_out["loss_mask"] = torch.tensor(lm[:limit], dtype=torch.bool)
         if rec.get("split") in ("train", "heldout"):
             rec_out["split"] = rec["split"]
         out.append(rec_out)
@@ -147,12 +159,55 @@ def target_context(target) -> Optional[int]:
     return int(c) if c else None
 
 
-def load_dataset(cfg, target, progress: bool = True) -> list:
-    """The run's samples (list indexed by sample id), built once and cached for synthetic data."""
+def load_conversations(cfg, target, stats: dict) -> list:
+    """``data.source: conversations``: the samples of ``data.path`` through the target's chat template."""
+    from specopd.config import RecipeError
+    from specopd.data.formats import conversation_samples
+    from specopd.data.prepare import load_tokenizer
+
+    if cfg.model.is_tiny:
+        raise RecipeError(f"data.source=conversations puts each conversation through the target's chat template, "
+                          f"but model.target={cfg.model.target} has no tokenizer: give a Hugging Face folder with "
+                          f"its tokenizer files (e.g. `specopd prepare model smollm2-135m`)")
+    tok = load_tokenizer(cfg.model.target, target.vocab_size)
+    d = cfg.data
+    return conversation_samples(d.path, tok, cfg.model.target, cfg.trainer.output_dir, d.seq_len,
+                                target_context(target), overlong=d.overlong, bad_lines=d.bad_lines, seed=d.seed,
+                                heldout=d.heldout, stats=stats)
+
+
+def warm_conversation_cache(cfg) -> Optional[dict]:
+    """``data.source: conversations``: tokenise data.path into its cache here (the controller, before the
+    workers start: Ray workers then load it instead of each tokenising the file). Reads only the target's
+    config.json and tokenizer. Returns the cache's {"path", "hit"} (None for other sources)."""
+    if cfg.data.source != "conversations" or cfg.model.is_tiny:
+        return None
+    from specopd.data.formats import build_cache
+    from specopd.data.prepare import load_tokenizer
+
+    with open(os.path.join(cfg.model.target, "config.json")) as f:
+        conf = json.load(f)
+    vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
+    tok = load_tokenizer(cfg.model.target, int(vocab))
+    return build_cache(cfg.data.path, tok, cfg.model.target, cfg.trainer.output_dir)
+
+
+def load_dataset(cfg, target, progress: bool = True, stats: Optional[dict] = None) -> list:
+    """The run's samples (list indexed by sample id), built once and cached for synthetic data. ``stats``:
+    filled with what was read, dropped, cut or skipped (prepared and conversations data)."""
     ctx = target_context(target)
+    st: dict = stats if stats is not None else {}
+    if cfg.data.source == "conversations":
+        from specopd.data.formats import stats_note
+
+        out = load_conversations(cfg, target, st)
+        note = stats_note(st, min(cfg.data.seq_len, ctx) if ctx else cfg.data.seq_len)
+        if note and progress:
+            print(note, flush=True)
+        return out
     if cfg.data.source == "prepared":
-        st: dict = {}
         out = read_prepared(cfg.data.path, cfg.data.seq_len, target.vocab_size, context=ctx, stats=st)
+        st["source"] = "prepared"
         note = drop_note(st, cfg.data.seq_len, ctx)
         if note and progress:
             print(note, flush=True)
@@ -225,6 +280,23 @@ class BatchOrder:
 
     def set_position(self, pos: dict) -> None:
         self.epoch, self.offset = int(pos["epoch"]), int(pos["offset"])
+
+
+def valid_anchors(sample: dict, draft_len: int) -> torch.Tensor:
+    """Sorted valid anchors [A] of a sample: a >= 1 (one context feature), a + W <= T - 1, and the W tokens
+    a + 1 .. a + W all supervised: after ``prompt_len`` (``anchor_range``: a contiguous range), or, with a
+    ``loss_mask`` [T] bool, all masked (every token of each block lies on one assistant turn)."""
+    T, W = int(sample["input_ids"].numel()), int(draft_len)
+    mask = sample.get("loss_mask")
+    if mask is None:
+        lo, hi = anchor_range(T, int(sample["prompt_len"]), W)
+        return torch.arange(lo, hi + 1) if hi >= lo else torch.empty(0, dtype=torch.long)
+    if T - 1 - W < 1:
+        return torch.empty(0, dtype=torch.long)
+    c = torch.cat([torch.zeros(1, dtype=torch.long), mask.long().cumsum(0)])  # c[k] = masked tokens in [0, k)
+    a = torch.arange(1, T - W)
+    ok = (c[a + 1 + W] - c[a + 1]) == W
+    return a[ok]
 
 
 def num_branches(length: int, prompt_len: int, draft_len: int, anchors_per_seq: int) -> int:

@@ -163,10 +163,11 @@ def find_resume(cfg: RecipeConfig) -> Optional[dict]:
 _REFUSE = ("seed", "model.target", "model.tiny_seed", "model.tiny", "drafter.kind", "drafter.num_layers",
            "drafter.block_size", "drafter.feature_layers", "data.source", "data.path", "data.num_samples",
            "data.prompt_len", "data.seq_len", "data.sample_temperature", "data.seed", "data.heldout",
-           "trainer.method")
+           "trainer.method", "data.overlong", "data.bad_lines")
 _SAME_RUN = ("trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every",
              "trainer.eval_heldout", "trainer.eval_anchors_per_seq", "trainer.eval_every", "trainer.output_dir",
-             "trainer.resume", "trainer.cache_trunks",
+             "trainer.resume", "trainer.cache_trunks", "trainer.loggers", "trainer.logger_project",
+             "trainer.run_name", "trainer.wandb_mode", "trainer.mlflow_tracking_uri",
              "trainer.max_nonfinite_steps", "drafter.init_from", "model.device", "model.gdn_checkpoint_every",
              "runtime", "profile", "eval", "pipeline")
 
@@ -323,10 +324,11 @@ def _trim_metrics(path: str, step: int) -> None:
 
 
 def _fresh_start(out: str) -> None:
-    """A fresh run in a used folder: the old metrics, profile, checkpoints and summary are moved aside."""
+    """A fresh run in a used folder: the old metrics, profile, checkpoints and summary are moved aside (and the
+    old TensorBoard events, wandb runs and mlflow run id, so the sinks start a new run too)."""
     stamp = int(time.time())
     moved = []
-    for name in ("metrics.jsonl", "profile", "train_summary.json"):
+    for name in ("metrics.jsonl", "profile", "train_summary.json", "tensorboard", "wandb", "mlflow_run_id"):
         p = os.path.join(out, name)
         if os.path.exists(p):
             root, ext = os.path.splitext(name)
@@ -410,11 +412,19 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
     apply_deterministic(t.deterministic)
     if c is None:
         ck.seed_controller_rng(cfg.seed)  # byte-reproducible checkpoints (a resume restores the saved states)
+    from specopd.train.metrics import check_loggers, make_logger
+
+    check_loggers(t.loggers)  # a missing optional package (tensorboard / wandb / mlflow) names its extra first
     check_memory(cfg)  # a step larger than one device is a clear error (MemoryPlanError) before any work
     metrics_path = os.path.join(out, "metrics.jsonl")
+    warm_cache = None
+    if cfg.runtime.backend == "ray":  # conversations: tokenise once here, not in every worker actor at once
+        from specopd.train.data import warm_conversation_cache
+
+        warm_cache = warm_conversation_cache(cfg)
     group = make_group(cfg)
     n = group.num_workers
-    step, saved_step, state = 0, None, {}
+    step, saved_step, state, sinks = 0, None, {}, None
     try:
         info = group.call("data_info", [()] * n)[0]
         if t.eval_every and not info["heldout_ids"]:
@@ -452,6 +462,7 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
                       + ("" if info["heldout_ids"] else " (no held-out sequence: data.heldout=0 or none usable)"))
         state["target_fingerprint"] = target_fingerprint(cfg.model)
         state["inputs"] = input_fingerprints(cfg)
+        sinks = make_logger(cfg, resume_step=step if c is not None else None)  # metrics.jsonl + trainer.loggers
 
         positions = {step: order.position}  # data position after `k` completed steps
 
@@ -487,7 +498,9 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
                     denom = sum(r["branches"] for r in group.call("stage", [(p, step) for p in parts]))
                     res = group.call("finish", [(denom,)] * n)
                 else:
-                    denom = sum(num_branches(info["lengths"][i], info["prompt_lens"][i], W, B) for i in ids)
+                    counts = info.get("anchor_counts")  # valid anchors per sample (response / loss mask)
+                    denom = sum(min(B, counts[i]) if counts is not None else
+                                num_branches(info["lengths"][i], info["prompt_lens"][i], W, B) for i in ids)
                     if t.batch_invariant:
                         bounds = shard_bounds(len(ids), n)
                         res = group.call("train_step_invariant", [(p, step, denom, bounds, len(ids)) for p in parts])
@@ -507,8 +520,7 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
                     last.update(heldout_expected_al=heldout[1]["expected_al"], heldout_alpha=heldout[1]["alpha"],
                                 heldout_branches=heldout[1]["branches"], heldout_eval_s=time.perf_counter() - t1)
                 if step % t.log_every == 0 or step == t.max_steps or last.get("skipped") or due:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(last) + "\n")
+                    sinks.log(last)  # metrics.jsonl (the source of truth) and every trainer.loggers sink
                 if due:
                     _plot_heldout(out, state.get("eval_before"), bar)
                 post = dict(loss=f"{last['loss']:.4f}", AL=f"{last['expected_al']:.3f}")
@@ -554,13 +566,18 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
                 said = True
         if isinstance(e, KeyboardInterrupt) and not said:
             print("run interrupted before training started: no checkpoint written")
+        if sinks is not None:
+            sinks.close()
         group.shutdown()
         raise
     try:
         if step != saved_step:
             save()
         summary = {"method": t.method, "steps": step, "final_checkpoint": ck.find_latest(out),
-                   "eval_before": state.get("eval_before"), "last_step": last}
+                   "eval_before": state.get("eval_before"), "last_step": last,
+                   "data": info.get("data_stats")}  # what was read, dropped, cut, skipped: nothing silently
+        if warm_cache is not None and summary["data"]:
+            summary["data"]["cache"] = warm_cache  # built (or found) by the controller before the workers
         if t.eval_every and heldout is not None:
             summary["heldout_expected_al"] = {"step": heldout[0], "expected_al": heldout[1]["expected_al"],
                                               "figure": os.path.join(out, "heldout_al.png")}
@@ -581,4 +598,6 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
         _atomic_write(os.path.join(out, "train_summary.json"), json.dumps(summary, indent=1))
         return summary
     finally:
+        if sinks is not None:
+            sinks.close()
         group.shutdown()

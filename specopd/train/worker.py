@@ -91,7 +91,7 @@ class Worker:
         from specopd.drafters import build_drafter, load_drafter
         from specopd.models import load_target
         from specopd.models.loading import resolve_dtype
-        from specopd.train.data import load_dataset, num_branches, split_dataset
+        from specopd.train.data import load_dataset, split_dataset, valid_anchors
         from specopd.train.tiny import resolve_target_path
 
         if role not in ("both", "target", "drafter"):
@@ -117,14 +117,18 @@ class Worker:
                                          target_dir=None if cfg.model.is_tiny else cfg.model.target)
         self.drafter.train()
         self.W = int(self.drafter.draft_len)
-        self.dataset = load_dataset(cfg, target, progress=rank == 0)
+        self.data_stats: dict = {}  # what the data reading read, dropped, cut, skipped (-> train_summary.json)
+        self.dataset = load_dataset(cfg, target, progress=rank == 0, stats=self.data_stats)
         train_ids, heldout_ids = split_dataset(self.dataset, cfg.data.heldout, cfg.data.seed)
-        ok = lambda i: num_branches(int(self.dataset[i]["input_ids"].numel()), int(self.dataset[i]["prompt_len"]),
-                                    self.W, 1) > 0  # noqa: E731
+        self._anchor_pos = [valid_anchors(s, self.W) for s in self.dataset]  # per sample, sorted
+        ok = lambda i: self._anchor_pos[i].numel() > 0  # noqa: E731
         self.train_ids, self.heldout_ids = [i for i in train_ids if ok(i)], [i for i in heldout_ids if ok(i)]
         dropped = len(train_ids) + len(heldout_ids) - len(self.train_ids) - len(self.heldout_ids)
+        self.data_stats.update(sequences=len(self.dataset), train=len(self.train_ids), heldout=len(self.heldout_ids),
+                               skipped_short_response=dropped)
         if dropped and rank == 0:
-            print(f"[data] {dropped} sequence(s) skipped: response shorter than block_size = {self.W + 1} tokens")
+            print(f"[data] {dropped} sequence(s) skipped: no {self.W} supervised tokens in a row after an anchor "
+                  f"(response or assistant turns shorter than block_size = {self.W + 1} tokens)")
         if not train_ids:
             from specopd.errors import BadInputError
 
@@ -176,7 +180,8 @@ class Worker:
         return {"lengths": [int(s["input_ids"].numel()) for s in self.dataset],
                 "prompt_lens": [int(s["prompt_len"]) for s in self.dataset],
                 "train_ids": list(self.train_ids), "heldout_ids": list(self.heldout_ids),
-                "draft_len": self.W, "vocab_size": self.target.vocab_size}
+                "draft_len": self.W, "vocab_size": self.target.vocab_size,
+                "anchor_counts": [int(a.numel()) for a in self._anchor_pos], "data_stats": dict(self.data_stats)}
 
     def set_allreduce(self, fn: Optional[Callable]) -> None:
         """fn(list_of_grads) sums gradients across workers in place (None = single worker, no-op)."""
@@ -186,16 +191,15 @@ class Worker:
         return self.prof.take()
 
     def anchors(self, sid: int, step, num: int) -> torch.Tensor:
-        """B anchors of sample ``sid`` at ``step``, uniform without replacement on the valid range (sorted)."""
-        from specopd.train.data import anchor_range
-
-        s = self.sample(sid)
-        lo, hi = anchor_range(int(s["input_ids"].numel()), int(s["prompt_len"]), self.W)
-        if hi < lo:
+        """B anchors of sample ``sid`` at ``step``, uniform without replacement on its valid anchors (sorted;
+        ``specopd.train.data.valid_anchors``: the response, or the assistant tokens of a loss mask). For a
+        response after ``prompt_len`` the valid anchors are the range lo..hi, and this is ``perm + lo`` exactly."""
+        valid = self._anchor_pos[int(sid)]
+        if valid.numel() == 0:
             return torch.empty(0, dtype=torch.long)
         g = torch.Generator().manual_seed(seed_for(self.cfg.seed, "anchors", step, int(sid)))
-        perm = torch.randperm(hi - lo + 1, generator=g)[:num]
-        return (perm + lo).sort().values
+        perm = torch.randperm(valid.numel(), generator=g)[:num]
+        return valid[perm].sort().values
 
     # ------------------------------------------------------------------ the SpecOPD step, phase by phase
     @torch.no_grad()

@@ -1,0 +1,508 @@
+"""Conversation data in the formats users have (``data.source: conversations``, ``prepare data --from``).
+
+Three record schemas, told apart per record:
+- SpecForge: ``{"id", "conversations": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``;
+- ShareGPT: ``{"id", "conversations": [{"from": "system" | "human" | "gpt", "value": str}, ...]}``;
+- OpenAI: ``{"id"?, "messages": [{"role", "content": str | [{"type": "text", "text": str}, ...]}, ...]}``.
+
+Each from a JSONL file (one record a line), a JSON file (a top-level array of records) or a Parquet file (one
+record a row; needs pyarrow: ``pip install -e .[parquet]``), read as they are. Every record is checked; bad data
+(not JSON, not UTF-8, an unknown role, an empty conversation, no assistant turn, a conversation longer than the
+target's context, ...) raises ``DataError`` naming the file and line (JSON: the line the record starts on;
+Parquet: the row) and the fix, or, with ``data.bad_lines: skip``, is skipped and counted by reason.
+
+Training (``conversation_samples``): each conversation is put through the target's own chat template and
+tokenised (``encode_chat``); the loss mask covers the tokens of every assistant turn (its content and the
+template's end-of-turn token, not the headers or the other speakers' turns), and the trainer draws anchors only
+where a whole draft block lies on masked tokens (``specopd.train.data.valid_anchors``). The tokenisation is
+cached beside the data (``<data dir>/.specopd-cache/``, else ``<output_dir>/data/``), keyed by the file's content
+hash and the tokenizer's hash. The held-out split is by conversation (``references.split_of`` of its id, or the
+record's own ``split`` field).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecForge / OpenAI
+         "human": "user", "gpt": "assistant"}                           # ShareGPT
+CACHE_VERSION = 1
+BAD_LINES = ("error", "skip")
+FIX = "fix or remove it, or set data.bad_lines=skip to skip bad records and count them"
+
+
+class DataError(ValueError):
+    """A bad record in a conversations file; the message names the file, the line (or row) and the fix."""
+
+    def __init__(self, where: str, reason: str, msg: str):
+        super().__init__(f"{where}: {msg}; {FIX}")
+        self.where, self.reason, self.msg = where, reason, msg
+
+
+class _Bad(Exception):
+    def __init__(self, reason: str, msg: str):
+        super().__init__(msg)
+        self.reason, self.msg = reason, msg
+
+
+# ---------------------------------------------------------------------------------------------- raw records
+def _line_of(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def _raw_records(path: str) -> list:
+    """path -> [(where "file:line" | "file:row N", record | _Bad)] in file order."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"conversations file {path!r} does not exist (data.path)")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        return _parquet_records(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    if ext == ".json" or (ext != ".jsonl" and raw.lstrip()[:1] == b"["):
+        return _json_array_records(path, raw)
+    out = []
+    for ln, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{ln}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            out.append((where, _Bad("not_utf8", f"bytes that are not UTF-8 at column {e.start + 1} "
+                                                f"({line[e.start:e.start + 4]!r})")))
+            continue
+        try:
+            out.append((where, json.loads(text)))
+        except json.JSONDecodeError as e:
+            out.append((where, _Bad("not_json", f"not valid JSON ({e.msg} at column {e.colno})")))
+    return out
+
+
+def _json_array_records(path: str, raw: bytes) -> list:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # the whole file is one document: nothing to skip to
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}", "not_utf8",
+                        f"bytes that are not UTF-8 ({raw[e.start:e.start + 4]!r}); a .json file is one "
+                        f"document, so it cannot be read past them (JSONL can skip a bad line)") from None
+    dec, i = json.JSONDecoder(), 0
+    ws = " \t\r\n"
+    while i < len(text) and text[i] in ws:
+        i += 1
+    if text[i:i + 1] != "[":
+        raise DataError(f"{path}:{_line_of(text, i)}", "not_json",
+                        "a .json conversations file must hold a JSON array of records ([{...}, {...}]); for one "
+                        "record a line, name the file .jsonl")
+    out, i = [], i + 1
+    while True:
+        while i < len(text) and text[i] in ws:
+            i += 1
+        if text[i:i + 1] == "]":
+            return out
+        try:
+            rec, j = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}", "not_json", f"not valid JSON ({e.msg} at column {e.colno})") from None
+        out.append((f"{path}:{_line_of(text, i)}", rec))
+        i = j
+        while i < len(text) and text[i] in ws:
+            i += 1
+        if text[i:i + 1] == ",":
+            i += 1
+        elif text[i:i + 1] != "]":
+            raise DataError(f"{path}:{_line_of(text, i)}", "not_json", "not valid JSON (expected ',' or ']' after a "
+                                                                     "record of the array)")
+
+
+def _parquet_records(path: str) -> list:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading {path} needs pyarrow: `pip install -e .[parquet]` (or give JSONL / JSON)") from None
+    rows = pq.read_table(path).to_pylist()
+    return [(f"{path}:row {i}", r) for i, r in enumerate(rows, 1)]
+
+
+def count_records(path: str) -> Optional[int]:
+    """Records in a conversations file without parsing them (JSONL: non-empty lines; Parquet: its row count;
+    JSON: None), or None when the file does not exist (yet)."""
+    if not os.path.isfile(path):
+        return None
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            return None
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    if ext == ".json":
+        return None
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _content(m: dict, key: str) -> str:
+    c = m.get(key)
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # OpenAI content parts
+        texts = []
+        for part in c:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise _Bad("bad_message", f"message content parts must be {{'type': 'text', 'text': str}} (got "
+                                          f"{str(part)[:60]})")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _Bad("bad_message", f"a message has no string {key!r} (got {type(c).__name__})")
+
+
+def normalise(rec) -> tuple:
+    """One record -> (id or None, [{"role": system|user|assistant, "content": str}], split or None); raises
+    ``_Bad`` (reason, message) for a record that cannot be trained on."""
+    if not isinstance(rec, dict):
+        raise _Bad("not_an_object", f"expected a JSON object with 'conversations' or 'messages', got "
+                                    f"{type(rec).__name__}")
+    turns = rec.get("conversations", rec.get("messages"))
+    if turns is None:
+        raise _Bad("no_conversation", f"no 'conversations' (SpecForge / ShareGPT) or 'messages' (OpenAI) key; "
+                                      f"keys: {sorted(rec)[:8]}")
+    if not isinstance(turns, list):
+        raise _Bad("no_conversation", f"'conversations' / 'messages' must be a list, got {type(turns).__name__}")
+    if not turns:
+        raise _Bad("empty_conversation", "the conversation is empty")
+    msgs = []
+    for k, m in enumerate(turns):
+        if not isinstance(m, dict):
+            raise _Bad("bad_message", f"message {k} is not an object")
+        if m.get("from") is not None and m.get("role") is None:  # ShareGPT (Parquet rows may carry both keys)
+            role_raw, content = m["from"], _content(m, "value")
+        else:
+            role_raw, content = m.get("role"), _content(m, "content")
+        role = ROLES.get(role_raw.lower()) if isinstance(role_raw, str) else None
+        if role is None:
+            raise _Bad("unknown_role", f"message {k} has role {role_raw!r}; known roles: system, user, assistant "
+                                       f"(ShareGPT: system, human, gpt)")
+        msgs.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise _Bad("no_assistant_turn", "the conversation has no assistant turn (nothing to train on)")
+    rid = rec.get("id")
+    split = rec.get("split") if rec.get("split") in ("train", "heldout") else None
+    return (None if rid is None else str(rid)), msgs, split
+
+
+def read_conversations(path: str, bad_lines: str = "error", stats: Optional[dict] = None) -> list:
+    """A conversations file -> [(where, id, messages, split)] (``normalise``d). Bad records raise ``DataError``
+    (``bad_lines="error"``) or are skipped and counted in ``stats["bad"]`` by reason (``"skip"``); ids default
+    to ``line<N>`` / ``row<N>``."""
+    st = stats if stats is not None else {}
+    out = []
+    for where, rec in _raw_records(path):
+        try:
+            if isinstance(rec, _Bad):
+                raise rec
+            rid, msgs, split = normalise(rec)
+        except _Bad as b:
+            _bad(st, where, b.reason, b.msg, bad_lines)
+            continue
+        out.append((where, rid or _default_id(where), msgs, split))
+    return out
+
+
+def _bad(st: dict, where: str, reason: str, msg: str, bad_lines: str) -> None:
+    if bad_lines != "skip":
+        raise DataError(where, reason, msg)
+    bad = st.setdefault("bad", {})
+    bad[reason] = bad.get(reason, 0) + 1
+    ex = st.setdefault("bad_examples", [])
+    if len(ex) < 5:
+        ex.append(f"{where}: {msg}")
+
+
+def conversation_prompts(path: str, bad_lines: str = "error", stats: Optional[dict] = None) -> list:
+    """``specopd prepare data --from FILE``: each conversation's prompt (its messages before the first assistant
+    turn: system + user) -> [(id, messages)], the list ``prepare_data(prompts=...)`` takes; the target then
+    regenerates the answer. Later turns are not kept (they answer the original reply, not the target's);
+    ``stats["later_turns_dropped"]`` counts conversations that had some."""
+    st = stats if stats is not None else {}
+    st.setdefault("later_turns_dropped", 0)
+    out, seen = [], set()
+    for where, rid, msgs, _ in read_conversations(path, bad_lines, st):
+        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        if k == 0 or not any(m["role"] == "user" for m in msgs[:k]):
+            _bad(st, where, "no_user_prompt", "the first assistant turn has no user turn before it (no prompt "
+                                             "to answer)", bad_lines)
+            continue
+        if rid in seen:
+            raise DataError(where, "duplicate_id", f"id {rid!r} repeats an earlier record's (prepare data resumes "
+                                                   f"by id, so ids must be unique)")
+        seen.add(rid)
+        st["later_turns_dropped"] += int(k + 1 < len(msgs))
+        out.append((rid, msgs[:k]))
+    if not out:
+        raise ValueError(f"{path}: no conversation with a user prompt")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- tokenising
+def _render(tok, msgs, gen: bool = False) -> str:
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+
+def assistant_spans(tok, messages: list) -> tuple:
+    """(text, [(start, end)] character spans of every assistant turn in the chat-formatted text).
+
+    A turn's span starts after the template's assistant header (the prompt a served request ends with:
+    ``messages[:i]`` rendered with the generation prompt) and ends after its end-of-turn token (``messages[:i+1]``
+    rendered, trailing whitespace off: the target never generates the newline after it). Templates whose render
+    of a prefix is not a prefix of the whole (e.g. ones that render the last turn differently) fall back to the
+    turn's content located in the text, plus the eos token when it follows right after."""
+    text = _render(tok, messages)
+    spans, cur = [], 0
+    eos = getattr(tok, "eos_token", None)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = _render(tok, messages[:i], gen=True) if i else ""
+        start = len(head) if i and text.startswith(head) and len(head) >= cur else None
+        if start is None:
+            at = text.find(m["content"], cur)
+            if at < 0:
+                raise _Bad("template_error", f"the chat template does not reproduce assistant turn {i}'s text")
+            start = at
+        upto = _render(tok, messages[: i + 1])
+        if text.startswith(upto) and len(upto) > start:
+            end = len(upto.rstrip())
+        else:
+            at = text.find(m["content"], start)
+            end = (at if at >= 0 else start) + len(m["content"])
+            if eos and text.startswith(eos, end):
+                end += len(eos)
+        spans.append((start, max(start, end)))
+        cur = end
+    return text, spans
+
+
+def encode_chat(tok, messages: list) -> tuple:
+    """messages -> (token ids [T], loss mask [T] of 0/1): the whole conversation through the target's chat
+    template (one tokenisation of the whole text, as a serving engine sees it); a token is masked (1) when it
+    starts inside an assistant span (``assistant_spans``)."""
+    text, spans = assistant_spans(tok, messages)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=bool(getattr(tok, "is_fast", False)))
+    ids = list(enc["input_ids"])
+    if "offset_mapping" in enc:
+        starts = [int(s) for s, _ in enc["offset_mapping"]]
+    else:  # slow tokenizer: token boundaries from the tokenisation of each span boundary's prefix
+        starts = _prefix_starts(tok, text, ids, spans)
+    mask, k = [0] * len(ids), 0
+    for t, s in enumerate(starts):
+        while k < len(spans) and s >= spans[k][1]:
+            k += 1
+        if k < len(spans) and spans[k][0] <= s < spans[k][1]:
+            mask[t] = 1
+    return ids, mask
+
+
+def _prefix_starts(tok, text: str, ids: list, spans: list) -> list:
+    """Per token a character position on the right side of every span boundary (slow tokenizers only)."""
+    cuts = sorted({c for sp in spans for c in sp})
+    starts, prev_n, prev_c = [], 0, 0
+    for c in cuts + [len(text)]:
+        n = len(tok(text[:c], add_special_tokens=False)["input_ids"]) if c < len(text) else len(ids)
+        starts += [prev_c] * (n - prev_n)
+        prev_n, prev_c = n, c
+    return starts[: len(ids)]
+
+
+def tokenizer_hash(target_dir: str) -> str:
+    """sha256 over the tokenizer's files in ``target_dir`` (vocabulary, merges, config, chat template) and the
+    transformers version (which renders the template)."""
+    import transformers
+
+    h = hashlib.sha256(f"transformers {transformers.__version__}\n".encode())
+    for n in sorted(os.listdir(target_dir)):
+        if n.startswith(("tokenizer", "special_tokens_map", "added_tokens", "chat_template", "vocab", "merges")) \
+                or n.endswith((".model", ".tiktoken")):
+            h.update(n.encode())
+            with open(os.path.join(target_dir, n), "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def file_hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- the dataset
+def _default_id(where: str) -> str:
+    loc = where.rsplit(":", 1)[1]
+    return "row" + loc[4:] if loc.startswith("row ") else f"line{loc}"
+
+
+def tokenise_file(path: str, tok) -> list:
+    """Every record of ``path`` in file order, tokenised: ``(where, "ok", id, split, ids [T] int32, mask [T]
+    bool)`` or ``(where, "bad", reason, message)`` (bad records are kept as such: ``data.bad_lines`` decides
+    later, so the cache does not depend on it)."""
+    import torch
+
+    items = []
+    for where, rec in _raw_records(path):
+        try:
+            if isinstance(rec, _Bad):
+                raise rec
+            rid, msgs, split = normalise(rec)
+            try:
+                ids, mask = encode_chat(tok, msgs)
+            except _Bad:
+                raise
+            except Exception as e:  # noqa: BLE001  (the template refused the conversation)
+                raise _Bad("template_error", f"the target's chat template failed on it: {str(e)[:200]}") from None
+            if not any(mask):
+                raise _Bad("no_assistant_turn", "no assistant token after the chat template")
+        except _Bad as b:
+            items.append((where, "bad", b.reason, b.msg))
+            continue
+        items.append((where, "ok", rid or _default_id(where), split, torch.tensor(ids, dtype=torch.int32),
+                      torch.tensor(mask, dtype=torch.bool)))
+    return items
+
+
+def _cache_paths(path: str, key: str, output_dir: str) -> list:
+    stem = os.path.basename(path)
+    name = f"{stem}.{key[:24]}.pt"
+    return [os.path.join(os.path.dirname(os.path.abspath(path)), ".specopd-cache", name),
+            os.path.join(output_dir, "data", f"conversations-{name}")]
+
+
+def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict) -> dict:
+    import torch
+
+    key = hashlib.sha256(f"v{CACHE_VERSION}:{file_hash(path)}:{tokenizer_hash(target_dir)}".encode()).hexdigest()
+    places = _cache_paths(path, key, output_dir)
+    for p in places:
+        if os.path.isfile(p):
+            try:
+                data = torch.load(p)
+                st["cache"] = {"path": p, "hit": True}
+                return data
+            except Exception:  # noqa: BLE001  (a damaged cache is rebuilt)
+                pass
+    data = tokenise_file(path, tok)
+    st["cache"] = {"path": None, "hit": False}  # unless a place below takes it
+    for p in places:  # beside the data; the run folder when that is not writable
+        try:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            tmp = f"{p}.tmp-{os.getpid()}"
+            torch.save(data, tmp)
+            os.replace(tmp, p)
+            st["cache"] = {"path": p, "hit": False}
+            break
+        except OSError:
+            continue
+    return data
+
+
+def build_cache(path: str, tok, target_dir: str, output_dir: str) -> dict:
+    """Tokenise ``path`` into its cache once (the controller does it before starting Ray workers, so that they
+    read it instead of each tokenising the file).
+
+    Args:
+        path: the conversations file; tok: the target's tokenizer; target_dir: its folder (hashed into the key);
+        output_dir: the run folder (where the cache goes when the data's folder is not writable).
+
+    Returns:
+        {"path": the cache file (None if nothing could be written), "hit": whether it existed already}.
+    """
+    st: dict = {}
+    _cached_tokenise(path, tok, target_dir, output_dir, st)
+    return st["cache"]
+
+
+def conversation_samples(path: str, tok, target_dir: str, output_dir: str, seq_len: int, context: Optional[int],
+                         overlong: str = "truncate", bad_lines: str = "error", seed: int = 1234,
+                         heldout: float = 0.125, stats: Optional[dict] = None) -> list:
+    """The trainer's samples of a conversations file: [{"input_ids" [T] long, "prompt_len" (the first assistant
+    token), "loss_mask" [T] bool, "split", "id"}].
+
+    Args:
+        path: JSONL / JSON / Parquet conversations file (``data.path``).
+        tok: the target's tokenizer (``specopd.data.prepare.load_tokenizer``); target_dir: where it lives (hashed
+            for the cache key); output_dir: the run folder (cache fallback).
+        seq_len, context: a conversation longer than ``min(seq_len, context)`` tokens is cut there
+            (``overlong="truncate"``) or dropped (``"drop"``); one longer than the target's ``context`` itself is
+            bad data (``bad_lines`` decides: error or skip + count).
+        seed, heldout: split by conversation id (``references.split_of``) unless the record carries ``split``.
+        stats: filled with the counts (``records``, ``bad`` by reason, ``truncated``, ``dropped_overlong``,
+            ``cache``); nothing is dropped without a count there.
+
+    Returns:
+        list of sample dicts (indexed by sample id).
+    """
+    import torch
+
+    from specopd.data.references import split_of
+
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"data.overlong={overlong!r}: use truncate or drop")
+    st = stats if stats is not None else {}
+    st.update(source="conversations", path=os.path.abspath(path), records=0, truncated=0, dropped_overlong=0)
+    items = _cached_tokenise(path, tok, target_dir, output_dir, st)
+    limit = min(seq_len, context) if context else seq_len
+    out = []
+    for item in items:
+        w = item[0]
+        st["records"] += 1
+        if item[1] == "bad":
+            _bad(st, w, item[2], item[3], bad_lines)
+            continue
+        _, _, rid, split, ids, mask = item
+        if context and ids.numel() > context:
+            _bad(st, w, "longer_than_context", f"the conversation is {ids.numel()} tokens after the chat template, "
+                                               f"longer than the target's context ({context} tokens, "
+                                               f"max_position_embeddings)", bad_lines)
+            continue
+        if ids.numel() > limit:
+            if overlong == "drop":
+                st["dropped_overlong"] += 1
+                continue
+            st["truncated"] += 1
+            ids, mask = ids[:limit], mask[:limit]
+            if not bool(mask.any()):
+                st["dropped_no_assistant_in_limit"] = st.get("dropped_no_assistant_in_limit", 0) + 1
+                continue
+        first = int(torch.nonzero(mask)[0])
+        out.append({"input_ids": ids.long(), "prompt_len": first, "loss_mask": mask.clone(), "id": rid,
+                    "split": split or split_of(rid, seed, heldout)})
+    st["conversations"] = len(out)
+    if not out:
+        raise ValueError(f"{path}: no usable conversation of {st['records']} records ({_note(st)})")
+    return out
+
+
+def _note(st: dict) -> str:
+    said = [f"{n} bad ({r})" for r, n in sorted((st.get("bad") or {}).items())]
+    if st.get("truncated"):
+        said.append(f"{st['truncated']} truncated")
+    if st.get("dropped_overlong"):
+        said.append(f"{st['dropped_overlong']} dropped as longer than the limit (data.overlong=drop)")
+    if st.get("dropped_no_assistant_in_limit"):
+        said.append(f"{st['dropped_no_assistant_in_limit']} dropped: no assistant token within the limit")
+    return "; ".join(said) or "nothing dropped"
+
+
+def stats_note(st: dict, limit: int) -> Optional[str]:
+    """One line of what ``conversation_samples`` skipped, cut or dropped (None when nothing)."""
+    n = _note(st)
+    if n == "nothing dropped":
+        return None
+    ex = st.get("bad_examples") or []
+    return (f"[data] {st['records']} conversations in {st.get('path')}: {n} (limit {limit} tokens)"
+            + (f"; first bad: {ex[0]}" if ex else ""))

@@ -1,0 +1,253 @@
+"""Metrics sinks (``trainer.loggers: [jsonl, tensorboard, wandb, mlflow]``).
+
+``<output_dir>/metrics.jsonl`` is always written and is the source of truth (resume trims it, the figures read
+it): one JSON line per logged step, as the loop builds it. Every other sink gets the same line flattened to
+scalars by ``scalars`` under one naming scheme:
+
+    train/loss  train/expected_al  train/alpha/pos_<j> (j = 1..W)  train/supervised_tokens_per_s
+    train/supervised_tokens  train/branches  train/lr  train/grad_norm  train/step_s  train/phase_s/<phase>
+    train/skipped  heldout/expected_al  heldout/alpha/pos_<j>  heldout/branches  heldout/eval_s
+
+(the progress bar shows train/loss, train/expected_al, heldout/expected_al and train/supervised_tokens_per_s).
+A sink implements ``MetricsSink``: ``log(step, record)`` and ``close()``. wandb runs offline and mlflow writes a
+file store under the run folder unless told otherwise, so nothing needs a network. The optional packages are
+extras (``pip install -e .[tensorboard]`` / ``[wandb]`` / ``[mlflow]``); ``check_loggers`` names the missing one
+before a run starts. A sink other than jsonl that fails while logging is reported once and turned off; the
+run goes on (the numbers are in metrics.jsonl).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+from typing import Optional, Protocol
+
+from specopd.config import RecipeError
+
+EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+# record key -> sink name (lists become <name>/pos_<j>, dicts <name>/<key>)
+NAMES = {"loss": "train/loss", "expected_al": "train/expected_al", "alpha": "train/alpha",
+         "supervised_tokens_per_s": "train/supervised_tokens_per_s", "supervised_tokens": "train/supervised_tokens",
+         "branches": "train/branches", "lr": "train/lr", "grad_norm": "train/grad_norm", "step_s": "train/step_s",
+         "phase_s": "train/phase_s", "skipped": "train/skipped", "heldout_expected_al": "heldout/expected_al",
+         "heldout_alpha": "heldout/alpha", "heldout_branches": "heldout/branches",
+         "heldout_eval_s": "heldout/eval_s"}
+
+
+def scalars(record: dict) -> dict:
+    """A metrics.jsonl line -> {name: float} under the naming scheme of the module docstring (``step`` and
+    ``time`` are the step and wall time of the point, not metrics; unknown keys keep their name under train/)."""
+    out = {}
+    for k, v in record.items():
+        if k in ("step", "time"):
+            continue
+        name = NAMES.get(k, f"train/{k}")
+        if isinstance(v, bool):
+            out[name] = float(v)
+        elif isinstance(v, (int, float)):
+            out[name] = float(v)
+        elif isinstance(v, (list, tuple)):
+            out.update({f"{name}/pos_{j}": float(x) for j, x in enumerate(v, 1)})
+        elif isinstance(v, dict):
+            out.update({f"{name}/{kk}": float(x) for kk, x in v.items() if isinstance(x, (int, float))})
+    return out
+
+
+class MetricsSink(Protocol):
+    name: str
+
+    def log(self, step: int, record: dict) -> None:
+        """One logged step: ``record`` is the metrics.jsonl line (with ``step``)."""
+
+    def close(self) -> None:
+        """Flush and release (the run ends, or is interrupted)."""
+
+
+class MissingExtraError(RecipeError, ImportError):
+    """A logger named in trainer.loggers needs a package that is not installed; names the extra (a recipe error:
+    the CLI prints it without a traceback)."""
+
+
+def check_loggers(names) -> None:
+    """Raise ``MissingExtraError`` naming ``pip install -e .[<extra>]`` for a logger whose package is missing."""
+    for n in names:
+        if n in EXTRAS and importlib.util.find_spec(EXTRAS[n][0]) is None:
+            raise MissingExtraError(f"trainer.loggers lists {n}, but the {EXTRAS[n][0]} package is not installed: "
+                                    f"`pip install -e .[{EXTRAS[n][1]}]` (or `pip install {EXTRAS[n][0]}`), or "
+                                    f"remove {n} from trainer.loggers")
+
+
+class JsonlSink:
+    """<output_dir>/metrics.jsonl: the record as it is, one line per step (appended, closed each time)."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def log(self, step: int, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    """Event files under ``log_dir`` (``tensorboard --logdir <output_dir>/tensorboard``). A resumed run purges
+    the events the interrupted run wrote after the checkpoint's step (``purge_step``)."""
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: str, resume_step: Optional[int] = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = log_dir
+        self.writer = SummaryWriter(log_dir, purge_step=None if not resume_step else resume_step + 1)
+
+    def log(self, step: int, record: dict) -> None:
+        for k, v in scalars(record).items():  # NaN / inf are stored as they are
+            self.writer.add_scalar(k, v, step, walltime=record.get("time"))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A wandb run in ``<run_dir>/wandb`` (mode offline by default: `wandb sync <run_dir>/wandb/offline-run-*`
+    uploads it later). A resumed run continues the same run id (kept in ``<run_dir>/wandb/specopd_run_id``)."""
+
+    name = "wandb"
+
+    def __init__(self, run_dir: str, project: str, name: str, config: dict, mode: str = "offline"):
+        import wandb
+
+        self._wandb = wandb
+        base = os.path.join(run_dir, "wandb")
+        os.makedirs(base, exist_ok=True)
+        id_file = os.path.join(base, "specopd_run_id")
+        run_id = open(id_file).read().strip() if os.path.isfile(id_file) else secrets.token_hex(4)
+        self.run = wandb.init(project=project, name=name, dir=run_dir, mode=mode, id=run_id, resume="allow",
+                              config=config, reinit="create_new",
+                              settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+        with open(id_file, "w") as f:
+            f.write(run_id)
+
+    def log(self, step: int, record: dict) -> None:
+        self.run.log(scalars(record), step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    """An MLflow run (experiment ``project``); default tracking store: files under ``<run_dir>/mlruns``
+    (`mlflow ui --backend-store-uri <run_dir>/mlruns`). The recipe's keys are its params; a resumed run continues
+    the same run id (kept in ``<run_dir>/mlflow_run_id``). MLflow's metric history is append-only: steps an
+    interrupted run logged after its last checkpoint stay, and the resumed run logs them again (the newest value
+    of a step is the resumed run's; TensorBoard and metrics.jsonl drop the old ones)."""
+
+    name = "mlflow"
+
+    def __init__(self, run_dir: str, project: str, name: str, params: dict, tracking_uri: Optional[str] = None):
+        if tracking_uri is None:
+            tracking_uri = "file:" + os.path.abspath(os.path.join(run_dir, "mlruns"))
+            # MLflow 3 keeps its file store "in maintenance mode" and refuses it unless this is set; a local
+            # store means no network, so no usage telemetry either (unless the environment says otherwise)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.tracking_uri = tracking_uri
+        exp = self.client.get_experiment_by_name(project)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(project)
+        id_file = os.path.join(run_dir, "mlflow_run_id")
+        self.run_id = None
+        if os.path.isfile(id_file):
+            rid = open(id_file).read().strip()
+            try:
+                self.client.get_run(rid)
+                self.run_id = rid
+            except Exception:  # noqa: BLE001  (another store: start a new run)
+                self.run_id = None
+        if self.run_id is None:
+            self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
+            ps = [Param(k, str(v)[:500]) for k, v in sorted(params.items())]
+            for i in range(0, len(ps), 100):
+                self.client.log_batch(self.run_id, params=ps[i: i + 100])
+            with open(id_file, "w") as f:
+                f.write(self.run_id)
+
+    def log(self, step: int, record: dict) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(1000 * (record.get("time") or time.time()))
+        ms = [Metric(k, v, ts, int(step)) for k, v in scalars(record).items()]
+        for i in range(0, len(ms), 1000):
+            self.client.log_batch(self.run_id, metrics=ms[i: i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _flat_params(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and prefix.count(".") < 1:
+            out.update(_flat_params(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class MetricsLogger:
+    """All the run's sinks; jsonl first. ``log`` sends one record to each."""
+
+    def __init__(self, sinks: list, warn=print):
+        self.sinks = list(sinks)
+        self._warn = warn
+
+    def log(self, record: dict) -> None:
+        step = int(record["step"])
+        for s in list(self.sinks):
+            if s.name == "jsonl":
+                s.log(step, record)  # the source of truth: its errors are the run's
+                continue
+            try:
+                s.log(step, record)
+            except Exception as e:  # noqa: BLE001
+                self.sinks.remove(s)
+                self._warn(f"warning: the {s.name} logger failed ({type(e).__name__}: {e}); it is off for the rest "
+                           f"of the run (every number is in metrics.jsonl)")
+
+    def close(self) -> None:
+        for s in self.sinks:
+            try:
+                s.close()
+            except Exception as e:  # noqa: BLE001
+                self._warn(f"warning: closing the {s.name} logger failed ({e})")
+
+
+def make_logger(cfg, resume_step: Optional[int] = None, warn=print) -> MetricsLogger:
+    """The sinks of ``cfg.trainer.loggers`` (jsonl always) for the run in ``cfg.trainer.output_dir``."""
+    from specopd.config import to_dict
+
+    t = cfg.trainer
+    out = t.output_dir
+    check_loggers(t.loggers)
+    name = t.run_name or os.path.basename(os.path.normpath(os.path.abspath(out)))
+    sinks: list = [JsonlSink(os.path.join(out, "metrics.jsonl"))]
+    for n in dict.fromkeys(t.loggers):
+        if n == "tensorboard":
+            sinks.append(TensorBoardSink(os.path.join(out, "tensorboard"), resume_step))
+        elif n == "wandb":
+            sinks.append(WandbSink(out, t.logger_project, name, to_dict(cfg), mode=t.wandb_mode))
+        elif n == "mlflow":
+            sinks.append(MlflowSink(out, t.logger_project, name, _flat_params(to_dict(cfg)), t.mlflow_tracking_uri))
+    return MetricsLogger(sinks, warn)
