@@ -292,8 +292,8 @@ def test_resume_refuses_changed_data_and_a_changed_target(tmp_path, monkeypatch)
         train(_cfg(out, *prep, "trainer.max_steps=3"), progress=False)
     _prepared(data, 64)  # restored (new mtime): the cache re-hashes it and the resume continues
     calls = []
-    real = inputs._file_sha256
-    monkeypatch.setattr(inputs, "_file_sha256", lambda p: calls.append(p) or real(p))
+    real = inputs.sha256_file
+    monkeypatch.setattr(inputs, "sha256_file", lambda p: calls.append(p) or real(p))
     train(_cfg(out, *prep, "trainer.max_steps=3"), progress=False)
     assert ck.find_latest(str(out)).endswith("step-3")
     assert calls == []  # the target's files were hashed before and have not changed: read from the cache

@@ -26,6 +26,8 @@ import json
 import os
 from typing import Optional
 
+from specopd.drafters.layout import sha256_file
+
 ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecForge / OpenAI
          "human": "user", "gpt": "assistant"}                           # ShareGPT
 CACHE_VERSION = 1
@@ -333,14 +335,6 @@ def tokenizer_hash(target_dir: str) -> str:
     return h.hexdigest()
 
 
-def file_hash(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------------------------------------- the dataset
 def _default_id(where: str) -> str:
     loc = where.rsplit(":", 1)[1]
@@ -385,7 +379,7 @@ def _cache_paths(path: str, key: str, output_dir: str) -> list:
 def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict) -> dict:
     import torch
 
-    key = hashlib.sha256(f"v{CACHE_VERSION}:{file_hash(path)}:{tokenizer_hash(target_dir)}".encode()).hexdigest()
+    key = hashlib.sha256(f"v{CACHE_VERSION}:{sha256_file(path)}:{tokenizer_hash(target_dir)}".encode()).hexdigest()
     places = _cache_paths(path, key, output_dir)
     for p in places:
         if os.path.isfile(p):

@@ -32,6 +32,7 @@ import torch
 
 from specopd.drafters.layout import MANIFEST, MARKER, save_safetensors, sha256_file, verify_folder
 from specopd.errors import UserError
+from specopd.train.lock import pid_alive
 
 _STEP = re.compile(r"^step-(\d+)$")
 _TMP = re.compile(r"^\.(tmp|old|prune)-step-(\d+)-(\d+)$")
@@ -233,18 +234,6 @@ def quarantine(path: str) -> str:
     return dst
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def recover(output_dir: str) -> list:
     """Tidy what a killed save left behind; returns notes of what was done.
 
@@ -256,11 +245,11 @@ def recover(output_dir: str) -> list:
     notes = []
     for n in sorted(os.listdir(root)):
         p = os.path.join(root, n)
-        if n.startswith(".latest-") and n[len(".latest-"):].isdigit() and not _pid_alive(int(n[len(".latest-"):])):
+        if n.startswith(".latest-") and n[len(".latest-"):].isdigit() and not pid_alive(int(n[len(".latest-"):])):
             os.remove(p)
             continue
         m = _TMP.match(n)
-        if not m or _pid_alive(int(m.group(3))):
+        if not m or pid_alive(int(m.group(3))):
             continue
         kind, step = m.group(1), m.group(2)
         final = os.path.join(root, f"step-{step}")

@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Optional
 
+from specopd.drafters.layout import sha256_file
+
 CACHE_FILE = ".fingerprints.json"
 _WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
@@ -60,14 +62,6 @@ class _Cache:
             os.replace(tmp, self.path)
         except OSError:  # a cache: failing to keep it costs a re-hash, nothing else
             pass
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(8 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
 
 
 def _records_sha256(path: str) -> dict:
@@ -121,7 +115,7 @@ def input_fingerprints(cfg) -> dict:
             print(f"[inputs] hashing the target's files once ({big / 1e9:.1f} GB; cached in "
                   f"{cache.path or 'memory'})", file=sys.stderr, flush=True)
         out["target"] = {"folder": os.path.abspath(folder),
-                         "files": {n: cache.get("file", os.path.join(folder, n), _file_sha256) for n in names}}
+                         "files": {n: cache.get("file", os.path.join(folder, n), sha256_file) for n in names}}
     cache.save()
     return out
 

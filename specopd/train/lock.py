@@ -34,7 +34,8 @@ class RunLockedError(UserError):
     """Another process holds the folder's lock; the message names its pid, host and start time."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (ours always does)."""
     if pid == os.getpid():
         return True
     try:
@@ -123,7 +124,7 @@ def acquire(folder: str, what: str = "trainer.output_dir") -> int:
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
             h = read_holder(folder)
-            if h and h.get("host") == host and isinstance(h.get("pid"), int) and not _pid_alive(h["pid"]):
+            if h and h.get("host") == host and isinstance(h.get("pid"), int) and not pid_alive(h["pid"]):
                 print(f"[lock] {what}={folder}: the lock of {_describe(h)} is stale (that process is gone, the "
                       f"lock lives on in an inherited descriptor); taking it over", file=sys.stderr)
                 with contextlib.suppress(FileNotFoundError):
