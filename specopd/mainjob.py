@@ -259,9 +259,9 @@ def _run(cfg, progress: bool) -> dict:
     rows = [before,
             (f"after: + {cfg.trainer.method} ({summary['steps']} steps)", final)]
     results = evaluate_rows(cfg, prep["target_dir"], rows, progress=progress)
-    from specopd.eval.engine import judge_rows  # the final drafter served by vLLM, when its venv is there
+    from specopd.eval.engine import judge_rows  # both drafters served by vLLM, when its venv is there
 
-    results += judge_rows(cfg, prep["target_dir"], rows[-1:], progress=progress)
+    results += judge_rows(cfg, prep["target_dir"], rows, progress=progress)
     times["eval"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_all
 
