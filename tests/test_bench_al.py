@@ -28,7 +28,7 @@ def test_bench_al_runs_every_method_from_one_warm_drafter(tmp_path, monkeypatch)
                         "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
                         "data.batch_size=2", "pipeline.data_num=4", "pipeline.data_max_new_tokens=12",
                         "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2", "drafter.block_size=3",
-                        "drafter.feature_layers=[0]"])
+                        "drafter.feature_layers=[0]", "pipeline.data_engine=builtin"])
     assert rc == 0
     data = json.loads((out / "bench_al.json").read_text())
     assert sorted(data["curves"]) == sorted(bench_al.METHODS)

@@ -26,7 +26,8 @@ def test_main_job_writes_warm_and_final_checkpoints_and_both_temperatures(tmp_pa
         "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2",
         "pipeline.data_num=4", "pipeline.data_max_new_tokens=12", "pipeline.warmup_steps=2",
         "trainer.max_steps=2", "trainer.save_every=0", "trainer.anchors_per_seq=2", "eval.prompts=2",
-        "eval.max_new_tokens=4", "drafter.block_size=3", "drafter.feature_layers=[0]"]
+        "eval.max_new_tokens=4", "drafter.block_size=3", "drafter.feature_layers=[0]",
+        "pipeline.data_engine=builtin"]  # the pipeline's logic; vLLM's references are tests/test_vllm.py's
     cfg = load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"), cfg_overrides)
     res = run(cfg, progress=False)
     assert os.path.isfile(out / "warmup" / "checkpoints" / "step-2" / "model.safetensors")

@@ -314,7 +314,11 @@ def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, tempe
     bar = tqdm(total=len(todo), desc="references (vLLM)", unit="prompt", disable=not progress)
     vdtype = "float32" if str(dtype) in ("float32", "torch.float32") else "bfloat16"
     try:
-        run_vllm(["generate", "--model", target_dir, "--input", req_path, "--output", out_path, "--dtype", vdtype],
+        from specopd.models.loading import read_config
+
+        ctx = min(2048, int(read_config(target_dir).get("max_position_embeddings") or 2048))  # vLLM refuses more
+        run_vllm(["generate", "--model", target_dir, "--input", req_path, "--output", out_path, "--dtype", vdtype,
+                  "--max-model-len", ctx],
                  log_path=os.path.join(d, "vllm.log"), on_progress=lambda k, n: bar.update(k - bar.n))
     finally:  # what it finished is kept, also when it failed
         bar.close()
