@@ -55,6 +55,8 @@ TINY_CONFIGS = {
 
 # keys of ``model.tiny`` consumed by the initializer (not written to config.json)
 INIT_KEYS = {"init_head_scale": 2.0, "init_embed_std": 1.0}
+# Hugging Face config keys a tiny target may set although its defaults leave them out (special token ids)
+OPTIONAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TINY_VERSION = 2  # bump when the construction changes: cached tiny targets / data are rebuilt
 
 
@@ -63,12 +65,12 @@ def _tiny_config(model_type: str, overrides: dict) -> tuple:
         raise ValueError(f"no tiny config for model type {model_type!r}; known: {sorted(TINY_CONFIGS)}")
     cfg = TINY_CONFIGS[model_type]()
     init = dict(INIT_KEYS)
-    unknown = sorted(k for k in dict(overrides or {}) if k not in cfg and k not in init)
+    unknown = sorted(k for k in dict(overrides or {}) if k not in cfg and k not in init and k not in OPTIONAL_KEYS)
     if unknown:
         from specopd.config import RecipeError
 
         raise RecipeError(f"model.tiny: unknown key(s) {unknown} for tiny:{model_type}; valid keys: "
-                          f"{sorted(set(cfg) | set(init))} (a typo would otherwise land in the target's config.json)")
+                          f"{sorted(set(cfg) | set(init) | set(OPTIONAL_KEYS))} (a typo would otherwise land in the target's config.json)")
     for k, v in dict(overrides or {}).items():
         if k in init:
             init[k] = float(v)
