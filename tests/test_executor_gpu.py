@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kernel_check import load_benchmark
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,11 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_executors", os.path.join(ROOT, "benchmarks",
-                                                                                "bench_executors.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_executors")
 
 
 def _target(kind, dtype=torch.float32, layers=4, forced_equal=False, qsa_first=False):

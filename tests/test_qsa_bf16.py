@@ -11,12 +11,12 @@ the MoE router run in fp32 whatever the target's dtype, so selection depends onl
   score path, e.g. 0.7% at the first QSA layer after a GDN layer) flips near-tie top-k decisions. fp32 selection
   removes flips from the indexer's own rounding, not these. Kept as a strict xfail: it fails loudly once fixed.
 """
-import importlib.util
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from kernel_check import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = range(20)
@@ -24,11 +24,7 @@ NOISE_BOUND = 2 * 8.9e-3  # 2x the largest commit-vs-prefill error measured with
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_executors", os.path.join(ROOT, "benchmarks",
-                                                                                "bench_executors.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_executors")
 
 
 def _target(seed, budget=64, experts_per_tok=2, qsa_first=False):
