@@ -11,14 +11,13 @@ the MoE router run in fp32 whatever the target's dtype, so selection depends onl
   score path, e.g. 0.7% at the first QSA layer after a GDN layer) flips near-tie top-k decisions. fp32 selection
   removes flips from the indexer's own rounding, not these. Kept as a strict xfail: it fails loudly once fixed.
 """
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+
 from kernel_check import load_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = range(20)
 NOISE_BOUND = 2 * 8.9e-3  # 2x the largest commit-vs-prefill error measured with selection and routing forced equal
 
