@@ -148,7 +148,8 @@ def test_align_p_logits():
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from specopd.losses import (auto_chunk_rows, check_chunk_rows, e2e_tv_from_alpha, fused_ce,  # noqa: E402
-                            fused_e2e_tv, logits_at, position_weights, sample_from_hidden)
+                            fused_e2e_tv, logits_at, position_weights)
+from specopd.sampling import sample_from_hidden  # noqa: E402
 
 
 def _hidden(seed, n, w, d=8, v=13, r=0, ties=()):
@@ -403,9 +404,9 @@ def test_sample_distribution_and_zero_probability():
 
 
 def test_two_level_inverse_cdf_equals_flat_cdf():
-    """``_draw_`` (block sums, then one block's cumulative sum) picks the token of the flat fp64 inverse CDF, for V
+    """``draw_`` (block sums, then one block's cumulative sum) picks the token of the flat fp64 inverse CDF, for V
     below, at and above the block size, with zero-probability tokens at block edges never drawn."""
-    from specopd.losses import CDF_BLOCK, _draw_
+    from specopd.sampling import CDF_BLOCK, draw_
 
     g = torch.Generator().manual_seed(3)
     for v in (7, CDF_BLOCK, 2 * CDF_BLOCK + 5, 3 * CDF_BLOCK):
@@ -418,7 +419,7 @@ def test_two_level_inverse_cdf_equals_flat_cdf():
         p = torch.softmax(z / 0.7, -1)
         cdf = torch.cumsum(p.double(), -1)
         ref = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=v - 1)
-        got = _draw_(z.clone(), u, 0.7)
+        got = draw_(z.clone(), u, 0.7)
         assert float(p[torch.arange(400), got].min()) > 0
         assert int((got != ref).sum()) <= 1, v  # fp32 block sums: a u on a token boundary may round across it
 

@@ -24,8 +24,9 @@ attention.py (shared-context branch attention), layout.py (folders).
 """
 from specopd.drafters.build import DRAFTERS, Drafter, build_drafter, shift_tokens  # noqa: F401
 from specopd.drafters.dflash import (DFlashDrafter, DraftContext, DrafterConfig, choose_mask,  # noqa: F401
-                                     default_target_layer_ids, pick_tokens, target_identity, target_rope_theta)
+                                     default_target_layer_ids, target_identity, target_rope_theta)
 from specopd.drafters.dspark import DSparkDrafter  # noqa: F401
+from specopd.sampling import pick_tokens  # noqa: F401
 from specopd.drafters.layout import (describe_export, export_drafter, export_folder, load_drafter,  # noqa: F401
                                      serving_commands)
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from specopd.drafters.attention import BranchLayout, branch_attention, cached_branch_attention
-from specopd.losses import pick_tokens, sample_from_hidden  # the one sampler (re-exported as drafters.pick_tokens)
+from specopd.sampling import pick_tokens, sample_from_hidden
 from specopd.models.common import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters
 
 INIT_STD = 0.02
@@ -472,7 +472,7 @@ class DFlashDrafter(nn.Module):
         """Branch tokens [N, W] from the drafter's hidden state h [N, W, D] (``hidden(...)``, e.g. the training
         forward's; detached here) without logits [N, W, V]: ``chunk_rows`` rows at a time through the target's
         lm_head (DSpark: its Markov head, left to right). The same tokens as ``sample`` for the same generators
-        (one sampler: ``specopd.losses.sample_from_hidden`` / ``pick_tokens``)."""
+        (one sampler: ``specopd.sampling.sample_from_hidden`` / ``pick_tokens``)."""
         atok = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
         return self._sample_hidden(h.detach(), atok, temperature, generator, rows, return_logits=False,
                                    chunk_rows=chunk_rows)[0]

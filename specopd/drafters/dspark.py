@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from specopd.drafters.dflash import DFlashDrafter
-from specopd.losses import pick_tokens, sample_from_hidden
+from specopd.sampling import pick_tokens, sample_from_hidden
 
 
 class MarkovHead(nn.Module):

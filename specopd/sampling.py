@@ -1,0 +1,131 @@
+"""The project's one token sampler: inverse CDF over chunks of rows, one fp64 uniform per token from that
+sample's generator, T = 0 = argmax. ``sample_from_hidden`` builds the logits from hidden states chunk by chunk
+(never [N, W, V]); ``pick_tokens`` takes logits that exist anyway. Drafters, the trainer's branches and
+decoding all draw through it, so the tokens do not depend on the chunking or on the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from specopd.losses import chunk_logits, resolve_chunk_rows, softmax_
+
+
+def _uniforms(n: int, per: int, rows, generators, device, draw: bool = True) -> tuple:
+    """One fp64 uniform per token: generator i draws for all tokens of rows[i] at once (rows[i] in order, the
+    trailing dims row-major). Returns (u [n * per] fp64, the flat token indices to draw, in that order).
+    ``draw=False`` (greedy): no random numbers are consumed, u stays 0."""
+    if rows is None:
+        rows = [torch.arange(n, device=device)]
+    rows = list(rows)
+    if generators is None or isinstance(generators, torch.Generator):
+        generators = [generators] * len(rows)
+    generators = list(generators)
+    if len(generators) != len(rows):
+        raise ValueError(f"{len(rows)} row groups but {len(generators)} generators (give one, or one per group)")
+    u = torch.zeros(n * per, dtype=torch.float64, device=device)
+    todo = []
+    for r, g in zip(rows, generators):
+        r = torch.as_tensor(r, dtype=torch.long, device=device).reshape(-1)
+        if r.numel() == 0:
+            continue
+        fr = (r[:, None] * per + torch.arange(per, device=device)).reshape(-1)  # flat tokens, row-major
+        if draw:
+            gdev = g.device if g is not None else device  # CPU generators with GPU logits
+            u[fr] = torch.rand(fr.numel(), generator=g, dtype=torch.float64, device=gdev).to(device)
+        todo.append(fr)
+    return u, (torch.cat(todo) if todo else torch.zeros(0, dtype=torch.long, device=device))
+
+
+CDF_BLOCK = 1024  # vocabulary entries per block of the two-level inverse CDF (``draw_``)
+
+
+def draw_(z: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Tokens [R] from fp32 logits z [R, V] (overwritten): argmax at T = 0, else inverse CDF of softmax(z / T)
+    at u [R] (fp64 in [0, 1)): the first token whose cumulative probability exceeds u * total.
+
+    Two levels, in fp64, so that nothing beyond z itself is [R, V]: block sums of ``CDF_BLOCK`` entries
+    [R, V / B] locate the block holding u * total, then one [R, B] cumulative sum inside it. A token with
+    probability 0 is never drawn (its CDF step is empty)."""
+    if temperature == 0:
+        return z.argmax(-1)
+    p, _ = softmax_(z.div_(temperature))  # [R, V] fp32, in place
+    r, v = p.shape
+    bsz = min(CDF_BLOCK, v)
+    full = v // bsz
+    # block sums in fp32 (pairwise summation, ~1e-7 relative: the level of fp32 p itself; a dtype=float64 sum
+    # would copy p), then fp64 from there on
+    sums = [p[:, : full * bsz].view(r, full, bsz).sum(-1)]  # [R, full]
+    if full * bsz < v:
+        sums.append(p[:, full * bsz:].sum(-1, keepdim=True))
+    bsum = torch.cat(sums, 1).double()  # [R, nb]
+    bcdf = torch.cumsum(bsum, -1)
+    total = bcdf[:, -1:]
+    t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, 1], < total
+    blk = torch.searchsorted(bcdf, t, right=True).clamp_(max=bcdf.shape[1] - 1)  # [R, 1]
+    before = torch.where(blk > 0, bcdf.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(t))  # <= t
+    cols = blk * bsz + torch.arange(bsz, device=p.device)  # [R, B]
+    inside = cols < v
+    vals = torch.where(inside, p.gather(1, cols.clamp(max=v - 1)).double(), 0.0)  # [R, B]
+    j = torch.searchsorted(before + torch.cumsum(vals, -1), t, right=True)  # [R, 1]
+    # t < the block's end, so j < B but for rounding between the two levels: then its last token with p > 0
+    last = torch.where(vals > 0, torch.arange(bsz, device=p.device), -1).amax(-1, keepdim=True)
+    return (blk * bsz + torch.minimum(j, last)).squeeze(1)
+
+
+def _check_temperature(temperature: float) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature}")
+
+
+@torch.no_grad()
+def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float, rows=None, generators=None, *,
+                       markov=None, chunk_rows="auto") -> torch.Tensor:
+    """Tokens [N, ...] drawn from softmax((h @ weight^T [+ e @ w2^T]) / T) in chunks of rows; argmax at T = 0.
+    The project's one sampler (``pick_tokens`` is the same on given logits).
+
+    h [N, ..., D] (e.g. [N, W, D], or [N, D] for one DSpark slot); markov = (e [N, ..., r], w2 [V, r]).
+    rows[i]: indices into dim 0 drawn with generators[i] (one generator per sample, as the worker seeds them);
+    rows None: every row with ``generators`` (one Generator or None). Inverse-CDF sampling with one uniform per
+    token: generator i draws ``u`` for all of its tokens at once (rows[i] in order, then the trailing dims
+    row-major), so the tokens do not depend on ``chunk_rows`` or on which other samples share the batch. The
+    CDF is accumulated in fp64; the drawn token always has p > 0. Rows of no group are -1.
+    Memory: one chunk's [chunk_rows, V] logits (fp32) and CDF (fp64); never [N, ..., V].
+    """
+    _check_temperature(temperature)
+    lead = h.shape[:-1]
+    terms = [h.reshape(-1, h.shape[-1]), weight]
+    if markov is not None:
+        e, w2 = markov
+        if tuple(e.shape[:-1]) != tuple(lead):
+            raise ValueError(f"markov e must be [{', '.join(map(str, lead))}, r]; got {tuple(e.shape)}")
+        terms += [e.reshape(-1, e.shape[-1]), w2]
+    xs, ws = terms[0::2], terms[1::2]
+    return _sample(lead, weight.shape[0], lambda r: chunk_logits(xs, ws, r), temperature, rows, generators,
+                   chunk_rows, h.device)
+
+
+@torch.no_grad()
+def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows=None, chunk_rows="auto"
+                ) -> torch.Tensor:
+    """logits [N, ..., V] -> tokens [N, ...]: argmax at T = 0, else a draw from softmax(logits / T) (the same
+    inverse-CDF sampler as ``sample_from_hidden``, for logits that exist anyway: decoding's q and p).
+
+    ``generator``: one torch.Generator (or None) for all rows, or, with ``rows`` (a list of index tensors into
+    N), one generator per group: rows[i] is drawn with generator[i] (per-sample randomness in training)."""
+    _check_temperature(temperature)
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _sample(logits.shape[:-1], logits.shape[-1], lambda r: flat[r].float(), temperature, rows, generator,
+                   chunk_rows, logits.device)
+
+
+def _sample(lead, vocab: int, chunk_logits, temperature: float, rows, generators, chunk_rows, device):
+    per = int(torch.tensor(lead[1:]).prod()) if len(lead) > 1 else 1
+    n = int(lead[0]) if len(lead) else 1
+    chunk = resolve_chunk_rows(chunk_rows, vocab, device)
+    out = torch.full((n * per,), -1, dtype=torch.long, device=device)
+    u, todo = _uniforms(n, per, rows, generators, device, draw=temperature > 0)
+    with torch.autocast(torch.device(device).type, enabled=False):  # precision is set here, not by autocast
+        for s in range(0, todo.numel(), chunk):
+            r = todo[s: s + chunk]
+            out[r] = draw_(chunk_logits(r), u[r], temperature)  # chunk_logits: a fresh fp32 [R, V] (overwritten)
+    return out.view(lead)
