@@ -108,10 +108,7 @@ def resolve_kernels(options, device) -> str:
 
 def tree_cached(tree, key, build):
     """``build()`` once per tree and ``key`` (plans are the same for every layer): kept in the tree's cache."""
-    key = ("executor",) + tuple(key)
-    if key not in tree._cache:
-        tree._cache[key] = build()
-    return tree._cache[key]
+    return tree.cached(("executor",) + tuple(key), build)
 
 
 # ------------------------------------------------------------------------------------------------ growth

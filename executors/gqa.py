@@ -211,15 +211,9 @@ class GQAExecutor(Executor):
         return cache.grown(k=nodes.k[path], v=nodes.v[path])
 
     def _score(self, mixer, x, tree, caches, options=None):
-        if len(caches) != tree.num_trunks:
-            raise ValueError(f"tree spans {tree.num_trunks} trunk(s) but {len(caches)} cache(s) were given")
         dev = x.device
         lens = tuple(len(c) for c in caches)
-        bad = tree.anchor >= torch.tensor(lens, dtype=torch.long)[tree.trunk_index]
-        if bool(bad.any()):
-            u = int(torch.nonzero(bad)[0])
-            i = int(tree.trunk_index[u])
-            raise ValueError(f"anchor {int(tree.anchor[u])} is outside trunk {i} of length {lens[i]}")
+        tree_cached(tree, ("valid", lens), lambda: tree.validate(lens))  # once per tree, not per layer
         pos = tree_cached(tree, ("positions", str(dev)), lambda: tree.positions.to(dev).view(1, -1))
         q, k, v, extra = mixer.project(x, pos)  # one positions tensor per tree: RoPE tables once per pass
         backend = score_backend(dev, options)

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specopd.tree import check_tree
+
 
 @dataclass
 class ReplayPlan:
@@ -92,19 +94,8 @@ def build_replay_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: t
         raise ValueError("build_replay_plan: empty tree")
     if every < 1:
         raise ValueError(f"build_replay_plan: checkpoint interval must be >= 1; got {every}")
-    if bool((trunk_index < 0).any()) or int(trunk_index.max()) >= lens.numel():
-        raise ValueError(f"tree names trunk {int(trunk_index.max())} but {lens.numel()} trunk length(s) were given")
-    bad = (anchor < 0) | (anchor >= lens[trunk_index])
-    if bool(bad.any()):
-        u = int(torch.nonzero(bad)[0])
-        raise ValueError(f"node {u}: anchor {int(anchor[u])} is outside its trunk of length "
-                         f"{int(lens[trunk_index[u]])} (anchors must be in [0, T-1])")
-    if bool((parent >= torch.arange(m)).any()):
-        raise ValueError("a node's parent is not an earlier node")
+    check_tree(anchor, parent, trunk_index, lens)
     has_p = parent >= 0
-    pp = parent.clamp(min=0)
-    if bool((has_p & ((anchor[pp] != anchor) | (trunk_index[pp] != trunk_index))).any()):
-        raise ValueError("a node and its parent have different anchors or trunks")
     n_ck = (lens + every - 1) // every  # checkpoints per trunk
     row0 = torch.cat([torch.zeros(1, dtype=torch.long), (n_ck + 1).cumsum(0)])[:-1]  # states0 row of checkpoint 0
     offs = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.tree_attention.naive import attend
+from specopd.tree import check_tree
 
 
 @dataclass
@@ -111,19 +112,9 @@ def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: tor
     if block_n > 64 or block_m < 1:
         raise ValueError(f"build_tree_plan: block_n must be <= 64 (int64 bitmasks), block_m >= 1; got {block_n}, "
                          f"{block_m}")
-    if bool((trunk_index < 0).any()) or int(trunk_index.max()) >= lens.numel():
-        raise ValueError(f"tree names trunk {int(trunk_index.max())} but {lens.numel()} trunk length(s) were given")
-    bad = (anchor < 0) | (anchor >= lens[trunk_index])
-    if bool(bad.any()):
-        u = int(torch.nonzero(bad)[0])
-        raise ValueError(f"node {u}: anchor {int(anchor[u])} is outside its trunk of length "
-                         f"{int(lens[trunk_index[u]])} (anchors must be in [0, T-1])")
+    check_tree(anchor, parent, trunk_index, lens)
     has_p = parent >= 0
-    if bool((parent >= torch.arange(m)).any()):
-        raise ValueError("a node's parent is not an earlier node")
     pp = parent.clamp(min=0)
-    if bool((has_p & ((anchor[pp] != anchor) | (trunk_index[pp] != trunk_index))).any()):
-        raise ValueError("a node and its parent have different anchors or trunks")
     # sort by (trunk, anchor); stable keeps parents before children (same key, earlier index)
     key = trunk_index * (int(anchor.max()) + 2) + anchor
     order = torch.sort(key, stable=True).indices
