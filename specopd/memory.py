@@ -39,14 +39,15 @@ from torch import nn
 
 from executors.gqa import BLOCKED
 from executors.qsa import SCORE_BYTES as QSA_SCORE_BYTES
+from specopd.profiling import PHASES
 
 DEFAULT_DEVICE_BYTES = 80 * 10**9
 """Device memory assumed when no CUDA device is visible: 80 GB (decimal). An "80 GB" H100 / A100 reports
 79.2 GiB (85.0e9 bytes), so this leaves ~5 GB for fragmentation beyond ``RUNTIME_OVERHEAD``."""
 RUNTIME_OVERHEAD = 1 << 30
 """CUDA context, cuBLAS / NCCL workspaces and allocator slack, counted in every phase on CUDA."""
-PHASES = ("prefill", "propose", "score", "loss", "optimizer")
-ROLE_PHASES = {"target": ("prefill", "score"), "drafter": ("propose", "loss", "optimizer")}
+MEMORY_PHASES = tuple(p for p in PHASES if p not in ("allreduce", "checkpoint"))  # the step's phases that hold memory
+ROLE_PHASES = {"target": ("prefill", "score"), "drafter": ("propose", "loss_backward", "optimizer")}
 GDN_SCORE_STATES = 6
 """fp32 [H, K, V] GDN states per branch a scoring layer holds at once: the anchor state, the level's input and
 output, and the step's temporaries (decayed state, k d^T, their sum; ``kernels.gated_delta.gated_delta_step``)."""
@@ -76,13 +77,13 @@ class MemoryPlan:
     roles: str = "colocated"
     notes: List[str] = field(default_factory=list)
 
-    def phase_bytes(self, phases=PHASES) -> dict:
+    def phase_bytes(self, phases=MEMORY_PHASES) -> dict:
         return {p: sum(t.bytes for t in self.terms if p in t.phases) for p in phases}
 
     def role_peaks(self) -> dict:
         """{role: (peak bytes, phase)}: one entry (colocated) or the target and drafter GPUs (split)."""
         pb = self.phase_bytes()
-        roles = {"colocated": PHASES} if self.roles != "split" else ROLE_PHASES
+        roles = {"colocated": MEMORY_PHASES} if self.roles != "split" else ROLE_PHASES
         return {r: max(((pb[p], p) for p in ph), key=lambda x: x[0]) for r, ph in roles.items()}
 
     @property
@@ -393,7 +394,7 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     def cpu_scores(tq, tk):  # CUDA runs fused attention kernels; the CPU path materialises score chunks
         return 0 if on_gpu else dense_attention_scores(info, tq, tk)
 
-    all_, upto_score = PHASES, ("prefill", "propose", "score")
+    all_, upto_score = MEMORY_PHASES, ("prefill", "propose", "score")
     terms = [
         Term("target weights", info.weight_bytes, all_, None,
              f"{info.params / 1e9:.3f}B params in {m.dtype} (fp32 where the model keeps them)"),
@@ -408,7 +409,7 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
         terms.append(Term("gdn state checkpoints", ckpt * s, upto_score, "model.gdn_checkpoint_every",
                           f"{s} seq x ceil(T / {every}) fp32 states per GDN layer", verb="raise"))
     terms += [
-        Term("drafter features", s * tt * feats * hid * bpe, PHASES[:4], "data.batch_size",
+        Term("drafter features", s * tt * feats * hid * bpe, MEMORY_PHASES[:4], "data.batch_size",
              f"{s} seq x T x {feats} layers x D"),
         Term("prefill working set", forward_workset(info, tt, bpe) + cpu_scores(tt, tt), ("prefill",), "data.seq_len",
              "one trunk through one layer at a time (no grad)" + ("" if on_gpu else " + dense attention scores")),
@@ -416,8 +417,8 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     # SpecOPD and the off-policy baselines: one drafter forward with grad at propose, kept until the backward
     # (on the drafter's GPU with split roles); Draft-OPD drafts round by round without grad, then one forward
     # with grad in the loss phase
-    keep = ("loss",) if method == "draft_opd" else (("propose", "loss") if r.roles == "split"
-                                                     else ("propose", "score", "loss"))
+    keep = ("loss_backward",) if method == "draft_opd" else (
+        ("propose", "loss_backward") if r.roles == "split" else ("propose", "score", "loss_backward"))
     if method == "draft_opd":
         terms.append(Term("drafter forward (no grad)", dlayer + s * tt * 2 * hid * act, ("propose",),
                           "trainer.anchors_per_seq", "one drafter layer's activations for the drafted blocks"))
@@ -430,16 +431,16 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
                  + ("" if on_gpu else " + dense attention scores of one trunk")),
         ]
     terms += [
-        Term("target side hp", n * w * hid * bpe, ("score", "loss"), "trainer.anchors_per_seq",
+        Term("target side hp", n * w * hid * bpe, ("score", "loss_backward"), "trainer.anchors_per_seq",
              "[N, W, D] target hidden states at the scored positions"),
-        Term("loss / sampling chunk", CHUNK_WORKSET_FACTOR * chunk * v * 4, ("propose", "loss"),
+        Term("loss / sampling chunk", CHUNK_WORKSET_FACTOR * chunk * v * 4, ("propose", "loss_backward"),
              "trainer.loss_chunk_rows", f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V] fp32"),
         Term("drafter activations", dact, keep, "trainer.anchors_per_seq",
              f"{cfg.drafter.num_layers} layers saved for backward (block rows N * (W + 1), context once per trunk) "
              f"+ the hidden state hq [N, W, D]: from the one forward at propose to the backward"),
-        Term("drafter backward", dlayer + n * w * hid * act, ("loss",), "trainer.anchors_per_seq",
+        Term("drafter backward", dlayer + n * w * hid * act, ("loss_backward",), "trainer.anchors_per_seq",
              "one layer's activation gradients + the hq gradient [N, W, D]"),
-        Term("drafter gradients (fp32)", dparams * dbytes, ("loss", "optimizer"), "drafter.num_layers",
+        Term("drafter gradients (fp32)", dparams * dbytes, ("loss_backward", "optimizer"), "drafter.num_layers",
              "one per trainable weight"),
         Term("optimizer temporaries", 2 * dparams * dbytes, ("optimizer",), "drafter.num_layers",
              "AdamW (foreach) temporaries: sqrt(exp_avg_sq) and more (1.5x the weights measured on the CPU, "
@@ -453,7 +454,7 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
                               f"hidden) x D, on every worker", verb="turn off"))
     if on_gpu:
         terms += [
-            Term("autocast weight copies", dparams * act, ("propose", "loss"), "drafter.num_layers",
+            Term("autocast weight copies", dparams * act, ("propose", "loss_backward"), "drafter.num_layers",
                  "bf16 copies of the drafter's weights during forward/backward"),
             Term("CUDA runtime", RUNTIME_OVERHEAD, all_, None, "context, cuBLAS/NCCL workspaces, allocator slack"),
         ]
@@ -494,7 +495,7 @@ def format_plan(p: MemoryPlan) -> List[str]:
     pb = p.phase_bytes()
     lines.append(f"  {'term':<28} {'bytes':>10}  {'phases':<36} lower with")
     for t in p.terms:
-        ph = "all" if t.phases == PHASES else ",".join(t.phases)
+        ph = "all" if t.phases == MEMORY_PHASES else ",".join(t.phases)
         key = "-" if not t.key else (t.key if t.verb == "lower" else f"{t.key} ({t.verb})")
         lines.append(f"  {t.name:<28} {human(t.bytes):>10}  {ph:<36} {key}")
     lines.append("  by phase: " + ", ".join(f"{k} {human(v)}" for k, v in pb.items()))

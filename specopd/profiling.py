@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-# The phases a training step is made of, in step order (other names are drawn too, in grey shades).
+# The phases a training step is made of, in step order: the span names, the metric keys (train/phase_s/<phase>)
+# and the memory plan's phases (specopd/memory.py). Other span names are drawn too, in grey shades.
 PHASES = ("prefill", "propose", "score", "loss_backward", "allreduce", "optimizer", "checkpoint")
 _COLORS = {
     "prefill": "#1f77b4", "propose": "#ff7f0e", "score": "#2ca02c", "loss_backward": "#d62728",

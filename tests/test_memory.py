@@ -10,7 +10,7 @@ import torch
 from specopd.cli import main
 from specopd.config import RecipeError, load_recipe
 from specopd.losses import CHUNK_WORKSET_FACTOR
-from specopd.memory import (DEFAULT_DEVICE_BYTES, PHASES, MemoryPlanError, analyse_target, check_memory,
+from specopd.memory import (DEFAULT_DEVICE_BYTES, MEMORY_PHASES, MemoryPlanError, analyse_target, check_memory,
                             memory_plan, target_shape, trunk_cache_bytes)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +80,7 @@ def test_8gpu_recipes_fit_80gb(recipe):
     assert p is not None and p.fits and p.peak <= DEFAULT_DEVICE_BYTES
     assert p.shape_source.startswith("recipe model.shape")
     assert p.sizes["vocab"] in (151_936, 248_320) and p.device_bytes == 80 * 10**9
-    assert set(p.phase_bytes()) == set(PHASES)
+    assert set(p.phase_bytes()) == set(MEMORY_PHASES)
     assert p.sizes["branches"] >= 256  # paper scale: hundreds of branches per GPU
 
 
@@ -181,7 +181,7 @@ def test_split_roles_plan_each_gpu(tmp_path):
     p = memory_plan(_tiny(tmp_path, "runtime.roles=split", "runtime.num_workers=2"), device_bytes=10**10)
     rp = p.role_peaks()
     assert set(rp) == {"target", "drafter"}
-    assert rp["target"][1] in ("prefill", "score") and rp["drafter"][1] in ("propose", "loss", "optimizer")
+    assert rp["target"][1] in ("prefill", "score") and rp["drafter"][1] in ("propose", "loss_backward", "optimizer")
     assert p.peak == max(b for b, _ in rp.values())
     assert math.isclose(p.peak, max(p.phase_bytes().values()))
 
@@ -195,12 +195,12 @@ def test_one_forward_activations_span_propose_to_loss(tmp_path):
         return next(t for t in p.terms if t.name == "drafter activations"), p
 
     col, p = term()
-    assert col.phases == ("propose", "score", "loss") and "drafter forward (no grad)" not in [t.name for t in p.terms]
+    assert col.phases == ("propose", "score", "loss_backward") and "drafter forward (no grad)" not in [t.name for t in p.terms]
     split, p = term("runtime.roles=split")
-    assert split.phases == ("propose", "loss") and split.bytes == col.bytes
+    assert split.phases == ("propose", "loss_backward") and split.bytes == col.bytes
     assert p.role_peaks()["target"][0] == max(p.phase_bytes()[k] for k in ("prefill", "score"))
     opd, p = term("trainer.method=draft_opd")
-    assert opd.phases == ("loss",) and "drafter forward (no grad)" in [t.name for t in p.terms]
+    assert opd.phases == ("loss_backward",) and "drafter forward (no grad)" in [t.name for t in p.terms]
 
 
 def test_cache_trunks_is_planned_and_named(tmp_path):
