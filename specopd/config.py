@@ -79,7 +79,8 @@ class ModelConfig:
 
 
 @dataclass
-class DrafterConfig:
+class DrafterRecipeConfig:
+    """The recipe's drafter: section (the drafter's architecture itself is ``specopd.drafters.DrafterConfig``)."""
     kind: str = "dflash"
     """dflash (parallel block drafter) | dspark (DFlash + Markov head + confidence head)."""
     num_layers: int = 1
@@ -398,7 +399,7 @@ class RecipeConfig:
     """Seed of the drafter init and of all per-sample anchor / branch generators."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The frozen target model."""
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    drafter: DrafterRecipeConfig = field(default_factory=DrafterRecipeConfig)
     """The drafter being trained."""
     data: DataConfig = field(default_factory=DataConfig)
     """Reference sequences and batching."""
