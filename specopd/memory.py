@@ -145,9 +145,9 @@ def target_shape(cfg) -> Tuple[Optional[dict], str]:
 
     m = cfg.model
     if m.is_tiny:
-        from specopd.train.tiny import _tiny_config
+        from specopd.train.tiny import tiny_config
 
-        return _tiny_config(m.target[len("tiny:"):], dict(m.tiny))[0], f"built-in tiny config ({m.target})"
+        return tiny_config(m.target[len("tiny:"):], dict(m.tiny))[0], f"built-in tiny config ({m.target})"
     folder = m.target
     if not os.path.isdir(folder):
         try:  # a `specopd prepare model` name (e.g. smollm2-135m), once prepared

@@ -141,7 +141,7 @@ def test_packed_prefill_equals_per_trunk(kind, dtype, monkeypatch):
     g = torch.Generator().manual_seed(2)
     trunks = [torch.randint(4, target.vocab_size, (t,), generator=g).cuda() for t in (300, 1, 129, 64)]
     packed = target.prefill_batch(trunks, packed=True, feature_layers=(1,))
-    assert getattr(target, "_packed_ok", True), "packed prefill fell back to per-trunk prefill"
+    assert target.packed_ok, "packed prefill fell back to per-trunk prefill"
     singles = [target.prefill(t, feature_layers=(1,)) for t in trunks]
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     for a, b in zip(packed, singles):

@@ -30,7 +30,7 @@ def test_packed_prefill_equals_one_by_one(model_type, kernels, tmp_path):
     layers = (0, target.num_layers - 1)
     kw = dict(feature_layers=layers, gdn_checkpoint_every=16, keep_hidden=True)
     packed = target.prefill_batch(trunks, packed=True, **kw)
-    assert getattr(target, "_packed_ok", True)  # ran packed, no fallback
+    assert target.packed_ok  # ran packed, no fallback
     singles = [target.prefill(t, **kw) for t in trunks]
     for got, ref in zip(packed, singles):
         assert_same_cache(got, ref)
@@ -50,7 +50,7 @@ def test_unpackable_model_falls_back(tmp_path):
     target = load_target(perturb_ple_conv(make_tiny_checkpoint("qwen4_exp_text", tmp_path)))
     trunks = [_ids(21, 7), _ids(9, 8)]
     out = target.prefill_batch(trunks, packed=True)
-    assert target._packed_ok is False  # remembered: later calls go per trunk at once
+    assert target.packed_ok is False  # remembered: later calls go per trunk at once
     for got, t in zip(out, trunks):
         assert_same_cache(got, target.prefill(t))
     assert len(target.prefill_batch(trunks, packed=True)) == 2

@@ -197,7 +197,7 @@ def check_executor() -> None:
         first = target.prefill(trunks[0][:50])
         ext = target.prefill(trunks[0][50:], cache=first)  # extension: start 50, not chunk-aligned
         packed = target.prefill_batch(trunks, packed=True)  # one varlen pass through fla (cu_seqlens)
-        assert getattr(target, "_packed_ok", True), "packed prefill fell back to per-trunk prefill"
+        assert target.packed_ok, "packed prefill fell back to per-trunk prefill"
         p = target.score(tree, [ext])
         out[mode] = (ext, packed, p)
     (e_t, pk_t, p_t), (e_f, pk_f, p_f) = out["torch"], out["fla"]

@@ -6,8 +6,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from specopd.drafters.dflash import (DFlashDrafter, DrafterConfig, _tcfg, choose_mask, default_target_layer_ids,
-                                     target_identity, target_rope_theta)
+from specopd.drafters.dflash import (DFlashDrafter, DrafterConfig, choose_mask, default_target_layer_ids,
+                                     target_config, target_identity, target_rope_theta)
 from specopd.drafters.dspark import DSparkDrafter
 
 DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}
@@ -40,11 +40,11 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
         raise ValueError(f"unknown drafter override(s) {bad}; allowed: {sorted(_OVERRIDES)} "
                          f"(hidden_size always equals the target's)")
     d = int(target.hidden_size)
-    heads = int(_tcfg(target, "num_attention_heads", max(1, d // 64)))
-    sizes = dict(num_heads=heads, num_kv_heads=int(_tcfg(target, "num_key_value_heads", heads)),
-                 head_dim=int(_tcfg(target, "head_dim", d // heads)),
-                 intermediate_size=int(_tcfg(target, "intermediate_size", 4 * d)),
-                 rms_norm_eps=float(_tcfg(target, "rms_norm_eps", 1e-6)), rope_theta=target_rope_theta(target))
+    heads = int(target_config(target, "num_attention_heads", max(1, d // 64)))
+    sizes = dict(num_heads=heads, num_kv_heads=int(target_config(target, "num_key_value_heads", heads)),
+                 head_dim=int(target_config(target, "head_dim", d // heads)),
+                 intermediate_size=int(target_config(target, "intermediate_size", 4 * d)),
+                 rms_norm_eps=float(target_config(target, "rms_norm_eps", 1e-6)), rope_theta=target_rope_theta(target))
     for k, v in overrides.items():
         sizes[_OVERRIDES[k]] = v
     if feature_layers is None:

@@ -80,26 +80,27 @@ class DrafterConfig:
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def _tcfg(target, name, default=None):
+def target_config(target, name, default=None):
+    """``target.config[name]`` (a dict or an HF config object), ``default`` when missing or None."""
     cfg = target.config
     val = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
     return default if val is None else val
 
 
 def target_identity(target) -> dict:
-    out = {"model_type": str(getattr(target, "model_type", None) or _tcfg(target, "model_type", "?")),
+    out = {"model_type": str(getattr(target, "model_type", None) or target_config(target, "model_type", "?")),
            "vocab_size": int(target.vocab_size), "hidden_size": int(target.hidden_size),
            "num_hidden_layers": int(target.num_layers)}
-    mpe = _tcfg(target, "max_position_embeddings")
+    mpe = target_config(target, "max_position_embeddings")
     if mpe is not None:
         out["max_position_embeddings"] = int(mpe)
     return out
 
 
 def target_rope_theta(target) -> float:
-    theta = _tcfg(target, "rope_theta")
+    theta = target_config(target, "rope_theta")
     if theta is None:
-        rp = _tcfg(target, "rope_parameters") or {}
+        rp = target_config(target, "rope_parameters") or {}
         theta = rp.get("rope_theta") if isinstance(rp, dict) else None
     return float(theta if theta is not None else 10000.0)
 
@@ -171,7 +172,7 @@ def choose_mask(target, mask_token_id: Optional[int] = None, target_dir: Optiona
         if n_tok is not None and n_tok < v:
             return n_tok, False
     for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        t = _tcfg(target, key)
+        t = target_config(target, key)
         t = t[0] if isinstance(t, (list, tuple)) and t else t
         if isinstance(t, int) and 0 <= t < v:
             return t, True

@@ -76,7 +76,8 @@ class DSparkDrafter(DFlashDrafter):
         """prev_tokens [N, W] -> W1[x_prev] [N, W, r] (the extra columns of the fused output matmul)."""
         return self.markov_head.markov_w1(prev_tokens)
 
-    def _confidence(self, h: torch.Tensor, prev: torch.Tensor) -> Optional[torch.Tensor]:
+    def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> Optional[torch.Tensor]:
+        """h [N, W, D], prev tokens [N, W] -> confidence logits [N, W] (None without a confidence head)."""
         if self.confidence_head is None:
             return None
         x = torch.cat([h, self.markov_features(prev).to(h.dtype)], -1) if self.config.confidence_with_markov else h
@@ -107,7 +108,7 @@ class DSparkDrafter(DFlashDrafter):
                              "build it as cat([anchor_tokens[:, None], tokens[:, :-1]], 1)")
         self._check_tokens(prev, "prev_tokens")
         logits = self.logits_from_hidden(h, prev)
-        return (logits, self._confidence(h, prev)) if return_confidence else logits
+        return (logits, self.confidence_logits(h, prev)) if return_confidence else logits
 
     def markov_sample(self, h: torch.Tensor, anchor_tokens: torch.Tensor, temperature: float, generator=None,
                       rows=None, return_logits: bool = True, chunk_rows="auto"):
@@ -129,7 +130,7 @@ class DSparkDrafter(DFlashDrafter):
                 x = sample_from_hidden(h[:, k].detach(), w_lm, temperature, rows, generator,
                                        markov=(self.markov_features(x).detach(), w2.detach()), chunk_rows=chunk_rows)
             toks.append(x)
-        conf = self._confidence(h, torch.stack(prevs, 1))
+        conf = self.confidence_logits(h, torch.stack(prevs, 1))
         return torch.stack(toks, 1), (torch.stack(logits, 1) if return_logits else None), conf
 
     def _sample_hidden(self, h, anchor_tokens, temperature, generator, rows=None, return_confidence=False,

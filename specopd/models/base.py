@@ -49,6 +49,7 @@ class TargetModel(nn.Module):
     model_type: str = "?"
     layer_kinds: list
     kernels: str = "auto"  # executors' kernels: "auto" | "torch" | "triton" (load_target(..., kernels=))
+    packed_ok: bool = True  # packed prefill works here (prefill_batch sets False after PackedUnsupported)
 
     # -- defaults for the standard pre-norm decoder stack in HF naming (``model.embed_tokens``,
     #    ``model.layers[i].{input_layernorm, mixer, post_attention_layernorm, mlp}``, ``model.norm``,
@@ -116,7 +117,7 @@ class TargetModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Plain causal forward (the reference): [B, T] -> logits [B, T, V]."""
-        input_ids = self._check_ids(input_ids)
+        input_ids = self.check_ids(input_ids)
         b, t = input_ids.shape
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
         ctx = RunContext("plain", input_ids, pos)
@@ -124,7 +125,7 @@ class TargetModel(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, feature_layers: Sequence[int]) -> torch.Tensor:
         """Plain forward returning concatenated layer outputs [B, T, len(ids) * D] (drafter features)."""
-        input_ids = self._check_ids(input_ids)
+        input_ids = self.check_ids(input_ids)
         b, t = input_ids.shape
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
         ctx = RunContext("plain", input_ids, pos, feature_layers=feature_layers)
@@ -150,7 +151,7 @@ class TargetModel(nn.Module):
         trunk's last position can be scored.
         """
         trunk_ids = torch.as_tensor(trunk_ids, device=self.device).reshape(-1).to(torch.long)
-        self._check_ids(trunk_ids.view(1, -1))
+        self.check_ids(trunk_ids.view(1, -1))
         if feature_layers is None:
             feature_layers = cache.feature_layers if cache is not None else ()
         elif cache is not None and tuple(feature_layers) != tuple(cache.feature_layers):
@@ -315,7 +316,7 @@ class TargetModel(nn.Module):
             out.append(p)
         return out
 
-    def _check_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def check_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):

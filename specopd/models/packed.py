@@ -54,8 +54,8 @@ def use_packed(target, packed) -> bool:
     if packed not in (True, False, "auto"):
         raise ValueError(f"packed must be True, False or 'auto'; got {packed!r}")
     if packed == "auto":
-        return target.device.type == "cuda" and getattr(target, "_packed_ok", True)
-    return bool(packed) and getattr(target, "_packed_ok", True)
+        return target.device.type == "cuda" and target.packed_ok
+    return bool(packed) and target.packed_ok
 
 
 @torch.no_grad()
@@ -71,7 +71,7 @@ def prefill_batch(target, trunks: Sequence[torch.Tensor], *, feature_layers: Opt
         return [target.prefill(t, **kw) for t in trunks]
     feature_layers = tuple(feature_layers or ())
     ids = torch.cat(trunks).view(1, -1)
-    target._check_ids(ids)
+    target.check_ids(ids)
     lens = [int(t.numel()) for t in trunks]
     cu = [0]
     for n in lens:
@@ -84,7 +84,7 @@ def prefill_batch(target, trunks: Sequence[torch.Tensor], *, feature_layers: Opt
     try:
         h = target.backbone(ctx)
     except PackedUnsupported:
-        target._packed_ok = False
+        target.packed_ok = False
         return [target.prefill(t, **kw) for t in trunks]
     hn = target.head_input(h)[0] if (keep_logits or keep_hidden) else None  # [N, D] what lm_head reads
     logits = target.lm_head(hn) if keep_logits else None  # [N, V]

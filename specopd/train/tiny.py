@@ -60,7 +60,7 @@ OPTIONAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TINY_VERSION = 2  # bump when the construction changes: cached tiny targets / data are rebuilt
 
 
-def _tiny_config(model_type: str, overrides: dict) -> tuple:
+def tiny_config(model_type: str, overrides: dict) -> tuple:
     if model_type not in TINY_CONFIGS:
         raise ValueError(f"no tiny config for model type {model_type!r}; known: {sorted(TINY_CONFIGS)}")
     cfg = TINY_CONFIGS[model_type]()
@@ -111,13 +111,13 @@ def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: d
     from specopd.models import MODEL_TYPES
 
     spec = {"model_type": model_type, "seed": int(seed), "overrides": dict(overrides or {}), "version": TINY_VERSION,
-            "init": _tiny_config(model_type, dict(overrides or {}))[1]}
+            "init": tiny_config(model_type, dict(overrides or {}))[1]}
     marker = os.path.join(out_dir, "tiny.json")
     if os.path.isfile(marker):
         with open(marker) as f:
             if json.load(f) == json.loads(json.dumps(spec)):
                 return out_dir
-    cfg, init = _tiny_config(model_type, spec["overrides"])
+    cfg, init = tiny_config(model_type, spec["overrides"])
     if model_type not in MODEL_TYPES:
         raise ValueError(f"tiny:{model_type}: our {model_type} model is not available (specopd/models/"
                          f"{model_type}.py missing); known model types: {sorted(MODEL_TYPES)}")

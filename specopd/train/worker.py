@@ -317,7 +317,7 @@ class Worker:
             loss, alpha = out.loss, out.alpha
             if getattr(self.drafter, "has_confidence", False) and self.cfg.drafter.confidence_weight > 0:
                 with self._autocast():
-                    conf = self.drafter._confidence(h, prev)
+                    conf = self.drafter.confidence_logits(h, prev)
                 loss = loss + self.cfg.drafter.confidence_weight * confidence_loss(conf, alpha, denom=denom)
             loss.backward()
             surv = prefix_survival(alpha)
