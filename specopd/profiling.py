@@ -116,18 +116,18 @@ def _physical_gpu_index() -> int:
     return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
 
 
-class GpuSampler:
-    """Samples NVML GPU activity % and memory of this process's GPU every ``interval_s`` in a thread.
+class ResourceSampler:
+    """A daemon thread that appends a sample to ``samples`` every ``interval_s`` until ``stop()``; ``take()``
+    drains them. ``note``: why there are none (None when sampling works). Subclasses set ``thread_prefix`` and
+    implement ``_run`` (loop until ``self._stop`` is set; on failure set ``note``, never fake)."""
 
-    ``samples``: list of (worker, t_s, activity_pct, mem_used_bytes). ``note``: why there are none (or None).
-    """
+    thread_prefix = "sampler"
 
-    def __init__(self, worker: str = "worker0", interval_s: float = 0.1, device_index: Optional[int] = None):
+    def __init__(self, worker: str, interval_s: float, note: Optional[str]):
         self.worker = worker
         self.interval_s = interval_s
         self.samples: list = []
-        self.note = gpu_unavailable_reason()
-        self._index = device_index
+        self.note = note
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -135,14 +135,39 @@ class GpuSampler:
     def available(self) -> bool:
         return self.note is None
 
-    def start(self) -> "GpuSampler":
+    def start(self) -> "ResourceSampler":
         if self.available and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"nvml-{self.worker}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"{self.thread_prefix}-{self.worker}", daemon=True)
             self._thread.start()
         return self
 
     def _run(self):
-        import pynvml
+        raise NotImplementedError
+
+    def stop(self) -> "ResourceSampler":
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        return self
+
+    def take(self) -> list:
+        s, self.samples = self.samples, []
+        return s
+
+
+class GpuSampler(ResourceSampler):
+    """NVML GPU activity % and memory of this process's GPU. ``samples``: (worker, t_s, activity_pct,
+    mem_used_bytes)."""
+
+    thread_prefix = "nvml"
+
+    def __init__(self, worker: str = "worker0", interval_s: float = 0.1, device_index: Optional[int] = None):
+        super().__init__(worker, interval_s, gpu_unavailable_reason())
+        self._index = device_index
+
+    def _run(self):
+        import pynvml  # optional (nvidia-ml-py)
 
         pynvml.nvmlInit()
         try:
@@ -158,49 +183,26 @@ class GpuSampler:
         finally:
             pynvml.nvmlShutdown()
 
-    def stop(self) -> "GpuSampler":
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        return self
 
-    def take(self) -> list:
-        s, self.samples = self.samples, []
-        return s
+def _psutil_missing() -> Optional[str]:
+    try:
+        import psutil  # noqa: F401  (optional)
+    except ImportError:
+        return "psutil not installed (pip install psutil)"
+    return None
 
 
-class CpuSampler:
-    """Samples this process's CPU use and the machine's (psutil) every ``interval_s`` in a thread.
+class CpuSampler(ResourceSampler):
+    """This process's CPU use and the machine's (psutil). ``samples``: dicts {worker, t, cpu_cores (this
+    process: 1.0 = one core busy), machine_cores (all processes), ncpu, rss_bytes}."""
 
-    ``samples``: dicts {worker, t, cpu_cores (this process: 1.0 = one core busy), machine_cores (all
-    processes), ncpu, rss_bytes}. Same interface as ``GpuSampler`` (start / stop / take / note)."""
+    thread_prefix = "cpu"
 
     def __init__(self, worker: str = "worker0", interval_s: float = 0.25):
-        self.worker = worker
-        self.interval_s = max(0.05, float(interval_s))
-        self.samples: list = []
-        try:
-            import psutil  # noqa: F401
-
-            self.note = None
-        except ImportError:
-            self.note = "psutil not installed (pip install psutil)"
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def available(self) -> bool:
-        return self.note is None
-
-    def start(self) -> "CpuSampler":
-        if self.available and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"cpu-{self.worker}", daemon=True)
-            self._thread.start()
-        return self
+        super().__init__(worker, max(0.05, float(interval_s)), _psutil_missing())
 
     def _run(self):
-        import psutil
+        import psutil  # optional
 
         try:
             proc, ncpu = psutil.Process(), psutil.cpu_count() or 1
@@ -212,17 +214,6 @@ class CpuSampler:
                                      "rss_bytes": proc.memory_info().rss})
         except Exception as e:  # noqa: BLE001  (report, never fake)
             self.note = f"CPU sampling failed: {e}"
-
-    def stop(self) -> "CpuSampler":
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        return self
-
-    def take(self) -> list:
-        s, self.samples = self.samples, []
-        return s
 
 
 def start_gpu_sampler(cfg, worker: str):
