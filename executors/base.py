@@ -35,6 +35,7 @@ tests), "auto" = "triton" for CUDA tensors and "torch" otherwise (``resolve_kern
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -70,8 +71,6 @@ def register_executor(kind: str):
 
 def get_executor(kind: str) -> Executor:
     if kind not in _REGISTRY:
-        import importlib
-
         try:
             importlib.import_module(f"executors.{kind}")
         except ModuleNotFoundError as e:

@@ -87,13 +87,13 @@ def _recurrence(options, device, every=None):
     if name not in ("auto", "chunk", "fla", "recurrent"):
         raise ValueError(f"unknown gdn_prefill {name!r}; use 'auto', 'chunk', 'fla' or 'recurrent'")
     if name == "auto":
-        from kernels.gated_delta.fla_chunk import CHUNK, fla_verified
+        from kernels.gated_delta.fla_chunk import CHUNK, fla_verified  # imports Triton, only on this path
 
         if torch.device(device).type == "cuda" and (every is None or every % CHUNK == 0) and fla_verified(device):
             name = "fla"
         else:
             name = "chunk" if every is None or every % 16 == 0 else "recurrent"
-    from kernels.gated_delta.fla_chunk import prefill_backend
+    from kernels.gated_delta.fla_chunk import prefill_backend  # imports Triton, only on this path
 
     run = prefill_backend(name)
     if name == "chunk" and os.environ.get("TRITON_INTERPRET") == "1":
@@ -159,7 +159,7 @@ def _conv_seq(mixer, u, history, fla: bool = False, cu_seqlens=None):
             b = cu_seqlens.tolist()
             return torch.cat([mixer.conv_seq(u[:, lo:hi]) for lo, hi in zip(b[:-1], b[1:])], dim=1)
         return mixer.conv_seq(u, history)
-    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.causal_conv1d import causal_conv1d  # optional (gpu extra)
 
     wk = mixer.conv_kernel_size
     x = u if history is None else torch.cat([history.to(u.dtype), u], dim=1)  # [1, (W-1) + T, Cd]
@@ -216,7 +216,7 @@ class GDNExecutor(Executor):
         ck_every = every if keep else None
         bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
         if name == "fla":
-            from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
+            from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule  # imports Triton, only on this path
 
             cu = torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
             q, k, v = mixer.split_qkv(_conv_seq(mixer, u, None, fla=True, cu_seqlens=cu))
@@ -363,7 +363,7 @@ class GDNExecutor(Executor):
         """Node outputs o [M, H, V] fp32 (and states [M, H, K, V] fp32 with ``keep``) through the fused replay
         kernel: per (trunk, checkpoint) segment, load the checkpoint, replay < C trunk tokens, run the branch
         nodes. Only the checkpoints segments start from are gathered (not every trunk's)."""
-        from kernels.gated_delta.replay import build_replay_plan, gdn_tree_replay
+        from kernels.gated_delta.replay import build_replay_plan, gdn_tree_replay  # Triton, only on this path
 
         every = caches[0].every
         if any(c.every != every for c in caches):

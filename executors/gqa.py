@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from executors.attention import masked_attention, sdpa_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
+from kernels.tree_attention import build_tree_plan, tree_attention_blocked
 
 
 @dataclass
@@ -106,8 +108,6 @@ def attend_causal(q, k, v, scaling, options=None):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=tq > 1, scale=scaling, enable_gqa=True)
             return o.transpose(1, 2)
-        from torch.nn.attention.bias import causal_lower_right
-
         return sdpa_attention(q, k, v, None, scaling, bias=causal_lower_right(tq, tk))
     mask = torch.arange(tk, device=q.device)[None, :] <= torch.arange(tk - tq, tk, device=q.device)[:, None]
     return attend(q, k, v, mask[None], scaling, options)
@@ -147,12 +147,12 @@ def attend_varlen(q, k, v, cu_seqlens, max_len: int, scaling, options=None):
     compares them with "loop")."""
     backend = varlen_backend(q, options)
     if backend == "flash_attn":
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # optional (gpu extra)
 
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scaling,
                                       causal=True)
     if backend == "torch":
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # newer torch only
 
         params = inspect.signature(varlen_attn).parameters
         kw = {"scale": scaling} if "scale" in params else {}
@@ -223,14 +223,12 @@ class GQAExecutor(Executor):
             trunk_k = caches[0].k if len(caches) == 1 else torch.cat([c.k for c in caches])  # [sum T_i, Hkv, hd]
             trunk_v = caches[0].v if len(caches) == 1 else torch.cat([c.v for c in caches])
             if backend == "triton":
-                from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
+                from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention  # Triton, only on this path
 
                 blocks = plan_blocks(q.shape[-1], q.shape[2], k.shape[2])
                 plan = _tree_plan(tree, lens, blocks, dev)
                 o = tree_attention(q[0], k[0], v[0], trunk_k, trunk_v, plan, mixer.scaling)[None]
             else:
-                from kernels.tree_attention import tree_attention_blocked
-
                 plan = _tree_plan(tree, lens, BLOCKED, None)
                 o = tree_attention_blocked(q[0], k[0], v[0], trunk_k, trunk_v, plan, mixer.scaling)
                 o = o.to(q.dtype)[None]
@@ -258,8 +256,6 @@ class GQAExecutor(Executor):
 def _tree_plan(tree, lens: tuple, blocks: dict, device):
     """The tree-attention block plan (built once per tree, trunk lengths and block size; the same for every
     layer), moved to ``device`` as int32 for the kernel when one is given."""
-    from kernels.tree_attention import build_tree_plan
-
     plan = tree_cached(tree, ("tree_plan", lens, blocks["block_m"], blocks["block_n"]),
                        lambda: build_tree_plan(tree.anchor, tree.parent, tree.trunk_index, lens, **blocks))
     if device is None:

@@ -105,7 +105,7 @@ class QSAExecutor(Executor):
         k, v, pooled = cache.k, cache.v, cache.pooled
         chunk = max(1, int((options or {}).get("qsa_prefill_chunk", 1024)))  # queries per attention block
         if resolve_kernels(options, x.device) == "triton":
-            from kernels.qsa.sparse_attention import qsa_prefill
+            from kernels.qsa.sparse_attention import qsa_prefill  # Triton, only on this path
 
             last = torch.arange(t0, t0 + t, device=x.device)
             o, sel = qsa_prefill(q[0], k, v, qi[0], pooled, last, mixer.topk, r, mixer.scaling, chunk=chunk)
@@ -178,7 +178,7 @@ class QSAExecutor(Executor):
             if nodes.numel() and c.pooled.shape[0] and gmax:
                 gi = min(c.pooled.shape[0], gmax)
                 if triton:  # groups g < g0 only (the rest is the nodes' own)
-                    from kernels.qsa.indexer import index_scores
+                    from kernels.qsa.indexer import index_scores  # Triton, only on this path
 
                     ts = index_scores(qi[nodes], c.pooled[:gi].to(dev), g0[nodes].clamp(max=gi))
                 else:
@@ -186,7 +186,7 @@ class QSAExecutor(Executor):
                 scores[nodes, :gi] = ts
         scores.scatter_(1, torch.where(ok_own, g_own, gmax), own_scores)
         if triton:
-            from kernels.qsa.indexer import topk_groups
+            from kernels.qsa.indexer import topk_groups  # Triton, only on this path
 
             sel = topk_groups(scores[:, :gmax].contiguous(), n, mixer.topk)  # [M, topk]
         else:
@@ -208,7 +208,7 @@ class QSAExecutor(Executor):
             ok = torch.cat([ok_sel, p_tail <= pos[nd, None]], dim=1)  # [n, S]
             idx = rows(torch.where(ok, torch.cat([p_sel, p_tail], dim=1), 0), nd)
             if triton:
-                from kernels.qsa.sparse_attention import pack_rows, sparse_attention
+                from kernels.qsa.sparse_attention import pack_rows, sparse_attention  # Triton, only on this path
 
                 o[nd] = sparse_attention(q[0, nd], k_all, v_all, *pack_rows(idx, ok), mixer.scaling)
             else:

@@ -8,17 +8,34 @@
 
 Overrides are ``section.key=value`` (e.g. ``trainer.max_steps=10 seed=3``). ``train`` runs
 ``specopd.train.loop.train``, or ``specopd.mainjob.run`` for a recipe with ``pipeline.enabled`` (the main job);
-eval, prepare and profile dispatch to their owners' modules, imported lazily. Imports flow one way:
+eval, prepare and profile dispatch to their owners' modules. Imports flow one way:
 cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels (tests/test_imports.py).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
-import importlib
 import json
 import os
 import sys
+
+from omegaconf import OmegaConf
+
+from specopd import mainjob
+from specopd.config import RecipeError, load_recipe
+from specopd.data.prepare import main as main_prepare
+from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError, extend_plan
+from specopd.drafters.layout import DTYPES, describe_export, export_folder
+from specopd.errors import (BadInputError, DamagedFolderError, MissingInputError, UserError, dir_problem,
+                            output_file_problem)
+from specopd.eval.cli import main_eval
+from specopd.eval.engine import eval_with_vllm, main_serve_check
+from specopd.memory import format_plan, memory_plan, target_shape
+from specopd.profiling import render
+from specopd.train.checkpoint import MARKER, CheckpointError, find_latest, newest_good, read_state, verify
+from specopd.train.lock import busy
+from specopd.train.loop import NonFiniteError, RecipeChangeError, train
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -28,8 +45,6 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def _check_json(args) -> None:
     """``--json PATH`` that cannot be written is refused before any work (not after a finished training)."""
-    from specopd.errors import BadInputError, output_file_problem
-
     path = getattr(args, "json", None)
     why = output_file_problem(path) if path else None
     if why is not None:
@@ -43,33 +58,16 @@ def _write_json(path: str, obj) -> None:
 
 
 def _load(recipe: str, overrides: list):
-    from specopd.config import RecipeError, load_recipe
-
     try:
         return load_recipe(recipe, overrides)
     except (RecipeError, FileNotFoundError) as e:
         raise SystemExit(_fail(str(e)))
 
 
-def _lazy(module: str, func: str):
-    """Import module.func; a clear 'not built yet' error (exit 2) when the module does not exist."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and (module == e.name or module.startswith(e.name + ".")):
-            raise SystemExit(_fail(f"{module} is not built yet (this command needs {module}.{func})"))
-        raise
-    if not hasattr(mod, func):
-        raise SystemExit(_fail(f"{module}.{func} is not built yet"))
-    return getattr(mod, func)
-
-
 # ---------------------------------------------------------------------------------------------- the plan
 def plan(cfg, device_bytes=None) -> dict:
     """What a run would do, from the recipe and the target's shape (config.json, or the recipe's model.shape);
     no weights are loaded. ``memory`` is ``specopd.memory.memory_plan`` of one GPU (None: shape unknown)."""
-    from specopd.memory import memory_plan, target_shape
-
     m, r, t, d = cfg.model, cfg.runtime, cfg.trainer, cfg.data
     pipeline = bool(getattr(getattr(cfg, "pipeline", None), "enabled", False))
     notes = []
@@ -81,15 +79,11 @@ def plan(cfg, device_bytes=None) -> dict:
     if shape is None:
         notes.append(f"model.target={m.target!r} is prepared by the main job on first use (stage 1, cached); "
                      f"no memory estimate until then" if pipeline else f"no memory estimate: {source}")
-    from specopd.train.lock import busy
-
     holder = busy(t.output_dir)
     if holder:
         notes.append(f"trainer.output_dir={t.output_dir!r} is in use by {holder}: the run would be refused until "
                      f"that one ends (one writer per folder)")
     if t.resume != "none":
-        from specopd.train.checkpoint import CheckpointError, find_latest, read_state
-
         found = t.resume if t.resume != "auto" else find_latest(t.output_dir)
         try:
             k = int(read_state(found)["step"]) if found else None
@@ -161,8 +155,6 @@ def _print_plan(p: dict) -> None:
     for note in p.get("notes", []):
         print(f"note     {note}")
     if p.get("_memory_plan") is not None:
-        from specopd.memory import format_plan
-
         print("\n".join(format_plan(p["_memory_plan"])))
 
 
@@ -175,35 +167,19 @@ def cmd_train(args) -> int:
             p = plan(cfg)
         except (FileNotFoundError, ValueError, KeyError) as e:
             return _fail(f"cannot plan the run: {e}")
-        extend = None
         if cfg.runtime.backend == "ray":
-            try:
-                extend = getattr(importlib.import_module("specopd.distributed.ray_backend"), "extend_plan", None)
-            except ModuleNotFoundError:
-                extend = None
-        if extend is not None:
             folder = p["target"].get("source")
             if not cfg.model.is_tiny and folder and folder != cfg.model.target:  # a resolved model name
-                import dataclasses
-
                 cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=folder))
-            p = extend(cfg, p)
+            p = extend_plan(cfg, p)
         _print_plan(p)
         if args.json:
             _write_json(args.json, {k: v for k, v in p.items() if not k.startswith("_")})
         return 0
-    from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError
-    from specopd.train.checkpoint import CheckpointError
-    from specopd.train.loop import NonFiniteError, RecipeChangeError
-
     try:
         if cfg.pipeline.enabled:  # the main job: prepare target + data, warm up, train, evaluate, export
-            from specopd.mainjob import run
-
-            summary = run(cfg)
+            summary = mainjob.run(cfg)
         else:
-            from specopd.train.loop import train
-
             summary = train(cfg)
     except (CheckpointError, NonFiniteError, RecipeChangeError, WorkerLostError, ClusterTooSmallError) as e:
         if os.environ.get("SPECOPD_DEBUG"):
@@ -217,20 +193,17 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     cfg = _load(args.recipe, args.overrides)
     _check_json(args)
-    fn = _lazy("specopd.eval.cli", "main_eval")
-    judge = _lazy("specopd.eval.engine", "eval_with_vllm") if getattr(args, "engine", "builtin") == "vllm" else None
-    rc = fn(cfg, args, judge=judge)
+    judge = eval_with_vllm if getattr(args, "engine", "builtin") == "vllm" else None
+    rc = main_eval(cfg, args, judge=judge)
     return rc if isinstance(rc, int) else 0
 
 
 def cmd_serve_check(args) -> int:
-    fn = _lazy("specopd.eval.engine", "main_serve_check")
-    return int(fn(args) or 0)
+    return int(main_serve_check(args) or 0)
 
 
 def cmd_prepare(args) -> int:
-    fn = _lazy("specopd.data.prepare", "main")
-    rc = fn([args.what] + list(args.rest))
+    rc = main_prepare([args.what] + list(args.rest))
     return rc if isinstance(rc, int) else 0
 
 
@@ -238,8 +211,7 @@ def cmd_profile(args) -> int:
     if not os.path.isdir(args.run_dir):
         return _fail(f"run folder {args.run_dir!r} " + ("is a file, not a folder" if os.path.exists(args.run_dir)
                                                         else "does not exist") + " (give a trainer.output_dir)")
-    fn = _lazy("specopd.profiling", "render")
-    out = fn(args.run_dir)
+    out = render(args.run_dir)
     if out is not None:
         print(json.dumps(out, indent=1, default=str))
     return 0
@@ -250,8 +222,6 @@ def _run_target(run_dir) -> str | None:
     path = os.path.join(run_dir, "recipe.yaml") if run_dir else None
     if not path or not os.path.isfile(path):
         return None
-    from omegaconf import OmegaConf
-
     tgt = OmegaConf.to_container(OmegaConf.load(path)).get("model", {}).get("target")
     if isinstance(tgt, str) and tgt.startswith("tiny:"):
         return os.path.join(run_dir, "tiny-target-" + tgt[len("tiny:"):])
@@ -260,9 +230,6 @@ def _run_target(run_dir) -> str | None:
 
 def resolve_export_source(src: str) -> tuple:
     """RUN_DIR (-> its newest complete checkpoint) | a checkpoint / drafter folder -> (folder, run_dir or None)."""
-    from specopd.errors import MissingInputError
-    from specopd.train.checkpoint import find_latest
-
     if os.path.exists(src) and not os.path.isdir(src):
         raise MissingInputError(f"{src!r} is a file, not a folder (give a run folder, i.e. a trainer.output_dir, or "
                                 f"a checkpoint / drafter folder: the folder holding config.json + model.safetensors)")
@@ -285,9 +252,6 @@ def resolve_export_source(src: str) -> tuple:
 def check_source(src: str, run) -> None:
     """A damaged checkpoint (files against its manifest, with checksums) is refused, naming it and the newest
     checkpoint of its run that verifies."""
-    from specopd.errors import DamagedFolderError
-    from specopd.train.checkpoint import MARKER, newest_good, verify
-
     if not os.path.isfile(os.path.join(src, MARKER)):
         return  # a released / drafter folder: load_drafter / export_folder check what it has
     why = verify(src)
@@ -301,9 +265,6 @@ def check_source(src: str, run) -> None:
 
 def cmd_export(args) -> int:
     """RUN_DIR (its newest complete checkpoint) | CHECKPOINT | released folder -> the released layout."""
-    from specopd.drafters.layout import DTYPES, describe_export, export_folder
-    from specopd.errors import BadInputError, dir_problem
-
     src, run = resolve_export_source(args.source)
     if args.max_shard_gb <= 0 or args.max_shard_gb != args.max_shard_gb:
         return _fail(f"--max-shard-gb must be a number > 0; got {args.max_shard_gb}")
@@ -396,8 +357,6 @@ def main(argv=None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    from specopd.errors import UserError
-
     try:
         return int(args.fn(args) or 0)
     except UserError as e:  # a user's mistake (specopd.errors): the message names the cause and the fix

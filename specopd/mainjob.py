@@ -28,9 +28,29 @@ Writes <output_dir>/mainjob_summary.json (stage wall times, the table's numbers)
 from __future__ import annotations
 
 import copy
+import filecmp
 import json
 import os
+import shutil
 import time
+
+import torch
+
+from specopd.data.conversations import heldout_prompt_ids, pretrain_chat_prompts, train_chat_prompts
+from specopd.data.prepare import MODELS, load_tokenizer, prepare_data, stop_token_ids
+from specopd.data.references import DATA_FILE, read_records
+from specopd.data.smollm2 import cache_root
+from specopd.drafters import build_drafter, load_drafter
+from specopd.drafters.layout import describe_export, export_folder
+from specopd.engines import auto_engine
+from specopd.eval.cli import acceptance_cells, evaluate_al
+from specopd.eval.engine import judge_rows
+from specopd.eval.replay import greedy_continuations, replay_greedy_al
+from specopd.models import load_target
+from specopd.models.loading import read_config, resolve_dtype
+from specopd.train.checkpoint import complete_checkpoints, find_latest
+from specopd.train.lock import run_lock
+from specopd.train.loop import check_device, train
 
 
 def _stage(name: str):
@@ -39,8 +59,6 @@ def _stage(name: str):
 
 
 def _target_dir(name: str) -> str:
-    from specopd.data.prepare import MODELS
-
     if os.path.isdir(name):
         return name
     if name in MODELS:
@@ -53,13 +71,6 @@ def _references(cfg, target_dir: str) -> tuple:
     """-> (reference folder, records of the wanted prompts): the first data_num distinct train prompts answered
     by the target (generated once, cached; a larger data_num generates only the new ones) with
     ``pipeline.data_engine`` (auto: vLLM when its venv is there)."""
-    from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
-    from specopd.data.prepare import load_tokenizer, prepare_data
-    from specopd.data.references import DATA_FILE, read_records
-    from specopd.data.smollm2 import cache_root
-    from specopd.engines import auto_engine
-    from specopd.models.loading import read_config
-
     pl = cfg.pipeline
     engine, why = auto_engine() if pl.data_engine == "auto" else (pl.data_engine, "pipeline.data_engine")
     name = os.path.basename(os.path.normpath(target_dir))
@@ -128,9 +139,6 @@ def _warmup_cfg(cfg, target_dir: str, out: str):
 
 def prepare(cfg, progress: bool = True) -> dict:
     """Stages 1-3 (each cached): -> {target_dir, references, train_data, warm (checkpoint folder or None), times}."""
-    from specopd.train.checkpoint import complete_checkpoints, find_latest
-    from specopd.train.loop import train
-
     pl, times = cfg.pipeline, {}
     t0 = _stage(f"1/5 target {cfg.model.target}")
     target_dir = _target_dir(cfg.model.target)
@@ -169,16 +177,6 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
     ``pipeline.eval_temperatures``: T > 0 decoded for real; T = 0 replayed exactly on the target's greedy
     continuations (``specopd.eval.replay``: the same rounds and counts as real greedy decoding, at a fraction of
     the cost). -> [{drafter, checkpoint, by_temperature: {T: numbers}}]."""
-    import torch
-
-    from specopd.data.conversations import heldout_prompt_ids
-    from specopd.data.prepare import load_tokenizer, stop_token_ids
-    from specopd.drafters import build_drafter, load_drafter
-    from specopd.eval.cli import evaluate_al
-    from specopd.eval.replay import greedy_continuations, replay_greedy_al
-    from specopd.models import load_target
-    from specopd.models.loading import resolve_dtype
-
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device="cpu", kernels=cfg.model.kernels)
     prompts = heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)
@@ -208,8 +206,6 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
 
 def format_al_table(results: list, temps, w: int, title: str) -> str:
     """Before / after AL at each temperature, then acceptance per draft position with its counts."""
-    from specopd.eval.cli import acceptance_cells
-
     keys = [f"{float(t):g}" for t in temps]
     lines = [title, f"{'drafter':<54}" + "".join(f"{'AL T=' + k:>10}" for k in keys)]
     for r in results:
@@ -223,18 +219,12 @@ def format_al_table(results: list, temps, w: int, title: str) -> str:
 
 def run(cfg, progress: bool = True) -> dict:
     """The main job (module docstring); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
-    from specopd.train.lock import run_lock
-    from specopd.train.loop import check_device
-
     check_device(cfg)
     with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
         return _run(cfg, progress)
 
 
 def _run(cfg, progress: bool) -> dict:
-    from specopd.train.checkpoint import find_latest
-    from specopd.train.loop import train
-
     t_all = time.perf_counter()
     out = cfg.trainer.output_dir
     prep = prepare(cfg, progress=progress)
@@ -259,9 +249,7 @@ def _run(cfg, progress: bool) -> dict:
     rows = [before,
             (f"after: + {cfg.trainer.method} ({summary['steps']} steps)", final)]
     results = evaluate_rows(cfg, prep["target_dir"], rows, progress=progress)
-    from specopd.eval.engine import judge_rows  # both drafters served by vLLM, when its venv is there
-
-    results += judge_rows(cfg, prep["target_dir"], rows, progress=progress)
+    results += judge_rows(cfg, prep["target_dir"], rows, progress=progress)  # both drafters in vLLM, when there
     times["eval"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_all
 
@@ -291,11 +279,6 @@ def _export_final(final, out: str, target_dir: str):
     the checkpoint folder: no second target load); prints where it is and how to serve it. A rerun that ends
     with the same drafter keeps the folder; an export of another drafter there is moved aside (nothing lost).
     Returns the folder (None without a final checkpoint)."""
-    import filecmp
-    import shutil
-
-    from specopd.drafters.layout import describe_export, export_folder
-
     if final is None:
         print("[specopd] no final checkpoint: nothing to export")
         return None

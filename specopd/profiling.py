@@ -27,13 +27,18 @@ as *GPU activity %* (it is not SM occupancy).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
+import math
 import os
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Iterable, Optional
+
+import torch
 
 # The phases a training step is made of, in step order: the span names, the metric keys (train/phase_s/<phase>)
 # and the memory plan's phases (specopd/memory.py). Other span names are drawn too, in grey shades.
@@ -56,8 +61,6 @@ class Profiler:
 
     def _sync(self):
         if self.sync_cuda:
-            import torch
-
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
 
@@ -87,13 +90,8 @@ class Profiler:
 
 def gpu_unavailable_reason() -> Optional[str]:
     """None when NVML can sample a GPU here, else a short reason (shown in the figure and the summary)."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return "no GPU (torch.cuda.is_available() is False)"
-    except ImportError:  # pragma: no cover
-        return "torch not importable"
+    if not torch.cuda.is_available():
+        return "no GPU (torch.cuda.is_available() is False)"
     try:
         import pynvml  # noqa: F401
     except ImportError:
@@ -111,8 +109,6 @@ def _physical_gpu_index() -> int:
     vis = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     if vis.isdigit():
         return int(vis)
-    import torch
-
     return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
 
 
@@ -314,8 +310,6 @@ def load_profile(run_dir):
 
 def _lanes(spans: list) -> list:
     """Worker names in a stable order: controller first, then by rank number if the name has one."""
-    import re
-
     def key(w):
         m = re.search(r"(\d+)$", w)
         return (0 if not m else 1, int(m.group(1)) if m else 0, w)
@@ -347,8 +341,6 @@ def step_table(spans: list) -> list:
     counting of containers). Phases run on all workers at once, so a step's time in a phase is the longest
     worker's; ``other`` is the rest of the step (waiting, the controller). A step run twice (a resumed run
     repeats the steps after its checkpoint) keeps its last run."""
-    import bisect
-
     marks = sorted((s for s in spans if s["worker"] == "controller" and s["name"] == "step"), key=lambda s: s["start"])
     if not marks:
         return []
@@ -473,8 +465,6 @@ def _phase_order(names) -> list:
 
 def _plot_steps(ax, table: list, extra: dict) -> None:
     """Stacked bars: time per step by phase (bins of consecutive steps when there are many)."""
-    import math
-
     k = max(1, math.ceil(len(table) / MAX_BARS))
     bins = [table[i: i + k] for i in range(0, len(table), k)]
     names = _phase_order(n for r in table for n in r["phases"])
@@ -496,7 +486,7 @@ def _plot_steps(ax, table: list, extra: dict) -> None:
 
 def _plot_lanes(ax, spans: list, t0: float, extra: dict) -> None:
     """Per-worker lanes of phase spans (a profile without the controller's step spans)."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # matplotlib: slow to import, only when drawing
 
     lanes = _lanes(spans)
     _, has_child = _nested_depth(spans)
@@ -587,10 +577,10 @@ def _plot_use(ax, samples: list, cpu: list, summary: dict, t0: float, table: lis
 def plot_timeline(spans: list, samples: list, summary: dict, path: Path, cpu: list = ()) -> None:
     """timeline.png: time per step by phase (or per-worker lanes without step spans), the share of wall
     time per phase per worker, and GPU activity or CPU use over time."""
-    import matplotlib
+    import matplotlib  # matplotlib: slow to import, only when drawing
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: slow to import, only when drawing
 
     cpu = list(cpu)
     t0 = min([s["start"] for s in spans] + [s["t"] for s in samples] + [c["t"] for c in cpu] or [0.0])
@@ -643,10 +633,10 @@ def plot_heldout_al(run_dir, start: Optional[float] = None) -> Path:
     metrics.jsonl (so a resumed or crashed run keeps its curve), with ``start`` (the drafter before training) at
     step 0 when given; the training batches' own expected AL (on-policy, before each update) in grey for
     comparison. Written tmp + rename (a reader never sees half a file)."""
-    import matplotlib
+    import matplotlib  # matplotlib: slow to import, only when drawing
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: slow to import, only when drawing
 
     run_dir = Path(run_dir)
     pts = ([(0, float(start))] if start is not None else []) + read_heldout_al(run_dir)

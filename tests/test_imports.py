@@ -2,8 +2,8 @@
 
 The package is parsed with ``ast`` (nothing is imported). Every import counts, at module level or inside a
 function: ``import a.b``, ``from a import b`` (relative ones resolved), and ``__import__("a.b")``,
-``importlib.import_module("a.b")`` or any call whose first argument is the name of one of our modules (the
-CLI's ``_lazy("specopd.eval.cli", ...)``). ``from pkg import sub`` is an import of the module ``pkg.sub``.
+``importlib.import_module("a.b")`` or any call whose first argument is the name of one of our modules (a
+loader given a module's name). ``from pkg import sub`` is an import of the module ``pkg.sub``.
 """
 from __future__ import annotations
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Optional
 
 import torch
 
 from kernels.gated_delta.chunk import chunk_checkpoints
+from kernels.gated_delta.naive import prepare_qk
 
 CHUNK = 64
 _lock = threading.Lock()
@@ -49,8 +51,7 @@ def fla_verified(device) -> bool:
         ok, why = False, "fla-core does not import"
         if torch.device(device).type == "cuda" and fla_available():
             try:
-                from kernels.gated_delta.chunk import chunk_gated_delta_rule
-                from kernels.gated_delta.naive import prepare_qk
+                from kernels.gated_delta.chunk import chunk_gated_delta_rule  # Triton, only on this path
 
                 g_ = torch.Generator().manual_seed(0)
                 q, k = prepare_qk(torch.randn(1, 200, 2, 64, generator=g_), torch.randn(1, 200, 2, 64, generator=g_))
@@ -67,8 +68,6 @@ def fla_verified(device) -> bool:
             except Exception as e:  # noqa: BLE001 - any failure means: do not use fla
                 why = f"fla failed: {type(e).__name__}: {e}"
         if not ok and torch.device(device).type == "cuda" and fla_available():
-            import warnings
-
             warnings.warn(f"GDN prefill falls back from fla to kernels.gated_delta.chunk: {why}")
         _VERIFIED[key] = ok
     return _VERIFIED[key]
@@ -87,7 +86,7 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     sequence, so sequence i's chunk states are h[0, off_i : off_i + ceil(T_i / 64)]."""
     fla_available()
     try:
-        import fla.ops.gated_delta_rule.chunk as fla_chunk
+        import fla.ops.gated_delta_rule.chunk as fla_chunk  # optional (gpu extra)
     except Exception as e:  # noqa: BLE001
         raise RuntimeError("gdn prefill through fla needs fla-core (pip install flash-linear-attention) on a CUDA "
                            "machine; use the Triton chunk kernel (kernels.gated_delta.chunk) instead") from e
@@ -149,13 +148,13 @@ def prefill_backend(name: str):
     """The sequence recurrence for ``name``: "chunk" (our Triton chunk kernel), "fla" (fla on CUDA; interpreted on the CPU in tests) or
     "recurrent" (the fused recurrent Triton kernel). All share ``naive.recurrent_gated_delta_rule``'s contract."""
     if name == "chunk":
-        from kernels.gated_delta.chunk import chunk_gated_delta_rule
+        from kernels.gated_delta.chunk import chunk_gated_delta_rule  # Triton, only on this path
 
         return chunk_gated_delta_rule
     if name == "fla":
         return fla_chunk_gated_delta_rule
     if name == "recurrent":
-        from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
+        from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule  # Triton, only on this path
 
         return fused_recurrent_gated_delta_rule
     raise ValueError(f"unknown gdn prefill backend {name!r}; use 'chunk', 'fla' or 'recurrent'")

@@ -21,6 +21,9 @@ import os
 import re
 from typing import Optional
 
+import torch
+
+from specopd.data.prepare import encode_prompt, load_tokenizer
 from specopd.data.references import chitchat_data, split_of
 
 HELDOUT_MAX_PROMPT_TOKENS = 96  # short chat prompts keep CPU evaluation (and reference generation) quick
@@ -53,8 +56,6 @@ def heldout_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1,
     conversation, or of an earlier held-out prompt, is skipped. With ``tokenizer`` and ``max_prompt_tokens``,
     prompts longer than that (after the chat template) are skipped too.
     """
-    from specopd.data.prepare import encode_prompt
-
     convs = chitchat_conversations()
     seen = {_norm(m[0]["content"]) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "train"}
     out = []
@@ -83,8 +84,6 @@ def train_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, t
     """The first ``num`` distinct first user turns of *train* conversations, in dataset order -> list of (id,
     [message]) (the prompts the main job's references answer; duplicates such as "hello?" would give the same
     greedy answer many times). With ``tokenizer``, prompts longer than ``max_prompt_tokens`` are skipped."""
-    from specopd.data.prepare import encode_prompt
-
     seen, out = set(), []
     for cid, msgs in chitchat_conversations():
         if len(out) >= num:
@@ -109,8 +108,6 @@ def pretrain_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1
     (many thousands: what pretraining a drafter wants). A prompt whose normalised text is the first user turn of
     any held-out conversation (a possible evaluation prompt) is never used. Ids: ``<conversation id>`` for
     first turns, ``<conversation id>#<turn>`` for later ones."""
-    from specopd.data.prepare import encode_prompt
-
     convs = chitchat_conversations()
     banned = {_norm(m[0]["content"]) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "heldout"}
     train = [(cid, m) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "train"]
@@ -136,8 +133,6 @@ def pretrain_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1
 def encode_conversation(tok, messages: list, seq_len: int) -> tuple:
     """messages -> (token ids of the whole chat-formatted conversation cut to ``seq_len``, prompt_len): the
     prompt is the system prompt + first user turn + assistant header (what a served request starts with)."""
-    from specopd.data.prepare import encode_prompt
-
     text = tok.apply_chat_template(messages, tokenize=False)
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
     prompt = encode_prompt(tok, messages[:1])
@@ -173,15 +168,10 @@ def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 
             "supervised_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs)}
 
 
-
 def heldout_prompt_ids(target_dir: str, vocab_size: int, num: int, seed: int = 0,
                        heldout_fraction: float = 0.1) -> list:
     """``heldout_chat_prompts`` through the target's chat template -> prompt ids [T_i] (what the main job's
     before/after table and ``specopd eval`` on the main recipe decode)."""
-    import torch
-
-    from specopd.data.prepare import encode_prompt, load_tokenizer
-
     tok = load_tokenizer(target_dir, vocab_size)
     prompts = heldout_chat_prompts(num, seed, heldout_fraction, tok, HELDOUT_MAX_PROMPT_TOKENS)
     return [torch.tensor(encode_prompt(tok, msgs)) for _, msgs in prompts]

@@ -26,6 +26,9 @@ import json
 import os
 from typing import Optional
 
+import torch
+
+from specopd.data.references import split_of
 from specopd.drafters.layout import sha256_file
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecForge / OpenAI
@@ -122,7 +125,7 @@ def _json_array_records(path: str, raw: bytes) -> list:
 
 def _parquet_records(path: str) -> list:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional extra (.[parquet])
     except ImportError:
         raise ImportError(f"reading {path} needs pyarrow: `pip install -e .[parquet]` (or give JSONL / JSON)") from None
     rows = pq.read_table(path).to_pylist()
@@ -137,7 +140,7 @@ def count_records(path: str) -> Optional[int]:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional extra (.[parquet])
         except ImportError:
             return None
         return int(pq.ParquetFile(path).metadata.num_rows)
@@ -323,7 +326,7 @@ def _prefix_starts(tok, text: str, ids: list, spans: list) -> list:
 def tokenizer_hash(target_dir: str) -> str:
     """sha256 over the tokenizer's files in ``target_dir`` (vocabulary, merges, config, chat template) and the
     transformers version (which renders the template)."""
-    import transformers
+    import transformers  # optional (dev / demo extra)
 
     h = hashlib.sha256(f"transformers {transformers.__version__}\n".encode())
     for n in sorted(os.listdir(target_dir)):
@@ -345,8 +348,6 @@ def tokenise_file(path: str, tok) -> list:
     """Every record of ``path`` in file order, tokenised: ``(where, "ok", id, split, ids [T] int32, mask [T]
     bool)`` or ``(where, "bad", reason, message)`` (bad records are kept as such: ``data.bad_lines`` decides
     later, so the cache does not depend on it)."""
-    import torch
-
     items = []
     for where, rec in _raw_records(path):
         try:
@@ -377,8 +378,6 @@ def _cache_paths(path: str, key: str, output_dir: str) -> list:
 
 
 def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict) -> dict:
-    import torch
-
     key = hashlib.sha256(f"v{CACHE_VERSION}:{sha256_file(path)}:{tokenizer_hash(target_dir)}".encode()).hexdigest()
     places = _cache_paths(path, key, output_dir)
     for p in places:
@@ -440,10 +439,6 @@ def conversation_samples(path: str, tok, target_dir: str, output_dir: str, seq_l
     Returns:
         list of sample dicts (indexed by sample id).
     """
-    import torch
-
-    from specopd.data.references import split_of
-
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"data.overlong={overlong!r}: use truncate or drop")
     st = stats if stats is not None else {}

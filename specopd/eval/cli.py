@@ -9,12 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
+from specopd.data.conversations import heldout_prompt_ids
+from specopd.data.prepare import MODELS, encode_prompt, load_tokenizer
+from specopd.data.references import read_prompts
+from specopd.drafters import build_drafter, load_drafter
+from specopd.errors import DamagedFolderError
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
+from specopd.models import load_target
+from specopd.train.data import load_dataset, split_dataset
+from specopd.train.checkpoint import MARKER, find_latest, newest_good, verify
+from specopd.train.loop import check_device
+from specopd.train.tiny import resolve_target_path
 
 
 def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,
@@ -29,8 +39,6 @@ def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens
     """
     if len(prompts) == 0:
         raise ValueError("evaluate_al: no prompts")
-    from tqdm import tqdm
-
     dec = SpeculativeDecoder(target, drafter, temperature=temperature, block_size=block_size,
                              stop_token_ids=stop_token_ids)
     w = dec.block_size
@@ -139,30 +147,12 @@ def _device(name: str) -> str:
 
 
 def latest_checkpoint(output_dir: str) -> Optional[str]:
-    """Newest complete ``<output_dir>/checkpoints/step-N`` (the trainer's ``find_latest``; else any step
-    folder holding config.json + model.safetensors)."""
-    try:
-        from specopd.train.checkpoint import find_latest
-    except ImportError:
-        find_latest = None
-    if find_latest is not None:
-        return find_latest(output_dir)
-    root = os.path.join(output_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    steps = []
-    for name in os.listdir(root):
-        m = re.fullmatch(r"step-(\d+)", name)
-        d = os.path.join(root, name)
-        if m and all(os.path.isfile(os.path.join(d, f)) for f in ("config.json", "model.safetensors")):
-            steps.append((int(m.group(1)), d))
-    return max(steps)[1] if steps else None
+    """Newest complete ``<output_dir>/checkpoints/step-N`` (the trainer's ``find_latest``), None without one."""
+    return find_latest(output_dir)
 
 
 def load_eval_drafter(cfg, target):
     """eval.checkpoint: latest | none (fresh, untrained, seeded by cfg.seed) | a drafter folder."""
-    from specopd.drafters import build_drafter, load_drafter
-
     ck = cfg.eval.checkpoint
     if ck == "none":
         d = cfg.drafter
@@ -185,9 +175,6 @@ def load_eval_drafter(cfg, target):
 
 def _check_checkpoint(path: str, run_dir: Optional[str]) -> None:
     """A damaged checkpoint is refused naming what is wrong and the newest one of its run that verifies."""
-    from specopd.errors import DamagedFolderError
-    from specopd.train.checkpoint import MARKER, newest_good, verify
-
     if not os.path.isfile(os.path.join(path, MARKER)):
         return
     why = verify(path)
@@ -203,12 +190,8 @@ def _check_checkpoint(path: str, run_dir: Optional[str]) -> None:
 
 def sample_prompt_ids(cfg, target, num: int) -> list:
     """The prompts of the run's held-out samples (the trainer's own dataset and split)."""
-    from specopd.train import data as D
-
-    samples = D.load_dataset(cfg, target)
-    split = getattr(D, "split_dataset", None)  # honours the records' own split fields when present
-    _, held = (split(samples, cfg.data.heldout, cfg.data.seed) if split is not None
-               else D.split_ids(len(samples), cfg.data.heldout, cfg.data.seed))
+    samples = load_dataset(cfg, target)
+    _, held = split_dataset(samples, cfg.data.heldout, cfg.data.seed)  # honours the records' own split fields
     if not held:
         raise ValueError("the run has no held-out samples (data.heldout=0); set data.heldout > 0 to evaluate")
     return [samples[i]["input_ids"][: samples[i]["prompt_len"]] for i in held[:num]]
@@ -248,9 +231,6 @@ def _parse_args(args) -> argparse.Namespace:
 def file_prompt_ids(path: str, target_dir: str, vocab_size: int) -> list:
     """A prompts file (``specopd.data.references.read_prompts``: JSONL or plain text) through the target's
     chat template -> prompt ids [T_i]."""
-    from specopd.data.prepare import encode_prompt, load_tokenizer
-    from specopd.data.references import read_prompts
-
     prompts = read_prompts(path)
     try:
         tok = load_tokenizer(target_dir, vocab_size)
@@ -269,19 +249,12 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     ``--engine vllm``: ``judge(cfg, target_dir, target, drafter, source, prompts, stops, temps, ns)`` instead
     (``specopd.eval.engine.eval_with_vllm``: vLLM's counters next to ours), which returns the report.
     """
-    from specopd.models import load_target
-    from specopd.train.tiny import resolve_target_path
-
-    from specopd.train.loop import check_device
-
     ns = _parse_args(args)
     check_device(cfg)
     temps = parse_temperatures(getattr(ns, "temperatures", None) or [cfg.eval.temperature])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
     if not os.path.isdir(path):  # a `specopd prepare model` name (e.g. smollm2-135m): prepared once, cached
-        from specopd.data.prepare import MODELS
-
         if path not in MODELS:
             raise FileNotFoundError(f"model.target={path!r} is neither a folder nor a `specopd prepare model` "
                                     f"name ({sorted(MODELS)})")
@@ -296,8 +269,6 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     if prompts_file:
         prompts, where = file_prompt_ids(prompts_file, path, target.vocab_size), prompts_file
     elif getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job's own held-out prompts
-        from specopd.data.conversations import heldout_prompt_ids
-
         prompts, where = heldout_prompt_ids(path, target.vocab_size, cfg.eval.prompts), "held-out chat prompts"
     else:
         prompts, where = sample_prompt_ids(cfg, target, cfg.eval.prompts), "held-out samples"

@@ -26,6 +26,17 @@ from typing import Optional, Sequence
 
 import torch
 
+from specopd.data.conversations import heldout_prompt_ids
+from specopd.data.prepare import load_tokenizer, stop_token_ids
+from specopd.drafters import export_drafter, load_drafter
+from specopd.drafters.layout import export_folder, is_released, read_json, read_weights
+from specopd.engines import EngineUnavailable, run_vllm, vllm_missing_reason
+from specopd.eval.cli import acceptance_cells, evaluate_al, file_prompt_ids, parse_temperatures
+from specopd.eval.decoder import SpeculativeDecoder, autoregressive
+from specopd.eval.replay import greedy_continuations, replay_greedy_al
+from specopd.models import load_target
+from specopd.models.loading import read_config, resolve_dtype
+
 NOISE_SIGMAS = 4.0  # a T > 0 acceptance rate further apart than this many standard errors is a disagreement
 
 
@@ -46,8 +57,6 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
     Returns {runs: [{temperature, outputs: [{token_ids, finish}], counters: {num_drafts, num_draft_tokens,
     num_accepted_tokens, accepted_per_pos [k]} or None, tokens_per_s, wall_s}], num_speculative_tokens, log}.
     """
-    from specopd.engines import run_vllm
-
     work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
     os.makedirs(work, exist_ok=True)
     tag = f"spec-{draft_sample_method}" if drafter_dir else "plain"
@@ -99,9 +108,6 @@ def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: in
             rounds and counts as real greedy decoding) instead of decoded.
         block_size: verify the first k drafted tokens (vLLM's ``num_speculative_tokens``; default W).
     """
-    from specopd.eval.decoder import SpeculativeDecoder, autoregressive
-    from specopd.eval.replay import replay_greedy_al
-
     stops = set(int(t) for t in stop_token_ids)
     if temperature == 0 and greedy is not None:
         idx = [i for i, g in enumerate(greedy) if int(g[0]) not in stops and max_new_tokens > 1]
@@ -169,9 +175,6 @@ def check_export(export_dir: str, target, checkpoint: Optional[str] = None) -> l
     """Static checks of a released-layout folder before serving it: it loads as a drafter of ``target`` (config,
     every weight, fc's input = len(target_layer_ids) x hidden, layer ids inside the target), and with
     ``checkpoint`` it holds exactly that checkpoint's drafter (config and every tensor). -> problems (sentences)."""
-    from specopd.drafters import load_drafter
-    from specopd.drafters.layout import export_folder, read_weights
-
     problems = []
     try:
         with open(os.path.join(export_dir, "config.json")) as f:
@@ -227,8 +230,6 @@ def check_export(export_dir: str, target, checkpoint: Optional[str] = None) -> l
 def ensure_export(path: str, work_dir: str) -> tuple:
     """A drafter folder -> (released-layout folder vLLM loads, the checkpoint it came from or None): our
     checkpoints are exported into ``work_dir``; a released folder is used as is."""
-    from specopd.drafters.layout import export_folder, is_released, read_json
-
     if is_released(read_json(path)):
         return path, None
     out = os.path.join(work_dir, "export")
@@ -257,11 +258,6 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         disagreements}}, checks: {name: (ok, detail)}, problems: [...], export, num_speculative_tokens,
         tokens_per_s: {vllm_spec: {T: tok/s}, vllm_plain}}; ``problems`` empty = every check passed.
     """
-    from specopd.drafters import load_drafter
-    from specopd.eval.cli import evaluate_al
-    from specopd.eval.replay import greedy_continuations
-    from specopd.models import load_target
-
     work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
     os.makedirs(work, exist_ok=True)
     export, ck = ensure_export(drafter_path, work)
@@ -352,8 +348,6 @@ def _diff_text(bad: list, a: list, b: list) -> str:
 
 def format_judge(report: dict, title: str = "") -> str:
     """The judge's numbers as a table: per temperature vLLM, ours on vLLM's schedule, ours on our own."""
-    from specopd.eval.cli import acceptance_cells
-
     lines = [title] if title else []
     lines.append(f"export {report['export']} | target {report['target']} | {report['dtype']} | {report['num_prompts']} "
                  f"prompts x {report['max_new_tokens']} new tokens | vLLM num_speculative_tokens "
@@ -387,12 +381,6 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     ``format_al_table``, plus ours on vLLM's schedule (label + " | ours, vLLM's schedule") and vLLM's default
     argmax drafts at T > 0 (label + " | vLLM default (argmax drafts)"). Without a vLLM venv (or with
     SPECOPD_VLLM_JUDGE=0) -> [] and a line saying why. A judge that fails prints why; the job goes on."""
-    from specopd.data.conversations import heldout_prompt_ids
-    from specopd.data.prepare import load_tokenizer, stop_token_ids
-    from specopd.engines import vllm_missing_reason
-    from specopd.models import load_target
-    from specopd.models.loading import resolve_dtype
-
     why = vllm_missing_reason() or ("SPECOPD_VLLM_JUDGE=0" if os.environ.get("SPECOPD_VLLM_JUDGE") == "0" else None)
     if why:
         print(f"[specopd] no vLLM rows: {why}", flush=True)
@@ -431,12 +419,6 @@ def main_serve_check(args) -> int:
     """``specopd serve-check EXPORT --target DIR``: serve the export in vLLM and check it three ways (vLLM's
     plain greedy text == ours, its speculative greedy text == its plain one, its acceptance counts == ours on the
     same schedule; T > 0 within noise) after static checks of the folder. -> 0 when all pass, 1 otherwise."""
-    from specopd.data.prepare import load_tokenizer, stop_token_ids
-    from specopd.eval.cli import file_prompt_ids, parse_temperatures
-    from specopd.models import load_target
-    from specopd.engines import vllm_missing_reason
-    from specopd.models.loading import read_config
-
     why = vllm_missing_reason()
     if why:
         print(f"specopd serve-check: vLLM cannot run here: {why}")
@@ -452,8 +434,6 @@ def main_serve_check(args) -> int:
     if args.prompts:
         prompts = [p.tolist() for p in file_prompt_ids(args.prompts, args.target, vocab)]
     else:
-        from specopd.data.conversations import heldout_prompt_ids
-
         prompts = [p.tolist() for p in heldout_prompt_ids(args.target, vocab, args.num)]
     prompts = prompts[: args.num]
     target = load_target(args.target, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype])
@@ -475,9 +455,6 @@ def main_serve_check(args) -> int:
 def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: list, stops, temps, ns) -> dict:
     """``specopd eval --engine vllm``: the judge on the eval prompts (the drafter exported first; an untrained
     one is exported from memory). Prints the table; -> the report."""
-    from specopd.drafters import export_drafter
-    from specopd.engines import EngineUnavailable, vllm_missing_reason
-
     why = vllm_missing_reason()
     if why:
         raise EngineUnavailable(f"specopd eval --engine vllm: {why}; or drop --engine vllm (our decoder only)")

@@ -16,6 +16,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
+
+from specopd.data.prepare import generate_batch
 
 
 @torch.no_grad()
@@ -23,10 +26,6 @@ def greedy_continuations(target, prompts: Sequence[torch.Tensor], num_tokens: in
                          progress: bool = False) -> list:
     """The target's greedy continuation of each prompt [T_i] -> LongTensor [num_tokens] each (no stop token:
     verification runs past an end-of-sequence token too). Several prompts decode together (``generate_batch``)."""
-    from tqdm import tqdm
-
-    from specopd.data.prepare import generate_batch
-
     out = []
     bar = tqdm(total=len(prompts) * num_tokens, desc="greedy continuations", unit="tok", disable=not progress)
     for b in range(0, len(prompts), batch_size):

@@ -24,6 +24,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from executors import get_executor
+from executors.base import check_kernels
 from specopd.models.context import RunContext, TargetCache, VerifyState  # noqa: F401  (also re-exported here)
 from specopd.models.packed import prefill_batch
 from specopd.tree import ProposalTree
@@ -243,8 +245,6 @@ class TargetModel(nn.Module):
         the cache keeps them). The given caches keep their contents."""
         caches = [caches] if isinstance(caches, TargetCache) else list(caches)
         paths = self._check_paths(caches, state, paths)
-        from executors import get_executor
-
         tree, out, dev = state.tree, [], self.device
         for cache, path in zip(caches, paths):
             if path.numel() == 0:
@@ -269,8 +269,6 @@ class TargetModel(nn.Module):
     def run_options(self, cache_options: dict) -> dict:
         """Executor options of one call: ``kernels`` from the target, then the cache's own (which win); checked
         here (a clear error naming the fix, e.g. "triton" on a CPU without TRITON_INTERPRET=1)."""
-        from executors.base import check_kernels
-
         opts = {"kernels": self.kernels, **cache_options}
         check_kernels(opts["kernels"], self.device)
         return opts

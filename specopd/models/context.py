@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from executors import get_executor
 from executors.base import GrowingCache
 from specopd.tree import ProposalTree
 
@@ -82,8 +83,6 @@ class RunContext:
         ``layer_idx`` may be (layer_idx, name) for a second sequence mixer of one layer (qwen4_exp's PLE conv)."""
         if self.mode == "plain":
             return mixer(x, self.positions)
-        from executors import get_executor
-
         ex = get_executor(mixer.kind)
         if self.mode == "prefill":
             prev = self.prev.layer_cache(layer_idx) if self.prev is not None else None

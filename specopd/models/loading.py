@@ -7,6 +7,10 @@ import os
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file
+
+from executors.base import check_kernels
+from specopd.models.registry import MODEL_TYPES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -49,8 +53,6 @@ def read_config(path: str) -> dict:
 
 
 def read_state_dict(path: str) -> dict:
-    from safetensors.torch import load_file
-
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(single):
@@ -80,9 +82,6 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
     "auto" (Triton and fla on CUDA, torch on the CPU). Kept as ``target.kernels`` (may be changed later).
     Returns a ``TargetModel`` in eval mode with ``requires_grad=False`` on all parameters.
     """
-    from executors.base import check_kernels
-    from specopd.models.registry import MODEL_TYPES
-
     dtype = resolve_dtype(dtype)
     device = check_device_dtype(device, dtype)
     check_kernels(kernels, device)

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from executors import get_executor
 from specopd.models.context import RunContext, TargetCache
 
 
@@ -35,8 +36,6 @@ class PackedPrefillContext(RunContext):
         self.cu_seqlens = cu_seqlens
 
     def mix(self, layer_idx, mixer, x):
-        from executors import get_executor
-
         ex = get_executor(mixer.kind)
         run = getattr(ex, "prefill_packed", None)
         if run is None or not isinstance(layer_idx, int):

@@ -26,11 +26,15 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from specopd.config import RecipeError
+from specopd.data.formats import build_cache, conversation_samples, stats_note
+from specopd.data.prepare import load_tokenizer
+from specopd.errors import BadInputError, read_text_lines
+from specopd.train.tiny import TINY_VERSION
+
 
 def _key(cfg) -> str:
     d, m = cfg.data, cfg.model
-    from specopd.train.tiny import TINY_VERSION
-
     spec = dict(target=m.target, tiny_seed=m.tiny_seed, tiny=dict(m.tiny), v=TINY_VERSION, num_samples=d.num_samples,
                 prompt_len=d.prompt_len, seq_len=d.seq_len, t=d.sample_temperature, seed=d.seed)
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -83,8 +87,6 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, con
     (``no_response``); ``cut_to_context`` counts records shortened to the context. Every record is validated as it
     is read: input_ids are integers (no 3.7, no "3", no booleans) in [0, vocab_size), prompt_len an integer; a bad
     one, or a line that is not UTF-8 JSON, is a ``BadInputError`` naming file:line."""
-    from specopd.errors import BadInputError, read_text_lines
-
     fp = os.path.join(path, "data.jsonl") if os.path.isdir(path) else path
     if os.path.isdir(fp):
         raise BadInputError(f"data.path={path!r}: {fp} is a folder; give a .jsonl file or a folder holding data.jsonl")
@@ -161,10 +163,6 @@ def target_context(target) -> Optional[int]:
 
 def load_conversations(cfg, target, stats: dict) -> list:
     """``data.source: conversations``: the samples of ``data.path`` through the target's chat template."""
-    from specopd.config import RecipeError
-    from specopd.data.formats import conversation_samples
-    from specopd.data.prepare import load_tokenizer
-
     if cfg.model.is_tiny:
         raise RecipeError(f"data.source=conversations puts each conversation through the target's chat template, "
                           f"but model.target={cfg.model.target} has no tokenizer: give a Hugging Face folder with "
@@ -182,9 +180,6 @@ def warm_conversation_cache(cfg) -> Optional[dict]:
     config.json and tokenizer. Returns the cache's {"path", "hit"} (None for other sources)."""
     if cfg.data.source != "conversations" or cfg.model.is_tiny:
         return None
-    from specopd.data.formats import build_cache
-    from specopd.data.prepare import load_tokenizer
-
     with open(os.path.join(cfg.model.target, "config.json")) as f:
         conf = json.load(f)
     vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
@@ -198,8 +193,6 @@ def load_dataset(cfg, target, progress: bool = True, stats: Optional[dict] = Non
     ctx = target_context(target)
     st: dict = stats if stats is not None else {}
     if cfg.data.source == "conversations":
-        from specopd.data.formats import stats_note
-
         out = load_conversations(cfg, target, st)
         note = stats_note(st, min(cfg.data.seq_len, ctx) if ctx else cfg.data.seq_len)
         if note and progress:

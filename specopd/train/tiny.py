@@ -18,7 +18,11 @@ import os
 import shutil
 import zlib
 
+import safetensors.torch
 import torch
+
+from specopd.config import RecipeError, load_recipe
+from specopd.models import MODEL_TYPES
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
@@ -67,8 +71,6 @@ def tiny_config(model_type: str, overrides: dict) -> tuple:
     init = dict(INIT_KEYS)
     unknown = sorted(k for k in dict(overrides or {}) if k not in cfg and k not in init and k not in OPTIONAL_KEYS)
     if unknown:
-        from specopd.config import RecipeError
-
         raise RecipeError(f"model.tiny: unknown key(s) {unknown} for tiny:{model_type}; valid keys: "
                           f"{sorted(set(cfg) | set(init) | set(OPTIONAL_KEYS))} (a typo would otherwise land in the target's config.json)")
     for k, v in dict(overrides or {}).items():
@@ -106,10 +108,6 @@ def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: d
     Reused when ``out_dir/tiny.json`` records the same (model_type, seed, overrides); otherwise rebuilt.
     Written to ``out_dir.tmp`` and renamed, so a crash never leaves a half-written target behind.
     """
-    from safetensors.torch import save_file
-
-    from specopd.models import MODEL_TYPES
-
     spec = {"model_type": model_type, "seed": int(seed), "overrides": dict(overrides or {}), "version": TINY_VERSION,
             "init": tiny_config(model_type, dict(overrides or {}))[1]}
     marker = os.path.join(out_dir, "tiny.json")
@@ -135,7 +133,7 @@ def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: d
     tmp = out_dir.rstrip("/") + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(tmp, "tiny.json"), "w") as f:
@@ -170,7 +168,5 @@ TINY_TEST_OVERRIDES = [
 
 def tiny_recipe(output_dir: str, overrides=(), target: str = "tiny:llama"):
     """A validated tiny RecipeConfig writing to ``output_dir`` (``overrides``: extra a.b=c strings)."""
-    from specopd.config import load_recipe
-
     return load_recipe(None, TINY_TEST_OVERRIDES + [f"model.target={target}", f"trainer.output_dir={output_dir}"]
                        + list(overrides))
