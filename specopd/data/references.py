@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -160,9 +160,3 @@ def heldout_prompts(path: str, num: Optional[int] = None) -> list:
     if not refs:
         raise ValueError(f"{path!r} has no held-out references (prepare data with --heldout-fraction > 0)")
     return [r["input_ids"][: r["response_start"]] for r in refs[:num]]
-
-
-def iter_pending(prompts: Iterable, done: set) -> Iterator:
-    for pid, msgs in prompts:
-        if pid not in done:
-            yield pid, msgs

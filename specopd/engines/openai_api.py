@@ -136,7 +136,6 @@ def generate_openai(servers, out_dir: str, todo: list, tok, counts: dict, max_ne
     timeout_s = TIMEOUT_S if timeout_s is None else float(timeout_s)
     from tqdm import tqdm  # the engines layer keeps only the stdlib at its top
 
-
     bases = parse_servers(servers)
     err_path = os.path.join(out_dir, ERRORS_FILE)
     open(err_path, "w").close()  # this run's failures (a rerun retries them)

@@ -48,10 +48,6 @@ class GenerationResult:
         """[W] fraction of rounds whose first i+1 draft tokens were all accepted."""
         return [a / max(1, self.rounds) for a in self.accepted_at]
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens.numel() / max(self.wall_time, 1e-9)
-
 
 def _as_prompt(prompt_ids, device) -> torch.Tensor:
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)

@@ -40,10 +40,6 @@ from specopd.models.loading import read_config, resolve_dtype
 NOISE_SIGMAS = 4.0  # a T > 0 acceptance rate further apart than this many standard errors is a disagreement
 
 
-class ServeCheckFailed(RuntimeError):
-    """The served drafter does not compute what ours does; the message lists every failed check."""
-
-
 # ------------------------------------------------------------------------------------------- vLLM side
 def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, max_new_tokens: int,
               temperatures: Sequence[float], stop_token_ids: Sequence[int], dtype: str = "float32",

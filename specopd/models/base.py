@@ -106,17 +106,6 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def default_feature_layers(self, n: int = 5) -> tuple:
-        """DFlash's default: n layer ids spread evenly, e.g. (1, 9, 17, 25, 33) for 36 layers."""
-        L = self.num_layers
-        n = max(1, min(n, L - 1 if L > 1 else 1))
-        if L <= 2:
-            return tuple(range(L))[:n]
-        start, end = 1, L - 3
-        if n == 1:
-            return (start,)
-        return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Plain causal forward (the reference): [B, T] -> logits [B, T, V]."""
         input_ids = self.check_ids(input_ids)
