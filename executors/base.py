@@ -1,36 +1,5 @@
-"""The executor interface (see ``specopd.models.base`` for who calls it), and the growable cache storage.
-
-An executor is stateless; its caches are dataclasses (subclasses of ``GrowingCache``) with ``nbytes()``.
-
-``prefill(mixer, x, positions, prev=None, options={}) -> (out, cache)``
-    x: [1, T, D] the mixer's input for trunk tokens (already normed by the layer); positions: [1, T]
-    absolute positions; prev: this layer's cache of the trunk so far (incremental extension) or None.
-    out: [1, T, D] exactly what ``mixer(x, positions)`` gives for the same (full) sequence.
-    cache: this layer's trunk cache (for prev + these T tokens). ``prev`` keeps its contents.
-
-``score(mixer, x, tree, caches, options={}) -> out``
-    x: [1, M, D] mixer inputs of the M tree nodes; tree: ProposalTree (node i belongs to trunk
-    ``tree.trunk_index[i]``); caches: this layer's cache of each trunk. out: [1, M, D] where
-    out[0, u] equals the mixer output at the last position of ``trunk[:anchor_u + 1] + path(u)`` run
-    with the mixer's plain forward.
-
-``verify(mixer, x, tree, caches, options={}) -> (out, nodes)``
-    ``score`` that also keeps what ``commit`` needs of every node (``nodes``: the executor's own dataclass,
-    e.g. the nodes' K/V; GDN: the fp32 state after each node). Training-time scoring calls ``score`` and
-    never pays for it.
-
-``commit(mixer, cache, nodes, path, options={}) -> cache``
-    Extend one trunk's cache by the tokens of ``path`` ([L] node indices of the verified tree, root first,
-    the root anchored at the trunk's last position) with the states ``verify`` computed: no new pass.
-    The result equals ``prefill`` of the same tokens on ``cache``; ``cache`` keeps its contents.
-
-Growth: cache fields that grow along the token dim are views of capacity-doubling buffers (``Rows``), so
-decoding n tokens one round at a time copies O(n) rows in all, not O(n^2).
-
-Kernels: ``options["kernels"]`` ("auto" | "torch" | "triton", from ``load_target(..., kernels=)``) picks how
-every executor computes prefill, score, verify and commit: "torch" = the plain torch paths (exact, any
-device), "triton" = the Triton kernels of ``kernels/`` (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for
-tests), "auto" = "triton" for CUDA tensors and "torch" otherwise (``resolve_kernels``).
+"""The executor interface (prefill / score / verify / commit of one layer over a trunk and a proposal tree), the
+kernels switch and the growable cache storage. Contract: docs/architecture.md ("Executors").
 """
 from __future__ import annotations
 

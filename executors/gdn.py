@@ -1,36 +1,5 @@
-"""Gated DeltaNet (linear attention) over a trunk and a proposal tree.
-
-prefill: runs the recurrence over the trunk (extending ``prev`` exactly) and keeps, per layer, immutable
-         fp32 state checkpoints every C = ``options["gdn_checkpoint_every"]`` tokens (checkpoint k = the
-         state after trunk tokens [0, kC): ceil(T/C) of them), the final state, the trunk's conv inputs
-         (what the depth-W causal conv reads) and its decay g and write strength beta.
-score:   a branch forking at anchor a needs the state after trunk[0..a]: it starts from checkpoint
-         (a+1)//C and replays at most C-1 trunk tokens (anchors in one checkpoint segment share one
-         replay; all segments of all trunks step together). Tree nodes then advance level by level, each
-         child from its parent's state (general trees too). A node's conv reads its ancestors and, above
-         the fork, trunk tokens (``tree.path_back``).
-
-verify:  score, also keeping every node's conv input, g, beta and the fp32 state after it (``GDNNodes``);
-         commit appends a path's conv inputs / g / beta, takes the state after its last node as the final
-         state, and adds a checkpoint (the state before the token) wherever the trunk crosses a multiple of C.
-Decoding caches (``keep_checkpoints=False``, option ``gdn_keep_checkpoints``) keep no checkpoints: their
-anchors are always the trunk's last position, whose state is ``final``.
-
-The mixer supplies the maths (``specopd.models.qwen3_next.GatedDeltaNet``): project, conv, conv_seq,
-split_qkv, finish, conv_kernel_size.
-
-Kernels (``options["kernels"]``, see ``executors.base.resolve_kernels``):
-  torch   prefill: the plain recurrence (``kernels.gated_delta.naive``); score: the batched torch replay
-          above (``anchor_states``) and level-by-level tree steps (``gated_delta_step``).
-  triton  prefill: ``options["gdn_prefill"]`` = "auto" | "chunk" | "fla" | "recurrent": our chunked Triton
-          kernel (``kernels.gated_delta.chunk``, chunk states = the fp32 checkpoints; needs C % 16 == 0),
-          fla's chunked rule + ``causal_conv1d`` (CUDA with fla-core; C % 64 == 0; tested on the CPU under
-          TRITON_INTERPRET=1 by tests/test_fla.py, not yet on a GPU), or the
-          fused recurrent kernel (any C). "auto": fla on CUDA when it imports and agrees with the chunk kernel on
-          a small check (``fla_verified``, once per process) and C % 64 == 0, else chunk when C % 16 == 0, else
-          recurrent. Score / verify: the fused replay kernel (``kernels.gated_delta.replay``:
-          checkpoint -> < C trunk tokens -> branch nodes in one launch; per-node states only for verify).
-          bf16 / fp16 models feed the chunk kernels q, k, v in the model dtype (tensor cores; bf16 noise).
+"""Gated DeltaNet (linear attention) over a trunk and a proposal tree: fp32 state checkpoints at prefill, a branch
+replays from the nearest one. Kernels and caches: docs/architecture.md ("GDN executor").
 """
 from __future__ import annotations
 

@@ -1,29 +1,5 @@
-"""Full (GQA) attention over a trunk and a proposal tree.
-
-prefill: causal attention over the trunk (extending ``prev``); the cache keeps the trunk's K and V
-         ([T, Hkv, hd] each, after q/k norm and RoPE at the trunk positions; growable, see executors.base).
-score:   tree node u (anchor a, trunk i) attends to trunk i's keys at positions <= a, plus its own
-         ancestors and itself; its q/k use RoPE at its semantic position a + 1 + depth. Keys are ordered
-         trunk first, then tree nodes in node order (parents precede children), i.e. the same order as the
-         sequential reference ``trunk[:a+1] + path(u)``.
-verify:  score, also keeping the nodes' K/V (``GQANodes``); commit appends a path's K/V to the trunk cache.
-prefill_packed: several trunks in one pass (varlen causal attention), one cache per trunk.
-
-Only ``mixer.project``, ``mixer.finish`` and ``mixer.scaling`` are used (see docs/interfaces.md).
-
-Score goes through the tree-attention block plan (``kernels.tree_attention``): nodes sorted by (trunk,
-anchor) in query blocks, each visiting only the trunk prefix up to its largest anchor and the node blocks
-holding its rows' ancestors. ``options["gqa_backend"]``:
-  "auto"    "triton" when the kernels are Triton (``executors.base.resolve_kernels``), else "blocked"
-  "blocked" torch over the plan's blocks (exact fp32 softmax; the CPU path)
-  "triton"  the Triton kernel over the same plan (``kernels.tree_attention.triton_fwd.tree_attention``)
-  "dense" / "sdpa"  the dense per-trunk [M_i, t_cut + M_i] tree mask (HF-eager numerics / torch SDPA):
-            the baseline ``benchmarks/bench_executors.py`` measures against; its mask grows as M_i x (T + M_i)
-Prefill is causal attention: "dense" (exact HF-eager; the CPU default in fp32) or "sdpa" (torch's fused
-attention: is_causal / a lower-right causal bias; the CUDA default, and the CPU default in bf16 / fp16, where
-the [T, T] fp32 score tensor of "dense" costs more than the matmuls; within bf16 noise, docs/exactness.md);
-GQA has no Triton kernel of its own for prefill (flash attention is faster). The "blocked" score path runs
-bf16 / fp16 query blocks through the same fused kernel with the tree mask (``kernels.tree_attention.plan``).
+"""Full (GQA) attention over a trunk and a proposal tree: causal prefill, tree scoring through the block plan of
+``kernels.tree_attention``, verify / commit of accepted paths. Backends: docs/architecture.md ("GQA executor").
 """
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
-"""QSA executor (kind "qsa"): qwen4_exp ``indexed_attention`` over a trunk and a packed proposal tree.
-
-The mixer (``specopd.models.qwen4_exp.QSAttention``) supplies the math: ``project`` / ``finish`` (gated
-attention), ``index_project`` (index queries, raw index keys), ``pool_keys`` (4-token groups -> pooled,
-normed, RoPE'd keys), ``index_scores``, ``select`` (top-k, ties to the lowest group index), ``token_mask``.
-
-prefill: keeps trunk K/V, raw index keys and the pooled keys of every *complete* trunk group
-(positions 4g..4g+3). A trunk query i sees groups g < (i+1)//4, all of them trunk groups, so one
-[T, G] score matrix serves every trunk query.
-
-score: node u (anchor a, depth d, position p = a+1+d) sees positions 0..p: trunk[0..a] then its path.
-Groups g < (a+1)//4 lie wholly in the trunk and reuse the cached pooled keys; the group crossing the
-anchor boundary and the path's own groups are rebuilt per node from raw keys (trunk rows <= a, ancestor
-rows above). Selection, tail and attention then follow the sequential rule exactly.
-
-verify / commit: score also keeps the nodes' K/V and raw index keys (``QSANodes``); commit appends a path's
-K/V and raw keys and pools the groups its tokens complete (same ``pool_keys`` as prefill).
-
-Kernels (``options["kernels"]``, ``executors.base.resolve_kernels``): "torch" = the mixer's own torch pieces
-(masked attention over a [chunk, T] token mask in prefill); "triton" = ``kernels.qsa``: prefill through
-``qsa_prefill`` (indexer scores -> exact top-k -> sparse attention per query chunk, no [T, T] tensor),
-score through ``index_scores`` (trunk groups) + ``topk_groups`` + ``sparse_attention`` over each node's
-own key rows. Both score paths take the nodes in chunks for the key stage, so the selected-key tensors
-([nodes, topk * ratio + ratio - 1] indices, and on the torch path the gathered K/V) stay under
-``options["qsa_score_bytes"]`` (default 256 MiB) whatever the number of nodes.
-
-``options["qsa_record"]`` (a dict) receives ``{layer_idx: selected groups [Q, topk]}`` (-1 padded,
-ascending) so tests can compare selections with the sequential path.
+"""QSA executor (kind "qsa"): qwen4_exp ``indexed_attention`` over a trunk and a packed proposal tree, with the
+same group selection as the sequential path. Details: docs/architecture.md ("QSA executor").
 """
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
-"""Drafter losses and acceptance metrics. N branches, W positions, V vocab, D hidden size.
-
-Probabilities are ``softmax(logits / temperature)`` computed in fp32 (pass logits already scaled, or
-``temperature``). The target side ``p`` is always detached: gradients reach the drafter logits only.
-
-Masks are bool [N, W], True = the position exists (e.g. False past the end of the reference sequence).
-- ``e2e_tv_loss`` / ``acceptance_length``: a False position *ends the branch*: only the valid prefix
-  (positions before the first False) counts, W_b = its length. Branch loss
-  ``L_b = 1 - (1/W_b) sum_{j<W_b} prod_{i<=j} alpha_{b,i}``.
-- ``ce_loss`` / ``confidence_loss``: False positions are skipped; branch loss = mean over its valid positions
-  (a weighted mean with ``position_weights``).
-Normalisation: the sum of branch losses divided by ``denom`` when given (the global number of branches,
-so losses of batch halves add up to the loss of the whole batch), else by the number of branches with at
-least one valid position. Branches without valid positions add 0.
-
-Two forms of every loss:
-- on full logits [N, W, V] (``e2e_tv_loss``, ``ce_loss``, ``tv_alpha``): the plain references;
-- fused from hidden states (``fused_e2e_tv``, ``fused_ce``): logits
-  ``= (hq @ weight^T [+ e @ w2^T]) / T`` are built ``chunk_rows`` rows at a time and never exist for all
-  N * W rows at once; backward recomputes each chunk's logits. Memory: O(N * W * D) for the inputs and
-  gradients plus O(chunk_rows * V) for one chunk, whatever N * W is. Both forms share the E2E-TV / CE
-  reductions, which work on per-position scalars [N, W] (alpha, nll) only.
-
-The token sampler built on the same chunked logits is ``specopd.sampling``.
+"""Drafter losses and acceptance metrics (N branches, W positions, V vocab, D hidden): the plain forms on logits
+[N, W, V] and the fused forms from hidden states, chunk_rows rows of logits at a time (never [N, W, V]).
+Masks, normalisation and memory: docs/architecture.md ("Losses").
 """
 from __future__ import annotations
 

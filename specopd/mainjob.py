@@ -1,29 +1,5 @@
-"""The main job: ``specopd train recipes/smollm2-135m-dflash.yaml`` (a recipe with ``pipeline.enabled``).
-
-``run(cfg)`` does, each stage cached or resumable:
-
-1. target      ``model.target`` names a `specopd prepare model` target (smollm2-135m): converted once into
-               $SPECOPD_CACHE/models/<name> (or an existing Hugging Face folder is used as is)
-2. references  the first ``pipeline.data_num`` distinct chitchat prompts of *train* conversations answered by the
-               target itself at ``pipeline.data_temperature`` (`specopd.data.prepare.prepare_data`: several
-               prompts per packed target pass, resumable) into $SPECOPD_CACHE/data/; written to ``data.path``
-               for the trainer
-3. warm-up     a drafter trained from scratch with ``pipeline.warmup_method`` (off-policy CE; each reference
-               prefilled once: ``trainer.cache_trunks``) for ``pipeline.warmup_steps``
-               -> <output_dir>/warmup/checkpoints/step-N (skipped when it exists)
-4. train       ``trainer.method`` (SpecOPD) from the warm drafter, on ``runtime``
-               -> <output_dir>/checkpoints/step-N
-5. evaluate    real speculative decoding of ``eval.prompts`` held-out chat prompts (first turns of *held-out*
-               conversations that never open a training conversation: ``specopd.data.conversations``) x
-               ``eval.max_new_tokens`` tokens at each of ``pipeline.eval_temperatures`` with the warm and the
-               trained drafter: a before / after table of acceptance length (incl. the bonus token) with the
-               per-position acceptance counts; the profile figures of step 4 are in <output_dir>/profile/,
-               the held-out expected AL during training in <output_dir>/heldout_al.png (``trainer.eval_every``)
-6. export      the final drafter in the released DFlash layout -> <output_dir>/export (vLLM / SGLang commands
-               printed)
-
-Writes <output_dir>/mainjob_summary.json (stage wall times, the table's numbers). ``prepare`` (stages 1-3) and
-``stage_cfg`` are shared with benchmarks/bench_al.py, so the comparison starts from this job's warm drafter.
+"""The main job (a recipe with ``pipeline.enabled``): target, references, warm-up, SpecOPD training, held-out
+evaluation and export, each stage cached or resumable. Stages: docs/architecture.md ("The main job").
 """
 from __future__ import annotations
 

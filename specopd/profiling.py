@@ -1,29 +1,5 @@
-"""Phase spans per worker, an optional NVML utilisation sampler, and the profile outputs.
-
-Every worker owns one ``Profiler``; ``with prof.span("prefill"): ...`` records (worker, name, start, end)
-in wall-clock seconds. On a GPU the span synchronises the device at both ends, so a span covers the
-kernels it launched (not just their launch). ``GpuSampler`` polls NVML (``pynvml`` from the optional
-``nvidia-ml-py``) in a thread; without a GPU or without NVML it records *nothing* and says why.
-
-Without a GPU, ``CpuSampler`` (psutil) records each worker process's CPU use (cores busy) and the
-machine's instead, so the figure shows what the CPUs did rather than an empty panel.
-
-``write_profile(run_dir, spans, gpu_samples, gpu_note)`` saves the raw data (profile/spans.jsonl,
-profile/gpu.jsonl or cpu.jsonl, profile/meta.json) and renders from it; ``render(run_dir)`` re-renders from
-the saved files (``specopd profile RUN_DIR``). Outputs under ``<run_dir>/profile/``:
-
-- ``trace.json``    Chrome / Perfetto trace events, one lane (pid) per worker; GPU / CPU use as counters
-- ``timeline.png``  time per training step by phase (the controller's ``step`` spans; steps binned when
-                    there are many), share of wall time per phase per worker, and GPU activity (NVML) or
-                    CPU use (psutil) over time
-- ``summary.json``  share of wall time per phase per worker; per-step times; mean GPU activity % (or null
-                    + reason); mean CPU use per worker
-
-``plot_heldout_al(run_dir)`` draws ``<run_dir>/heldout_al.png`` (held-out expected AL against the step, from
-metrics.jsonl; ``trainer.eval_every``), redrawn by the training loop at each evaluation.
-
-NVML's "utilization.gpu" is the share of time in which at least one kernel ran on the GPU; we report it
-as *GPU activity %* (it is not SM occupancy).
+"""Phase spans per worker, the GPU (NVML) / CPU (psutil) samplers, and the profile outputs under
+``<run_dir>/profile/`` (trace.json, timeline.png, summary.json). Outputs: docs/architecture.md ("Profiling").
 """
 from __future__ import annotations
 

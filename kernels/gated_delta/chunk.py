@@ -1,24 +1,6 @@
-"""Chunked gated delta rule forward (Triton), in the WY / UT-transform form fla uses, keeping the fp32 state
-that enters every chunk: those states *are* the GDN executor's checkpoints (checkpoint k = the state after the
-first k*C tokens).
-
-Within a chunk of BT tokens with state S0 entering it and gc the in-chunk cumulative log decay:
-    A[i, j] = beta_i exp(gc_i - gc_j) k_i.k_j  (j < i),   Tm = (I + A)^-1  (forward substitution)
-    w = Tm (beta exp(gc) k),   u = Tm (beta v)            -> the delta-rule writes are v_new = u - w S0
-    o = exp(gc) (q S0) + [(q k^T) exp(gc_i - gc_j)]_{j <= i} v_new
-    S_next = exp(gc_last) S0 + (k exp(gc_last - gc))^T v_new
-Three kernels, as in fla: (1) per chunk: cumsum, A, its inverse, w, u (parallel over chunks); (2) per head and
-value block: the chunk-to-chunk state recurrence, storing every chunk's entering state in fp32 and v_new
-(sequential over chunks); (3) per chunk: the outputs (parallel over chunks).
-
-A sequence that starts at absolute position ``start`` (an extension of a trunk) is aligned to absolute chunk
-boundaries by padding its front with ``start % BT`` no-op tokens (g = beta = 0, k = v = 0 change nothing), so
-chunk states fall on absolute multiples of the chunk size. Same contract as
-``kernels.gated_delta.naive.recurrent_gated_delta_rule``; q, k may have fewer heads than v (head h reads q/k head
-h // (H / HQ)). fp32 inputs use IEEE dots (matches the reference to ~1e-6); bf16 / fp16 inputs use TF32 dots.
-Memory: the fp32 chunk states [B, T/BT, H, K, V] plus w, u, v_new (fp32, the size of k and v).
-
-Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (set before importing this module; tests only).
+"""Chunked gated delta rule forward (Triton, fla's WY form) that keeps the fp32 state entering every chunk: the
+GDN executor's checkpoints. Maths: docs/architecture.md ("GDN kernels"). CUDA, or the CPU under
+``TRITON_INTERPRET=1`` (set before importing this module; tests only).
 """
 from __future__ import annotations
 

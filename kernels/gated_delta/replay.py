@@ -1,24 +1,6 @@
 """Fused GDN tree replay (Triton): restore each anchor's state from the nearest fp32 checkpoint, then run the
-branch nodes, in one launch.
-
-Work is cut into *segments*. By default a segment is one (trunk, checkpoint) pair: its program loads the
-checkpoint, replays the trunk tokens after it (< C of them) and, each time it reaches an anchor of a branch
-(a *stop*), runs that anchor's tree nodes from the anchor state, then resumes the replay from the anchor state.
-So anchors in one checkpoint interval share one replay (<= C - 1 steps per segment instead of per anchor).
-``share_replay=False`` makes one segment per (trunk, anchor) instead (more parallel, more total work).
-Anchors at the last trunk token start from the trunk's final state.
-
-Within a stop, nodes run in depth-first preorder. Chains (``ProposalTree.from_branches``) carry the state in
-registers from node to node; a root starts again from the anchor state, kept in registers. In a general tree a
-node whose parent is not the node just before it reloads the parent's state from a scratch row the parent
-wrote (only such parents get one). ``store_states=True`` (decoding: commit needs it) also writes every node's
-state [M, H, K, V]; training leaves it off, so no per-node state is stored.
-
-One program per (segment, value head, value block): the [K, BV] fp32 state slice stays in registers; per token
-the arithmetic is ``naive.gated_delta_step``'s, in the same order, in fp32. q, k may have fewer heads than v
-(head h reads q/k head h // (H / HQ)). The plan is plain torch (``build_replay_plan``), built once per tree.
-
-Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (set before importing this module; tests only).
+branch nodes, in one launch. Segments and stops: docs/architecture.md ("GDN kernels"). CUDA, or the CPU under
+``TRITON_INTERPRET=1`` (set before importing this module; tests only).
 """
 from __future__ import annotations
 

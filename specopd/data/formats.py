@@ -1,23 +1,6 @@
-"""Conversation data in the formats users have (``data.source: conversations``, ``prepare data --from``).
-
-Three record schemas, told apart per record:
-- SpecForge: ``{"id", "conversations": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``;
-- ShareGPT: ``{"id", "conversations": [{"from": "system" | "human" | "gpt", "value": str}, ...]}``;
-- OpenAI: ``{"id"?, "messages": [{"role", "content": str | [{"type": "text", "text": str}, ...]}, ...]}``.
-
-Each from a JSONL file (one record a line), a JSON file (a top-level array of records) or a Parquet file (one
-record a row; needs pyarrow: ``pip install -e .[parquet]``), read as they are. Every record is checked; bad data
-(not JSON, not UTF-8, an unknown role, an empty conversation, no assistant turn, a conversation longer than the
-target's context, ...) raises ``DataError`` naming the file and line (JSON: the line the record starts on;
-Parquet: the row) and the fix, or, with ``data.bad_lines: skip``, is skipped and counted by reason.
-
-Training (``conversation_samples``): each conversation is put through the target's own chat template and
-tokenised (``encode_chat``); the loss mask covers the tokens of every assistant turn (its content and the
-template's end-of-turn token, not the headers or the other speakers' turns), and the trainer draws anchors only
-where a whole draft block lies on masked tokens (``specopd.train.data.valid_anchors``). The tokenisation is
-cached beside the data (``<data dir>/.specopd-cache/``, else ``<output_dir>/data/``), keyed by the file's content
-hash and the tokenizer's hash. The held-out split is by conversation (``references.split_of`` of its id, or the
-record's own ``split`` field).
+"""Conversation data in the formats users have (SpecForge, ShareGPT, OpenAI; JSONL / JSON / Parquet): read,
+checked, put through the target's chat template with a loss mask on assistant turns, cached. Details:
+docs/data_path.md ("Conversations").
 """
 from __future__ import annotations
 

@@ -1,34 +1,6 @@
-"""Branch attention of the DFlash draft layers: many blocks over a shared, packed context.
-
-N blocks (branches) of S = block_size query slots each; block b hangs off trunk t_b at anchor a_b. Its
-queries see the context keys of trunk t_b at positions p < a_b, then all S keys of its own block
-(non-causal). The context K/V of every trunk is computed once per layer and packed: ``k_ctx [C, Hkv, hd]``
-holds trunk 0's rows, then trunk 1's, ...; block b's context is ``k_ctx[start_b : start_b + a_b]``. No
-branch ever gets its own copy of the context.
-
-Layout: branches must be grouped by trunk and sorted by anchor (``BranchLayout`` checks it; the drafter
-sorts before calling), so each group of consecutive queries needs one contiguous prefix of one trunk's
-context and the mask is block-sparse (a staircase over the context plus S x S blocks on the diagonal).
-
-Backends (``branch_attention(..., backend=)``):
-- ``"chunked"`` (CPU default, exact, any device): consecutive branches of one trunk are processed in
-  chunks whose score tensor ``[n, H, S, a_max]`` stays under ``chunk_elems``; the backward recomputes the
-  probabilities chunk by chunk from the saved log-sum-exp (flash-attention style), so nothing of size
-  N x T is kept for the backward either. Memory per layer: O(C + N * S) plus one chunk.
-- ``"flex"`` (CUDA): ``torch.nn.attention.flex_attention`` over one packed key sequence
-  ``[context of all trunks ; all blocks]`` with a ``BlockMask`` built from the layout (forward and
-  backward by flex). It runs eagerly (unfused, forward only) on the CPU, which the tests use to check the
-  mask against the chunked path.
-- ``"auto"``: flex on CUDA when importable, else chunked (env ``SPECOPD_DRAFTER_ATTENTION`` overrides).
-- a callable ``fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale) -> o`` (tests and benchmarks plug the
-  per-branch reference in here).
-
-Decoding (``cached_branch_attention``): one block per sequence, each over its own decoding cache's context
-K/V (``DraftContext``), which stays in place: the contexts are lists, never packed, so a round costs no copy
-of any context.
-
-Shapes: q [N, S, H, hd]; k_blk, v_blk [N, S, Hkv, hd]; k_ctx, v_ctx [C, Hkv, hd]; out [N, S, H, hd]
-(query head h reads kv head h // (H / Hkv), as SDPA's ``enable_gqa``).
+"""Branch attention of the DFlash draft layers: many blocks over one shared, packed context per trunk.
+q [N, S, H, hd]; k_blk, v_blk [N, S, Hkv, hd]; k_ctx, v_ctx [C, Hkv, hd] -> [N, S, H, hd]. Layout and backends:
+docs/architecture.md ("Branch attention").
 """
 from __future__ import annotations
 

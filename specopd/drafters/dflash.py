@@ -1,31 +1,6 @@
-"""DFlash as released (z-lab/dflash ``DFlashDraftModel``; SpecForge ``modeling/draft/dflash.py``).
-
-Shapes: N branches, S = block_size (counts the anchor, as released: "b16" = anchor + 15 drafted tokens),
-W = S - 1 = ``drafter.draft_len`` drafted tokens, D = target hidden size, V = vocab,
-F = len(target_layer_ids) * D.
-
-- Features: the outputs of the target layers ``feature_layers`` (released ``target_layer_ids``; HF
-  ``hidden_states[id + 1]``) concatenated, ``ctx = hidden_norm(fc(features))`` [T, D], computed once per
-  trunk and shared by every draft layer.
-- Block of branch b (anchor a_b): ``[anchor token, MASK x W]`` embedded with the target's frozen embedding,
-  MASK = ``mask_token_id``. A target without a spare token id uses a learned vector ``mask_embedding`` [D]
-  for the W masked slots instead (exported as ``mask_embedding.pt``, which vLLM substitutes for
-  ``embed_tokens[mask_token_id]``). RoPE at absolute positions: context row p -> p, block slot k -> a_b + k.
-- Each draft layer (a Qwen3 decoder layer): ``h += o_proj(Attn(q, [k_ctx ; k_blk], [v_ctx ; v_blk]))`` on
-  ``input_layernorm(h)``, then ``h += mlp(post_attention_layernorm(h))``; keys/values of context and block
-  use the same ``k_proj`` / ``v_proj``, then ``k_norm`` and RoPE; queries come from the block only; the
-  block is non-causal; block b sees context positions p < a_b (at inference a_b = T is allowed: the anchor
-  is the bonus token, whose features do not exist yet). Context K/V of a trunk are computed once per layer
-  and shared by all its branches (``specopd/drafters/attention.py``; no per-branch copy).
-- Output: the drafter's own final ``norm``, then the target's frozen ``lm_head`` (not the target's final
-  norm) on slots 1..W; slot j predicts the token at a + j. ``hidden`` returns the normed state [N, W, D],
-  ``logits_from_hidden`` applies the lm_head (fp32 logits, no temperature).
-
-Weight names are the released ones (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``,
-``layers.{i}.self_attn.{q,k}_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``,
-``layers.{i}.{input,post_attention}_layernorm``, ``norm``; + ``mask_embedding`` when learned), so the
-state dict *is* the released safetensors content. The target is kept outside the module tree
-(``self.__dict__``): ``state_dict()`` and ``parameters()`` never contain target weights.
+"""DFlash as released (z-lab/dflash ``DFlashDraftModel``): a block of [anchor, MASK x W] over the target's features.
+Shapes N branches, S = block_size (counts the anchor), W = S - 1, D hidden, V vocab, F = len(feature_layers) * D.
+Design and weight names: docs/architecture.md ("Drafters").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One training worker: the target, a drafter replica, its optimizer and scheduler.
 
-The SpecOPD step (docs/interfaces.md, Training) as separate methods, so the Ray backend can call them
+The SpecOPD step (docs/data_path.md) as separate methods, so the Ray backend can call them
 one by one (each becomes an actor method unchanged):
 
     caches    = w.prefill(sample_ids)                    target runs each reference once (trunk), keeps its
