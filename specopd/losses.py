@@ -87,7 +87,20 @@ def e2e_tv_from_alpha(alpha: torch.Tensor, mask: Optional[torch.Tensor] = None, 
 
 def e2e_tv_loss(q_logits: torch.Tensor, p_logits: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 denom=None, temperature: float = 1.0) -> torch.Tensor:
-    """Bebop E2E-TV: mean over branches of ``1 - (1/W_b) sum_j prod_{i<=j} alpha_i`` (see module doc)."""
+    """E2E-TV (the expected acceptance length as a loss): mean over branches of ``1 - (1/W_b) sum_j prod_{i<=j}
+    alpha_i``.
+
+    Args:
+        q_logits: [N, W, V] drafter logits (gradients flow here).
+        p_logits: [N, W, V] target logits, slot-aligned (``align_p_logits``); detached.
+        mask: [N, W] bool; a False position ends its branch (only the valid prefix counts).
+        denom: divide the summed branch losses by this (the global branch count); None: the branches with a valid
+            position.
+        temperature: T > 0 of both softmaxes.
+
+    Returns:
+        scalar loss.
+    """
     return e2e_tv_from_alpha(tv_alpha(q_logits, p_logits, temperature), mask, denom)
 
 
@@ -116,8 +129,18 @@ def _masked_branch_mean(values: torch.Tensor, mask, denom, weights: Optional[tor
 
 def ce_loss(q_logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor] = None,
             denom=None, weights=None) -> torch.Tensor:
-    """Cross-entropy of the drafter on reference tokens targets [N, W]: per-branch (weighted) mean of
-    -log q(target); ``weights``: see ``position_weights``."""
+    """Cross-entropy of the drafter on reference tokens: per-branch (weighted) mean of -log q(target).
+
+    Args:
+        q_logits: [N, W, V] drafter logits.
+        targets: [N, W] reference tokens.
+        mask: [N, W] bool; False positions are skipped.
+        denom: as in ``e2e_tv_loss``.
+        weights: None | "dflash" | [W] per-position weights (``position_weights``).
+
+    Returns:
+        scalar loss.
+    """
     if tuple(targets.shape) != tuple(q_logits.shape[:2]):
         raise ValueError(f"targets must be [N, W] = {list(q_logits.shape[:2])}; got {list(targets.shape)}")
     nll = -torch.log_softmax(q_logits.float(), -1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
@@ -126,7 +149,17 @@ def ce_loss(q_logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.
 
 def confidence_loss(conf_logits: torch.Tensor, alpha: torch.Tensor, mask: Optional[torch.Tensor] = None,
                     denom=None) -> torch.Tensor:
-    """DSpark: BCE(sigmoid(conf_logits), alpha.detach()) [N, W], per-branch mean over valid positions."""
+    """DSpark's confidence head: BCE(sigmoid(conf_logits), alpha), per-branch mean over valid positions.
+
+    Args:
+        conf_logits: [N, W] confidence logits.
+        alpha: [N, W] per-position acceptance probabilities (the target; detached here).
+        mask: [N, W] bool; False positions are skipped.
+        denom: as in ``e2e_tv_loss``.
+
+    Returns:
+        scalar loss.
+    """
     if conf_logits.shape != alpha.shape:
         raise ValueError(f"conf_logits {tuple(conf_logits.shape)} and alpha {tuple(alpha.shape)} must both be [N, W]")
     bce = F.binary_cross_entropy_with_logits(conf_logits.float(), alpha.detach().float(), reduction="none")
@@ -336,16 +369,22 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
                  markov=None, mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0,
                  chunk_rows="auto") -> FusedOut:
     """E2E-TV from hidden states, equal to ``e2e_tv_loss(q_logits, p_logits, mask, denom, temperature)`` with
-    ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T`` (p_weight defaults to weight).
+    ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T``, never materialising [N, W, V].
 
-    hq [N, W, D]: the drafter's final (normed) hidden state, with grad. weight [V, D]: the frozen lm_head shared
-    by drafter and target (it gets a gradient only if it requires one). hp [N, W, D]: the target's hidden state
-    at the scored positions after whatever the target applies before lm_head, slot-aligned (``align_p_logits``);
-    detached. markov: DSpark's low-rank term ``(e [N, W, r], w2 [V, r])`` with e = W1[x_prev]; e and w2 get
-    gradients. mask [N, W]: False ends the branch (positions after it are not computed). chunk_rows: rows of
-    [rows, V] logits per chunk, or "auto" (``auto_chunk_rows``).
-    Returns ``FusedOut(loss, alpha [N, W] detached)``: alpha feeds the metrics (prefix_survival,
-    acceptance_length, confidence_loss) with no second TV pass.
+    Args:
+        hq: [N, W, D] the drafter's final (normed) hidden state, with grad.
+        weight: [V, D] the frozen lm_head shared by drafter and target (a gradient only if it requires one).
+        hp: [N, W, D] the target's hidden state before lm_head at the scored positions, slot-aligned; detached.
+        p_weight: [V, D] the target's lm_head when it differs from ``weight`` (default: ``weight``).
+        markov: DSpark's low-rank term ``(e [N, W, r], w2 [V, r])``, e = W1[x_prev]; both get gradients.
+        mask: [N, W] bool; False ends the branch (positions after it are not computed).
+        denom: as in ``e2e_tv_loss``.
+        temperature: T > 0 of both softmaxes.
+        chunk_rows: rows of [rows, V] logits per chunk, or "auto" (``auto_chunk_rows``).
+
+    Returns:
+        ``FusedOut(loss, alpha)``: the scalar loss and alpha [N, W] fp32 detached (0 past a branch's valid prefix),
+        which feeds the metrics and the confidence loss with no second TV pass.
     """
     n, w = hq.shape[:2]
     valid = torch.cumprod(_mask(mask, (n, w), hq.device).long(), dim=1).bool()
@@ -356,10 +395,24 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
 def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, markov=None,
              mask: Optional[torch.Tensor] = None, denom=None, weights=None, hp: Optional[torch.Tensor] = None,
              p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto") -> FusedOut:
-    """Off-policy CE from hidden states, equal to ``ce_loss(q_logits, targets, mask, denom, weights)`` (q at
-    temperature 1, as ``ce_loss``). targets [N, W] reference tokens; weights: None | "dflash" | [W]
-    (``position_weights``). With hp (the target side, as in ``fused_e2e_tv``) the same pass also returns alpha at
-    ``temperature`` for the metrics (no gradient through it). Rows with mask False are not computed."""
+    """Off-policy CE from hidden states, equal to ``ce_loss(q_logits, targets, mask, denom, weights)`` (q at T = 1).
+
+    Args:
+        hq: [N, W, D] the drafter's final hidden state, with grad.
+        weight: [V, D] the frozen lm_head.
+        targets: [N, W] reference tokens.
+        markov: DSpark's ``(e [N, W, r], w2 [V, r])``, as in ``fused_e2e_tv``.
+        mask: [N, W] bool; rows with mask False are not computed.
+        denom: as in ``e2e_tv_loss``.
+        weights: None | "dflash" | [W] (``position_weights``).
+        hp: [N, W, D] the target side, as in ``fused_e2e_tv``: then the same pass also returns alpha (no gradient).
+        p_weight: [V, D] the target's lm_head when it differs from ``weight``.
+        temperature: T of alpha (the CE itself is at T = 1).
+        chunk_rows: rows per chunk, or "auto".
+
+    Returns:
+        ``FusedOut(loss, alpha)``; alpha [N, W] when ``hp`` is given, else None.
+    """
     n, w = hq.shape[:2]
     if tuple(targets.shape) != (n, w):
         raise ValueError(f"targets must be [N, W] = [{n}, {w}]; got {list(targets.shape)}")
@@ -372,8 +425,17 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
 @torch.no_grad()
 def logits_at(h: torch.Tensor, weight: torch.Tensor, index: Optional[torch.Tensor] = None, *,
               temperature: float = 1.0) -> torch.Tensor:
-    """fp32 logits [len(index), V] (or [M, V]) of the rows ``index`` of hidden states h [M, D] (e.g. the target's
-    p at a few anchors). Only for few rows: the result is materialised."""
+    """fp32 logits of a few rows of hidden states (e.g. the target's p at some anchors); the result is materialised.
+
+    Args:
+        h: [M, D] hidden states.
+        weight: [V, D] lm_head weight.
+        index: [R] rows of h (default: all M).
+        temperature: the logits are divided by it.
+
+    Returns:
+        [R, V] (or [M, V]) fp32 logits.
+    """
     rows = torch.arange(h.shape[0], device=h.device) if index is None else torch.as_tensor(index, device=h.device)
     z = chunk_logits((h,), (weight,), rows)
     return z.div_(temperature) if temperature != 1.0 else z

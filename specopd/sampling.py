@@ -80,16 +80,23 @@ def _check_temperature(temperature: float) -> None:
 @torch.no_grad()
 def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float, rows=None, generators=None, *,
                        markov=None, chunk_rows="auto") -> torch.Tensor:
-    """Tokens [N, ...] drawn from softmax((h @ weight^T [+ e @ w2^T]) / T) in chunks of rows; argmax at T = 0.
-    The project's one sampler (``pick_tokens`` is the same on given logits).
+    """Tokens drawn from softmax((h @ weight^T [+ e @ w2^T]) / T), logits built chunk by chunk; argmax at T = 0.
 
-    h [N, ..., D] (e.g. [N, W, D], or [N, D] for one DSpark slot); markov = (e [N, ..., r], w2 [V, r]).
-    rows[i]: indices into dim 0 drawn with generators[i] (one generator per sample, as the worker seeds them);
-    rows None: every row with ``generators`` (one Generator or None). Inverse-CDF sampling with one uniform per
-    token: generator i draws ``u`` for all of its tokens at once (rows[i] in order, then the trailing dims
-    row-major), so the tokens do not depend on ``chunk_rows`` or on which other samples share the batch. The
-    CDF is accumulated in fp64; the drawn token always has p > 0. Rows of no group are -1.
-    Memory: one chunk's [chunk_rows, V] logits (fp32) and CDF (fp64); never [N, ..., V].
+    Inverse-CDF sampling with one fp64 uniform per token: generator i draws ``u`` for all of its tokens at once
+    (rows[i] in order, then the trailing dims row-major), so the tokens do not depend on ``chunk_rows`` or on the
+    other samples of the batch. The drawn token always has p > 0. Memory: one [chunk_rows, V] chunk, never [N, ..., V].
+
+    Args:
+        h: [N, ..., D] hidden states (e.g. [N, W, D], or [N, D] for one DSpark slot).
+        weight: [V, D] lm_head weight.
+        temperature: T >= 0 (0 = greedy).
+        rows: list of index tensors into dim 0, group i drawn with generators[i]; None: every row.
+        generators: one torch.Generator (or None) per group, or one for all rows.
+        markov: DSpark's ``(e [N, ..., r], w2 [V, r])``.
+        chunk_rows: rows of logits per chunk, or "auto".
+
+    Returns:
+        [N, ...] long tokens; rows of no group are -1.
     """
     _check_temperature(temperature)
     lead = h.shape[:-1]
@@ -107,11 +114,18 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
 @torch.no_grad()
 def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows=None, chunk_rows="auto"
                 ) -> torch.Tensor:
-    """logits [N, ..., V] -> tokens [N, ...]: argmax at T = 0, else a draw from softmax(logits / T) (the same
-    inverse-CDF sampler as ``sample_from_hidden``, for logits that exist anyway: decoding's q and p).
+    """The same sampler as ``sample_from_hidden`` on logits that exist anyway (decoding's q and p); argmax at T = 0.
 
-    ``generator``: one torch.Generator (or None) for all rows, or, with ``rows`` (a list of index tensors into
-    N), one generator per group: rows[i] is drawn with generator[i] (per-sample randomness in training)."""
+    Args:
+        logits: [N, ..., V].
+        temperature: T >= 0 (0 = greedy).
+        generator: one torch.Generator (or None) for all rows, or with ``rows`` one per group.
+        rows: list of index tensors into N (per-sample randomness in training); None: every row.
+        chunk_rows: rows per chunk, or "auto".
+
+    Returns:
+        [N, ...] long tokens.
+    """
     _check_temperature(temperature)
     flat = logits.reshape(-1, logits.shape[-1])
     return _sample(logits.shape[:-1], logits.shape[-1], lambda r: flat[r].float(), temperature, rows, generator,

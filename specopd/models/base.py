@@ -128,18 +128,25 @@ class TargetModel(nn.Module):
                 feature_layers: Optional[Sequence[int]] = None, gdn_checkpoint_every: int = 64,
                 keep_logits: bool = True, keep_hidden: Optional[bool] = None,
                 keep_checkpoints: bool = True) -> TargetCache:
-        """Run the trunk [T] once and keep per-layer caches, logits [T, V] and drafter features [T, F]
-        (the outputs of ``feature_layers`` only).
+        """Run the trunk once and keep per-layer caches, logits and the drafter's features.
 
-        ``keep_hidden``: also keep ``cache.hidden`` [T, D], what lm_head reads (``head_input``); training keeps it
-        with ``keep_logits=False`` (T x D instead of T x V: the fused loss and ``losses.logits_at`` build p from
-        it, so the trunk's logits are never materialised). None: as the extended ``cache`` does (else False).
+        With ``cache`` the trunk is *extended* by ``trunk_ids`` (incremental decoding): the result covers
+        ``cache.token_ids + trunk_ids`` and keeps the cache's options (its logits cover all T only if ``cache`` had
+        logits); ``cache`` keeps its contents.
 
-        With ``cache`` given, the trunk is *extended* by ``trunk_ids`` (incremental decoding): the
-        returned cache covers ``cache.token_ids + trunk_ids`` (it keeps the cache's options; its logits cover
-        all T only if ``cache`` had logits, else these tokens'); ``cache`` keeps its contents.
-        ``keep_checkpoints=False`` (decoding): GDN layers keep only their final state, so only anchors at the
-        trunk's last position can be scored.
+        Args:
+            trunk_ids: [T] token ids.
+            cache: a TargetCache to extend, or None.
+            feature_layers: target layer ids whose outputs form the drafter features.
+            gdn_checkpoint_every: C, the GDN layers' fp32 state checkpoint interval.
+            keep_logits: keep ``cache.logits`` [T, V].
+            keep_hidden: keep ``cache.hidden`` [T, D], what lm_head reads (training: with keep_logits=False, so the
+                trunk's logits never exist); None: as the extended cache does (else False).
+            keep_checkpoints: False (decoding) keeps only the GDN final state: only anchors at the trunk's end can be
+                scored.
+
+        Returns:
+            TargetCache with layer caches, logits [T, V] | None, hidden [T, D] | None, features [T, F] | None.
         """
         trunk_ids = torch.as_tensor(trunk_ids, device=self.device).reshape(-1).to(torch.long)
         self.check_ids(trunk_ids.view(1, -1))
@@ -188,16 +195,20 @@ class TargetModel(nn.Module):
 
     def score(self, tree: ProposalTree, cache: Union[TargetCache, Sequence[TargetCache]], *,
               return_hidden: bool = False, return_state: bool = False, return_logits: bool = True):
-        """Logits of every tree node as if each node's path had been run from scratch after its anchor.
+        """Logits of every tree node as if each node's path had been run from scratch after its anchor:
+        ``p[b, j] == target(trunk[:a_b + 1] + tokens[b, :j + 1])[-1]``.
 
-        tree: ProposalTree (packed over len(caches) trunks). Returns [N, W, V] for chain branches, else
-        [M, V]. ``p[b, j] == target(trunk[:a_b + 1] + tokens[b, :j + 1])[-1]``. With return_hidden, also
-        what lm_head reads at every node (``head_input``: [N, W, D] / [M, D]); ``return_logits=False,
-        return_hidden=True`` returns only that (training: the fused loss builds p from it chunk by chunk, so
-        [N, W, V] never exists). With return_state (verify; needs the logits), also a ``VerifyState`` for
-        ``commit``: ``logits, state = target.score(tree, caches, return_state=True)`` (its size: every node's
-        K/V per attention layer, the fp32 state after every node per GDN layer, M x H x K x V x 4 bytes each,
-        and the nodes' logits, hidden states and features).
+        Args:
+            tree: ProposalTree packed over len(cache) trunks (N chain branches of W, or M general nodes).
+            cache: the trunks' TargetCache (one, or a sequence).
+            return_hidden: also what lm_head reads at every node (``head_input``), [N, W, D] / [M, D].
+            return_state: also a ``VerifyState`` for ``commit`` (verify; needs the logits). Its size: every node's
+                K/V per attention layer and the fp32 state after every node per GDN layer.
+            return_logits: False with return_hidden: only the hidden states (training: [N, W, V] never exists).
+
+        Returns:
+            logits [N, W, V] (chains) or [M, V]; with return_hidden / return_state a tuple (logits, hidden, state) of
+            the requested parts, in that order.
         """
         if not (return_logits or return_hidden) or (return_state and not return_logits):
             raise ValueError("score: return_logits=False needs return_hidden=True and return_state=False")

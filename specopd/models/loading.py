@@ -77,10 +77,16 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
                 kernels: str = "auto"):
     """Build our implementation of the checkpoint's ``model_type`` and load every weight.
 
-    ``kernels``: how the executors run prefill, score, verify and commit: "torch" (plain torch, exact, any
-    device), "triton" (the Triton kernels of ``kernels/``: CUDA, or the CPU only under ``TRITON_INTERPRET=1``),
-    "auto" (Triton and fla on CUDA, torch on the CPU). Kept as ``target.kernels`` (may be changed later).
-    Returns a ``TargetModel`` in eval mode with ``requires_grad=False`` on all parameters.
+    Args:
+        path: a Hugging Face folder (config.json + safetensors, sharded index too).
+        dtype: parameter dtype (fp32 parameters the model keeps, e.g. ``A_log``, stay fp32).
+        device: where the weights go.
+        config_overrides: keys replacing config.json's.
+        kernels: "torch" (plain torch, exact, any device) | "triton" (``kernels/``: CUDA, or the CPU under
+            ``TRITON_INTERPRET=1``) | "auto" (Triton and fla on CUDA, torch on the CPU); kept as ``target.kernels``.
+
+    Returns:
+        TargetModel in eval mode with ``requires_grad=False`` on all parameters.
     """
     dtype = resolve_dtype(dtype)
     device = check_device_dtype(device, dtype)

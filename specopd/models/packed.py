@@ -61,8 +61,18 @@ def use_packed(target, packed) -> bool:
 def prefill_batch(target, trunks: Sequence[torch.Tensor], *, feature_layers: Optional[Sequence[int]] = None,
                   gdn_checkpoint_every: int = 64, keep_logits: bool = True, keep_hidden: bool = False,
                   keep_checkpoints: bool = True, packed="auto") -> list:
-    """Prefill fresh trunks (a list of [T_i] ids) -> one TargetCache per trunk, equal to ``target.prefill(ids,
-    ...)`` of each (same options, logits, features, layer caches). See the module docstring."""
+    """Prefill fresh trunks in one varlen pass where every executor supports it, else one by one; equal to
+    ``target.prefill(ids, ...)`` of each (same options, logits, features, layer caches).
+
+    Args:
+        target: the TargetModel.
+        trunks: list of [T_i] token ids.
+        feature_layers, gdn_checkpoint_every, keep_logits, keep_hidden, keep_checkpoints: as ``TargetModel.prefill``.
+        packed: True | False | "auto" (packed on CUDA unless it failed once on this target: ``target.packed_ok``).
+
+    Returns:
+        list of one TargetCache per trunk.
+    """
     trunks = [torch.as_tensor(t, device=target.device).reshape(-1).to(torch.long) for t in trunks]
     kw = dict(feature_layers=feature_layers, gdn_checkpoint_every=gdn_checkpoint_every, keep_logits=keep_logits,
               keep_hidden=keep_hidden, keep_checkpoints=keep_checkpoints)

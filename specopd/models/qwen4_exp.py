@@ -239,7 +239,17 @@ def _splitmix64(v: int) -> int:
 
 
 def ngram_multipliers(vocab: int, ngram_size: int, ple_index: int, seed: int) -> list:
-    """HF ``_build_layer_multipliers`` as python ints."""
+    """HF ``_build_layer_multipliers`` as python ints: the hash multipliers of one PLE layer's n-gram embedding.
+
+    Args:
+        vocab: the n-gram table size.
+        ngram_size: n.
+        ple_index: the PLE layer's index.
+        seed: the config's hash seed.
+
+    Returns:
+        list of n python ints.
+    """
     half = max(1, (((1 << 63) - 1) // max(vocab, 1)) // 2)
     base = seed + _PRIME_1 * ple_index
     return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
