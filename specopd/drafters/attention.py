@@ -157,7 +157,19 @@ class _ChunkedBranchAttention(torch.autograd.Function):
 
 def chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float,
                              chunk_elems: int = CHUNK_ELEMS) -> torch.Tensor:
-    """The exact chunked path (any device; forward and backward in fp32, outputs in q's dtype)."""
+    """The exact chunked path (any device): forward and backward in fp32, probabilities recomputed chunk by chunk.
+
+    Args:
+        q: [N, S, H, hd] block queries (S = block_size).
+        k_blk, v_blk: [N, S, Hkv, hd] the blocks' own keys / values.
+        k_ctx, v_ctx: [C, Hkv, hd] the packed context of every trunk (trunk 0's rows, then trunk 1's, ...).
+        layout: BranchLayout (branches grouped by trunk, sorted by anchor; block b sees its trunk's rows < a_b).
+        scale: softmax scale.
+        chunk_elems: bound on one chunk's score tensor [n, H, S, a_max].
+
+    Returns:
+        o [N, S, H, hd] in q's dtype.
+    """
     _check(q, k_blk, v_blk, k_ctx, v_ctx, layout)
     return _ChunkedBranchAttention.apply(q, k_blk, v_blk, k_ctx, v_ctx, layout, float(scale), int(chunk_elems))
 
@@ -166,11 +178,20 @@ def chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout
 
 
 def cached_branch_attention(q, k_blk, v_blk, k_ctx: list, v_ctx: list, scale: float) -> torch.Tensor:
-    """Decoding: block b attends to its own sequence's cached context ``k_ctx[b], v_ctx[b]`` [T_b, Hkv, hd]
-    (all of it: the anchor is the position after the context) and to its own block. q [A, S, H, hd], k_blk /
-    v_blk [A, S, Hkv, hd] -> o [A, S, H, hd]. The contexts stay where the decoding caches keep them (no
-    packing, no copy): the block part is one batched matmul, each context is merged into it with its own
-    log-sum-exp (flash style). fp32 math; memory O(A * S + max_b T_b) per layer besides the caches."""
+    """Decoding: block b attends to its own sequence's cached context (all of it: the anchor is the position after it)
+    and to its own block. The contexts stay where the decoding caches keep them (no packing, no copy): the block
+    part is one batched matmul, each context is merged into it with its own log-sum-exp (flash style). fp32 maths;
+    memory O(A * S + max_b T_b) per layer besides the caches.
+
+    Args:
+        q: [A, S, H, hd] block queries.
+        k_blk, v_blk: [A, S, Hkv, hd].
+        k_ctx, v_ctx: lists of A cached contexts [T_b, Hkv, hd].
+        scale: softmax scale.
+
+    Returns:
+        o [A, S, H, hd].
+    """
     a, s, h, hd = q.shape
     hkv = k_blk.shape[2]
     if len(k_ctx) != a or len(v_ctx) != a:
@@ -254,12 +275,24 @@ def flex_failed() -> Optional[str]:
 
 def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float,
                           compiled: Optional[bool] = None, dynamic: bool = True) -> torch.Tensor:
-    """flex_attention over one packed key sequence. ``compiled`` (default: on CUDA) compiles the BlockMask and the
-    forward with ``torch.compile(flex_attention, dynamic=dynamic)``; else eager (unfused, forward only).
+    """flex_attention over one packed key sequence [context of all trunks ; all blocks] with a BlockMask from
+    ``layout``.
+    On CUDA a failed compile warns once (naming ``SPECOPD_DRAFTER_ATTENTION=chunked``), falls back to the exact
+    chunked path for this call and, through ``resolve_backend``, for every later "auto" call of the process.
 
-    On CUDA a failed compile does not stop training: it warns once (naming the error and the switch
-    ``SPECOPD_DRAFTER_ATTENTION=chunked``), falls back to the exact chunked path for this call and, through
-    ``resolve_backend``, for every later "auto" call of the process."""
+    Args:
+        q: [N, S, H, hd] block queries (S = block_size).
+        k_blk, v_blk: [N, S, Hkv, hd] the blocks' own keys / values.
+        k_ctx, v_ctx: [C, Hkv, hd] the packed context of every trunk (trunk 0's rows, then trunk 1's, ...).
+        layout: BranchLayout (branches grouped by trunk, sorted by anchor; block b sees its trunk's rows < a_b).
+        scale: softmax scale.
+        compiled: compile the BlockMask and the forward with ``torch.compile`` (default: on CUDA); else eager
+            (unfused, forward only).
+        dynamic: ``torch.compile(dynamic=)``.
+
+    Returns:
+        o [N, S, H, hd].
+    """
     _check(q, k_blk, v_blk, k_ctx, v_ctx, layout)
     if compiled is None:
         compiled = _on_cuda(q)
@@ -340,7 +373,20 @@ def resolve_backend(backend: Backend, device: torch.device) -> Backend:
 
 def branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float,
                      backend: Backend = "auto") -> torch.Tensor:
-    """o [N, S, H, hd]: every block over its context prefix and itself (see the module docstring)."""
+    """Every block over its context prefix and itself (non-causal inside the block).
+
+    Args:
+        q: [N, S, H, hd] block queries (S = block_size).
+        k_blk, v_blk: [N, S, Hkv, hd] the blocks' own keys / values.
+        k_ctx, v_ctx: [C, Hkv, hd] the packed context of every trunk (trunk 0's rows, then trunk 1's, ...).
+        layout: BranchLayout (branches grouped by trunk, sorted by anchor; block b sees its trunk's rows < a_b).
+        scale: softmax scale.
+        backend: "auto" (flex on CUDA when importable, else chunked; env ``SPECOPD_DRAFTER_ATTENTION`` overrides) |
+            "chunked" | "flex" | a callable ``fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale) -> o``.
+
+    Returns:
+        o [N, S, H, hd].
+    """
     fn = resolve_backend(backend, q.device)
     if callable(fn):
         return fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)

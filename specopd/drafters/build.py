@@ -25,13 +25,21 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
                   target_dir: Optional[str] = None, **overrides):
     """A freshly initialised drafter for ``target`` (weights deterministic in ``seed``).
 
-    block_size counts the anchor (released: 16 drafts 15 tokens; DSpark's release uses 7). feature_layers
-    None -> the released default for ``num_layers`` (``default_target_layer_ids``). mask_token_id: None =
-    automatic (``choose_mask``: the first token id the tokenizer in ``target_dir`` leaves unused, as Qwen3's
-    151669, else a learned vector), an id = that token's frozen embedding, -1 = a learned vector.
-    Sizes default to the target's (heads, kv heads, head_dim, intermediate, rms eps, rope theta);
-    ``overrides`` may set num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta,
-    hidden_act, markov_rank (DSpark's r, default 256), confidence_head, confidence_with_markov.
+    Args:
+        kind: "dflash" | "dspark".
+        target: the TargetModel it drafts for (its embedding and lm_head are shared, frozen).
+        num_layers: draft layers.
+        block_size: counts the anchor (released: 16 drafts 15 tokens; DSpark's release uses 7).
+        seed: weight init seed.
+        feature_layers: target layer ids read as features; None: the released default (``default_target_layer_ids``).
+        mask_token_id: None = automatic (``choose_mask``: the first id the tokenizer in ``target_dir`` leaves unused,
+            as Qwen3's 151669, else a learned vector); an id = that token's frozen embedding; -1 = a learned vector.
+        target_dir: the target's folder (its tokenizer, for the automatic mask).
+        **overrides: num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta, hidden_act,
+            markov_rank (DSpark's r, default 256), confidence_head, confidence_with_markov (default: the target's).
+
+    Returns:
+        DFlashDrafter or DSparkDrafter.
     """
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS)}")

@@ -184,8 +184,19 @@ class DraftAttention(nn.Module):
         return apply_rope(k, cos, sin), self.v_proj(x).view(b, t, self.hkv, self.hd)
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, layout: Optional[BranchLayout], backend="auto"):
-        """x [N, S, D] block (normed); cos/sin [N, S, hd]; k_ctx/v_ctx [C, Hkv, hd] packed context seen through
-        ``layout``, or (layout None, decoding) lists of N per-block cached contexts [T_b, Hkv, hd]."""
+        """One draft layer's attention: block queries over [context ; block] keys.
+
+        Args:
+            x: [N, S, D] the block (normed).
+            cos, sin: [N, S, hd] RoPE at the block slots' positions.
+            k_ctx, v_ctx: [C, Hkv, hd] packed context seen through ``layout``; or (layout None, decoding) lists of N
+                cached contexts [T_b, Hkv, hd].
+            layout: BranchLayout, or None when decoding.
+            backend: see ``branch_attention``.
+
+        Returns:
+            [N, S, D].
+        """
         n, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(n, s, self.h, self.hd)), cos, sin)
         kb, vb = self.kv(x, cos, sin)
@@ -205,6 +216,15 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
     def forward(self, h, cos, sin, k_ctx, v_ctx, layout, backend="auto"):
+        """A Qwen3 decoder layer over the block: attention (as ``DraftAttention.forward``), then the MLP, pre-norm.
+
+        Args:
+            h: [N, S, D] the block's hidden state.
+            cos, sin, k_ctx, v_ctx, layout, backend: as ``DraftAttention.forward``.
+
+        Returns:
+            [N, S, D].
+        """
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_ctx, v_ctx, layout, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -374,10 +394,18 @@ class DFlashDrafter(nn.Module):
         return self.norm(h[:, 1:])
 
     def hidden(self, features, anchors, trunk_index=None, anchor_tokens=None) -> torch.Tensor:
-        """-> h [N, W, D]: the drafter's normed hidden state at the W drafted slots (the input of lm_head).
+        """The drafter's normed hidden state at the W drafted slots (what lm_head reads). Memory per layer:
+        O(sum_i max anchor on trunk i + N * block_size): no per-branch copy of the context.
 
-        features: list of [T_i, F] (or TargetCaches), anchors [N] in [0, T_i], trunk_index [N], anchor_tokens
-        [N]. Memory: O(sum_i max anchor on trunk i + N * block_size) per layer (no per-branch context)."""
+        Args:
+            features: list of [T_i, F] per trunk (or TargetCaches), F = len(feature_layers) * D.
+            anchors: [N] in [0, T_i] (T_i at inference: the anchor is the bonus token the target has not run).
+            trunk_index: [N] which trunk (default: all 0).
+            anchor_tokens: [N] the token at each anchor (required; at inference the bonus token).
+
+        Returns:
+            h [N, W, D].
+        """
         feats, anchors, tix, atok = self._inputs(features, anchors, trunk_index, anchor_tokens)
         dev = self.device
         # group by trunk and sort by anchor (block-sparse layout); undo at the end
@@ -416,7 +444,19 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, features, anchors, trunk_index=None, anchor_tokens=None, prev_tokens=None,
                 return_confidence: bool = False) -> torch.Tensor:
-        """-> raw logits [N, W, V] (fp32). ``prev_tokens`` [N, W] is ignored by DFlash (DSpark reads it)."""
+        """Raw logits of every drafted slot (the target's lm_head on ``hidden``).
+
+        Args:
+            features: list of [T_i, F] per trunk (or TargetCaches), F = len(feature_layers) * D.
+            anchors: [N] in [0, T_i] (T_i at inference: the anchor is the bonus token the target has not run).
+            trunk_index: [N] which trunk (default: all 0).
+            anchor_tokens: [N] the token at each anchor (required; at inference the bonus token).
+            prev_tokens: [N, W] the token before each slot; ignored by DFlash (DSpark's Markov head reads it).
+            return_confidence: DSpark only.
+
+        Returns:
+            [N, W, V] fp32 logits.
+        """
         if return_confidence:
             raise ValueError("DFlash has no confidence head; build a 'dspark' drafter for confidences")
         return self.logits_from_hidden(self.hidden(features, anchors, trunk_index, anchor_tokens))
@@ -436,9 +476,21 @@ class DFlashDrafter(nn.Module):
 
     def sample(self, features, anchors, trunk_index=None, anchor_tokens=None, temperature: float = 1.0,
                generator=None, rows=None, return_confidence: bool = False):
-        """-> (tokens [N, W], raw logits [N, W, V]) [+ DSpark confidence logits [N, W]]. T = 0: argmax;
-        T > 0: draws from softmax(logits / T). ``generator``: one Generator, or one per ``rows`` group (see
-        ``pick_tokens``). Autograd is not disabled: wrap in no_grad to propose only."""
+        """Draft W tokens per branch. Autograd is not disabled: wrap in ``torch.no_grad()`` to propose only.
+
+        Args:
+            features: list of [T_i, F] per trunk (or TargetCaches), F = len(feature_layers) * D.
+            anchors: [N] in [0, T_i] (T_i at inference: the anchor is the bonus token the target has not run).
+            trunk_index: [N] which trunk (default: all 0).
+            anchor_tokens: [N] the token at each anchor (required; at inference the bonus token).
+            temperature: 0 = argmax, else a draw from softmax(logits / T).
+            generator: one Generator, or one per ``rows`` group (``pick_tokens``).
+            rows: list of index tensors into N (per-sample randomness).
+            return_confidence: DSpark: also the confidence logits.
+
+        Returns:
+            (tokens [N, W], raw logits [N, W, V]) [+ confidence logits [N, W]].
+        """
         h = self.hidden(features, anchors, trunk_index, anchor_tokens)
         atok = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
         return self._sample_hidden(h, atok, temperature, generator, rows, return_confidence)
@@ -446,10 +498,21 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def sample_tokens(self, h: torch.Tensor, anchor_tokens, temperature: float = 1.0, generator=None, rows=None,
                       chunk_rows="auto") -> torch.Tensor:
-        """Branch tokens [N, W] from the drafter's hidden state h [N, W, D] (``hidden(...)``, e.g. the training
-        forward's; detached here) without logits [N, W, V]: ``chunk_rows`` rows at a time through the target's
-        lm_head (DSpark: its Markov head, left to right). The same tokens as ``sample`` for the same generators
-        (one sampler: ``specopd.sampling.sample_from_hidden`` / ``pick_tokens``)."""
+        """Branch tokens from a given hidden state without logits [N, W, V]: ``chunk_rows`` rows at a time through the
+        target's lm_head (DSpark: its Markov head, left to right); the same tokens as ``sample`` for the same
+        generators.
+
+        Args:
+            h: [N, W, D] the drafter's hidden state (``hidden(...)``; detached here).
+            anchor_tokens: [N] (DSpark's first Markov input).
+            temperature: 0 = argmax.
+            generator: one Generator, or one per ``rows`` group.
+            rows: list of index tensors into N.
+            chunk_rows: rows per chunk, or "auto".
+
+        Returns:
+            tokens [N, W].
+        """
         atok = torch.as_tensor(anchor_tokens, dtype=torch.long, device=h.device).reshape(-1)
         return self._sample_hidden(h.detach(), atok, temperature, generator, rows, return_logits=False,
                                    chunk_rows=chunk_rows)[0]
@@ -494,15 +557,22 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft_batch(self, ctxs: Sequence["DraftContext"], anchor_tokens, temperature: float = 0.0,
                     generators=None, return_confidence: bool = False):
-        """One block per decoding sequence, all in one drafter call: block b is anchored at ``len(ctxs[b])``
-        (its anchor token ``anchor_tokens[b]``, the pending token the target has not run yet) and attends to
-        its own cached context K/V in place (no packing, no per-block copy); DSpark samples left to right.
+        """One block per decoding sequence, all in one drafter call: block b is anchored at ``len(ctxs[b])`` and attends
+        to
+        its own cached context K/V in place (no packing, no copy); DSpark samples left to right. Equals
+        ``sample([features_b], [len(ctx_b)], None, [anchor_token_b])`` per sequence without recomputing any context.
+        Cost per round: O(A * block_size) in the layers and lm_head + O(sum_b T_b) attention reads.
 
-        ctxs: A DraftContexts; anchor_tokens [A]; generators: None, one Generator for every draw, or a list
-        of A (sequence b's W draws come from generators[b], as ``sample`` with that generator alone).
-        -> (tokens [A, W], raw logits [A, W, V]) [+ DSpark confidence logits [A, W]]. Equals
-        ``sample([features_b], [len(ctx_b)], None, [anchor_token_b])`` per sequence without recomputing any
-        context. Cost per round: O(A * block_size) in the layers and lm_head + O(sum_b T_b) attention reads."""
+        Args:
+            ctxs: A DraftContexts.
+            anchor_tokens: [A] the pending tokens the target has not run yet.
+            temperature: 0 = argmax.
+            generators: None, one Generator for every draw, or a list of A (sequence b's W draws from generators[b]).
+            return_confidence: DSpark: also the confidence logits.
+
+        Returns:
+            (tokens [A, W], raw logits [A, W, V]) [+ confidence logits [A, W]].
+        """
         ctxs = list(ctxs)
         if not ctxs or any(c.drafter is not self for c in ctxs):
             raise ValueError("draft_batch needs >= 1 DraftContext of this drafter (drafter.context_cache(...)); "
@@ -524,9 +594,18 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft(self, ctx: "DraftContext", anchor_token, temperature: float = 0.0, generator=None,
               return_confidence: bool = False):
-        """One block at anchor ``len(ctx)`` (the bonus token ``anchor_token``, not yet run by the target)
-        from the cached context K/V -> (tokens [W], raw logits [W, V]) [+ DSpark confidence logits [W]]:
-        ``draft_batch`` with one sequence."""
+        """One block at anchor ``len(ctx)`` from the cached context K/V: ``draft_batch`` with one sequence.
+
+        Args:
+            ctx: the sequence's DraftContext.
+            anchor_token: the bonus token, not yet run by the target.
+            temperature: 0 = argmax.
+            generator: a Generator or None.
+            return_confidence: DSpark: also the confidence logits.
+
+        Returns:
+            (tokens [W], raw logits [W, V]) [+ confidence logits [W]].
+        """
         atok = torch.as_tensor(anchor_token, dtype=torch.long).reshape(1)
         out = self.draft_batch([ctx], atok, temperature, generator, return_confidence)
         return tuple(x[0] for x in out)

@@ -90,8 +90,16 @@ class DSparkDrafter(DFlashDrafter):
 
     def forward(self, features, anchors, trunk_index=None, anchor_tokens=None, prev_tokens=None,
                 return_confidence: bool = False):
-        """Teacher forcing on ``prev_tokens`` [N, W] (prev_tokens[:, k] = token before slot k, column 0 =
-        anchor_tokens) -> raw logits [N, W, V] (fp32), and with return_confidence also conf logits [N, W]."""
+        """Teacher forcing on ``prev_tokens``: lm_head(h) plus the Markov head's W2(W1[prev]).
+
+        Args:
+            features, anchors, trunk_index, anchor_tokens: as ``DFlashDrafter.hidden``.
+            prev_tokens: [N, W], prev_tokens[:, k] = the token before slot k (column 0 = anchor_tokens).
+            return_confidence: also the confidence logits.
+
+        Returns:
+            raw logits [N, W, V] fp32 [, confidence logits [N, W]].
+        """
         if prev_tokens is None:
             raise ValueError("DSpark's Markov head needs prev_tokens [N, W] (column 0 = anchor_tokens, column k = "
                              "token k-1 of the branch); use sample() to draw a branch left to right")
@@ -112,11 +120,22 @@ class DSparkDrafter(DFlashDrafter):
 
     def markov_sample(self, h: torch.Tensor, anchor_tokens: torch.Tensor, temperature: float, generator=None,
                       rows=None, return_logits: bool = True, chunk_rows="auto"):
-        """The left-to-right sampler (the one implementation). h [N, W, D], anchor_tokens [N] ->
-        (tokens [N, W], logits [N, W, V] or None, confidence logits [N, W] or None). Token k is drawn from
-        ``lm_head(h_k) + W2(W1[x_{k-1}])`` (one generator, or one per ``rows`` group; each draws its rows' uniforms
-        slot by slot) and feeds slot k + 1. Without ``return_logits`` slot k's logits are built ``chunk_rows`` rows
-        at a time (``sample_from_hidden``): memory one [chunk_rows, V] chunk, never [N, V] or [N, W, V]."""
+        """The left-to-right sampler (the one implementation): token k is drawn from ``lm_head(h_k) + W2(W1[x_{k-1}])``
+        and feeds slot k + 1; each generator draws its rows' uniforms slot by slot. Without ``return_logits`` slot k's
+        logits are built ``chunk_rows`` rows at a time: memory one [chunk_rows, V] chunk, never [N, W, V].
+
+        Args:
+            h: [N, W, D] the drafter's hidden state.
+            anchor_tokens: [N] (x_{-1}).
+            temperature: 0 = argmax.
+            generator: one Generator, or one per ``rows`` group.
+            rows: list of index tensors into N.
+            return_logits: also return the logits [N, W, V].
+            chunk_rows: rows per chunk, or "auto".
+
+        Returns:
+            (tokens [N, W], logits [N, W, V] or None, confidence logits [N, W] or None).
+        """
         x = anchor_tokens.reshape(-1).to(device=h.device, dtype=torch.long)
         w_lm, w2 = self.target.lm_head.weight, self.markov_head.markov_w2.weight
         toks, logits, prevs = [], [], []

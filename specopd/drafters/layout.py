@@ -341,7 +341,17 @@ def read_config(path: str, target_layers: Optional[int] = None) -> tuple:
 
 
 def check_against_target(cfg: DrafterConfig, target, path: str, sd: Optional[dict] = None) -> None:
-    """Errors that name each mismatch between a drafter folder and ``target`` with both values."""
+    """Errors that name each mismatch between a drafter folder and ``target`` with both values.
+
+    Args:
+        cfg: the folder's DrafterConfig.
+        target: the TargetModel it is loaded for.
+        path: the folder (named in the errors).
+        sd: its state dict, to check the tensors' shapes too.
+
+    Raises:
+        ValueError naming the mismatch.
+    """
     have = target_identity(target)
     saved = cfg.target or {}
     for key, what in (("hidden_size", "hidden size"), ("vocab_size", "vocab size"),
@@ -485,11 +495,20 @@ def _drafter_file(name: str) -> bool:
 
 def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Optional[torch.dtype] = None,
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> list:
-    """Write a drafter (config + state dict with our names) in the released layout; returns the files (mode 0644).
+    """Write a drafter in the released layout (config.json with dflash_config, safetensors shards, index,
+    mask_embedding.pt); files are mode 0644.
 
-    ``out_dir`` must be empty or new (``FolderNotEmptyError`` otherwise); ``force``: write into a folder holding
-    other files, replacing its drafter files (config.json, safetensors, index, mask_embedding.pt) and keeping the
-    rest."""
+    Args:
+        out_dir: empty or new (``FolderNotEmptyError`` otherwise, unless ``force``).
+        cfg: the drafter's DrafterConfig.
+        state_dict: its weights under our names.
+        dtype: weights dtype (default: as given).
+        max_shard_bytes: split the weights into shards of this size.
+        force: write into a folder holding other files, replacing its drafter files and keeping the rest.
+
+    Returns:
+        list of the files written.
+    """
     sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     mask = sd.pop("mask_embedding", None)
     if (mask is not None) != bool(cfg.learned_mask):
@@ -521,8 +540,16 @@ def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Op
 
 def export_drafter(drafter, out_dir: str, dtype: Optional[torch.dtype] = None,
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> str:
-    """Write ``drafter`` in the released layout into ``out_dir`` (weights in ``dtype``, default: as trained).
-    ``load_drafter(out_dir, target)`` gives back the same weights (bit-exact when dtype is kept)."""
+    """Write ``drafter`` in the released layout; ``load_drafter(out_dir, target)`` gives back the same weights
+    (bit-exact when the dtype is kept).
+
+    Args:
+        drafter: a DFlashDrafter / DSparkDrafter.
+        out_dir, dtype, max_shard_bytes, force: as ``write_released``.
+
+    Returns:
+        out_dir.
+    """
     write_released(out_dir, drafter.config, drafter.state_dict(), dtype, max_shard_bytes, force=force)
     return out_dir
 
@@ -530,7 +557,15 @@ def export_drafter(drafter, out_dir: str, dtype: Optional[torch.dtype] = None,
 def export_folder(src: str, out_dir: str, dtype: Optional[torch.dtype] = None,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> DrafterConfig:
     """Export a drafter folder (our checkpoint, or a released folder) without loading its target. The source is
-    verified first (``check_folder``: a damaged checkpoint raises ``DamagedFolderError``)."""
+    verified first (``check_folder``: a damaged checkpoint raises ``DamagedFolderError``).
+
+    Args:
+        src: the drafter folder.
+        out_dir, dtype, max_shard_bytes, force: as ``write_released``.
+
+    Returns:
+        the exported DrafterConfig.
+    """
     check_folder(src, "checkpoint" if os.path.isfile(os.path.join(src, MARKER)) else "drafter folder")
     cfg, released = read_config(src)
     sd = read_weights(src)
@@ -554,7 +589,17 @@ def serving_commands(out_dir: str, cfg: DrafterConfig, target_path: Optional[str
 
 def describe_export(src: str, out_dir: str, cfg: DrafterConfig, target_path: Optional[str] = None) -> str:
     """What ``specopd export`` (and the main job) print after an export: what was written, the learned-mask and
-    DSpark notes, and the vLLM / SGLang commands that serve it (``serving_commands``)."""
+    DSpark notes, and the vLLM / SGLang commands that serve it (``serving_commands``).
+
+    Args:
+        src: the exported folder's source.
+        out_dir: the export.
+        cfg: its DrafterConfig.
+        target_path: the target for the printed commands (None: a placeholder).
+
+    Returns:
+        the text to print.
+    """
     lines = [f"exported the {cfg.kind} drafter of {src} to {out_dir} (released layout: block_size {cfg.block_size} "
              f"= anchor + {cfg.draft_len} drafted tokens, target_layer_ids {list(cfg.feature_layers)}, "
              f"mask_token_id {cfg.mask_token_id})"]
