@@ -4,3 +4,4 @@ One module per attention kind; each exposes ``prefill`` and ``score`` with the s
 ``executors.base`` and a plain sequential reference they are tested against.
 """
 from executors.base import Executor, get_executor, register_executor  # noqa: F401
+from executors import conv, gdn, gqa, qsa  # noqa: F401  (each registers its executor)

@@ -8,13 +8,19 @@ import torch.nn.functional as F
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float, max_scores: int = 1 << 26) -> torch.Tensor:
-    """Dense attention with GQA head groups, HF eager numerics (scores * scaling, softmax in fp32,
-    probabilities cast back to q.dtype).
+    """Dense attention with GQA head groups, HF eager numerics (scores * scaling, softmax in fp32, probabilities cast
+    back to q.dtype). Query rows are processed in chunks of at most ``max_scores`` score entries (rows are
+    independent: chunking does not change the result).
 
-    q [B, Tq, H, hd], k/v [B, Tk, Hkv, hd], mask [B or 1, Tq, Tk] bool (True = may attend) or None
-    -> [B, Tq, H, hd]. H must be a multiple of Hkv (query head h reads kv head h // (H / Hkv)).
-    Queries are processed in row chunks so that one score tensor holds at most ``max_scores`` entries
-    (rows are independent, so chunking does not change the result).
+    Args:
+        q: [B, Tq, H, hd]; H a multiple of Hkv (query head h reads kv head h // (H / Hkv)).
+        k, v: [B, Tk, Hkv, hd].
+        mask: [B or 1, Tq, Tk] bool (True = may attend), or None.
+        scaling: softmax scale.
+        max_scores: bound on one chunk's score tensor.
+
+    Returns:
+        [B, Tq, H, hd].
     """
     b, tq, h, d = q.shape
     hkv = k.shape[2]
@@ -41,9 +47,16 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    scaling: float, bias=None) -> torch.Tensor:
-    """Same contract as ``masked_attention`` through ``F.scaled_dot_product_attention`` (fused kernels on
-    the GPU; K/V heads are repeated to H so that every backend accepts it). ``bias`` (e.g. torch's
-    ``causal_lower_right``) replaces ``mask`` when given."""
+    """Same contract as ``masked_attention`` through ``F.scaled_dot_product_attention`` (fused kernels on the GPU; K/V
+    heads repeated to H so that every backend accepts it).
+
+    Args:
+        q, k, v, mask, scaling: as ``masked_attention``.
+        bias: an attention bias (e.g. torch's ``causal_lower_right``) replacing ``mask`` when given.
+
+    Returns:
+        [B, Tq, H, hd].
+    """
     g = q.shape[2] // k.shape[2]
     kk = k.repeat_interleave(g, dim=2).transpose(1, 2)
     vv = v.repeat_interleave(g, dim=2).transpose(1, 2)

@@ -4,7 +4,6 @@ kernels switch and the growable cache storage. Contract: docs/architecture.md ("
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -19,15 +18,61 @@ class Executor:
     kind: str = "?"
 
     def prefill(self, mixer, x, positions, prev=None, options=None):
+        """Run one layer's mixer over trunk tokens and keep the layer's trunk cache.
+
+        Args:
+            mixer: the layer's token mixer (the pieces each executor uses: its module docstring).
+            x: [1, T, D] the mixer's input for the trunk tokens (already normed by the layer).
+            positions: [1, T] absolute positions.
+            prev: this layer's cache of the trunk so far (incremental extension; it keeps its contents), or None.
+            options: run options (``kernels``, the executor's own keys).
+
+        Returns:
+            (out [1, T, D], cache): out is exactly ``mixer(x, positions)`` on the full sequence; cache covers prev + T.
+        """
         raise NotImplementedError
 
     def score(self, mixer, x, tree, caches, options=None):
+        """Mixer outputs of every tree node as if its path had been run from scratch after its anchor.
+
+        Args:
+            mixer: the layer's token mixer.
+            x: [1, M, D] mixer inputs of the M tree nodes.
+            tree: ProposalTree; node u belongs to trunk ``tree.trunk_index[u]``.
+            caches: this layer's cache of each trunk.
+            options: run options.
+
+        Returns:
+            out [1, M, D]; out[0, u] = the mixer output at the last position of ``trunk[:anchor_u + 1] + path(u)``.
+        """
         raise NotImplementedError
 
     def verify(self, mixer, x, tree, caches, options=None):
+        """``score`` that also keeps what ``commit`` needs of every node (training's scoring never pays for it).
+
+        Args:
+            mixer, x, tree, caches, options: as ``score``.
+
+        Returns:
+            (out [1, M, D], nodes): nodes is the executor's own dataclass (e.g. the nodes' K/V; GDN: the fp32 state
+            after each node).
+        """
         raise NotImplementedError(f"the {self.kind!r} executor cannot keep node states for commit")
 
     def commit(self, mixer, cache, nodes, path, options=None):
+        """Extend one trunk's cache by an accepted path with the states ``verify`` computed: no new pass. Equals
+        ``prefill`` of the same tokens on ``cache``; ``cache`` keeps its contents.
+
+        Args:
+            mixer: the layer's token mixer.
+            cache: the trunk's cache (T tokens).
+            nodes: what ``verify`` returned.
+            path: [L] node indices of the verified tree, root first, the root anchored at T - 1.
+            options: run options.
+
+        Returns:
+            the cache of T + L tokens.
+        """
         raise NotImplementedError(f"the {self.kind!r} executor cannot commit verified nodes")
 
 
@@ -39,11 +84,9 @@ def register_executor(kind: str):
 
 
 def get_executor(kind: str) -> Executor:
+    """The executor registered for a mixer kind (``executors/__init__.py`` imports every executor module)."""
     if kind not in _REGISTRY:
-        try:
-            importlib.import_module(f"executors.{kind}")
-        except ModuleNotFoundError as e:
-            raise ValueError(f"no executor for attention kind {kind!r} (known: gqa, qsa, gdn)") from e
+        raise ValueError(f"no executor for attention kind {kind!r} (known: {', '.join(sorted(_REGISTRY))})")
     return _REGISTRY[kind]
 
 

@@ -39,7 +39,10 @@ class ConvExecutor(Executor):
     kind = "conv"
 
     def prefill(self, mixer, x, positions, prev=None, options=None):
-        """x [1, T, C] -> (out [1, T, C], ConvCache of prev + these T tokens)."""
+        """The depthwise causal conv over the trunk; the ConvCache keeps the trunk's inputs [T, C].
+
+        Args / Returns: as ``executors.base.Executor.prefill`` (D = C for the conv).
+        """
         cache = prev.grown(x=x[0]) if prev is not None else ConvCache(x[0])
         full = cache.x
         span = max(b for b, _ in mixer.taps())
@@ -49,15 +52,24 @@ class ConvExecutor(Executor):
         return out, cache
 
     def score(self, mixer, x, tree, caches, options=None):
-        """x [1, M, C] node inputs -> [1, M, C]: each node convolves its own path."""
+        """Each node convolves its own path (ancestors, then trunk tokens above the fork).
+
+        Args / Returns: as ``executors.base.Executor.score`` (D = C for the conv).
+        """
         return self._score(mixer, x, tree, caches, options)[0]
 
     def verify(self, mixer, x, tree, caches, options=None):
-        """``score`` -> (out [1, M, C], ConvNodes of the M nodes)."""
+        """``score`` that also keeps the nodes' inputs (``ConvNodes``).
+
+        Args / Returns: as ``executors.base.Executor.verify`` (D = C for the conv).
+        """
         return self._score(mixer, x, tree, caches, options)
 
     def commit(self, mixer, cache, nodes, path, options=None):
-        """Append the inputs of ``path`` ([L] node indices, root first) -> ConvCache of T + L."""
+        """Append the inputs of ``path`` -> ConvCache of T + L.
+
+        Args / Returns: as ``executors.base.Executor.commit`` (D = C for the conv).
+        """
         return cache.grown(x=nodes.x[path])
 
     def _score(self, mixer, x, tree, caches, options=None):

@@ -142,7 +142,11 @@ class GDNExecutor(Executor):
     kind = "gdn"
 
     def prefill(self, mixer, x, positions, prev=None, options=None):
-        """x [1, T, D] -> (out [1, T, D], GDNCache of len(prev) + T tokens). ``prev`` is left untouched."""
+        """The recurrence over the trunk, extending ``prev`` exactly; the GDNCache keeps fp32 state checkpoints every C
+        tokens, the final state, the conv inputs, g and beta.
+
+        Args / Returns: as ``executors.base.Executor.prefill``.
+        """
         if x.shape[0] != 1:
             raise ValueError(f"gdn prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
         every, keep = _every(options), _keep(options)
@@ -175,10 +179,20 @@ class GDNExecutor(Executor):
         return mixer.finish(o, z), cache
 
     def prefill_packed(self, mixer, x, positions, cu_seqlens, options=None):
-        """Fresh trunks packed along the token dim: x [1, N, D], cu_seqlens [n + 1] (python ints) -> (out [1, N,
-        D], one GDNCache per trunk). Projections and gates run once over all N tokens; the conv and recurrence
-        run per trunk, or in one varlen pass through fla (``cu_seqlens``) when the prefill backend is "fla"
-        (CUDA; tests/test_fla.py runs it interpreted on the CPU)."""
+        """Fresh trunks packed along the token dim: projections and gates run once over all N tokens; the conv and the
+        recurrence run per trunk, or in one varlen pass through fla (``cu_seqlens``) when the prefill backend is "fla"
+        (CUDA; tests/test_fla.py runs it interpreted on the CPU).
+
+        Args:
+            mixer: the layer's GatedDeltaNet.
+            x: [1, N, D] all trunks' tokens.
+            positions: [1, N], each trunk from 0.
+            cu_seqlens: [n + 1] python ints.
+            options: run options.
+
+        Returns:
+            (out [1, N, D], list of one GDNCache per trunk).
+        """
         every, keep = _every(options), _keep(options)
         u, z, g, beta = mixer.project(x)
         run, name = _recurrence(options, x.device, every if keep else None)
@@ -211,12 +225,22 @@ class GDNExecutor(Executor):
         return mixer.finish(o, z), caches
 
     def anchor_states(self, mixer, caches, trunk: torch.Tensor, anchor: torch.Tensor, options=None) -> torch.Tensor:
-        """States after trunk[trunk[p]][0..anchor[p]] for P (trunk, anchor) pairs -> [P, H, K, V] fp32.
+        """The fp32 states after trunk[0..anchor] for P (trunk, anchor) pairs (the torch path; the Triton kernel fuses
+        this
+        with the nodes' steps). Each starts from checkpoint (a+1)//C (or the final state when a = T-1) and replays < C
+        trunk tokens: one replay per checkpoint segment in use, all segments batched, so the work is
+        <= min(P, T/C) x (C-1) state steps.
 
-        Each starts from checkpoint (a+1)//C (or the final state when a = T-1) and replays < C trunk tokens:
-        one replay per checkpoint segment in use (anchors in the same segment share it, capturing their states
-        on the way), all segments batched, so the work is <= min(P, T/C) x (C-1) state steps. (The torch path;
-        Triton kernels fuse this with the nodes' steps, see ``_score_triton``.)"""
+        Args:
+            mixer: the layer's GatedDeltaNet.
+            caches: one GDNCache per trunk.
+            trunk: [P] trunk of each pair.
+            anchor: [P] anchor of each pair.
+            options: run options.
+
+        Returns:
+            [P, H, K, V] fp32 states.
+        """
         every = caches[0].every
         if any(c.every != every for c in caches):
             raise ValueError("packed trunk caches were built with different gdn_checkpoint_every")
@@ -260,17 +284,26 @@ class GDNExecutor(Executor):
         return tuple(t.view(p_, r_, *t.shape[1:]) for t in _trunk_rows(mixer, caches, tr, pos.reshape(-1)))
 
     def score(self, mixer, x, tree, caches, options=None):
-        """x [1, M, D] inputs of the M tree nodes; caches: one GDNCache per trunk -> out [1, M, D]."""
+        """Each branch replays from its anchor's nearest checkpoint, then the nodes advance level by level; caches: one
+        GDNCache per trunk.
+
+        Args / Returns: as ``executors.base.Executor.score``.
+        """
         return self._score(mixer, x, tree, caches, options, keep=False)[0]
 
     def verify(self, mixer, x, tree, caches, options=None):
-        """``score`` -> (out [1, M, D], GDNNodes: every node's conv input, g, beta and state after it)."""
+        """``score`` that also keeps every node's conv input, g, beta and the fp32 state after it (``GDNNodes``).
+
+        Args / Returns: as ``executors.base.Executor.verify``.
+        """
         return self._score(mixer, x, tree, caches, options, keep=True)
 
     def commit(self, mixer, cache, nodes, path, options=None):
-        """Extend ``cache`` (T tokens) by ``path`` ([L] node indices, root first, root anchored at T - 1) ->
-        GDNCache of T + L: final = the state after the path's last node; a checkpoint (state *before* the
-        token) at every position T + j that is a multiple of C (unless the cache keeps none)."""
+        """Extend ``cache`` by ``path``: final = the state after the path's last node; a checkpoint (the state *before*
+        the token) at every position T + j that is a multiple of C (unless the cache keeps none).
+
+        Args / Returns: as ``executors.base.Executor.commit``.
+        """
         t, every = len(cache), cache.every
         replace = {"final": nodes.state[path[-1]]}
         new = dict(conv_in=nodes.conv_in[path], g=nodes.g[path], beta=nodes.beta[path])

@@ -67,17 +67,35 @@ def score_backend(device, options) -> str:
 
 
 def attend(q, k, v, mask, scaling, options=None):
-    """q [1, Tq, H, hd], k/v [1, Tk, Hkv, hd], mask [1, Tq, Tk] bool -> [1, Tq, H, hd].
+    """Masked attention, "dense" (the exact HF-eager numerics of the plain forward) or "sdpa" (torch's fused attention
+    with the boolean mask), see ``_backend``.
 
-    "dense" (the exact HF-eager numerics of the plain forward) or "sdpa" (torch's fused attention with the
-    boolean mask), see ``_backend``."""
+    Args:
+        q: [1, Tq, H, hd].
+        k, v: [1, Tk, Hkv, hd].
+        mask: [1, Tq, Tk] bool (True = may attend).
+        scaling: softmax scale.
+        options: run options (``gqa_backend``).
+
+    Returns:
+        [1, Tq, H, hd].
+    """
     return BACKENDS[_backend(q, options)](q, k, v, mask, scaling)
 
 
 def attend_causal(q, k, v, scaling, options=None):
-    """Causal attention of the last Tq of Tk positions (queries at t0..t0+Tq-1 with t0 = Tk - Tq):
-    q [1, Tq, H, hd], k/v [1, Tk, Hkv, hd] -> [1, Tq, H, hd]. With sdpa, a lower-right causal bias
-    (no dense mask) lets torch pick its flash kernel."""
+    """Causal attention of the last Tq of Tk positions (queries at t0 .. t0 + Tq - 1, t0 = Tk - Tq). With sdpa a
+    lower-right causal bias (no dense mask) lets torch pick its flash kernel.
+
+    Args:
+        q: [1, Tq, H, hd].
+        k, v: [1, Tk, Hkv, hd].
+        scaling: softmax scale.
+        options: run options.
+
+    Returns:
+        [1, Tq, H, hd].
+    """
     tq, tk = q.shape[1], k.shape[1]
     if _backend(q, options) == "sdpa" and tq > 0:
         if q.device.type == "cpu" and (tq == tk or tq == 1):  # no mask object: the CPU flash kernel, GQA in place
@@ -116,11 +134,20 @@ def varlen_backend(q, options) -> str:
 
 
 def attend_varlen(q, k, v, cu_seqlens, max_len: int, scaling, options=None):
-    """Causal attention of packed sequences: q [N, H, hd], k/v [N, Hkv, hd] (sequence i = rows
-    cu_seqlens[i] .. cu_seqlens[i+1] - 1, int32 [n + 1] on q's device) -> [N, H, hd].
+    """Causal attention of packed sequences. UNTESTED on a GPU here: the "flash_attn" and "torch" backends run only on
+    CUDA (``benchmarks/gpu_check.sh`` compares them with "loop").
 
-    UNTESTED on a GPU here: the "flash_attn" and "torch" backends run only on CUDA (``benchmarks/gpu_check.sh``
-    compares them with "loop")."""
+    Args:
+        q: [N, H, hd] all sequences' rows.
+        k, v: [N, Hkv, hd].
+        cu_seqlens: [n + 1] int32 on q's device; sequence i = rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1.
+        max_len: the longest sequence.
+        scaling: softmax scale.
+        options: run options (``varlen_backend``).
+
+    Returns:
+        [N, H, hd].
+    """
     backend = varlen_backend(q, options)
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func  # optional (gpu extra)
@@ -156,7 +183,11 @@ class GQAExecutor(Executor):
     kind = "gqa"
 
     def prefill(self, mixer, x, positions, prev=None, options=None):
-        """x [1, T, D], positions [1, T] (= t0 .. t0+T-1) -> (out [1, T, D], GQACache of t0 + T tokens)."""
+        """Causal attention over the trunk, extending ``prev``; the cache keeps K / V [T, Hkv, hd] after q/k norm and
+        RoPE.
+
+        Args / Returns: as ``executors.base.Executor.prefill``.
+        """
         if x.shape[0] != 1:
             raise ValueError(f"gqa prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
         q, k, v, extra = mixer.project(x, positions)
@@ -165,8 +196,18 @@ class GQAExecutor(Executor):
         return mixer.finish(o, extra), cache
 
     def prefill_packed(self, mixer, x, positions, cu_seqlens, options=None):
-        """Fresh trunks packed along the token dim: x [1, N, D], positions [1, N] (each trunk from 0),
-        cu_seqlens [n + 1] (python ints) -> (out [1, N, D], one GQACache per trunk)."""
+        """Fresh trunks packed along the token dim in one varlen causal pass.
+
+        Args:
+            mixer: the layer's gqa-kind mixer.
+            x: [1, N, D] all trunks' tokens.
+            positions: [1, N], each trunk from 0.
+            cu_seqlens: [n + 1] python ints; trunk i = tokens cu_seqlens[i] .. cu_seqlens[i + 1] - 1.
+            options: run options.
+
+        Returns:
+            (out [1, N, D], list of one GQACache per trunk).
+        """
         q, k, v, extra = mixer.project(x, positions)
         cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=x.device)
         max_len = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
@@ -175,15 +216,24 @@ class GQAExecutor(Executor):
         return mixer.finish(o[None], extra), caches
 
     def score(self, mixer, x, tree, caches, options=None):
-        """x [1, M, D] inputs of the M tree nodes; caches: one GQACache per trunk -> out [1, M, D]."""
+        """Tree attention through the block plan (``options['gqa_backend']``); caches: one GQACache per trunk.
+
+        Args / Returns: as ``executors.base.Executor.score``.
+        """
         return self._score(mixer, x, tree, caches, options)[0]
 
     def verify(self, mixer, x, tree, caches, options=None):
-        """``score`` -> (out [1, M, D], GQANodes of the M nodes)."""
+        """``score`` that also keeps the nodes' K / V (``GQANodes``).
+
+        Args / Returns: as ``executors.base.Executor.verify``.
+        """
         return self._score(mixer, x, tree, caches, options)
 
     def commit(self, mixer, cache, nodes, path, options=None):
-        """Append the K/V of ``path`` ([L] node indices, root first) to ``cache`` -> GQACache of T + L."""
+        """Append the K / V of ``path`` to ``cache`` -> GQACache of T + L.
+
+        Args / Returns: as ``executors.base.Executor.commit``.
+        """
         return cache.grown(k=nodes.k[path], v=nodes.v[path])
 
     def _score(self, mixer, x, tree, caches, options=None):

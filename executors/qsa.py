@@ -65,7 +65,11 @@ class QSAExecutor(Executor):
     kind = "qsa"
 
     def prefill(self, mixer, x, positions, prev=None, options=None):
-        """x [1, T, D], positions [1, T] = t0 + arange(T) -> (out [1, T, D], QSACache of prev + T tokens)."""
+        """Indexed attention over the trunk; the QSACache keeps K / V, raw index keys and the pooled keys of every
+        complete group.
+
+        Args / Returns: as ``executors.base.Executor.prefill``.
+        """
         t0, t, r = (len(prev) if prev is not None else 0), x.shape[1], mixer.ratio
         if int(positions[0, 0]) != t0:
             raise ValueError(f"qsa prefill: positions start at {int(positions[0, 0])} but the cache holds {t0} tokens")
@@ -98,15 +102,25 @@ class QSAExecutor(Executor):
         return mixer.finish(torch.cat(outs, dim=1), gate), cache
 
     def score(self, mixer, x, tree, caches, options=None):
-        """x [1, M, D] node inputs -> [1, M, D]; node u as the last token of trunk[:a_u+1] + path(u)."""
+        """Node u as the last token of trunk[:a_u+1] + path(u): cached pooled trunk groups, the crossing and path groups
+        rebuilt per node.
+
+        Args / Returns: as ``executors.base.Executor.score``.
+        """
         return self._score(mixer, x, tree, caches, options)[0]
 
     def verify(self, mixer, x, tree, caches, options=None):
-        """``score`` -> (out [1, M, D], QSANodes of the M nodes)."""
+        """``score`` that also keeps the nodes' K / V and raw index keys (``QSANodes``).
+
+        Args / Returns: as ``executors.base.Executor.verify``.
+        """
         return self._score(mixer, x, tree, caches, options)
 
     def commit(self, mixer, cache, nodes, path, options=None):
-        """Append ``path``'s K/V and raw index keys; pool the groups its tokens complete -> QSACache of T + L."""
+        """Append ``path``'s K / V and raw index keys and pool the groups its tokens complete.
+
+        Args / Returns: as ``executors.base.Executor.commit``.
+        """
         t0 = len(cache)
         cache = cache.grown(k=nodes.k[path], v=nodes.v[path], raw=nodes.raw[path])
         return cache.grown(pooled=_pool_new_groups(mixer, cache.raw, t0, len(cache)))
