@@ -5,9 +5,20 @@ import triton.language as tl
 
 @triton.jit
 def online_softmax_update(m_i, l_i, acc, s, v_tile, DOT_PREC: tl.constexpr):
-    """Fold one block of masked (-inf), log2-scaled scores s [BM, BN] and its values [BN, D] into the running
-    max m_i [BM], sum l_i [BM] and output acc [BM, D] (fp32). A row with nothing visible yet stays at zero
-    instead of turning into NaN."""
+    """Fold one block of scores into the running softmax (Triton helper); a row with nothing visible yet stays at zero
+    instead of turning into NaN.
+
+    Args:
+        m_i: [BM] running max (log2 scale).
+        l_i: [BM] running sum.
+        acc: [BM, D] fp32 running output.
+        s: [BM, BN] masked (-inf), log2-scaled scores of the block.
+        v_tile: [BN, D] the block's values.
+        DOT_PREC: the dot's input precision.
+
+    Returns:
+        (m_i, l_i, acc) updated.
+    """
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)

@@ -149,10 +149,22 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                            beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                            checkpoint_every: Optional[int] = None, start: int = 0,
                            chunk_size: Optional[int] = None):
-    """q, k [B, T, HQ, K] (prepared: l2-normed, q scaled); v [B, T, H, V] (H a multiple of HQ); g, beta [B, T, H];
-    initial_state [B, H, K, V] or None. Returns (o [B, T, H, V] fp32, final_state [B, H, K, V] fp32, checkpoints
-    [B, n, H, K, V] fp32 or None) as ``naive.recurrent_gated_delta_rule``: checkpoints are the states before every
-    token whose absolute position ``start + t`` is a multiple of ``checkpoint_every``."""
+    """The chunked Triton forward with the same contract as ``naive.recurrent_gated_delta_rule``.
+
+    Args:
+        q, k: [B, T, HQ, K] prepared (l2-normed, q scaled: ``naive.prepare_qk``).
+        v: [B, T, H, V], H a multiple of HQ (head h reads q/k head h // (H / HQ)).
+        g: [B, T, H] log decay.
+        beta: [B, T, H] write strength.
+        initial_state: [B, H, K, V] or None (zeros).
+        checkpoint_every: C; keep the states before every token whose absolute position ``start + t`` is a multiple
+            of C.
+        start: the absolute position of token 0 (an extension of a trunk).
+        chunk_size: BT (default: ``chunk_size_for(C)``, the largest of 64, 32, 16 that divides C).
+
+    Returns:
+        (o [B, T, H, V] fp32, final_state [B, H, K, V] fp32, checkpoints [B, n, H, K, V] fp32 or None without C).
+    """
     b, t, hq, kd = k.shape
     h, vd = v.shape[2], v.shape[3]
     if q.shape != k.shape or v.shape[:2] != (b, t) or h % hq or g.shape != (b, t, h) or beta.shape != (b, t, h):
@@ -196,9 +208,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def chunk_checkpoints(states: torch.Tensor, start: int, t: int, bt: int, every: Optional[int]):
-    """Chunk states [B, NT, H, K, V] of a sequence at absolute positions [start, start + t) whose chunk 0 starts
-    at ``start - start % bt`` -> the checkpoints [B, n, H, K, V] (states before positions that are multiples of
-    ``every`` in [start, start + t)), or None without ``every``."""
+    """Pick the checkpoints out of the chunk states of a sequence whose chunk 0 starts at ``start - start % bt``.
+
+    Args:
+        states: [B, NT, H, K, V] the state entering each chunk.
+        start: the sequence's first absolute position.
+        t: its length.
+        bt: the chunk size.
+        every: C, or None.
+
+    Returns:
+        [B, n, H, K, V] the states before the positions in [start, start + t) that are multiples of C, or None.
+    """
     if every is None:
         return None
     pad = start % bt

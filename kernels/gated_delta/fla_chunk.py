@@ -76,14 +76,25 @@ def fla_verified(device) -> bool:
 def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
                                beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                                checkpoint_every: Optional[int] = None, start: int = 0, cu_seqlens=None):
-    """Same contract as ``kernels.gated_delta.chunk.chunk_gated_delta_rule`` (q, k [B, T, HQ, K] prepared, v
-    [B, T, H, V], g, beta [B, T, H]; returns fp32 o, final state and checkpoints), computed by fla on CUDA.
-    ``checkpoint_every`` must be a multiple of 64 (fla's chunk).
+    """The contract of ``kernels.gated_delta.chunk.chunk_gated_delta_rule``, computed by fla on CUDA.
 
-    ``cu_seqlens`` [n + 1] (long, on the device): B = 1 holds n fresh sequences packed one after another
-    (fla's varlen mode; ``start`` must be 0). Returns (o [1, N, H, V], final [n, H, K, V], a list of n
-    checkpoint tensors [n_i, H, K, V] (None without ``checkpoint_every``)): fla's chunks restart at every
-    sequence, so sequence i's chunk states are h[0, off_i : off_i + ceil(T_i / 64)]."""
+    Args:
+        q, k: [B, T, HQ, K] prepared (l2-normed, q scaled: ``naive.prepare_qk``).
+        v: [B, T, H, V], H a multiple of HQ (head h reads q/k head h // (H / HQ)).
+        g: [B, T, H] log decay.
+        beta: [B, T, H] write strength.
+        initial_state: [B, H, K, V] or None (zeros).
+        checkpoint_every: C, a multiple of 64 (fla's chunk); keep the states before every token whose absolute
+            position ``start + t`` is a multiple of C.
+        start: the absolute position of token 0 (an extension of a trunk).
+        cu_seqlens: [n + 1] long on the device: B = 1 holds n fresh sequences packed one after another (fla's varlen
+            mode; ``start`` must be 0).
+
+    Returns:
+        (o [B, T, H, V] fp32, final_state [B, H, K, V] fp32, checkpoints [B, n, H, K, V] fp32 or None without C). With
+        ``cu_seqlens``: (o [1, N, H, V], final [n, H, K, V], a list of n checkpoint tensors
+        [n_i, H, K, V] or None): fla's chunks restart at every sequence.
+    """
     fla_available()
     try:
         import fla.ops.gated_delta_rule.chunk as fla_chunk  # optional (gpu extra)

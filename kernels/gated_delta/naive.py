@@ -30,10 +30,17 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor):
 
 def gated_delta_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      g: torch.Tensor, beta: torch.Tensor):
-    """One token for a batch of independent states.
+    """One token of the gated delta rule for a batch of independent states (S is not modified in place).
 
-    S [N, H, K, V]; q, k [N, H, K]; v [N, H, V]; g, beta [N, H] -> (new S [N, H, K, V], o [N, H, V]).
-    S is not modified in place.
+    Args:
+        S: [N, H, K, V] fp32 states.
+        q, k: [N, H, K] prepared.
+        v: [N, H, V].
+        g: [N, H] log decay.
+        beta: [N, H] write strength.
+
+    Returns:
+        (new S [N, H, K, V], o [N, H, V]).
     """
     S = S * g.exp()[..., None, None]
     kv_mem = (S * k.unsqueeze(-1)).sum(dim=-2)  # [N, H, V]
@@ -46,14 +53,21 @@ def gated_delta_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
                                beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                                checkpoint_every: Optional[int] = None, start: int = 0):
-    """Run the recurrence over T tokens (fp32).
+    """Run the recurrence over T tokens in fp32 (the reference of every GDN kernel).
 
-    q, k [B, T, H, K] (prepared: see ``prepare_qk``); v [B, T, H, V]; g, beta [B, T, H];
-    initial_state [B, H, K, V] or None (zeros).
-    Returns (o [B, T, H, V], final_state [B, H, K, V], checkpoints) where, with ``checkpoint_every=C``,
-    checkpoints [B, n, H, K, V] are the states *before* every token whose absolute position
-    ``start + t`` is a multiple of C (i.e. the state after the first ``k*C`` tokens of the sequence);
-    without it, checkpoints is None.
+    Args:
+        q, k: [B, T, H, K] prepared (l2-normed, q scaled: ``naive.prepare_qk``).
+        v: [B, T, H, V].
+        g: [B, T, H] log decay.
+        beta: [B, T, H] write strength.
+        initial_state: [B, H, K, V] or None (zeros).
+        checkpoint_every: C; keep the states before every token whose absolute position ``start + t`` is a multiple
+            of C.
+        start: the absolute position of token 0 (an extension of a trunk).
+
+    Returns:
+        (o [B, T, H, V] fp32, final_state [B, H, K, V] fp32, checkpoints [B, n, H, K, V] fp32 or None without C).
+        Checkpoint j is the state after the first j * C tokens of the sequence.
     """
     b, t, h, kd = k.shape
     vd = v.shape[-1]
@@ -78,14 +92,23 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def tree_replay_reference(checkpoints, finals, every: int, trunk_k, trunk_v, trunk_g, trunk_beta, q, k, v, g, beta,
                           anchor, parent, trunk_index):
-    """Tree nodes through the recurrence from the trunks' checkpoints (what the GDN executor's torch path and the
-    fused replay kernel compute), one node at a time.
+    """Tree nodes through the recurrence from the trunks' checkpoints, one node at a time (what the GDN executor's
+    torch path and the fused replay kernel compute). A root with anchor a starts from the state after trunk tokens
+    0..a: checkpoint (a+1)//every plus < every replayed tokens, or the final state when a is the last token.
 
-    Per trunk i: checkpoints[i] [n_i, H, K, V] (state after the first j*every tokens), finals[i] [H, K, V],
-    trunk_k[i] [T_i, H, K], trunk_v[i] [T_i, H, V], trunk_g[i], trunk_beta[i] [T_i, H] (prepared inputs). Nodes:
-    q, k [M, H, K], v [M, H, V], g, beta [M, H]; anchor, parent, trunk_index [M] (parents precede children).
-    A root with anchor a starts from the state after trunk tokens 0..a: checkpoint (a+1)//every plus < every
-    replayed tokens, or the final state when a is the last token. Returns (o [M, H, V], states [M, H, K, V]).
+    Args:
+        checkpoints: per trunk [n_i, H, K, V] (the state after the first j * every tokens).
+        finals: per trunk [H, K, V].
+        every: the checkpoint interval.
+        trunk_k, trunk_v: per trunk [T_i, H, K] / [T_i, H, V] (prepared).
+        trunk_g, trunk_beta: per trunk [T_i, H].
+        q, k: [M, H, K] node inputs (prepared).
+        v: [M, H, V].
+        g, beta: [M, H].
+        anchor, parent, trunk_index: [M] tree structure (parents precede children).
+
+    Returns:
+        (o [M, H, V], states [M, H, K, V]).
     """
     m = anchor.numel()
     o = torch.empty(m, *v.shape[1:], dtype=torch.float32, device=v.device)

@@ -66,8 +66,19 @@ def _preorder(nodes: list, parent: torch.Tensor) -> list:
 
 def build_replay_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: torch.Tensor,
                       trunk_lens: Sequence[int], every: int, share_replay: bool = True) -> ReplayPlan:
-    """anchor, parent, trunk_index [M] (``ProposalTree`` fields; parents precede children); trunk_lens: tokens
-    in each trunk's cache; every: C, the checkpoint interval of the caches -> the plan."""
+    """The segments and stops of the fused replay (plain torch, built once per tree).
+
+    Args:
+        anchor, parent, trunk_index: [M] ``ProposalTree`` fields (parents precede children); checked by
+            ``specopd.tree.check_tree``.
+        trunk_lens: tokens in each trunk's cache.
+        every: C, the checkpoint interval of the caches.
+        share_replay: one segment per (trunk, checkpoint) (anchors in one interval share a replay); False: one per
+            (trunk, anchor).
+
+    Returns:
+        ReplayPlan.
+    """
     anchor, parent, trunk_index = (torch.as_tensor(x, dtype=torch.long).cpu().reshape(-1)
                                    for x in (anchor, parent, trunk_index))
     m = anchor.numel()
@@ -208,13 +219,22 @@ def kernel_config(k_dim: int, v_dim: int) -> dict:
 def gdn_tree_replay(states0: torch.Tensor, replay_k: torch.Tensor, replay_v: torch.Tensor, replay_g: torch.Tensor,
                     replay_beta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, plan: ReplayPlan, store_states: bool = False):
-    """Score tree nodes through GDN from the trunks' checkpoints.
+    """Score tree nodes through GDN from the trunks' checkpoints in one Triton launch.
 
-    states0 [S0, H, K, V] fp32 (``stack_states`` of every trunk's checkpoints + final state); replay inputs of
-    the trunk rows ``plan.replay_rows`` (prepared as in the prefill): replay_k [R, HQ, K], replay_v [R, H, V],
-    replay_g, replay_beta [R, H]; node inputs q, k [M, HQ, K] (prepared), v [M, H, V], g, beta [M, H].
-    Returns (o [M, H, V] fp32, states [M, H, K, V] fp32 when ``store_states`` else None). Pass ``plan.to(device)``
-    (once per tree) to avoid a host-to-device copy per layer."""
+    Args:
+        states0: [S0, H, K, V] fp32, ``stack_states`` of every trunk's checkpoints + final state.
+        replay_k: [R, HQ, K] the trunk rows ``plan.replay_rows`` (prepared as in the prefill).
+        replay_v: [R, H, V].
+        replay_g, replay_beta: [R, H].
+        q, k: [M, HQ, K] node inputs (prepared).
+        v: [M, H, V].
+        g, beta: [M, H].
+        plan: ``build_replay_plan``'s; pass ``plan.to(device)`` once per tree to avoid a copy per layer.
+        store_states: also write every node's state (decoding's commit needs it).
+
+    Returns:
+        (o [M, H, V] fp32, states [M, H, K, V] fp32 or None).
+    """
     m, hq, kd = k.shape
     h, vd = v.shape[1], v.shape[2]
     r = int(plan.replay_rows.numel())

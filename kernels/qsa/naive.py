@@ -54,8 +54,18 @@ def group_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, n_keys: torch.Tensor,
                        scale: float) -> torch.Tensor:
-    """q [Q, H, D]; k, v [N, Hkv, D]; idx [Q, S], n_keys [Q] -> [Q, H, D] fp32: query q attends to rows
-    idx[q, :n_keys[q]] (softmax in fp32), the reference of ``kernels.qsa.sparse_attention.sparse_attention``."""
+    """Each query attends to its own gathered key rows (softmax in fp32): the reference of ``sparse_attention``.
+
+    Args:
+        q: [Q, H, D].
+        k, v: [N, Hkv, D].
+        idx: [Q, S] rows of k / v.
+        n_keys: [Q] how many of idx[q] are used.
+        scale: softmax scale.
+
+    Returns:
+        [Q, H, D] fp32.
+    """
     nq, h, _ = q.shape
     rep = h // k.shape[1]
     ok = torch.arange(idx.shape[1], device=idx.device)[None, :] < n_keys[:, None]  # [Q, S]

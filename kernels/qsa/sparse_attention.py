@@ -59,8 +59,18 @@ def kernel_config(head_dim: int, group: int) -> dict:
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, n_keys: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """q [Q, H, D]; k, v [N, Hkv, D]; idx [Q, S] rows of k/v (the first n_keys[q] are used); n_keys [Q] (>= 1)
-    -> o [Q, H, D] in q's dtype: softmax(scale * q . k[idx]) . v[idx] per query and head."""
+    """softmax(scale * q . k[idx]) . v[idx] per query and head (Triton).
+
+    Args:
+        q: [Q, H, D].
+        k, v: [N, Hkv, D].
+        idx: [Q, S] rows of k / v; the first n_keys[q] are used.
+        n_keys: [Q] (>= 1).
+        scale: softmax scale.
+
+    Returns:
+        o [Q, H, D] in q's dtype.
+    """
     nq, h, hd = q.shape
     hkv = k.shape[1]
     if h % hkv or k.shape[2] != hd or v.shape != k.shape or idx.shape[0] != nq or n_keys.shape != (nq,):
@@ -110,9 +120,22 @@ def pack_rows(rows: torch.Tensor, ok: torch.Tensor):
 
 def qsa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, pooled: torch.Tensor,
                 last: torch.Tensor, topk: int, ratio: int, scale: float, chunk: int = 1024):
-    """Causal QSA in query chunks. q [Tq, H, D] queries; k, v [N, Hkv, D] keys 0..N-1; q_idx [Tq, Hi, di] index
-    queries; pooled [G, di] pooled keys of the complete groups (G >= max complete groups); last [Tq] each
-    query's position (it sees 0..last) -> (o [Tq, H, D], sel [Tq, topk] selected groups, as ``select_groups``)."""
+    """Causal QSA in query chunks: indexer scores -> exact top-k -> sparse attention, no [T, T] tensor.
+
+    Args:
+        q: [Tq, H, D] queries.
+        k, v: [N, Hkv, D] keys 0..N-1.
+        q_idx: [Tq, Hi, di] index queries.
+        pooled: [G, di] pooled keys of the complete groups (G >= the most complete groups a query sees).
+        last: [Tq] each query's position (it sees 0..last).
+        topk: groups selected per query.
+        ratio: tokens per group.
+        scale: softmax scale.
+        chunk: queries per chunk.
+
+    Returns:
+        (o [Tq, H, D], sel [Tq, topk] selected groups, as ``select_groups``).
+    """
     tq = q.shape[0]
     o = torch.empty_like(q)
     sels = torch.empty(tq, topk, dtype=torch.long, device=q.device)

@@ -28,7 +28,14 @@ def ancestor_or_self(parent: torch.Tensor) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked attention in fp32 with GQA head groups (no repeated K/V in memory beyond a view).
 
-    q [Q, H, D], k/v [S, Hkv, D], mask [Q, S] bool (every row needs one True) -> [Q, H, D] fp32.
+    Args:
+        q: [Q, H, D].
+        k, v: [S, Hkv, D].
+        mask: [Q, S] bool (every row needs one True).
+        scale: softmax scale.
+
+    Returns:
+        [Q, H, D] fp32.
     """
     h, hkv = q.shape[1], k.shape[1]
     g = h // hkv
@@ -43,8 +50,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: Sequence[torch.Tensor],
                              trunk_v: Sequence[torch.Tensor], anchor: torch.Tensor, parent: torch.Tensor,
                              trunk_index: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [M, H, D] node queries; k, v [M, Hkv, D] node keys/values; trunk_k/v: one [T_i, Hkv, D] per trunk;
-    anchor, parent, trunk_index [M] (tree structure, parents precede children) -> o [M, H, D] fp32."""
+    """Node u attends to its trunk's keys 0..anchor_u, its ancestors and itself (dense, one node at a time).
+
+    Args:
+        q: [M, H, D] node queries.
+        k, v: [M, Hkv, D] node keys / values.
+        trunk_k, trunk_v: one [T_i, Hkv, D] per trunk.
+        anchor, parent, trunk_index: [M] tree structure (parents precede children).
+        scale: softmax scale.
+
+    Returns:
+        o [M, H, D] fp32.
+    """
     o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
     anc_all = ancestor_or_self(parent.cpu())
     for i in range(len(trunk_k)):

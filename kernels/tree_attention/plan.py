@@ -100,9 +100,18 @@ def _depth(parent: torch.Tensor) -> torch.Tensor:
 
 def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: torch.Tensor,
                     trunk_lens: Sequence[int], block_m: int, block_n: int) -> TreeAttentionPlan:
-    """anchor, parent, trunk_index [M] (``ProposalTree`` fields: parent -1 for a child of the trunk, parents
-    precede children); trunk_lens: keys held by each trunk's cache -> the plan (built once per tree and block
-    size; the same for every layer)."""
+    """The block plan of one tree (built once per tree and block size; the same for every layer).
+
+    Args:
+        anchor, parent, trunk_index: [M] ``ProposalTree`` fields (parent -1 for a child of the trunk; parents
+            precede children); checked by ``specopd.tree.check_tree``.
+        trunk_lens: keys held by each trunk's cache.
+        block_m: nodes per query block.
+        block_n: keys per key block (<= 64: int64 bitmasks).
+
+    Returns:
+        TreeAttentionPlan.
+    """
     anchor, parent, trunk_index = (torch.as_tensor(x, dtype=torch.long).cpu().reshape(-1)
                                    for x in (anchor, parent, trunk_index))
     m = anchor.numel()
@@ -194,11 +203,18 @@ def block_visibility(plan: TreeAttentionPlan, b: int, e: int) -> torch.Tensor:
 
 def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: torch.Tensor,
                            trunk_v: torch.Tensor, plan: TreeAttentionPlan, scale: float) -> torch.Tensor:
-    """Tree attention in torch that computes only the plan's blocks (the CPU path; exact in fp32).
+    """Tree attention in torch over the plan's blocks only (the CPU path; exact in fp32): per query block its trunk
+    prefix [0, t_len) and its listed node blocks.
 
-    q [M, H, D]; k, v [M, Hkv, D] (node order); trunk_k/v [sum T_i, Hkv, D] packed at ``plan.trunk_offsets``
-    -> o [M, H, D] fp32 (bf16 / fp16 inputs on the CPU: the fused kernel's output in fp32 storage, see
-    ``_attend_block``). Per query block: its trunk prefix [0, t_len) and its listed node blocks.
+    Args:
+        q: [M, H, D] node queries.
+        k, v: [M, Hkv, D] node keys / values (node order).
+        trunk_k, trunk_v: [sum T_i, Hkv, D] the trunks' keys packed at ``plan.trunk_offsets``.
+        plan: ``build_tree_plan``'s.
+        scale: softmax scale.
+
+    Returns:
+        o [M, H, D] fp32 (bf16 / fp16 inputs on the CPU: the fused kernel's output in fp32 storage).
     """
     o = torch.empty(plan.num_nodes, q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
     order = plan.order.to(q.device)

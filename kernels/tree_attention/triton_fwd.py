@@ -112,11 +112,20 @@ def plan_blocks(head_dim: int, num_heads: int, num_kv_heads: int) -> dict:
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: torch.Tensor, trunk_v: torch.Tensor,
                    plan: TreeAttentionPlan, scale: float, out_dtype=None) -> torch.Tensor:
-    """q [M, H, D] node queries; k, v [M, Hkv, D] node keys/values (node order); trunk_k/v [sum T_i, Hkv, D]
-    the trunks' keys packed at ``plan.trunk_offsets`` -> o [M, H, D] (q's dtype unless ``out_dtype``).
+    """The Triton forward over the same plan as ``tree_attention_blocked``.
 
-    ``plan`` must come from ``build_tree_plan(..., **plan_blocks(D, H, Hkv))``; pass ``plan.to(device)`` (kept
-    with the tree, the same for every layer) to avoid a host-to-device copy per call."""
+    Args:
+        q: [M, H, D] node queries.
+        k, v: [M, Hkv, D] node keys / values (node order).
+        trunk_k, trunk_v: [sum T_i, Hkv, D] the trunks' keys packed at ``plan.trunk_offsets``.
+        plan: from ``build_tree_plan(..., **plan_blocks(D, H, Hkv))``; pass ``plan.to(device)`` (kept with the tree)
+            to avoid a host-to-device copy per call.
+        scale: softmax scale.
+        out_dtype: the output dtype (default: q's).
+
+    Returns:
+        o [M, H, D].
+    """
     m, h, hd = q.shape
     hkv = k.shape[1]
     if h % hkv or k.shape != (m, hkv, hd) or v.shape != k.shape or trunk_k.shape[1:] != (hkv, hd) \
