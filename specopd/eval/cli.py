@@ -30,12 +30,25 @@ from specopd.train.tiny import resolve_target_path
 def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,
                 seed: int = 0, block_size: Optional[int] = None, baseline: bool = False,
                 stop_token_ids: Sequence[int] = (), progress: bool = False) -> dict:
-    """Decode every prompt [T_i] with speculation (and, with ``baseline``, plain autoregressively).
+    """Decode every prompt with speculation (and, with ``baseline``, plain autoregressively). Generators are seeded per
+    prompt: (seed, i).
 
-    Returns {mean_al (incl. bonus), rounds, new_tokens, per_position_acceptance [W] (P(accept i | reached i);
-    None where position i was never reached), accepted_at / reached_at [W] (the counts behind it), survival [W]
-    (P(first i+1 accepted)), spec_tokens_per_s, spec_wall_s, times, ...; with baseline also
-    ar_tokens_per_s, ar_wall_s, speedup}. Generators are seeded per prompt: (seed, i).
+    Args:
+        target: the TargetModel.
+        drafter: the drafter.
+        prompts: list of [T_i] token ids.
+        max_new_tokens: tokens generated per prompt.
+        temperature: 0 = greedy (exact match).
+        seed: the per-prompt generators' seed.
+        block_size: verify only the first k draft tokens (default: all W).
+        baseline: also decode autoregressively, for the speed-up.
+        stop_token_ids: ids that end a generation.
+        progress: a progress bar.
+
+    Returns:
+        dict: mean_al (incl. the bonus), rounds, new_tokens, per_position_acceptance [W] (P(accept i | reached i);
+        None where never reached), accepted_at / reached_at [W], survival [W] (P(first i+1 accepted)),
+        spec_tokens_per_s, spec_wall_s, times, ...; with baseline also ar_tokens_per_s, ar_wall_s, speedup.
     """
     if len(prompts) == 0:
         raise ValueError("evaluate_al: no prompts")

@@ -130,8 +130,21 @@ class SpeculativeDecoder:
 def autoregressive(target, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
                    generator: Optional[torch.Generator] = None, stop_token_ids: Sequence[int] = (),
                    gdn_checkpoint_every: int = 64) -> GenerationResult:
-    """Plain decoding with the same cache machinery (one ``target.prefill`` pass per token, caches growing by
-    amortised appends, no GDN checkpoints): the baseline."""
+    """Plain decoding with the same cache machinery (one ``target.prefill`` pass per token, caches growing by amortised
+    appends, no GDN checkpoints): the baseline.
+
+    Args:
+        target: the TargetModel.
+        prompt_ids: [T] the prompt.
+        max_new_tokens: tokens to generate.
+        temperature: 0 = greedy.
+        generator: for T > 0.
+        stop_token_ids: ids that end the generation.
+        gdn_checkpoint_every: C of the prompt's prefill.
+
+    Returns:
+        GenerationResult (tokens: [n] the new tokens).
+    """
     prompt = _as_prompt(prompt_ids, target.device)
     _check_length(target, prompt.numel(), max_new_tokens, 0)
     stops = set(int(t) for t in stop_token_ids)

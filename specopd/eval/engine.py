@@ -45,13 +45,26 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
               temperatures: Sequence[float], stop_token_ids: Sequence[int], dtype: str = "float32",
               num_speculative_tokens: Optional[int] = None, seed: int = 0, work_dir: Optional[str] = None,
               max_model_len: Optional[int] = None, draft_sample_method: str = "probabilistic") -> dict:
-    """vLLM generates ``prompts`` ([T_i] ids) at each temperature, with ``drafter_dir`` (a released-layout export)
-    as DFlash or, with None, plain. ``draft_sample_method`` (T > 0): ``probabilistic`` samples drafts from the
-    drafter and uses its probabilities in the ratio test, as our decoder does; ``greedy`` is vLLM's default
-    (argmax drafts, treated as one-hot: lossless too, but another acceptance).
+    """vLLM generates ``prompts`` at each temperature, with ``drafter_dir`` as DFlash or, with None, plain.
 
-    Returns {runs: [{temperature, outputs: [{token_ids, finish}], counters: {num_drafts, num_draft_tokens,
-    num_accepted_tokens, accepted_per_pos [k]} or None, tokens_per_s, wall_s}], num_speculative_tokens, log}.
+    Args:
+        target_dir: the target's Hugging Face folder.
+        drafter_dir: a released-layout export, or None (plain decoding).
+        prompts: list of [T_i] token id lists.
+        max_new_tokens: tokens per prompt.
+        temperatures: the decoding temperatures.
+        stop_token_ids: ids that end a generation.
+        dtype: "float32" | "bfloat16".
+        num_speculative_tokens: k (default: the export's block_size - 1).
+        seed: vLLM's sampling seed.
+        work_dir: where the requests, outputs and logs go (default: a tmp dir).
+        max_model_len: vLLM's context limit (default: the longest prompt + max_new_tokens + k + 8).
+        draft_sample_method: T > 0: "probabilistic" samples drafts from the drafter and uses its probabilities in
+            the ratio test, as our decoder does; "greedy" is vLLM's default (argmax drafts, treated as one-hot).
+
+    Returns:
+        {runs: [{temperature, outputs: [{token_ids, finish}], counters: {num_drafts, num_draft_tokens,
+        num_accepted_tokens, accepted_per_pos [k]} or None, tokens_per_s, wall_s}], num_speculative_tokens, log}.
     """
     work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
     os.makedirs(work, exist_ok=True)
@@ -372,11 +385,21 @@ def format_judge(report: dict, title: str = "") -> str:
 
 # ------------------------------------------------------------------------------------------- the main job
 def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
-    """The main job's vLLM rows: each (label, checkpoint) of ``rows`` served by vLLM on the held-out chat
-    prompts at ``pipeline.eval_temperatures`` -> rows in ``evaluate_rows``' format (label + " | vLLM") for
-    ``format_al_table``, plus ours on vLLM's schedule (label + " | ours, vLLM's schedule") and vLLM's default
-    argmax drafts at T > 0 (label + " | vLLM default (argmax drafts)"). Without a vLLM venv (or with
-    SPECOPD_VLLM_JUDGE=0) -> [] and a line saying why. A judge that fails prints why; the job goes on."""
+    """The main job's vLLM rows: each (label, checkpoint) served by vLLM on the held-out chat prompts at
+    ``pipeline.eval_temperatures``, plus ours on vLLM's schedule and vLLM's default argmax drafts at T > 0. Without a
+    vLLM venv (or with SPECOPD_VLLM_JUDGE=0): [] and a line saying why; a judge that fails prints why and the job
+    goes on.
+
+    Args:
+        cfg: the main job's RecipeConfig.
+        target_dir: the target's folder.
+        rows: [(label, checkpoint folder)].
+        progress: progress output.
+
+    Returns:
+        rows in ``evaluate_rows``' format for ``format_al_table`` (labels + " | vLLM", " | ours, vLLM's schedule",
+        " | vLLM default (argmax drafts)").
+    """
     why = vllm_missing_reason() or ("SPECOPD_VLLM_JUDGE=0" if os.environ.get("SPECOPD_VLLM_JUDGE") == "0" else None)
     if why:
         print(f"[specopd] no vLLM rows: {why}", flush=True)
@@ -449,8 +472,23 @@ def main_serve_check(args) -> int:
 
 
 def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: list, stops, temps, ns) -> dict:
-    """``specopd eval --engine vllm``: the judge on the eval prompts (the drafter exported first; an untrained
-    one is exported from memory). Prints the table; -> the report."""
+    """``specopd eval --engine vllm``: the judge on the eval prompts (the drafter exported first; an untrained one is
+    exported from memory). Prints the table.
+
+    Args:
+        cfg: the RecipeConfig (``eval.*``, ``trainer.output_dir`` for the work folder).
+        target_dir: the target's folder.
+        target: the loaded TargetModel (its dtype picks vLLM's).
+        drafter: the drafter (exported when ``source`` is not a folder).
+        source: the drafter's folder, or a label of an in-memory drafter.
+        prompts: list of [T_i] token ids.
+        stops: stop token ids.
+        temps: the temperatures.
+        ns: the CLI's argparse namespace (``--json``).
+
+    Returns:
+        the judge's report (``judge``).
+    """
     why = vllm_missing_reason()
     if why:
         raise EngineUnavailable(f"specopd eval --engine vllm: {why}; or drop --engine vllm (our decoder only)")

@@ -24,8 +24,19 @@ from specopd.data.prepare import generate_batch
 @torch.no_grad()
 def greedy_continuations(target, prompts: Sequence[torch.Tensor], num_tokens: int, batch_size: int = 32,
                          progress: bool = False) -> list:
-    """The target's greedy continuation of each prompt [T_i] -> LongTensor [num_tokens] each (no stop token:
-    verification runs past an end-of-sequence token too). Several prompts decode together (``generate_batch``)."""
+    """The target's greedy continuation of each prompt (no stop token: verification runs past an end-of-sequence token
+    too); several prompts decode together (``generate_batch``).
+
+    Args:
+        target: the TargetModel.
+        prompts: list of [T_i] token ids.
+        num_tokens: tokens per continuation.
+        batch_size: prompts decoded together.
+        progress: a progress bar.
+
+    Returns:
+        list of [num_tokens] LongTensors.
+    """
     out = []
     bar = tqdm(total=len(prompts) * num_tokens, desc="greedy continuations", unit="tok", disable=not progress)
     for b in range(0, len(prompts), batch_size):
@@ -40,12 +51,23 @@ def greedy_continuations(target, prompts: Sequence[torch.Tensor], num_tokens: in
 def replay_greedy_al(target, drafter, prompts: Sequence[torch.Tensor], continuations: Sequence[torch.Tensor],
                      max_new_tokens: int, stop_token_ids: Sequence[int] = (), block_size: Optional[int] = None,
                      anchors_per_call: int = 64) -> dict:
-    """T = 0 AL of ``drafter`` on ``prompts`` [T_i] with the target's greedy ``continuations`` (at least
-    ``max_new_tokens + W`` tokens each). Returns the keys of ``evaluate_al`` that do not involve timing:
-    mean_al (incl. bonus), rounds, new_tokens, accepted_at / reached_at [W], per_position_acceptance, survival,
-    accept_lengths (per prompt), block_size, temperature (0.0), num_prompts, max_new_tokens.
+    """The T = 0 acceptance of real speculative decoding, replayed on the target's greedy continuations: one drafter
+    call per ``anchors_per_call`` anchors instead of one target pass per round.
 
-    Memory: one drafter call covers ``anchors_per_call`` anchors: [anchors_per_call, W, V] logits.
+    Args:
+        target: the TargetModel.
+        drafter: the drafter.
+        prompts: list of [T_i] token ids.
+        continuations: the target's greedy continuations, at least ``max_new_tokens + W`` tokens each.
+        max_new_tokens: tokens decoded per prompt.
+        stop_token_ids: ids that end a generation.
+        block_size: verify only the first k draft tokens (default: all W).
+        anchors_per_call: anchors per drafter call (memory: [anchors_per_call, W, V] logits).
+
+    Returns:
+        the keys of ``evaluate_al`` that involve no timing: mean_al (incl. bonus), rounds, new_tokens, accepted_at /
+        reached_at [W], per_position_acceptance, survival, accept_lengths (per prompt), block_size, temperature (0.0),
+        num_prompts, max_new_tokens.
     """
     w_all = int(drafter.draft_len)  # W drafted tokens (block_size counts the anchor)
     k = w_all if block_size is None else int(block_size)
