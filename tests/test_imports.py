@@ -176,7 +176,7 @@ def test_imports_flow_down_the_layers(graph):
 
 
 def test_public_names_stay_where_they_are():
-    """The public API of DESIGN.md and the names other areas import from the package roots."""
+    """The public API (docs/architecture.md) and the names other areas import from the package roots."""
     from specopd.drafters import (DRAFTERS, DFlashDrafter, DraftContext, DrafterConfig, Drafter, DSparkDrafter,
                                   build_drafter, choose_mask, default_target_layer_ids, export_drafter,
                                   export_folder, load_drafter, pick_tokens, serving_commands, shift_tokens)
