@@ -21,7 +21,7 @@ class Executor:
         """Run one layer's mixer over trunk tokens and keep the layer's trunk cache.
 
         Args:
-            mixer: the layer's token mixer (the pieces each executor uses: its module docstring).
+            mixer: the layer's token mixer (the pieces each executor uses: docs/architecture.md, "Executors").
             x: [1, T, D] the mixer's input for the trunk tokens (already normed by the layer).
             positions: [1, T] absolute positions.
             prev: this layer's cache of the trunk so far (incremental extension; it keeps its contents), or None.

@@ -76,8 +76,9 @@ expected_acceptance_length = acceptance_length
 
 
 def e2e_tv_from_alpha(alpha: torch.Tensor, mask: Optional[torch.Tensor] = None, denom=None) -> torch.Tensor:
-    """E2E-TV from per-position acceptances alpha [N, W] (see the module doc). Positions of a branch meet only
-    through these scalars, which is what lets the fused loss work one chunk of rows at a time."""
+    """E2E-TV from per-position acceptances alpha [N, W] (masks, normalisation: docs/architecture.md, "Losses").
+    Positions of a branch meet only through these scalars, which is what lets the fused loss work one chunk of
+    rows at a time."""
     valid = torch.cumprod(_mask(mask, alpha.shape, alpha.device).long(), dim=1)
     wb = valid.sum(1)
     surv = prefix_survival(alpha, valid.bool()).sum(1)

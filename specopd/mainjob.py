@@ -194,7 +194,7 @@ def format_al_table(results: list, temps, w: int, title: str) -> str:
 
 
 def run(cfg, progress: bool = True) -> dict:
-    """The main job (module docstring); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
+    """The main job (docs/architecture.md); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
     check_device(cfg)
     with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
         return _run(cfg, progress)

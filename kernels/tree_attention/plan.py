@@ -1,19 +1,5 @@
-"""The block plan of tree attention (plain torch): which key blocks each query block can see.
-
-Nodes are sorted by (trunk, anchor) (stable, so parents still precede children) and cut into query blocks of
-``block_m`` nodes that never straddle two trunks. A query block visits
-  * trunk keys [0, t_len) of its trunk, t_len = its largest anchor + 1; keys [0, t_full) (t_full = its
-    smallest anchor + 1) are visible to every row and need no mask;
-  * the node key blocks (``block_n`` keys, in sorted node order) that hold an ancestor of one of its rows.
-    Chains (every parent is the node just before it in sorted order, as ``ProposalTree.from_branches``
-    gives): a node's ancestors are the ``depth`` nodes just before it, so the blocks are a short run near the
-    diagonal and the mask is arithmetic. General trees: the exact set of blocks holding an ancestor, with an
-    int64 bitmask per (listed block, row) (bit j: the row sees key ``block * block_n + j``).
-Every other (query block, key block) pair of the dense [M_i, t_cut + M_i] grid is skipped.
-
-The same plan drives the Triton kernel (``kernels.tree_attention.triton_fwd``) and the blocked torch path
-(``tree_attention_blocked`` here), so both skip exactly the same blocks. Memory: O(M) plus, for general
-trees only, 8 bytes per (listed block, row).
+"""The block plan of tree attention (plain torch): which key blocks each query block can see; it drives both the
+Triton kernel and the blocked torch path. Design: docs/architecture.md ("Tree-attention block plan").
 """
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Human chat text (chitchat-dataset) as training trunks, and the held-out chat prompts.
-
-A drafter can be warmed up on *human* text distilled from the target: the trunk is a real conversation put
-through the target's chat template, and the labels are the target's own next-token distributions at every
-trunk position (``trainer.method: offpolicy_e2e_tv`` reads them from the trunk prefill), so no response has
-to be generated. Prefill runs at hundreds of tokens/s on a CPU, generation at tens.
-
-Splits are by conversation: ``split_of(conversation id, seed, heldout_fraction)`` (the same rule as
-``specopd prepare data``). Training text comes only from *train* conversations; held-out prompts come only from
-*held-out* conversations and, in addition, never repeat (case- and space-normalised) the first user turn of
-any train conversation: chitchat opens with "hello?" hundreds of times.
-
-Record of ``write_conversation_data`` (the trainer's ``data.source: prepared`` format):
-``{"id", "split": "train", "input_ids": [chat-formatted conversation], "prompt_len": n}`` where the first
-``prompt_len`` tokens are the system prompt, the first user turn and the assistant header; anchors lie after it.
+"""Human chat text (chitchat-dataset) as training trunks, and the held-out chat prompts (split by conversation).
+Details: docs/data_path.md ("Chat text").
 """
 from __future__ import annotations
 

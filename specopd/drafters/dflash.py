@@ -233,7 +233,7 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash block drafter. Build with ``specopd.drafters.build_drafter``; see the module docstring.
+    """DFlash block drafter. Build with ``specopd.drafters.build_drafter``; see docs/architecture.md.
 
     ``attention_backend``: "auto" (flex_attention on CUDA, the exact chunked path elsewhere) | "chunked" |
     "flex" | a callable (see ``specopd/drafters/attention.py``)."""

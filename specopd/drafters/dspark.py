@@ -1,22 +1,5 @@
 """DSpark (SpecForge ``modeling/draft/dspark.py``): the DFlash backbone + a Markov head + a confidence head.
-
-With h_k [N, W, D] the backbone's normed hidden state at drafted slot k and x_{k-1} the token before it
-(x_{-1} = the anchor token, i.e. ``prev_tokens[:, 0] == anchor_tokens``):
-
-    logits_k = lm_head(h_k) + W2(W1[x_{k-1}])    W1 = markov_head.markov_w1: Embedding(V, r),
-                                                  W2 = markov_head.markov_w2: Linear(r, V, bias=False)
-             = [h_k ; W1[x_{k-1}]] @ [W_lm ; W2.weight]^T      (one matmul over D + r columns)
-    conf_k   = confidence_head.proj([h_k ; W1[x_{k-1}]])    scalar logit per slot (Linear(D + r, 1))
-
-The second form is what a fused / chunked loss uses: ``drafter.hidden(...)`` gives h [N, W, D],
-``drafter.markov_features(prev_tokens)`` gives W1[x_prev] [N, W, r]; concatenate them and multiply by
-``cat([target.lm_head.weight, drafter.markov_head.markov_w2.weight], 1)`` [V, D + r] chunk by chunk.
-
-``forward`` teacher-forces ``prev_tokens``; sampling is left to right (token k is drawn from logits_k and
-feeds slot k + 1): ``markov_sample`` is the one implementation, used by ``sample``, ``draft`` and the
-trainer (per-sample generators). The backbone runs once either way. W2 starts at zero (DSpark == DFlash at
-init; W1 gets gradient once W2 moves); the confidence bias starts at 0 (confidence 0.5). Config flags as
-SpecForge: ``confidence_head`` (enable_confidence_head), ``confidence_with_markov``.
+Maths and sampling order: docs/architecture.md ("DSpark model").
 """
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
-"""Drafter folders: our checkpoints and the released layout (z-lab DFlash / SpecForge DSpark).
-
-Released layout (what vLLM ``qwen3_dflash.py`` and SGLang ``models/dflash.py`` load):
-- ``config.json``: ``architectures: ["DFlashDraftModel"]`` (DSpark: ``["DSparkDraftModel"]``), ``model_type:
-  "qwen3"``, ``block_size`` (counts the anchor), ``num_target_layers``, ``dflash_config: {mask_token_id,
-  target_layer_ids}`` (DSpark adds ``markov_rank``, ``markov_head_type: "vanilla"``,
-  ``enable_confidence_head``, ``confidence_head_with_markov``, ``projector_type: "dspark"``), the Qwen3
-  fields (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
-  rms_norm_eps, rope_theta, max_position_embeddings, vocab_size, tie_word_embeddings: false, ...).
-- weights: bare names (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...; DSpark
-  ``markov_head.markov_w{1,2}.weight``, ``confidence_head.proj.{weight,bias}``) in ``model.safetensors`` or
-  shards + ``model.safetensors.index.json``.
-- a learned mask vector (targets without a spare token id): ``mask_embedding.pt`` =
-  ``{"mask_token_id": id, "embedding": [D]}`` (vLLM substitutes it for ``embed_tokens[mask_token_id]``).
-
-Our checkpoints: ``config.json`` = ``dataclasses.asdict(DrafterConfig)`` (has ``kind`` and ``format``) and
-``model.safetensors`` with the same bare names (+ ``mask_embedding`` when learned). Our exports also carry a
-``specopd`` entry in config.json (kind, target identity) that serving engines ignore, so an exported folder
-loads back exactly.
+"""Drafter folders: our checkpoints and the released layout (z-lab DFlash / SpecForge DSpark) that vLLM and
+SGLang load. Both layouts: docs/architecture.md ("Drafter folders").
 """
 from __future__ import annotations
 

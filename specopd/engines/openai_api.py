@@ -1,19 +1,5 @@
-"""`specopd prepare data --engine openai --server URL[,URL...] --concurrency N`: references from OpenAI-compatible
-servers (vLLM's or SGLang's; e.g. one per GPU node), stdlib only (urllib + threads).
-
-Each prompt is sent as its chat-templated *token ids* (``/v1/completions`` with ``prompt: [ids]``), so the prompt
-the server sees is token-identical to the built-in engine's; requests go round-robin over the servers,
-``concurrency`` in flight, and a request that fails for a transient reason (connection refused or reset, a
-timeout, HTTP 408 / 429 / 5xx) is retried with exponential backoff on the next server. A request the server
-refuses (other 4xx: e.g. the prompt is longer than its ``--max-model-len``) is not retried.
-
-The response's token ids come back from vLLM with ``return_token_ids`` (vLLM >= 0.10.2: ``choices[0].token_ids``,
-and ``prompt_token_ids``, checked against what was sent). A server that does not return ids (SGLang, older vLLM)
-has its *text* re-tokenised with the target's tokenizer (+ the EOS id when it stopped on EOS): that is not always
-the sequence it sampled, so it is said once, and such records carry ``"retokenised": true``.
-
-Records are appended to ``<out>/data.jsonl`` as they finish (a rerun sends only the prompts that data.jsonl
-lacks); this run's failures are listed in ``<out>/errors.jsonl``; counts add up to the input.
+"""`specopd prepare data --engine openai`: references from OpenAI-compatible servers (vLLM, SGLang), stdlib only
+(urllib + threads), retried, resumable. Protocol: docs/data_path.md ("References from servers").
 """
 from __future__ import annotations
 

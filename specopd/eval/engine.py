@@ -1,19 +1,5 @@
-"""vLLM as the judge of a drafter: ``specopd eval --engine vllm`` and ``specopd serve-check EXPORT``.
-
-vLLM (its own venv and process: ``specopd.engines.run_vllm``) serves the target with the exported drafter as
-DFlash on the same prompt ids, max tokens and stop ids as our ``SpeculativeDecoder``, and its own counters
-(drafts, accepted tokens, accepted per draft position; AL incl. bonus = 1 + accepted / drafts) are put next to
-ours.
-
-**The two schedules.** vLLM's first new token comes from the prompt's prefill, and its first draft block is
-anchored at that token (context: the whole prompt); its counters count only the rounds after it. Our decoder
-prefills the prompt but its last token, and its first block is anchored at that last prompt token. So the
-two decode the same text in *different* rounds (all boundaries move), and their counts are two samples, not
-one. ``ours_on_vllm_schedule`` runs our decoder on vLLM's schedule (the first token from our own target, then
-``generate(prompt + [t1], n - 1)``): at T = 0 in fp32 its counts must equal vLLM's exactly, and a difference is
-a bug in one of the two computations (or a near-tie of the target's argmax, which the greedy text check shows).
-At T > 0 the two sample with different generators: a per-position acceptance rate that differs by more than
-``NOISE_SIGMAS`` standard errors is reported as a disagreement.
+"""vLLM as the judge of a drafter (``specopd eval --engine vllm``, ``specopd serve-check EXPORT``): vLLM's own
+counters next to ours, on its schedule too. The two schedules: docs/architecture.md ("vLLM as the judge").
 """
 from __future__ import annotations
 

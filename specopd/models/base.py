@@ -1,21 +1,5 @@
-"""The target-model base: one layer loop, three ways to run it.
-
-Every target (llama, qwen3, qwen3_next, qwen3_5, qwen4_exp) subclasses ``TargetModel`` and implements
-``backbone(ctx)``: embed, run the decoder layers, return the last hidden state. Each layer's token mixer
-(attention of some kind) is a separate module with ``kind`` in {"gqa", "qsa", "gdn"} and a plain causal
-``forward(x [B, T, D], positions [B, T]) -> [B, T, D]``. The backbone never calls a mixer directly: it
-calls ``ctx.mix(layer_idx, mixer, x)``, and the ``RunContext`` decides how the mixer runs:
-
-- ``plain``   the mixer's own causal forward over [B, T]           (``target(input_ids)``, the reference)
-- ``prefill`` the mixer's executor builds a per-layer trunk cache   (``target.prefill(trunk_ids)``)
-- ``score``   the executor scores packed tree nodes against caches (``target.score(tree, cache)``); with
-              ``return_state=True`` each executor also keeps what ``target.commit`` needs to extend a trunk
-              by an accepted path without another pass (speculative decoding: verify, then commit)
-
-Anything else that reads earlier tokens (qwen4_exp's per-layer n-gram embeddings) asks
-``ctx.prev_tokens(k)``, which follows tree paths into the trunk in ``score`` mode. ``RunContext`` and the
-caches (``TargetCache``, ``VerifyState``) live in ``specopd.models.context``; packed trunk prefill in
-``specopd.models.packed``.
+"""The target-model base: one layer loop run three ways (plain, prefill, score) through ``RunContext``; verify and
+commit for speculative decoding. Design: docs/architecture.md ("Target models").
 """
 from __future__ import annotations
 

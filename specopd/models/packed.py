@@ -1,18 +1,5 @@
-"""Packed trunk prefill: a step's sequences in one target pass (``TargetModel.prefill_batch``).
-
-The trunks are concatenated along the token dim ([1, N = sum T_i]) with per-trunk positions (each from 0)
-and ``cu_seqlens`` = [0, T_0, T_0 + T_1, ...]. Everything but the sequence mixers is per token, so the
-embeddings, norms, MLPs / MoE and the head run once over all N tokens; each mixer runs its executor's
-``prefill_packed(mixer, x [1, N, D], positions [1, N], cu_seqlens, options) -> (out, [cache per trunk])``:
-  gqa  varlen causal attention (flash-attn ``flash_attn_varlen_func``, else torch's ``varlen_attn``, else a
-       per-trunk loop; ``executors.gqa.attend_varlen``)
-  gdn  projections over all tokens; conv + recurrence per trunk, or one fla varlen pass (``cu_seqlens``)
-A model whose layers need anything else (QSA, qwen4_exp's PLE conv and n-gram embeddings read earlier tokens
-through the context) falls back to one ``prefill`` per trunk (``PackedUnsupported``), and remembers it.
-
-The flash-attn, torch-varlen and fla varlen paths run only on CUDA and are UNTESTED here (no GPU in the
-development sessions): ``benchmarks/gpu_check.sh`` compares them with the per-trunk path. The packing itself
-(the varlen "loop" and per-trunk GDN paths) is tested on the CPU (``tests/test_executor_packed.py``).
+"""Packed trunk prefill: a step's sequences in one target pass (``TargetModel.prefill_batch``), one cache per
+trunk. Design: docs/architecture.md ("Packed prefill").
 """
 from __future__ import annotations
 

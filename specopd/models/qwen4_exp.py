@@ -1,21 +1,5 @@
-"""Our own ``qwen4_exp`` text target (HF transformers 5.24 ``Qwen4ExpForCausalLM``): QSA + Gated DeltaNet.
-
-Per layer (HF ``Qwen4ExpTextDecoderLayer``), with the residual kept as ``hc_count`` streams [B, T, hc * D]:
-  1. PLE (layers in ``ple_layer_ids``, 1-indexed): hashed n-gram embeddings of the token and the
-     ``ngram_size - 1`` tokens before it (``ctx.prev_tokens``, resetting after EOS) gate a value into every
-     stream; a dilated depthwise causal conv (a second sequence mixer, kind "conv") adds local context.
-  2. ``attn_hyper_connection`` mixes the streams into one [B, T, D] input; the token mixer runs
-     (kind "qsa" for ``indexed_attention``, "gdn" for ``linear_attention``) through ``ctx.mix``; its
-     output is injected back into every stream with per-stream weights.
-  3. the same with ``mlp_hyper_connection`` and the MoE block.
-Finally ``hyper_connection_mixer`` mixes the streams into [B, T, D] and ``lm_head`` gives logits (there is
-no other final norm): ``backbone`` returns that mixed state, ``head`` is ``lm_head`` alone.
-
-QSA (``QSAttention``): gated attention whose keys are restricted, per query, by an indexer. Visible list
-of query i = tokens 0..i. Complete 4-token groups (``indexer_compress_ratio``) are pooled (mean of raw
-index keys in fp32, ``k_layernorm``, RoPE at the group's first token's position), scored
-``sum_h ReLU(q_h . k_group) / sqrt(d)``; the top ``indexer_budget / ratio`` groups are kept (ties: lowest
-group index) plus the tail of ``|visible| mod ratio`` tokens (incl. the query).
+"""Our own ``qwen4_exp`` text target (HF transformers 5.24 ``Qwen4ExpForCausalLM``): QSA + Gated DeltaNet with
+hyper-connections, PLE n-gram embeddings and MoE. Layer structure: docs/architecture.md ("qwen4_exp").
 """
 from __future__ import annotations
 

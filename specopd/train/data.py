@@ -1,19 +1,5 @@
-"""Reference sequences (prompt + response token ids) and the global batch order.
-
-A dataset is a list of samples ``{"input_ids": LongTensor [T], "prompt_len": int}``; a sample's id is its
-index. Two sources:
-- synthetic: random prompts + responses sampled from the target itself (so a drafter can learn them),
-  deterministic in ``data.seed``; cached under ``<output_dir>/data/`` (written atomically).
-- prepared: ``data.path`` is a .jsonl file (or a folder with ``data.jsonl``), one JSON object per line with
-  ``input_ids`` (list of ints) and ``prompt_len`` (int); sequences are cut to ``data.seq_len`` and to the
-  target's context (max_position_embeddings); records whose prompt does not fit it are dropped and counted.
-  An optional ``loss_mask`` (list of 0/1, one per token) marks the supervised tokens (as conversations do).
-- conversations: chat data as users have it (``specopd.data.formats``): each conversation through the target's
-  chat template, with a ``loss_mask`` over every assistant turn (tokenisation cached beside the data).
-The train / held-out split is a seeded permutation (or the records' own split); held-out samples are never
-trained on. Anchors (``valid_anchors``): where the W tokens after the anchor are all supervised: the response
-after ``prompt_len``, or the masked tokens of a ``loss_mask``. What is dropped, cut or skipped is counted
-(``load_dataset(..., stats=)``) and lands in train_summary.json.
+"""Reference sequences (prompt + response token ids), their train / held-out split, anchors and the global batch
+order. Sources and counts: docs/data_path.md ("Datasets").
 """
 from __future__ import annotations
 

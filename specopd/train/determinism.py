@@ -1,21 +1,6 @@
-"""Bitwise reproducibility: torch's deterministic algorithms (``trainer.deterministic``) and a gradient sum
-that does not depend on how the global batch is split across workers (``trainer.batch_invariant``).
-
-Batch invariance. Sample i of the global batch (i in [0, n)) runs alone (prefill, propose, score, loss,
-backward), giving its gradient g_i, flattened to one fp32 vector [P]. The global gradient is a fixed binary
-tree over the sample indices padded to N = next power of two >= n:
-
-    S(s, k) = g_s                          k == 1 (None when s >= n: a padding leaf)
-    S(s, k) = S(s, k/2) + S(s + k/2, k/2)  (a None half is skipped, not added)
-
-A worker holding the contiguous shard [lo, hi) computes the maximal aligned blocks of the tree inside it
-(the last shard extends to N), left to right, holding at most log2(k) + 1 partial sums at once. The
-blocks of all workers are exchanged with the ordinary summing all-reduce over one buffer per block in which
-only the owner's copy is non-zero (x + 0 == x exactly), and every worker combines them in the tree's
-order. Same tree, same leaves -> the same bits for any number of workers and any split into contiguous
-shards. Cost: one backward per sample instead of one per shard, and an all-reduce of
-``len(all blocks) x P`` values instead of P (about num_workers x P when shards are equal powers of two):
-meant for checks and small runs, not for the paper-scale recipes.
+"""Bitwise reproducibility: torch's deterministic algorithms (``trainer.deterministic``) and a gradient sum that
+does not depend on how the global batch is split across workers (``trainer.batch_invariant``). The tree sum:
+docs/data_path.md ("Batch invariance").
 """
 from __future__ import annotations
 
