@@ -132,7 +132,7 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows=N
                    chunk_rows, logits.device)
 
 
-def _sample(lead, vocab: int, chunk_logits, temperature: float, rows, generators, chunk_rows, device):
+def _sample(lead, vocab: int, logits_of, temperature: float, rows, generators, chunk_rows, device):
     per = int(torch.tensor(lead[1:]).prod()) if len(lead) > 1 else 1
     n = int(lead[0]) if len(lead) else 1
     chunk = resolve_chunk_rows(chunk_rows, vocab, device)
@@ -141,5 +141,5 @@ def _sample(lead, vocab: int, chunk_logits, temperature: float, rows, generators
     with torch.autocast(torch.device(device).type, enabled=False):  # precision is set here, not by autocast
         for s in range(0, todo.numel(), chunk):
             r = todo[s: s + chunk]
-            out[r] = draw_(chunk_logits(r), u[r], temperature)  # chunk_logits: a fresh fp32 [R, V] (overwritten)
+            out[r] = draw_(logits_of(r), u[r], temperature)  # logits_of: a fresh fp32 [R, V] (overwritten)
     return out.view(lead)
