@@ -37,11 +37,13 @@ class ServeCheckFailed(RuntimeError):
 def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, max_new_tokens: int,
               temperatures: Sequence[float], stop_token_ids: Sequence[int], dtype: str = "float32",
               num_speculative_tokens: Optional[int] = None, seed: int = 0, work_dir: Optional[str] = None,
-              max_model_len: Optional[int] = None, draft_sample_method: str = "probabilistic") -> dict:
+              max_model_len: Optional[int] = None, draft_sample_method: str = "probabilistic",
+              max_num_seqs: Optional[int] = None) -> dict:
     """vLLM generates ``prompts`` ([T_i] ids) at each temperature, with ``drafter_dir`` (a released-layout export)
     as DFlash or, with None, plain. ``draft_sample_method`` (T > 0): ``probabilistic`` samples drafts from the
     drafter and uses its probabilities in the ratio test, as our decoder does; ``greedy`` is vLLM's default
-    (argmax drafts, treated as one-hot: lossless too, but another acceptance).
+    (argmax drafts, treated as one-hot: lossless too, but another acceptance). ``max_num_seqs``: requests vLLM
+    runs together (None: its default; 1 = batch 1).
 
     Returns {runs: [{temperature, outputs: [{token_ids, finish}], counters: {num_drafts, num_draft_tokens,
     num_accepted_tokens, accepted_per_pos [k]} or None, tokens_per_s, wall_s}], num_speculative_tokens, log}.
@@ -50,7 +52,7 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
 
     work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
     os.makedirs(work, exist_ok=True)
-    tag = f"spec-{draft_sample_method}" if drafter_dir else "plain"
+    tag = (f"spec-{draft_sample_method}" if drafter_dir else "plain") + (f"-b{max_num_seqs}" if max_num_seqs else "")
     req, out, log = (os.path.join(work, f"{tag}.{x}") for x in ("requests.jsonl", "json", "log"))
     longest = max(len(p) for p in prompts)
     if num_speculative_tokens is None and drafter_dir:
@@ -64,6 +66,8 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
     mml = max_model_len or (longest + max_new_tokens + (num_speculative_tokens or 0) + 8)
     args = ["judge", "--model", target_dir, "--input", req, "--output", out, "--dtype", dtype,
             "--temperatures", ",".join(f"{float(t):g}" for t in temperatures), "--max-model-len", str(mml)]
+    if max_num_seqs:
+        args += ["--max-num-seqs", str(int(max_num_seqs))]
     if drafter_dir:
         args += ["--drafter", drafter_dir, "--num-speculative-tokens", str(num_speculative_tokens),
                  "--draft-sample-method", draft_sample_method]
