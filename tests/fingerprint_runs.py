@@ -4,7 +4,7 @@ Runs tiny / tiny-gdn / tiny-qsa on the local and Ray backends, each straight thr
 prints one sha256 per run over every checkpoint file and every metrics.jsonl / train_summary.json value that is not
 a wall time. Compare the output before and after a change (`diff`):
 
-    python tests/fingerprint_runs.py > before.txt   # on the base commit
+    python tests/fingerprint_runs.py [RECIPE ...] > before.txt   # on the base commit (default: all three)
     python tests/fingerprint_runs.py > after.txt    # on the change
     diff before.txt after.txt
 """
@@ -40,20 +40,26 @@ def train(recipe, out, *overrides):
 
 
 def fingerprint(out):
+    """sha256 over the checkpoint files (the run folder's path, which state.json records, replaced by <RUN>;
+    manifest.json and COMPLETE left out: they hold those files' own sha256), metrics.jsonl and train_summary.json without
+    wall times."""
     h = hashlib.sha256()
+    run = str(out).encode()
     for f in sorted((out / "checkpoints").rglob("*")):
-        if f.is_file():
+        if f.is_file() and f.name not in ("manifest.json", "COMPLETE"):
             h.update(str(f.relative_to(out)).encode())
-            h.update(f.read_bytes())
+            h.update(f.read_bytes().replace(run, b"<RUN>"))
     for line in (out / "metrics.jsonl").read_text().splitlines():
         h.update(json.dumps(_strip(json.loads(line)), sort_keys=True).encode())
-    h.update(json.dumps(_strip(json.loads((out / "train_summary.json").read_text())), sort_keys=True).encode())
+    summary = json.dumps(_strip(json.loads((out / "train_summary.json").read_text())), sort_keys=True)
+    h.update(summary.replace(str(out), "<RUN>").encode())
     return h.hexdigest()[:16]
 
 
 def main():
+    only = sys.argv[1:] or RECIPES
     with tempfile.TemporaryDirectory() as tmp:
-        for recipe in RECIPES:
+        for recipe in only:
             for backend in ["local", "ray"]:
                 be = [f"runtime.backend={backend}"]
                 straight = Path(tmp) / f"{recipe}-{backend}-straight"
