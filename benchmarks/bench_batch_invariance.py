@@ -27,11 +27,22 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def _ndiff(a, b) -> str:
     """Differing elements of a and b (one shape and dtype) and the largest difference in ulps of the larger one."""
+    a, b = a.detach(), b.detach()
     n = int((a != b).sum())
     bits = {torch.bfloat16: 8, torch.float16: 11}.get(a.dtype, 24)
     ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(a.float().abs(), b.float().abs()).clamp_min(1e-30)))
                      - (bits - 1))
     return f"{n}/{a.numel()}" + (f" (max {float(((a.float() - b.float()).abs() / ulp).max()):.0f} ulp)" if n else "")
+
+
+def _blocked_linear(x, w, block: int = 64):
+    """F.linear over zero-padded blocks of ``block`` rows: every GEMM has one shape (a batch-invariant linear)."""
+    outs = []
+    for s in range(0, x.shape[0], block):
+        xb = x[s: s + block]
+        pad = block - xb.shape[0]
+        outs.append(F.linear(F.pad(xb, (0, 0, 0, pad)), w)[: block - pad])
+    return torch.cat(outs)
 
 
 def op_rows() -> list:
@@ -47,6 +58,12 @@ def op_rows() -> list:
         for m in (1, 7, 56):
             out.append((f"linear {din}->{dout} bf16", f"rows of M={m} vs the same rows of M=300",
                         _ndiff(F.linear(x[:m], w), full[:m])))
+        bad = [m for m in range(1, 65) if not torch.equal(F.linear(x[:m], w), full[:m])]
+        blocked = _blocked_linear(x, w)
+        out.append((f"linear {din}->{dout} bf16", "M in 1..64 whose rows differ from M=300's",
+                    f"{len(bad)} of 64" + (f" (M = {bad[0]}..{bad[-1]})" if bad else "")))
+        out.append((f"linear {din}->{dout} bf16", "64-row zero-padded blocks: rows 3..9 alone vs inside M=300",
+                    _ndiff(_blocked_linear(x[3:10], w), blocked[3:10])))
     # PLE conv (C channels, kernel 4, dilation 3)
     from specopd.models.qwen4_exp import DilatedConv
 

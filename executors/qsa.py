@@ -17,8 +17,10 @@ verify / commit: score also keeps the nodes' K/V and raw index keys (``QSANodes`
 K/V and raw keys and pools the groups its tokens complete (same ``pool_keys`` as prefill).
 
 Kernels (``options["kernels"]``, ``executors.base.resolve_kernels``): "torch" = the mixer's own torch pieces
-(masked attention over a [chunk, T] token mask in prefill); "triton" = ``kernels.qsa``: prefill through
-``qsa_prefill`` (indexer scores -> exact top-k -> sparse attention per query chunk, no [T, T] tensor),
+(prefill: fp32 masked attention over a [chunk, T] token mask; bf16 / fp16 ``attend_selected``, each query over its
+gathered key list as in score, so a token's output row has the same bits in both and the next layers' selections
+and routing cannot flip between them); "triton" = ``kernels.qsa`` (its sparse attention: one program per query):
+prefill through ``qsa_prefill`` (indexer scores -> exact top-k -> sparse attention per query chunk, no [T, T] tensor),
 score through ``index_scores`` (trunk groups) + ``topk_groups`` + ``sparse_attention`` over each node's
 own key rows. Both score paths take the nodes in chunks for the key stage, so the selected-key tensors
 ([nodes, topk * ratio + ratio - 1] indices, and on the torch path the gathered K/V) stay under

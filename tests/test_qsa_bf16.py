@@ -58,16 +58,17 @@ def _rel(a, b) -> float:
 
 
 @torch.no_grad()
-def _commit_vs_prefill(target, seed, record=False, logits=False):
+def _commit_vs_prefill(target, seed, record=False, logits=False, length=None):
     """(rel error of the committed path's logits against prefilling it, score selections, prefill selections);
-    with ``logits``, also (committed logits, prefill logits) [7, V]."""
+    with ``logits``, also (committed logits, prefill logits) [L, V]. The path: the first ``length`` (default all 7)
+    nodes of a chain of the first trunk anchored at its end."""
     trunks, tree = _case(target.vocab_size, seed)
     caches = [target.prefill(t, feature_layers=(1,)) for t in trunks]
     rec_s, rec_p = {}, {}
     if record:
         caches[0].options["qsa_record"] = rec_s
     _, state = target.score(tree, caches, return_state=True)
-    depth = int(tree.depth.max()) + 1
+    depth = length or int(tree.depth.max()) + 1
     root = int(torch.nonzero((tree.parent < 0) & (tree.anchor == len(trunks[0]) - 1) & (tree.trunk_index == 0))[0])
     path = [root + j for j in range(depth)]  # a chain of the first trunk, anchored at its end
     new = target.commit(caches, state, [path, []])
@@ -104,15 +105,16 @@ def test_bf16_selection_identical_with_identical_inputs(seed):
     assert torch.equal(sel_score[first], sel_prefill[first])
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_bf16_commit_bitwise_equals_prefill_sparse_selection(seed):
+@pytest.mark.parametrize("seed,length", [(0, 7), (1, 7), (2, 7), (0, 1), (1, 3)])
+def test_bf16_commit_bitwise_equals_prefill_sparse_selection(seed, length):
     """Sparse selection + top-2 routing in bf16: every QSA layer selects the same groups in score and prefill, and
-    the committed logits are the prefill's bit for bit (each row is computed the same way in both passes)."""
+    the committed logits are the prefill's bit for bit (each row is computed the same way in both passes, whatever
+    the number of rows: 56 nodes in score, ``length`` tokens in prefill)."""
     target = _target(seed)
-    _, sel_score, sel_prefill, (new, ref) = _commit_vs_prefill(target, seed, record=True, logits=True)
+    _, sel_score, sel_prefill, (new, ref) = _commit_vs_prefill(target, seed, record=True, logits=True, length=length)
     assert sorted(sel_score) == sorted(sel_prefill) == [1, 3]
     for layer in sel_score:
-        assert sel_score[layer].shape == (7, 16) and bool((sel_score[layer] >= 0).all())  # 16 of >= 75 groups
+        assert sel_score[layer].shape == (length, 16) and bool((sel_score[layer] >= 0).all())  # 16 of >= 75 groups
         assert torch.equal(sel_score[layer], sel_prefill[layer]), layer
     assert new.dtype == torch.bfloat16 and torch.equal(new, ref)
 
