@@ -16,15 +16,15 @@ rows above). Selection, tail and attention then follow the sequential rule exact
 verify / commit: score also keeps the nodes' K/V and raw index keys (``QSANodes``); commit appends a path's
 K/V and raw keys and pools the groups its tokens complete (same ``pool_keys`` as prefill).
 
-Kernels (``options["kernels"]``, ``executors.base.resolve_kernels``): "torch" = the mixer's own torch pieces
+Kernels (``options.kernels``, ``executors.base.resolve_kernels``): "torch" = the mixer's own torch pieces
 (masked attention over a [chunk, T] token mask in prefill); "triton" = ``kernels.qsa``: prefill through
 ``qsa_prefill`` (indexer scores -> exact top-k -> sparse attention per query chunk, no [T, T] tensor),
 score through ``index_scores`` (trunk groups) + ``topk_groups`` + ``sparse_attention`` over each node's
 own key rows. Both score paths take the nodes in chunks for the key stage, so the selected-key tensors
 ([nodes, topk * ratio + ratio - 1] indices, and on the torch path the gathered K/V) stay under
-``options["qsa_score_bytes"]`` (default 256 MiB) whatever the number of nodes.
+``options.qsa_score_bytes`` (default 256 MiB) whatever the number of nodes.
 
-``options["qsa_record"]`` (a dict) receives ``{layer_idx: selected groups [Q, topk]}`` (-1 padded,
+``options.qsa_record`` (a dict) receives ``{layer_idx: selected groups [Q, topk]}`` (-1 padded,
 ascending) so tests can compare selections with the sequential path.
 """
 from __future__ import annotations
@@ -35,8 +35,9 @@ import torch
 
 from executors.attention import masked_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels
+from executors.options import DEFAULT_QSA_SCORE_BYTES, as_options
 
-SCORE_BYTES = 1 << 28  # default options["qsa_score_bytes"]: the key stage of score works in node chunks of <= this
+SCORE_BYTES = DEFAULT_QSA_SCORE_BYTES  # default options.qsa_score_bytes: the key stage of score works in node chunks of <= this
 
 
 @dataclass
@@ -69,7 +70,7 @@ def _pool_new_groups(mixer, raw: torch.Tensor, t0: int, t: int) -> torch.Tensor:
 
 
 def _record(options, mixer, sel):
-    rec = (options or {}).get("qsa_record")
+    rec = as_options(options).qsa_record
     if isinstance(rec, dict):
         rec[mixer.layer_idx] = sel.detach().cpu()
 
@@ -103,7 +104,7 @@ class QSAExecutor(Executor):
         else:
             cache = QSACache(k[0], v[0], raw[0], _pool_new_groups(mixer, raw[0], 0, t))
         k, v, pooled = cache.k, cache.v, cache.pooled
-        chunk = max(1, int((options or {}).get("qsa_prefill_chunk", 1024)))  # queries per attention block
+        chunk = max(1, int(as_options(options).qsa_prefill_chunk))  # queries per attention block
         if resolve_kernels(options, x.device) == "triton":
             from kernels.qsa.sparse_attention import qsa_prefill
 
@@ -198,7 +199,7 @@ class QSAExecutor(Executor):
         v_all = torch.cat([c.v.to(dev) for c in caches] + [v[0]])
         s_len = sel.shape[1] * r + r - 1
         per_node = s_len * (40 + (0 if triton else 2 * k_all[0].numel() * k_all.element_size()))
-        chunk = max(1, int((options or {}).get("qsa_score_bytes", SCORE_BYTES)) // per_node)
+        chunk = max(1, int(as_options(options).qsa_score_bytes) // per_node)
         o = torch.empty_like(q[0])  # [M, H, hd]
         for c0 in range(0, m, chunk):
             nd = every[c0: c0 + chunk]
