@@ -37,7 +37,7 @@ from executors.attention import masked_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels
 from executors.options import DEFAULT_QSA_SCORE_BYTES, as_options
 
-SCORE_BYTES = DEFAULT_QSA_SCORE_BYTES  # default options.qsa_score_bytes: the key stage of score works in node chunks of <= this
+SCORE_BYTES = DEFAULT_QSA_SCORE_BYTES  # default options.qsa_score_bytes: score's key stage works in chunks <= this
 
 
 @dataclass

@@ -27,13 +27,14 @@ None, the chain is ``[d_1..d_k]`` anchored at the prompt token, and p for d_1 is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence as Seq, Tuple
+from typing import Optional, Protocol, Sequence as Seq, Tuple, runtime_checkable
 
 import torch
 
 from specopd.tree import ProposalTree
 
 
+@runtime_checkable
 class BlockDrafter(Protocol):
     """What a speculative round needs of a drafter (``specopd.drafters``: DFlash and DSpark): a decoding
     context cache per sequence, grown by the committed features, and one block drafted per sequence in one

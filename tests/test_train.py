@@ -437,6 +437,22 @@ def test_loop_with_two_local_workers(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
 
 
+def test_groups_and_drafters_satisfy_their_protocols(tmp_path):
+    """LocalGroup and RayGroup are WorkerGroups (typed calls included); the drafters are BlockDrafters."""
+    from specopd.distributed.ray_backend import RayGroup
+    from specopd.speculative import BlockDrafter
+    from specopd.train.group import WorkerGroup
+
+    g = LocalGroup(tiny_recipe(str(tmp_path)), 1)
+    try:
+        assert isinstance(g, WorkerGroup) and isinstance(g.workers[0].drafter, BlockDrafter)
+        assert g.data_info() == g.call("data_info", [()])[0]
+    finally:
+        g.shutdown()
+    methods = [m for m in vars(WorkerGroup) if not m.startswith("_")]
+    assert "train_step" in methods and all(callable(getattr(RayGroup, m)) for m in methods if m != "num_workers")
+
+
 def test_split_roles_in_process_equal_colocated(tmp_path):
     """runtime.roles=split in-process: target workers keep the trunk caches and score, drafter workers
     propose and train; a step and a held-out evaluation equal the colocated worker's exactly."""

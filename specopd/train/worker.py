@@ -299,10 +299,10 @@ class Worker:
         return self.target.lm_head.weight, markov, prev
 
     def loss_backward(self, proposals: Proposals, hp: torch.Tensor, denom) -> dict:
-        """Fused chunked loss on the proposals' drafter forward (``proposals.hidden``, taken: its graph is
-        consumed here; Draft-OPD's proposals have none: one forward with grad here) against the target side hp [N, W, D], / denom, backward.
-        DSpark teacher-forces its own sampled tokens through its Markov head. Returns partial sums (the
-        controller adds them over workers); alpha comes from the loss's pass."""
+        """Fused chunked loss on the proposals' drafter forward (``proposals.hidden``, taken: this backward
+        consumes its graph; Draft-OPD's proposals have none: one forward with grad here) against the target side
+        hp [N, W, D], / denom, backward. DSpark teacher-forces its own sampled tokens through its Markov head.
+        Returns partial sums (the controller adds them over workers); alpha comes from the loss's pass."""
         from specopd.losses import confidence_loss, fused_ce, fused_e2e_tv, prefix_survival
 
         t, method = self.cfg.trainer, self.cfg.trainer.method
