@@ -2,7 +2,9 @@
 
 Runs tiny / tiny-gdn / tiny-qsa on the local and Ray backends, each straight through and as a stop + resume, and
 prints one sha256 per run over every checkpoint file and every metrics.jsonl / train_summary.json value that is not
-a wall time. Compare the output before and after a change (`diff`):
+a wall time, with the run's own (temporary) folder written as <out> (state.json and the summary name it; the
+manifest and COMPLETE marker, sha256 of those files, are left out), so two runs of the same code agree. Compare
+the output before and after a change (`diff`):
 
     python tests/fingerprint_runs.py > before.txt   # on the base commit
     python tests/fingerprint_runs.py > after.txt    # on the change
@@ -39,15 +41,23 @@ def train(recipe, out, *overrides):
         sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
 
 
+DERIVED = {"manifest.json", "COMPLETE"}  # sha256 of the other files (state.json names the run's folder)
+
+
+def _text(path: Path, out: Path) -> str:
+    """A text file with the run's folder (a random temporary name) written as <out>."""
+    return path.read_text().replace(str(out), "<out>")
+
+
 def fingerprint(out):
     h = hashlib.sha256()
     for f in sorted((out / "checkpoints").rglob("*")):
-        if f.is_file():
+        if f.is_file() and f.name not in DERIVED:
             h.update(str(f.relative_to(out)).encode())
-            h.update(f.read_bytes())
-    for line in (out / "metrics.jsonl").read_text().splitlines():
+            h.update(_text(f, out).encode() if f.suffix == ".json" else f.read_bytes())
+    for line in _text(out / "metrics.jsonl", out).splitlines():
         h.update(json.dumps(_strip(json.loads(line)), sort_keys=True).encode())
-    h.update(json.dumps(_strip(json.loads((out / "train_summary.json").read_text())), sort_keys=True).encode())
+    h.update(json.dumps(_strip(json.loads(_text(out / "train_summary.json", out))), sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
