@@ -325,7 +325,7 @@ def profile_all(target_dir: str, dtype: str, tmp: str, rates: dict) -> str:
     _, fl = count_flops(lambda: w.propose(caches, ids, 1))
     phases.append(("propose (drafter fwd + sampling)", tp, fl / 1e9))
     hp = _phase("score", lambda: w.score(prop, caches), phases)
-    denom = prop["tokens"].shape[0]
+    denom = prop.tokens.shape[0]
 
     def lb():
         p = w.propose(caches, ids, 1)

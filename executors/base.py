@@ -2,24 +2,24 @@
 
 An executor is stateless; its caches are dataclasses (subclasses of ``GrowingCache``) with ``nbytes()``.
 
-``prefill(mixer, x, positions, prev=None, options={}) -> (out, cache)``
+``prefill(mixer, x, positions, prev=None, options=None) -> (out, cache)``
     x: [1, T, D] the mixer's input for trunk tokens (already normed by the layer); positions: [1, T]
     absolute positions; prev: this layer's cache of the trunk so far (incremental extension) or None.
     out: [1, T, D] exactly what ``mixer(x, positions)`` gives for the same (full) sequence.
     cache: this layer's trunk cache (for prev + these T tokens). ``prev`` keeps its contents.
 
-``score(mixer, x, tree, caches, options={}) -> out``
+``score(mixer, x, tree, caches, options=None) -> out``
     x: [1, M, D] mixer inputs of the M tree nodes; tree: ProposalTree (node i belongs to trunk
     ``tree.trunk_index[i]``); caches: this layer's cache of each trunk. out: [1, M, D] where
     out[0, u] equals the mixer output at the last position of ``trunk[:anchor_u + 1] + path(u)`` run
     with the mixer's plain forward.
 
-``verify(mixer, x, tree, caches, options={}) -> (out, nodes)``
+``verify(mixer, x, tree, caches, options=None) -> (out, nodes)``
     ``score`` that also keeps what ``commit`` needs of every node (``nodes``: the executor's own dataclass,
     e.g. the nodes' K/V; GDN: the fp32 state after each node). Training-time scoring calls ``score`` and
     never pays for it.
 
-``commit(mixer, cache, nodes, path, options={}) -> cache``
+``commit(mixer, cache, nodes, path, options=None) -> cache``
     Extend one trunk's cache by the tokens of ``path`` ([L] node indices of the verified tree, root first,
     the root anchored at the trunk's last position) with the states ``verify`` computed: no new pass.
     The result equals ``prefill`` of the same tokens on ``cache``; ``cache`` keeps its contents.
@@ -27,7 +27,9 @@ An executor is stateless; its caches are dataclasses (subclasses of ``GrowingCac
 Growth: cache fields that grow along the token dim are views of capacity-doubling buffers (``Rows``), so
 decoding n tokens one round at a time copies O(n) rows in all, not O(n^2).
 
-Kernels: ``options["kernels"]`` ("auto" | "torch" | "triton", from ``load_target(..., kernels=)``) picks how
+``options``: an ``executors.options.ExecOptions`` (None: the defaults).
+
+Kernels: ``options.kernels`` ("auto" | "torch" | "triton", from ``load_target(..., kernels=)``) picks how
 every executor computes prefill, score, verify and commit: "torch" = the plain torch paths (exact, any
 device), "triton" = the Triton kernels of ``kernels/`` (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for
 tests), "auto" = "triton" for CUDA tensors and "torch" otherwise (``resolve_kernels``).
@@ -42,22 +44,24 @@ from typing import Optional
 
 import torch
 
+from executors.options import ExecOptions, as_options
+
 _REGISTRY: dict = {}
 
 
 class Executor:
     kind: str = "?"
 
-    def prefill(self, mixer, x, positions, prev=None, options=None):
+    def prefill(self, mixer, x, positions, prev=None, options: Optional[ExecOptions] = None):
         raise NotImplementedError
 
-    def score(self, mixer, x, tree, caches, options=None):
+    def score(self, mixer, x, tree, caches, options: Optional[ExecOptions] = None):
         raise NotImplementedError
 
-    def verify(self, mixer, x, tree, caches, options=None):
+    def verify(self, mixer, x, tree, caches, options: Optional[ExecOptions] = None):
         raise NotImplementedError(f"the {self.kind!r} executor cannot keep node states for commit")
 
-    def commit(self, mixer, cache, nodes, path, options=None):
+    def commit(self, mixer, cache, nodes, path, options: Optional[ExecOptions] = None):
         raise NotImplementedError(f"the {self.kind!r} executor cannot commit verified nodes")
 
 
@@ -97,9 +101,9 @@ def check_kernels(kernels: str, device) -> None:
                          f"slow). Use kernels='torch' (or 'auto') on the CPU")
 
 
-def resolve_kernels(options, device) -> str:
-    """``options["kernels"]`` for tensors on ``device`` -> "torch" | "triton" ("auto": triton on CUDA)."""
-    kernels = (options or {}).get("kernels", "auto")
+def resolve_kernels(options: Optional[ExecOptions], device) -> str:
+    """``options.kernels`` for tensors on ``device`` -> "torch" | "triton" ("auto", or None: triton on CUDA)."""
+    kernels = as_options(options).kernels or "auto"
     check_kernels(kernels, device)
     if kernels == "auto":
         return "triton" if torch.device(device).type == "cuda" else "torch"

@@ -1,7 +1,7 @@
 """Gated DeltaNet (linear attention) over a trunk and a proposal tree.
 
 prefill: runs the recurrence over the trunk (extending ``prev`` exactly) and keeps, per layer, immutable
-         fp32 state checkpoints every C = ``options["gdn_checkpoint_every"]`` tokens (checkpoint k = the
+         fp32 state checkpoints every C = ``options.gdn_checkpoint_every`` tokens (checkpoint k = the
          state after trunk tokens [0, kC): ceil(T/C) of them), the final state, the trunk's conv inputs
          (what the depth-W causal conv reads) and its decay g and write strength beta.
 score:   a branch forking at anchor a needs the state after trunk[0..a]: it starts from checkpoint
@@ -19,10 +19,10 @@ anchors are always the trunk's last position, whose state is ``final``.
 The mixer supplies the maths (``specopd.models.qwen3_next.GatedDeltaNet``): project, conv, conv_seq,
 split_qkv, finish, conv_kernel_size.
 
-Kernels (``options["kernels"]``, see ``executors.base.resolve_kernels``):
+Kernels (``options.kernels``, see ``executors.base.resolve_kernels``):
   torch   prefill: the plain recurrence (``kernels.gated_delta.naive``); score: the batched torch replay
           above (``anchor_states``) and level-by-level tree steps (``gated_delta_step``).
-  triton  prefill: ``options["gdn_prefill"]`` = "auto" | "chunk" | "fla" | "recurrent": our chunked Triton
+  triton  prefill: ``options.gdn_prefill`` = "auto" | "chunk" | "fla" | "recurrent": our chunked Triton
           kernel (``kernels.gated_delta.chunk``, chunk states = the fp32 checkpoints; needs C % 16 == 0),
           fla's chunked rule + ``causal_conv1d`` (CUDA with fla-core; C % 64 == 0; tested on the CPU under
           TRITON_INTERPRET=1 by tests/test_fla.py, not yet on a GPU), or the
@@ -41,9 +41,10 @@ from dataclasses import dataclass
 import torch
 
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
+from executors.options import DEFAULT_CHECKPOINT_EVERY, as_options
 from kernels.gated_delta.naive import gated_delta_step, recurrent_gated_delta_rule
 
-DEFAULT_EVERY = 64
+DEFAULT_EVERY = DEFAULT_CHECKPOINT_EVERY
 
 
 @dataclass
@@ -80,10 +81,10 @@ class GDNNodes:
 
 def _recurrence(options, device, every=None):
     """The sequence recurrence for prefill / replays (all share ``naive.recurrent_gated_delta_rule``'s
-    contract) and its name: "torch" (naive loop) or, with Triton kernels, ``options["gdn_prefill"]``."""
+    contract) and its name: "torch" (naive loop) or, with Triton kernels, ``options.gdn_prefill``."""
     if resolve_kernels(options, device) == "torch":
         return recurrent_gated_delta_rule, "torch"
-    name = (options or {}).get("gdn_prefill", "auto")
+    name = as_options(options).gdn_prefill
     if name not in ("auto", "chunk", "fla", "recurrent"):
         raise ValueError(f"unknown gdn_prefill {name!r}; use 'auto', 'chunk', 'fla' or 'recurrent'")
     if name == "auto":
@@ -104,14 +105,14 @@ def _recurrence(options, device, every=None):
 
 
 def _every(options) -> int:
-    c = int((options or {}).get("gdn_checkpoint_every", DEFAULT_EVERY))
+    c = int(as_options(options).gdn_checkpoint_every)
     if c < 1:
         raise ValueError(f"gdn_checkpoint_every must be >= 1; got {c}")
     return c
 
 
 def _keep(options) -> bool:
-    return bool((options or {}).get("gdn_keep_checkpoints", True))
+    return bool(as_options(options).gdn_keep_checkpoints)
 
 
 def _gather_trunk(caches, trunk: torch.Tensor, pos: torch.Tensor, field: str) -> torch.Tensor:

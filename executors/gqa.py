@@ -13,7 +13,7 @@ Only ``mixer.project``, ``mixer.finish`` and ``mixer.scaling`` are used (see doc
 
 Score goes through the tree-attention block plan (``kernels.tree_attention``): nodes sorted by (trunk,
 anchor) in query blocks, each visiting only the trunk prefix up to its largest anchor and the node blocks
-holding its rows' ancestors. ``options["gqa_backend"]``:
+holding its rows' ancestors. ``options.gqa_backend``:
   "auto"    "triton" when the kernels are Triton (``executors.base.resolve_kernels``), else "blocked"
   "blocked" torch over the plan's blocks (exact fp32 softmax; the CPU path)
   "triton"  the Triton kernel over the same plan (``kernels.tree_attention.triton_fwd.tree_attention``)
@@ -28,13 +28,14 @@ bf16 / fp16 query blocks through the same fused kernel with the tree mask (``ker
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from executors.attention import masked_attention, sdpa_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
+from executors.options import as_options
 
 
 @dataclass
@@ -62,7 +63,7 @@ BLOCKED = dict(block_m=64, block_n=64)  # torch path: nodes x keys per block (fe
 
 
 def _option(options) -> str:
-    backend = (options or {}).get("gqa_backend", "auto")
+    backend = as_options(options).gqa_backend
     if backend != "auto" and backend not in SCORE_BACKENDS:
         raise ValueError(f"unknown gqa_backend {backend!r}; available: 'auto', {', '.join(map(repr, SCORE_BACKENDS))}")
     return backend
@@ -79,12 +80,12 @@ def _backend(q, options) -> str:
 
 
 def score_backend(device, options) -> str:
-    """The score path: ``options["gqa_backend"]``, "auto" following ``options["kernels"]``."""
+    """The score path: ``options.gqa_backend``, "auto" following ``options.kernels``."""
     backend = _option(options)
     if backend == "auto":
         return "triton" if resolve_kernels(options, device) == "triton" else "blocked"
     if backend == "triton":
-        resolve_kernels({**(options or {}), "kernels": "triton"}, device)  # clear error off CUDA
+        resolve_kernels(replace(as_options(options), kernels="triton"), device)  # clear error off CUDA
     return backend
 
 
@@ -115,10 +116,10 @@ def attend_causal(q, k, v, scaling, options=None):
 
 # ---------------------------------------------------------------------------------------------- varlen
 def varlen_backend(q, options) -> str:
-    """Packed causal prefill: ``options["varlen_backend"]`` "auto" | "flash_attn" | "torch" | "loop".
+    """Packed causal prefill: ``options.varlen_backend`` "auto" | "flash_attn" | "torch" | "loop".
     "auto" = flash-attn's ``flash_attn_varlen_func`` when importable, else torch's ``varlen_attn`` (torch >=
     2.9, CUDA, bf16 / fp16), else "loop" (per-sequence ``attend_causal``: exact, any device)."""
-    backend = (options or {}).get("varlen_backend", "auto")
+    backend = as_options(options).varlen_backend
     if backend not in ("auto", "flash_attn", "torch", "loop"):
         raise ValueError(f"unknown varlen_backend {backend!r}; use 'auto', 'flash_attn', 'torch' or 'loop'")
     if backend != "auto":

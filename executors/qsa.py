@@ -16,7 +16,7 @@ rows above). Selection, tail and attention then follow the sequential rule exact
 verify / commit: score also keeps the nodes' K/V and raw index keys (``QSANodes``); commit appends a path's
 K/V and raw keys and pools the groups its tokens complete (same ``pool_keys`` as prefill).
 
-Kernels (``options["kernels"]``, ``executors.base.resolve_kernels``): "torch" = the mixer's own torch pieces
+Kernels (``options.kernels``, ``executors.base.resolve_kernels``): "torch" = the mixer's own torch pieces
 (prefill: fp32 masked attention over a [chunk, T] token mask; bf16 / fp16 ``attend_selected``, each query over its
 gathered key list as in score, so a token's output row has the same bits in both and the next layers' selections
 and routing cannot flip between them); "triton" = ``kernels.qsa`` (its sparse attention: one program per query):
@@ -24,9 +24,9 @@ prefill through ``qsa_prefill`` (indexer scores -> exact top-k -> sparse attenti
 score through ``index_scores`` (trunk groups) + ``topk_groups`` + ``sparse_attention`` over each node's
 own key rows. Both score paths take the nodes in chunks for the key stage, so the selected-key tensors
 ([nodes, topk * ratio + ratio - 1] indices, and on the torch path the gathered K/V) stay under
-``options["qsa_score_bytes"]`` (default 256 MiB) whatever the number of nodes.
+``options.qsa_score_bytes`` (default 256 MiB) whatever the number of nodes.
 
-``options["qsa_record"]`` (a dict) receives ``{layer_idx: selected groups [Q, topk]}`` (-1 padded,
+``options.qsa_record`` (a dict) receives ``{layer_idx: selected groups [Q, topk]}`` (-1 padded,
 ascending) so tests can compare selections with the sequential path.
 """
 from __future__ import annotations
@@ -37,8 +37,9 @@ import torch
 
 from executors.attention import masked_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels
+from executors.options import DEFAULT_QSA_SCORE_BYTES, as_options
 
-SCORE_BYTES = 1 << 28  # default options["qsa_score_bytes"]: the key stage of score works in node chunks of <= this
+SCORE_BYTES = DEFAULT_QSA_SCORE_BYTES  # default options.qsa_score_bytes: score's key stage works in chunks <= this
 
 
 @dataclass
@@ -71,7 +72,7 @@ def _pool_new_groups(mixer, raw: torch.Tensor, t0: int, t: int) -> torch.Tensor:
 
 
 def _record(options, mixer, sel):
-    rec = (options or {}).get("qsa_record")
+    rec = as_options(options).qsa_record
     if isinstance(rec, dict):
         rec[mixer.layer_idx] = sel.detach().cpu()
 
@@ -80,7 +81,7 @@ def attend_selected(mixer, q, k_all, v_all, sel, pos, rows, options=None, triton
     """Attention of queries q [Q, H, hd] at positions pos [Q] over their own key lists: the selected groups'
     tokens sel [Q, topk] (ascending, -1 padded), then the tail r*n .. pos, in that order, padded to S = topk * r +
     r - 1 keys. ``rows(positions [n, S], queries [n])`` maps visible-list positions to rows of k_all / v_all [N, Hkv,
-    hd]. Queries go in chunks of <= ``options["qsa_score_bytes"]`` of key-stage tensors. -> o [Q, H, hd].
+    hd]. Queries go in chunks of <= ``options.qsa_score_bytes`` of key-stage tensors. -> o [Q, H, hd].
 
     A query's result depends only on its own row and key list, not on which other queries share the call (torch:
     one [1, S] attention per query; triton: one program per query), so prefill (low precision) and score give it
@@ -89,7 +90,7 @@ def attend_selected(mixer, q, k_all, v_all, sel, pos, rows, options=None, triton
     n = (pos + 1) // r  # complete groups on each query's visible list
     s_len = sel.shape[1] * r + r - 1
     per_node = s_len * (40 + (0 if triton else 2 * k_all[0].numel() * k_all.element_size()))
-    chunk = max(1, int((options or {}).get("qsa_score_bytes", SCORE_BYTES)) // per_node)
+    chunk = max(1, int(as_options(options).qsa_score_bytes) // per_node)
     every = torch.arange(m, device=dev)
     o = torch.empty_like(q)  # [Q, H, hd]
     for c0 in range(0, m, chunk):
@@ -138,7 +139,7 @@ class QSAExecutor(Executor):
         else:
             cache = QSACache(k[0], v[0], raw[0], _pool_new_groups(mixer, raw[0], 0, t))
         k, v, pooled = cache.k, cache.v, cache.pooled
-        chunk = max(1, int((options or {}).get("qsa_prefill_chunk", 1024)))  # queries per attention block
+        chunk = max(1, int(as_options(options).qsa_prefill_chunk))  # queries per attention block
         if resolve_kernels(options, x.device) == "triton":
             from kernels.qsa.sparse_attention import qsa_prefill
 

@@ -124,7 +124,6 @@ def plan(cfg, device_bytes=None) -> dict:
                      "branches": d.batch_size * t.anchors_per_seq,
                      "supervised_tokens": d.batch_size * t.anchors_per_seq * (cfg.drafter.block_size - 1)},
         "memory": None if mem is None else mem.to_dict(),
-        "memory_estimate_per_worker_bytes": None,  # superseded by "memory" (kept for older readers)
         "steps": t.max_steps, "output_dir": t.output_dir, "resume": t.resume, "notes": notes,
         "_memory_plan": mem,
     }

@@ -118,7 +118,7 @@ def test_qsa_bf16_selection_triton_equals_torch_first_layer():
         target.kernels = mode
         rec = {}
         c = target.prefill(trunks[0][:4])
-        c.options["qsa_record"] = rec
+        c.options.qsa_record = rec
         target.prefill(trunks[0][4:], cache=c)
         sels[mode] = rec
     first = min(sels["torch"])
@@ -170,7 +170,7 @@ def test_fla_prefill_matches_chunk_kernel():
     out = {}
     for name in ("chunk", "fla"):
         c = target.prefill(trunk[:100])
-        c.options["gdn_prefill"] = name
+        c.options.gdn_prefill = name
         out[name] = target.prefill(trunk[100:], cache=c)  # extension: start not chunk-aligned
     a, b = out["fla"], out["chunk"]
     assert _rel(a.logits, b.logits) <= 3e-2

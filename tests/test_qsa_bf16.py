@@ -66,16 +66,16 @@ def _commit_vs_prefill(target, seed, record=False, logits=False, length=None):
     caches = [target.prefill(t, feature_layers=(1,)) for t in trunks]
     rec_s, rec_p = {}, {}
     if record:
-        caches[0].options["qsa_record"] = rec_s
+        caches[0].options.qsa_record = rec_s
     _, state = target.score(tree, caches, return_state=True)
     depth = length or int(tree.depth.max()) + 1
     root = int(torch.nonzero((tree.parent < 0) & (tree.anchor == len(trunks[0]) - 1) & (tree.trunk_index == 0))[0])
     path = [root + j for j in range(depth)]  # a chain of the first trunk, anchored at its end
     new = target.commit(caches, state, [path, []])
     if record:
-        caches[0].options["qsa_record"] = rec_p
+        caches[0].options.qsa_record = rec_p
     ref = target.prefill(tree.tokens[path], cache=caches[0])
-    caches[0].options.pop("qsa_record", None)
+    caches[0].options.qsa_record = None
     out = _rel(new[0].logits, ref.logits), {k: v[path] for k, v in rec_s.items()}, rec_p
     return out + ((new[0].logits[-len(path):], ref.logits[-len(path):]),) if logits else out
 

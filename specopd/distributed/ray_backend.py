@@ -3,6 +3,7 @@
     group = RayGroup(cfg)                       # cfg.runtime: num_workers, cpus_per_worker, gpus_per_worker,
     group.call("train_step", [(ids0, t, n),     #   address (None = start a local Ray), roles
                               (ids1, t, n)])    # one argument tuple per worker -> list of results (rank order)
+    group.train_step([ids0, ids1], t, n)        # the same, typed (``specopd.train.group.WorkerCalls``)
     group.broadcast("load_state_dict", sd)      # the same arguments to every worker
     group.shutdown()
 
@@ -33,6 +34,8 @@ import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from specopd.train.group import WorkerCalls
 
 DEFAULT_WORKER = "specopd.train.worker:Worker"
 PG_READY_TIMEOUT_S = float(os.environ.get("SPECOPD_PG_TIMEOUT_S", "120"))
@@ -219,7 +222,7 @@ def _node_capacity(nodes: list, cpus: float, gpus: float) -> list:
     return sorted(out, key=lambda x: -x[2])
 
 
-class RayGroup:
+class RayGroup(WorkerCalls):
     def __init__(self, cfg, worker_cls: Any = DEFAULT_WORKER):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         import ray

@@ -119,7 +119,7 @@ def evaluate_heldout(group, heldout_ids: list, batch_size: Optional[int] = None)
     chunk = batch_size or max(1, len(ids))
     res = []
     for lo in range(0, max(1, len(ids)), chunk):
-        res += group.call("evaluate", [(s,) for s in shard(ids[lo: lo + chunk], group.num_workers)])
+        res += group.evaluate(shard(ids[lo: lo + chunk], group.num_workers))
     m = reduce_metrics(res, 0.0)
     return {"expected_al": m["expected_al"], "alpha": m["alpha"], "branches": m["branches"]}
 
@@ -426,7 +426,7 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
     n = group.num_workers
     step, saved_step, state, sinks = 0, None, {}, None
     try:
-        info = group.call("data_info", [()] * n)[0]
+        info = group.data_info()
         if t.eval_every and not info["heldout_ids"]:
             raise RecipeError(f"trainer.eval_every={t.eval_every} needs held-out sequences, and this data has none "
                               f"(data.heldout={cfg.data.heldout}, or every held-out response is shorter than "
@@ -435,7 +435,7 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
         order = BatchOrder(info["train_ids"], cfg.data.batch_size, cfg.data.seed)
         if c is not None:
             try:
-                group.broadcast("load_state_dict", c["worker_state"])
+                group.load_state_dict(c["worker_state"])
             except RuntimeError as e:  # a drafter of another shape (e.g. drafter.init_from changed it)
                 if "state_dict" not in str(e):  # torch's "Error(s) in loading state_dict ..."; others pass on
                     raise
@@ -470,13 +470,13 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
 
         def save():
             with ctrl.span("checkpoint"):
-                ws = group.call("state_dict", [()] * n)[0]
+                ws = group.state_dict()
                 k = int(ws["steps_done"])  # what the workers really completed (an interrupt may hit mid-step)
                 st = {**state, "data_position": positions[k], "method": t.method, "recipe": to_dict(cfg)}
                 return ck.save_checkpoint(out, k, ws, st, t.keep_last), k
 
         def spans():
-            return [e for r in group.call("take_spans", [()] * n) for e in r] + ctrl.take()
+            return group.take_spans() + ctrl.take()
 
         bar = tqdm(total=t.max_steps, initial=min(step, t.max_steps), desc=f"train {t.method}", unit="step",
                    disable=not progress)
@@ -495,17 +495,17 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
                 parts = shard(ids, n)
                 t0 = time.perf_counter()
                 if t.method == "draft_opd":
-                    denom = sum(r["branches"] for r in group.call("stage", [(p, step) for p in parts]))
-                    res = group.call("finish", [(denom,)] * n)
+                    denom = group.stage(parts, step)
+                    res = group.finish(denom)
                 else:
                     counts = info.get("anchor_counts")  # valid anchors per sample (response / loss mask)
                     denom = sum(min(B, counts[i]) if counts is not None else
                                 num_branches(info["lengths"][i], info["prompt_lens"][i], W, B) for i in ids)
                     if t.batch_invariant:
                         bounds = shard_bounds(len(ids), n)
-                        res = group.call("train_step_invariant", [(p, step, denom, bounds, len(ids)) for p in parts])
+                        res = group.train_step_invariant(parts, step, denom, bounds, len(ids))
                     else:
-                        res = group.call("train_step", [(p, step, denom) for p in parts])
+                        res = group.train_step(parts, step, denom)
                 last = reduce_metrics(res, time.perf_counter() - t0)
                 step += 1
                 last.update(step=step, time=time.time())
@@ -553,7 +553,7 @@ def _train(cfg: RecipeConfig, progress: bool) -> dict:
         said = False
         if "positions" in locals() and not closed and not isinstance(e, (ck.CheckpointError, NonFiniteError)):
             try:  # keep every completed step (unless that checkpoint exists already)
-                done = int(group.call("state_dict", [()] * n)[0]["steps_done"])
+                done = int(group.state_dict()["steps_done"])
                 if done not in (saved_step, 0):
                     p, k = save()
                     print(f"run interrupted; checkpoint of step {k} written to {p}")
