@@ -25,7 +25,7 @@ from typing import Optional
 
 from specopd.config import RecipeConfig, RecipeError
 from specopd.memory import check_memory
-from specopd.profiling import Profiler
+from specopd.profiling import Profiler, append_spans, write_profile
 from specopd.train import checkpoint as ck
 from specopd.train.checkpointer import Checkpointer
 from specopd.train.data import BatchOrder
@@ -136,8 +136,6 @@ class Trainer:
         step += 1
         m.update(step=step, time=time.time())
         if self.cfg.profile.enabled:
-            from specopd.profiling import append_spans
-
             append_spans(self.out, self.spans())
         due = self.validator.due(step)
         if due:  # after the step's timing (step_s excludes it); its worker spans are named "eval"
@@ -163,8 +161,6 @@ class Trainer:
             summary["data"]["cache"] = self.warm_cache  # built (or found) by the controller before the workers
         summary.update(self.validator.summary(step))
         if self.cfg.profile.enabled:
-            from specopd.profiling import write_profile
-
             try:
                 write_profile(self.out, self.spans(), gpu_note=getattr(self.group, "gpu_note", None))
             except Exception as e:  # noqa: BLE001  (plots are a convenience; the raw spans are saved)
