@@ -7,10 +7,15 @@ a wall time. Compare the output before and after a change (`diff`):
     python tests/fingerprint_runs.py > before.txt   # on the base commit
     python tests/fingerprint_runs.py > after.txt    # on the change
     diff before.txt after.txt
+
+The runs go to one fixed folder (``RUNS``): their path is in what is hashed (each state.json keeps the recipe,
+trainer.output_dir included, and the manifest and marker hash state.json), so runs in a random temporary folder
+never compare. One fingerprint run at a time.
 """
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ["tiny", "tiny-gdn", "tiny-qsa"]
+RUNS = Path(tempfile.gettempdir()) / "specopd-fingerprint-runs"
 TIMING = {"step_s", "supervised_tokens_per_s", "phase_s", "time", "wall_s", "elapsed_s", "sup_tok_s", "tokens_per_s"}
 
 
@@ -52,17 +58,22 @@ def fingerprint(out):
 
 
 def main():
-    with tempfile.TemporaryDirectory() as tmp:
+    if RUNS.exists():
+        sys.exit(f"{RUNS} exists: another fingerprint run is using it, or a killed one left it (remove it first)")
+    RUNS.mkdir(parents=True)
+    try:
         for recipe in RECIPES:
             for backend in ["local", "ray"]:
                 be = [f"runtime.backend={backend}"]
-                straight = Path(tmp) / f"{recipe}-{backend}-straight"
+                straight = RUNS / f"{recipe}-{backend}-straight"
                 train(recipe, straight, *be)
-                resumed = Path(tmp) / f"{recipe}-{backend}-resumed"
+                resumed = RUNS / f"{recipe}-{backend}-resumed"
                 train(recipe, resumed, *be, "trainer.max_steps=20")
                 train(recipe, resumed, *be)
                 print(f"{recipe:10s} {backend:5s} straight {fingerprint(straight)}  resumed {fingerprint(resumed)}",
                       flush=True)
+    finally:
+        shutil.rmtree(RUNS, ignore_errors=True)
 
 
 if __name__ == "__main__":
