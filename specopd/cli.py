@@ -193,7 +193,8 @@ def cmd_train(args) -> int:
         return 0
     from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError
     from specopd.train.checkpoint import CheckpointError
-    from specopd.train.loop import NonFiniteError, RecipeChangeError
+    from specopd.train.checkpointer import RecipeChangeError
+    from specopd.train.step import NonFiniteError
 
     try:
         if cfg.pipeline.enabled:  # the main job: prepare target + data, warm up, train, evaluate, export

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specopd.losses import confidence_loss, e2e_tv_loss, logits_at, tv_alpha
 from specopd.train.baselines import verify_block
 from specopd.train.group import LocalGroup
-from specopd.train.loop import reduce_metrics, train
+from specopd.train.loop import train
+from specopd.train.step import reduce_metrics
 from specopd.train.tiny import tiny_recipe
 from specopd.train.worker import Worker, lr_lambda
 
@@ -341,7 +342,7 @@ def test_eval_every_logs_heldout_al_and_draws_it(tmp_path):
     a PNG; the progress bar is not needed for any of it."""
     from safetensors.torch import load_file
 
-    from specopd.profiling import read_heldout_al
+    from specopd.train.validator import read_heldout_al
 
     cfg = tiny_recipe(str(tmp_path), ["trainer.max_steps=5", "trainer.eval_every=2", "trainer.log_every=3",
                                       "trainer.eval_heldout=false"])
