@@ -433,12 +433,31 @@ class RayGroup(WorkerCalls):
                 except lost as e:
                     self._lost(rank, method, e)
                 except RayTaskError as e:
+                    self._lost_peer(pending, rank_of, base, method, lost)  # a dead peer broke its collective
                     self.shutdown()
                     cause = e.as_instanceof_cause()  # an instance of the worker's exception type too
                     if hasattr(cause, "add_note"):
                         cause.add_note(f"(raised by Ray worker rank {rank} in {method!r}; the run is stopped)")
                     raise cause from None
         return results
+
+    def _lost_peer(self, pending: list, rank_of: dict, base: int, method: str, lost: tuple,
+                   grace_s: float = 10.0) -> None:
+        """A worker's error in a collective (gloo: "Connection reset by peer") is often a peer's death that Ray
+        has not reported yet: wait up to ``grace_s`` for the other workers, and name a dead one (``_lost``)
+        instead of the survivor's symptom."""
+        import ray
+
+        if not pending:
+            return
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        for r in ready:
+            try:
+                ray.get(r)
+            except lost as e:
+                self._lost(base + rank_of[r], method, e)
+            except Exception:  # noqa: BLE001 - the first worker's own error is raised by the caller
+                pass
 
     def _lost(self, rank: int, method: str, err: Exception):
         info = self.infos[rank] if rank < len(self.infos) else {}
