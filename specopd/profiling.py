@@ -295,7 +295,7 @@ def write_profile(run_dir, spans: Iterable = (), gpu_samples: Iterable = (), gpu
     return render(run_dir, plot=plot)
 
 
-def _read_jsonl(path: Path) -> list:
+def read_jsonl(path: Path) -> list:
     """The records of a .jsonl; a line cut short (a killed run) is skipped."""
     if not path.exists():
         return []
@@ -313,8 +313,8 @@ def load_profile(run_dir):
     """(spans, gpu_samples, meta) saved under <run_dir>/profile/; meta["cpu_samples"]: CpuSampler's."""
     d = Path(run_dir) / "profile"
     meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
-    meta["cpu_samples"] = _read_jsonl(d / "cpu.jsonl")
-    return _read_jsonl(d / "spans.jsonl"), _read_jsonl(d / "gpu.jsonl"), meta
+    meta["cpu_samples"] = read_jsonl(d / "cpu.jsonl")
+    return read_jsonl(d / "spans.jsonl"), read_jsonl(d / "gpu.jsonl"), meta
 
 
 def _lanes(spans: list) -> list:

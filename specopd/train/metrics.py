@@ -28,6 +28,7 @@ from typing import Optional, Protocol
 from tqdm import tqdm
 
 from specopd.config import RecipeError
+from specopd.profiling import read_jsonl
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 # record key -> sink name (lists become <name>/pos_<j>, dicts <name>/<key>)
@@ -61,17 +62,7 @@ def scalars(record: dict) -> dict:
 def read_metrics(run_dir) -> list:
     """The records of ``<run_dir>/metrics.jsonl`` (none when it is missing); a line cut short by a kill is
     skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 class MetricsSink(Protocol):
