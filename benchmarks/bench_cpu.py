@@ -13,9 +13,9 @@ addmm / attention; elementwise work is not counted), at the best matmul rate mea
 measured before and after the steps, the larger taken): roofline tokens/s = rate / (FLOPs per supervised token);
 share = measured tokens/s / roofline tokens/s.
 
-Decoding (batch 1, ``--decode``): our autoregressive and speculative (T = 0, a fresh drafter: AL ~ 1, so this
-measures a round's cost) decoding on held-out chat prompts, fp32 and bf16. vLLM's decoding on the same prompts
-is an optional column: it needs ``specopd.engines`` (vLLM in its own venv), which is not on this branch yet.
+Decoding (``--decode``): our and vLLM's autoregressive and speculative decoding (T = 0, the shipped drafter) on
+the same held-out chat prompts, fp32 and bf16, at batch 1 and 16 (``bench_decode``). vLLM runs in its own venv
+(``make vllm``); without it the vLLM columns are skipped and say why.
 
 ``--profile``: torch.profiler op tables (top ops by self CPU time) and per-phase time + achieved matmul FLOP/s
 for one SpecOPD step, one Draft-OPD round (8 sequences), one autoregressive token and one speculative round
@@ -169,47 +169,117 @@ def training_table(results: list, rates: dict) -> str:
     return "\n".join(lines)
 
 
+DRAFTER = os.path.join(ROOT, "recipes", "drafters", "smollm2-135m-dflash")
+
+
 @torch.no_grad()
-def bench_decode(target_dir: str, dtypes: list, n_prompts: int, n_new: int) -> list:
+def spec_batch(target, drafter, prompts: list, n_new: int) -> tuple:
+    """Greedy speculative decoding of several prompts at once (one drafter call, one verify pass, one commit a
+    round over all live sequences; the Draft-OPD rollout's engine-style round) -> (tokens, rounds, accepted)."""
+    from specopd import speculative as spec
+
+    seqs = [spec.start(target, p, drafter.feature_layers) for p in prompts]
+    made, rounds, acc = [0] * len(seqs), 0, 0
+    live = list(range(len(seqs)))
+    while live:
+        cur = [seqs[i] for i in live]
+        d, q = spec.draft(drafter, cur, 0.0)
+        p, state = spec.verify(target, cur, d)
+        nacc, nxt = spec.accept(d, q, p, 0.0)
+        keep = [made[i] + n + 1 < n_new for i, n in zip(live, nacc)]
+        new = spec.commit(target, cur, state, nacc, nxt, keep)
+        for i, s, n in zip(live, new, nacc):
+            seqs[i], made[i] = s, min(n_new, made[i] + n + 1)
+        rounds, acc = rounds + len(live), acc + sum(nacc)
+        live = [i for i in live if made[i] < n_new]
+    return sum(made), rounds, acc
+
+
+@torch.no_grad()
+def bench_decode(target_dir: str, dtypes: list, n_prompts: int, n_new: int, batches: list, drafter_dir: str,
+                 tmp: str) -> list:
+    """Greedy tokens/s of autoregressive and speculative decoding (the shipped drafter), ours and vLLM's, on the
+    same held-out prompts, no stop tokens (every request makes exactly n_new tokens), at each batch size: batch 1
+    runs the prompts one after another, batch b > 1 runs b prompts together (ours: one packed target pass a step;
+    vLLM: ``max_num_seqs`` b). Prefill included. -> rows {dtype, batch, mode, engine, tokens_per_s, al}."""
     from specopd.data.conversations import heldout_prompt_ids
-    from specopd.drafters import build_drafter
+    from specopd.data.prepare import generate_batch
+    from specopd.drafters.layout import load_drafter
+    from specopd.engines import vllm_missing_reason
     from specopd.eval import SpeculativeDecoder, autoregressive
+    from specopd.eval.engine import run_judge
     from specopd.models import load_target
 
     rows = []
-    models = {dt: load_target(target_dir, dtype=getattr(torch, dt)) for dt in dtypes}
-    prompts = heldout_prompt_ids(target_dir, 49152, n_prompts)
-    drafters = {dt: build_drafter("dflash", t, num_layers=1, block_size=5, seed=0, feature_layers=[29]).eval()
-                for dt, t in models.items()}
-    res = {(dt, k): [0, 0.0, []] for dt in dtypes for k in ("ar", "spec")}
-    for p in [prompts[0]] + prompts:  # the first prompt once more, untimed (warm-up)
-        warm = p is prompts[0] and not res[(dtypes[0], "ar")][0] and not res[(dtypes[0], "ar")][2]
-        for dt, t in models.items():
-            a = autoregressive(t, p, n_new, temperature=0.0)
-            s = SpeculativeDecoder(t, drafters[dt], temperature=0.0).generate(p, n_new)
-            if warm:
-                res[(dt, "ar")][2].append("warm")
-                continue
-            for k, r in (("ar", a), ("spec", s)):
-                res[(dt, k)][0] += r.tokens.numel()
-                res[(dt, k)][1] += r.wall_time
-                if k == "spec":
-                    res[(dt, k)][2].extend(r.accept_lengths)
-    for (dt, k), (n, sec, al) in res.items():
-        rows.append({"dtype": dt, "mode": k, "tokens_per_s": n / sec,
-                     "al": (sum(al) / len(al)) if k == "spec" and al else None})
+    prompts = heldout_prompt_ids(target_dir, 49152, max(n_prompts, max(batches)))
+    for dt in dtypes:
+        t = load_target(target_dir, dtype=getattr(torch, dt))
+        drafter = load_drafter(drafter_dir, t).eval()
+        autoregressive(t, prompts[0], 4, temperature=0.0)  # warm-up
+        SpeculativeDecoder(t, drafter, temperature=0.0).generate(prompts[0], 4)
+        for b in batches:
+            ps = prompts[:n_prompts] if b == 1 else prompts[:b]
+            t0 = time.perf_counter()
+            if b == 1:
+                n_ar = sum(autoregressive(t, p, n_new, temperature=0.0).tokens.numel() for p in ps)
+            else:
+                n_ar = sum(len(o) for o, _ in generate_batch(t, ps, n_new, 0.0, 1.0, [None] * b, set()))
+            t1 = time.perf_counter()
+            if b == 1:
+                rs = [SpeculativeDecoder(t, drafter, temperature=0.0).generate(p, n_new) for p in ps]
+                n_sp, rounds, acc = (sum(r.tokens.numel() for r in rs), sum(len(r.accept_lengths) for r in rs),
+                                     sum(sum(r.accept_lengths) - len(r.accept_lengths) for r in rs))
+            else:
+                n_sp, rounds, acc = spec_batch(t, drafter, ps, n_new)
+            t2 = time.perf_counter()
+            rows.append(dict(dtype=dt, batch=b, mode="autoregressive", engine="ours", tokens_per_s=n_ar / (t1 - t0),
+                             al=None))
+            rows.append(dict(dtype=dt, batch=b, mode="speculative", engine="ours", tokens_per_s=n_sp / (t2 - t1),
+                             al=1 + acc / rounds))
+            print(f"  decode ours {dt} batch {b}: AR {rows[-2]['tokens_per_s']:.1f} tok/s, spec "
+                  f"{rows[-1]['tokens_per_s']:.1f} tok/s (AL {rows[-1]['al']:.2f})", flush=True)
+        del t, drafter
+    why = vllm_missing_reason()
+    if why:
+        print(f"vLLM columns skipped: {why}")
+        return rows
+    ids = [p.tolist() for p in prompts]
+    for dt in dtypes:
+        for b in batches:
+            ps = ids[:n_prompts] if b == 1 else ids[:b]
+            for mode, d in (("autoregressive", None), ("speculative", drafter_dir)):
+                r = run_judge(target_dir, d, ps, n_new, [0.0], [], dt, work_dir=os.path.join(tmp, "vllm"),
+                              max_num_seqs=b, patch_cpu_expand=False)["runs"][0]  # T = 0: as shipped
+                c = r["counters"]
+                al = 1 + c["num_accepted_tokens"] / c["num_drafts"] if c and c["num_drafts"] else None
+                rows.append(dict(dtype=dt, batch=b, mode=mode, engine="vLLM", tokens_per_s=r["tokens_per_s"], al=al))
+                print(f"  decode vLLM {dt} batch {b} {mode}: {r['tokens_per_s']:.1f} tok/s", flush=True)
     return rows
 
 
 def decode_table(rows: list, n_prompts: int, n_new: int) -> str:
-    base = {r["dtype"]: r["tokens_per_s"] for r in rows if r["mode"] == "ar"}
-    lines = [f"{n_prompts} held-out chat prompts x {n_new} new tokens, greedy, batch 1 (prefill included)",
-             "| target | decoding | tokens/s | vs fp32 AR | AL (incl. bonus) | vLLM tokens/s |", "|---|---|---|---|---|---|"]
+    key = {(r["dtype"], r["batch"], r["mode"], r["engine"]): r for r in rows}
+    lines = [f"held-out chat prompts x {n_new} new tokens, greedy, no stop tokens, prefill included; batch 1: "
+             f"{n_prompts} prompts one after another; drafter {os.path.relpath(DRAFTER, ROOT)} (W = 4)",
+             "| target | batch | decoding | ours tokens/s | ours AL | vLLM tokens/s | vLLM AL | ours / vLLM | "
+             "ours spec / ours AR |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        al = f"{r['al']:.2f}" if r["al"] else "-"
-        lines.append(f"| {r['dtype']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / base.get('float32', float('nan')):.2f}x | {al} | "
-                     f"n/a (specopd.engines not merged) |")
+        if r["engine"] != "ours":
+            continue
+        v = key.get((r["dtype"], r["batch"], r["mode"], "vLLM"))
+        ar = key[(r["dtype"], r["batch"], "autoregressive", "ours")]
+        f = lambda x: f"{x:.2f}" if x else "-"  # noqa: E731
+        lines.append(f"| {r['dtype']} | {r['batch']} | {r['mode']} | {r['tokens_per_s']:.1f} | {f(r['al'])} | "
+                     f"{v['tokens_per_s']:.1f} | {f(v['al'])} | {r['tokens_per_s'] / v['tokens_per_s']:.2f}x | "
+                     if v else f"| {r['dtype']} | {r['batch']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
+                     f"{f(r['al'])} | - | - | - | ")
+        lines[-1] += f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f}x |"
+    vs = [r for r in rows if r["engine"] == "vLLM"]
+    for r in vs:
+        if r["mode"] == "speculative":
+            ar = key[(r["dtype"], r["batch"], "autoregressive", "vLLM")]
+            lines.append(f"vLLM {r['dtype']} batch {r['batch']}: speculative / autoregressive "
+                         f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
     return "\n".join(lines)
 
 
@@ -255,7 +325,7 @@ def profile_all(target_dir: str, dtype: str, tmp: str, rates: dict) -> str:
     _, fl = count_flops(lambda: w.propose(caches, ids, 1))
     phases.append(("propose (drafter fwd + sampling)", tp, fl / 1e9))
     hp = _phase("score", lambda: w.score(prop, caches), phases)
-    denom = prop["tokens"].shape[0]
+    denom = prop.tokens.shape[0]
 
     def lb():
         p = w.propose(caches, ids, 1)
@@ -362,8 +432,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per (dtype, method)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--decode", action="store_true", help="also decoding tokens/s at batch 1")
-    ap.add_argument("--decode-prompts", type=int, default=4)
-    ap.add_argument("--decode-new", type=int, default=32)
+    ap.add_argument("--decode-prompts", type=int, default=4, help="batch 1: prompts decoded one after another")
+    ap.add_argument("--decode-new", type=int, default=64)
+    ap.add_argument("--decode-batches", default="1,16")
+    ap.add_argument("--drafter", default=DRAFTER, help="decoding: the drafter (default: the shipped one)")
     ap.add_argument("--profile", action="store_true", help="also the op tables (see the module doc)")
     ap.add_argument("--profile-dtype", default="bfloat16")
     ap.add_argument("--json")
@@ -387,7 +459,9 @@ def main(argv=None) -> int:
         print(rates_table(before, after))
         print()
         print(training_table(results, rates), flush=True)
-        dec = bench_decode(args.target, dtypes, args.decode_prompts, args.decode_new) if args.decode else None
+        dec = (bench_decode(args.target, dtypes, args.decode_prompts, args.decode_new,
+                            [int(b) for b in args.decode_batches.split(",")], args.drafter, tmp)
+               if args.decode else None)
         if dec:
             print()
             print(decode_table(dec, args.decode_prompts, args.decode_new), flush=True)

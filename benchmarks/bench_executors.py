@@ -116,6 +116,7 @@ def gqa_score_paths(args, target=None):
     it can run) against the dense per-trunk tree mask of the previous executor ("dense"), side by side on the
     same target, trunk and tree. Also the attention work each visits (score entries computed)."""
     from executors.base import resolve_kernels
+    from executors.options import ExecOptions
     from kernels.tree_attention import build_tree_plan
     from specopd.tree import ProposalTree
 
@@ -129,13 +130,13 @@ def gqa_score_paths(args, target=None):
     m = tree.num_nodes
     paths = ["dense", "blocked"]
     try:
-        resolve_kernels({"kernels": "triton"}, args.device)
+        resolve_kernels(ExecOptions(kernels="triton"), args.device)
         paths.append("triton")
     except ValueError:
         pass
     rows, ref = [], None
     for path in paths:
-        cache.options["gqa_backend"] = path
+        cache.options.gqa_backend = path
         target.score(tree, cache)  # warm-up (plans are built once per tree)
         t_score, p = _timeit(lambda: target.score(tree, cache), args.repeats, args.device)
         ref = p if ref is None else ref
@@ -153,7 +154,7 @@ def gqa_score_paths(args, target=None):
         rows.append(dict(path=path, layers=args.layers, T=args.T, branches=args.branches, W=args.W, nodes=m,
                          score_ms=1e3 * t_score, score_entries_M=entries / 1e6, largest_mask_MiB=mask_mib,
                          rel_diff_vs_dense=float((p - ref).abs().max() / ref.abs().max())))
-    cache.options.pop("gqa_backend")
+    cache.options.gqa_backend = "auto"
     base = rows[0]["score_ms"]
     for r in rows:
         r["speedup_vs_dense"] = base / r["score_ms"]

@@ -11,13 +11,15 @@ from typing import Optional
 
 import torch
 
+from executors.options import ExecOptions, as_options
+
 _REGISTRY: dict = {}
 
 
 class Executor:
     kind: str = "?"
 
-    def prefill(self, mixer, x, positions, prev=None, options=None):
+    def prefill(self, mixer, x, positions, prev=None, options: Optional[ExecOptions] = None):
         """Run one layer's mixer over trunk tokens and keep the layer's trunk cache.
 
         Args:
@@ -25,14 +27,14 @@ class Executor:
             x: [1, T, D] the mixer's input for the trunk tokens (already normed by the layer).
             positions: [1, T] absolute positions.
             prev: this layer's cache of the trunk so far (incremental extension; it keeps its contents), or None.
-            options: run options (``kernels``, the executor's own keys).
+            options: an ``executors.options.ExecOptions`` (None: the defaults).
 
         Returns:
             (out [1, T, D], cache): out is exactly ``mixer(x, positions)`` on the full sequence; cache covers prev + T.
         """
         raise NotImplementedError
 
-    def score(self, mixer, x, tree, caches, options=None):
+    def score(self, mixer, x, tree, caches, options: Optional[ExecOptions] = None):
         """Mixer outputs of every tree node as if its path had been run from scratch after its anchor.
 
         Args:
@@ -47,7 +49,7 @@ class Executor:
         """
         raise NotImplementedError
 
-    def verify(self, mixer, x, tree, caches, options=None):
+    def verify(self, mixer, x, tree, caches, options: Optional[ExecOptions] = None):
         """``score`` that also keeps what ``commit`` needs of every node (training's scoring never pays for it).
 
         Args:
@@ -59,7 +61,7 @@ class Executor:
         """
         raise NotImplementedError(f"the {self.kind!r} executor cannot keep node states for commit")
 
-    def commit(self, mixer, cache, nodes, path, options=None):
+    def commit(self, mixer, cache, nodes, path, options: Optional[ExecOptions] = None):
         """Extend one trunk's cache by an accepted path with the states ``verify`` computed: no new pass. Equals
         ``prefill`` of the same tokens on ``cache``; ``cache`` keeps its contents.
 
@@ -108,9 +110,9 @@ def check_kernels(kernels: str, device) -> None:
                          f"slow). Use kernels='torch' (or 'auto') on the CPU")
 
 
-def resolve_kernels(options, device) -> str:
-    """``options["kernels"]`` for tensors on ``device`` -> "torch" | "triton" ("auto": triton on CUDA)."""
-    kernels = (options or {}).get("kernels", "auto")
+def resolve_kernels(options: Optional[ExecOptions], device) -> str:
+    """``options.kernels`` for tensors on ``device`` -> "torch" | "triton" ("auto", or None: triton on CUDA)."""
+    kernels = as_options(options).kernels or "auto"
     check_kernels(kernels, device)
     if kernels == "auto":
         return "triton" if torch.device(device).type == "cuda" else "torch"

@@ -30,10 +30,6 @@ class ConvNodes:
     x: torch.Tensor
 
 
-def _weights(mixer, dtype):
-    return mixer.weight[:, 0, :].to(dtype)  # [C, K]
-
-
 @register_executor("conv")
 class ConvExecutor(Executor):
     kind = "conv"
@@ -83,14 +79,12 @@ class ConvExecutor(Executor):
         table = torch.cat([cc.x.to(device=dev, dtype=x.dtype) for cc in caches] + [x[0], x.new_zeros(1, c)], dim=0)
         zero_row = table.shape[0] - 1
         tix = tree.trunk_index
-        w = _weights(mixer, x.dtype)
-        out = torch.zeros_like(x[0])
+        cols = []
         for back, j in sorted(taps, key=lambda bj: bj[1]):
             if back == 0:
-                src = x[0]
+                cols.append(x[0])
             else:
                 nr, tp = node_ref[:, back - 1], trunk_pos[:, back - 1]
                 rows = torch.where(nr >= 0, n_trunk + nr, torch.where(tp >= 0, offs[tix] + tp, zero_row))
-                src = table[rows.to(dev)]
-            out = out + src * w[:, j]
-        return out.unsqueeze(0), ConvNodes(x[0])
+                cols.append(table[rows.to(dev)])
+        return mixer.tap_sum(cols, x.dtype).unsqueeze(0), ConvNodes(x[0])

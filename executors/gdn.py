@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
+from executors.options import DEFAULT_CHECKPOINT_EVERY, as_options
 from kernels.gated_delta.naive import gated_delta_step, recurrent_gated_delta_rule
 
-DEFAULT_EVERY = 64
+DEFAULT_EVERY = DEFAULT_CHECKPOINT_EVERY
 
 
 @dataclass
@@ -49,10 +50,10 @@ class GDNNodes:
 
 def _recurrence(options, device, every=None):
     """The sequence recurrence for prefill / replays (all share ``naive.recurrent_gated_delta_rule``'s
-    contract) and its name: "torch" (naive loop) or, with Triton kernels, ``options["gdn_prefill"]``."""
+    contract) and its name: "torch" (naive loop) or, with Triton kernels, ``options.gdn_prefill``."""
     if resolve_kernels(options, device) == "torch":
         return recurrent_gated_delta_rule, "torch"
-    name = (options or {}).get("gdn_prefill", "auto")
+    name = as_options(options).gdn_prefill
     if name not in ("auto", "chunk", "fla", "recurrent"):
         raise ValueError(f"unknown gdn_prefill {name!r}; use 'auto', 'chunk', 'fla' or 'recurrent'")
     if name == "auto":
@@ -73,14 +74,14 @@ def _recurrence(options, device, every=None):
 
 
 def _every(options) -> int:
-    c = int((options or {}).get("gdn_checkpoint_every", DEFAULT_EVERY))
+    c = int(as_options(options).gdn_checkpoint_every)
     if c < 1:
         raise ValueError(f"gdn_checkpoint_every must be >= 1; got {c}")
     return c
 
 
 def _keep(options) -> bool:
-    return bool((options or {}).get("gdn_keep_checkpoints", True))
+    return bool(as_options(options).gdn_keep_checkpoints)
 
 
 def _gather_trunk(caches, trunk: torch.Tensor, pos: torch.Tensor, field: str) -> torch.Tensor:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from executors.attention import masked_attention, sdpa_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
-from kernels.tree_attention import build_tree_plan, tree_attention_blocked
+from executors.options import as_options
 
 
 @dataclass
@@ -40,7 +40,7 @@ BLOCKED = dict(block_m=64, block_n=64)  # torch path: nodes x keys per block (fe
 
 
 def _option(options) -> str:
-    backend = (options or {}).get("gqa_backend", "auto")
+    backend = as_options(options).gqa_backend
     if backend != "auto" and backend not in SCORE_BACKENDS:
         raise ValueError(f"unknown gqa_backend {backend!r}; available: 'auto', {', '.join(map(repr, SCORE_BACKENDS))}")
     return backend
@@ -57,12 +57,12 @@ def _backend(q, options) -> str:
 
 
 def score_backend(device, options) -> str:
-    """The score path: ``options["gqa_backend"]``, "auto" following ``options["kernels"]``."""
+    """The score path: ``options.gqa_backend``, "auto" following ``options.kernels``."""
     backend = _option(options)
     if backend == "auto":
         return "triton" if resolve_kernels(options, device) == "triton" else "blocked"
     if backend == "triton":
-        resolve_kernels({**(options or {}), "kernels": "triton"}, device)  # clear error off CUDA
+        resolve_kernels(replace(as_options(options), kernels="triton"), device)  # clear error off CUDA
     return backend
 
 
@@ -109,10 +109,10 @@ def attend_causal(q, k, v, scaling, options=None):
 
 # ---------------------------------------------------------------------------------------------- varlen
 def varlen_backend(q, options) -> str:
-    """Packed causal prefill: ``options["varlen_backend"]`` "auto" | "flash_attn" | "torch" | "loop".
+    """Packed causal prefill: ``options.varlen_backend`` "auto" | "flash_attn" | "torch" | "loop".
     "auto" = flash-attn's ``flash_attn_varlen_func`` when importable, else torch's ``varlen_attn`` (torch >=
     2.9, CUDA, bf16 / fp16), else "loop" (per-sequence ``attend_causal``: exact, any device)."""
-    backend = (options or {}).get("varlen_backend", "auto")
+    backend = as_options(options).varlen_backend
     if backend not in ("auto", "flash_attn", "torch", "loop"):
         raise ValueError(f"unknown varlen_backend {backend!r}; use 'auto', 'flash_attn', 'torch' or 'loop'")
     if backend != "auto":
@@ -216,7 +216,7 @@ class GQAExecutor(Executor):
         return mixer.finish(o[None], extra), caches
 
     def score(self, mixer, x, tree, caches, options=None):
-        """Tree attention through the block plan (``options['gqa_backend']``); caches: one GQACache per trunk.
+        """Tree attention through the block plan (``options.gqa_backend``); caches: one GQACache per trunk.
 
         Args / Returns: as ``executors.base.Executor.score``.
         """

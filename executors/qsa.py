@@ -9,8 +9,9 @@ import torch
 
 from executors.attention import masked_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels
+from executors.options import DEFAULT_QSA_SCORE_BYTES, as_options
 
-SCORE_BYTES = 1 << 28  # default options["qsa_score_bytes"]: the key stage of score works in node chunks of <= this
+SCORE_BYTES = DEFAULT_QSA_SCORE_BYTES  # default options.qsa_score_bytes: score's key stage works in chunks <= this
 
 
 @dataclass
@@ -43,9 +44,42 @@ def _pool_new_groups(mixer, raw: torch.Tensor, t0: int, t: int) -> torch.Tensor:
 
 
 def _record(options, mixer, sel):
-    rec = (options or {}).get("qsa_record")
+    rec = as_options(options).qsa_record
     if isinstance(rec, dict):
         rec[mixer.layer_idx] = sel.detach().cpu()
+
+
+def attend_selected(mixer, q, k_all, v_all, sel, pos, rows, options=None, triton=False) -> torch.Tensor:
+    """Attention of queries q [Q, H, hd] at positions pos [Q] over their own key lists: the selected groups'
+    tokens sel [Q, topk] (ascending, -1 padded), then the tail r*n .. pos, in that order, padded to S = topk * r +
+    r - 1 keys. ``rows(positions [n, S], queries [n])`` maps visible-list positions to rows of k_all / v_all [N, Hkv,
+    hd]. Queries go in chunks of <= ``options.qsa_score_bytes`` of key-stage tensors. -> o [Q, H, hd].
+
+    A query's result depends only on its own row and key list, not on which other queries share the call (torch:
+    one [1, S] attention per query; triton: one program per query), so prefill (low precision) and score give it
+    bitwise equal outputs (its attention output feeds the next layers' QSA selections and MoE routing)."""
+    dev, r, m = q.device, mixer.ratio, q.shape[0]
+    n = (pos + 1) // r  # complete groups on each query's visible list
+    s_len = sel.shape[1] * r + r - 1
+    per_node = s_len * (40 + (0 if triton else 2 * k_all[0].numel() * k_all.element_size()))
+    chunk = max(1, int(as_options(options).qsa_score_bytes) // per_node)
+    every = torch.arange(m, device=dev)
+    o = torch.empty_like(q)  # [Q, H, hd]
+    for c0 in range(0, m, chunk):
+        nd = every[c0: c0 + chunk]
+        p_sel = (sel[nd, :, None] * r + torch.arange(r, device=dev)).flatten(1)
+        ok_sel = (sel[nd] >= 0)[..., None].expand(-1, -1, r).flatten(1)
+        p_tail = (r * n[nd])[:, None] + torch.arange(r - 1, device=dev)
+        ok = torch.cat([ok_sel, p_tail <= pos[nd, None]], dim=1)  # [n, S]
+        idx = rows(torch.where(ok, torch.cat([p_sel, p_tail], dim=1), 0), nd)
+        if triton:
+            from kernels.qsa.sparse_attention import pack_rows, sparse_attention
+
+            o[nd] = sparse_attention(q[nd], k_all, v_all, *pack_rows(idx, ok), mixer.scaling)
+        else:
+            o[nd] = masked_attention(q[nd].unsqueeze(1), k_all[idx], v_all[idx], ok.unsqueeze(1),
+                                     mixer.scaling)[:, 0]
+    return o
 
 
 def ancestor_table(tree, device) -> torch.Tensor:
@@ -81,7 +115,7 @@ class QSAExecutor(Executor):
         else:
             cache = QSACache(k[0], v[0], raw[0], _pool_new_groups(mixer, raw[0], 0, t))
         k, v, pooled = cache.k, cache.v, cache.pooled
-        chunk = max(1, int((options or {}).get("qsa_prefill_chunk", 1024)))  # queries per attention block
+        chunk = max(1, int(as_options(options).qsa_prefill_chunk))  # queries per attention block
         if resolve_kernels(options, x.device) == "triton":
             from kernels.qsa.sparse_attention import qsa_prefill  # Triton, only on this path
 
@@ -90,13 +124,18 @@ class QSAExecutor(Executor):
             _record(options, mixer, sel)
             return mixer.finish(o[None], gate), cache
         sels, outs = [], []
+        lowp = x.dtype != torch.float32  # bitwise the rows score gives (attend_selected); fp32: one masked block
         for s0 in range(0, t, chunk):
             last = torch.arange(t0 + s0, t0 + min(t, s0 + chunk), device=x.device)
             span = int(last[-1]) + 1  # keys visible to this block
             sel = mixer.select(mixer.index_scores(qi[0, s0: s0 + chunk], pooled.unsqueeze(0)), (last + 1) // r)
-            mask = mixer.token_mask(sel, last, span)
-            outs.append(masked_attention(q[:, s0: s0 + chunk], k[None, :span], v[None, :span], mask[None],
-                                         mixer.scaling))
+            if lowp:
+                o = attend_selected(mixer, q[0, s0: s0 + chunk], k, v, sel, last, lambda p, nd: p, options)
+                outs.append(o[None])
+            else:
+                mask = mixer.token_mask(sel, last, span)
+                outs.append(masked_attention(q[:, s0: s0 + chunk], k[None, :span], v[None, :span], mask[None],
+                                             mixer.scaling))
             sels.append(sel)
         _record(options, mixer, torch.cat(sels))
         return mixer.finish(torch.cat(outs, dim=1), gate), cache
@@ -181,25 +220,7 @@ class QSAExecutor(Executor):
             sel = mixer.select(scores[:, :gmax], n)  # [M, topk]
         _record(options, mixer, sel)
 
-        # keys: the selected groups' tokens, then the tail (positions r*n .. pos), ascending; nodes in chunks
         k_all = torch.cat([c.k.to(dev) for c in caches] + [k[0]])
         v_all = torch.cat([c.v.to(dev) for c in caches] + [v[0]])
-        s_len = sel.shape[1] * r + r - 1
-        per_node = s_len * (40 + (0 if triton else 2 * k_all[0].numel() * k_all.element_size()))
-        chunk = max(1, int((options or {}).get("qsa_score_bytes", SCORE_BYTES)) // per_node)
-        o = torch.empty_like(q[0])  # [M, H, hd]
-        for c0 in range(0, m, chunk):
-            nd = every[c0: c0 + chunk]
-            p_sel = (sel[nd, :, None] * r + torch.arange(r, device=dev)).flatten(1)
-            ok_sel = (sel[nd] >= 0)[..., None].expand(-1, -1, r).flatten(1)
-            p_tail = (r * n[nd])[:, None] + torch.arange(r - 1, device=dev)
-            ok = torch.cat([ok_sel, p_tail <= pos[nd, None]], dim=1)  # [n, S]
-            idx = rows(torch.where(ok, torch.cat([p_sel, p_tail], dim=1), 0), nd)
-            if triton:
-                from kernels.qsa.sparse_attention import pack_rows, sparse_attention  # Triton, only on this path
-
-                o[nd] = sparse_attention(q[0, nd], k_all, v_all, *pack_rows(idx, ok), mixer.scaling)
-            else:
-                o[nd] = masked_attention(q[0, nd].unsqueeze(1), k_all[idx], v_all[idx], ok.unsqueeze(1),
-                                         mixer.scaling)[:, 0]
+        o = attend_selected(mixer, q[0], k_all, v_all, sel, pos, rows, options, triton)
         return mixer.finish(o[None], gate), QSANodes(k[0], v[0], raw[0])

@@ -35,7 +35,9 @@ from specopd.memory import format_plan, memory_plan, target_shape
 from specopd.profiling import render
 from specopd.train.checkpoint import MARKER, CheckpointError, find_latest, newest_good, read_state, verify
 from specopd.train.lock import busy
-from specopd.train.loop import NonFiniteError, RecipeChangeError, train
+from specopd.train.checkpointer import RecipeChangeError
+from specopd.train.loop import train
+from specopd.train.step import NonFiniteError
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -118,7 +120,6 @@ def plan(cfg, device_bytes=None) -> dict:
                      "branches": d.batch_size * t.anchors_per_seq,
                      "supervised_tokens": d.batch_size * t.anchors_per_seq * (cfg.drafter.block_size - 1)},
         "memory": None if mem is None else mem.to_dict(),
-        "memory_estimate_per_worker_bytes": None,  # superseded by "memory" (kept for older readers)
         "steps": t.max_steps, "output_dir": t.output_dir, "resume": t.resume, "notes": notes,
         "_memory_plan": mem,
     }

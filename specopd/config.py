@@ -5,6 +5,12 @@ A recipe is a YAML file whose sections mirror ``RecipeConfig`` (``model``, ``dra
 ``section.key=value`` strings (YAML-parsed values). Every field has a default; a recipe only names what
 it changes. Unknown keys, wrong types and bad values fail with an error naming the key, what was
 expected, and (for unknown keys) the valid keys of that section.
+
+Every field declares what a resume does when its value differs from the checkpoint's recipe
+(``setting(default, resume=...)``; ``resume_policies`` lists them, ``specopd.train.checkpointer`` applies them):
+``REFUSE`` (another run: the resume is refused), ``FROM_HERE`` (the run differs from an uninterrupted one from
+the resumed step on: the change is listed as such) or ``SAME_RUN`` (bookkeeping or placement that does not change
+the numbers: listed as such).
 """
 from __future__ import annotations
 
@@ -20,9 +26,23 @@ TINY_MODEL_TYPES = ("llama", "qwen3_next", "qwen4_exp")
 METHODS = ("specopd", "draft_opd", "offpolicy_ce", "offpolicy_e2e_tv")
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 
+# what a resume does when a field's value differs from the checkpoint's recipe
+REFUSE = "refuse"  # another run (target, drafter shape, data, seed, method): the resume is refused
+FROM_HERE = "from_here"  # takes effect from the resumed step on: listed, the run differs from an uninterrupted one
+SAME_RUN = "same_run"  # bookkeeping or placement, the numbers do not change: listed
+RESUME_POLICIES = (REFUSE, FROM_HERE, SAME_RUN)
+
 
 class RecipeError(UserError, ValueError):
     """A recipe or override is invalid; the message names the key and the fix."""
+
+
+def setting(default=dataclasses.MISSING, *, resume: str, factory=dataclasses.MISSING):
+    """A recipe field with its default (or ``factory`` for a list / dict) and its resume policy
+    (``RESUME_POLICIES``)."""
+    if resume not in RESUME_POLICIES:
+        raise ValueError(f"resume={resume!r}: choose one of {list(RESUME_POLICIES)}")
+    return field(default=default, default_factory=factory, metadata={"resume": resume})
 
 
 def _check_choice(section: str, key: str, value, choices) -> None:
@@ -43,25 +63,25 @@ def _check_range(section: str, key: str, value, lo=None, hi=None, lo_open=False)
 
 @dataclass
 class ModelConfig:
-    target: str = "tiny:llama"
+    target: str = setting("tiny:llama", resume=REFUSE)
     """The target model: a Hugging Face folder (config.json + safetensors), or ``tiny:<model_type>``
     (llama | qwen3_next | qwen4_exp) for a tiny random target built deterministically from ``tiny_seed``
     and written as a real safetensors folder under ``<output_dir>/tiny-target``."""
-    dtype: str = "float32"
+    dtype: str = setting("float32", resume=FROM_HERE)
     """Target (and drafter) parameter dtype: float32 | bfloat16 | float16."""
-    device: str = "cpu"
+    device: str = setting("cpu", resume=SAME_RUN)
     """cpu | cuda | auto (cuda when available)."""
-    tiny_seed: int = 0
+    tiny_seed: int = setting(0, resume=REFUSE)
     """Seed of the tiny random target's weights (only for ``tiny:`` targets)."""
-    tiny: Dict[str, Any] = field(default_factory=dict)
+    tiny: Dict[str, Any] = setting(factory=dict, resume=REFUSE)
     """Overrides of the tiny target's config.json entries (e.g. ``{hidden_size: 64}``)."""
-    gdn_checkpoint_every: int = 64
+    gdn_checkpoint_every: int = setting(64, resume=SAME_RUN)
     """GDN layers: keep a recurrent-state checkpoint every C trunk tokens (branches replay < C steps)."""
-    kernels: str = "auto"
+    kernels: str = setting("auto", resume=FROM_HERE)
     """How the target's executors run prefill / score / verify / commit (``load_target(..., kernels=)``):
     auto (Triton kernels and fla on CUDA, torch on the CPU) | torch (plain torch, any device) | triton (the
     Triton kernels: CUDA; on the CPU only interpreted, with TRITON_INTERPRET=1)."""
-    shape: Dict[str, Any] = field(default_factory=dict)
+    shape: Dict[str, Any] = setting(factory=dict, resume=FROM_HERE)
     """config.json entries of the target (model_type, hidden_size, vocab_size, ...) for the memory plan of
     ``specopd train --dry-run`` when the target folder is not on this machine; its config.json wins when it is."""
 
@@ -81,24 +101,24 @@ class ModelConfig:
 @dataclass
 class DrafterRecipeConfig:
     """The recipe's drafter: section (the drafter's architecture itself is ``specopd.drafters.DrafterConfig``)."""
-    kind: str = "dflash"
+    kind: str = setting("dflash", resume=REFUSE)
     """dflash (parallel block drafter) | dspark (DFlash + Markov head + confidence head)."""
-    num_layers: int = 1
+    num_layers: int = setting(1, resume=REFUSE)
     """Number of drafter decoder layers."""
-    block_size: int = 5
+    block_size: int = setting(5, resume=REFUSE)
     """Block length counting the anchor, as released ("b16" = 16): each branch drafts W = block_size - 1
     tokens (drafter.draft_len). >= 2."""
-    feature_layers: Optional[List[int]] = None
+    feature_layers: Optional[List[int]] = setting(None, resume=REFUSE)
     """Target layer ids whose hidden states the drafter reads (released dflash_config.target_layer_ids);
     null -> the released default for num_layers: round(1 + i * (L - 4) / (n - 1)), one layer: [L // 2]."""
-    mask_token_id: Optional[int] = None
+    mask_token_id: Optional[int] = setting(None, resume=FROM_HERE)
     """The MASK token whose frozen target embedding fills the drafted slots. null: the first id the target's
     tokenizer leaves unused (Qwen3: 151669, as released), else (no spare id) a learned mask vector; -1: always
     a learned vector (exported as mask_embedding.pt)."""
-    init_from: Optional[str] = None
+    init_from: Optional[str] = setting(None, resume=SAME_RUN)
     """A drafter folder to start from: ours (a checkpoint step folder) or a released DFlash / DSpark folder
     (config.json with dflash_config + safetensors, e.g. z-lab/Qwen3-8B-DFlash-b16)."""
-    confidence_weight: float = 0.1
+    confidence_weight: float = setting(0.1, resume=FROM_HERE)
     """DSpark: weight of the confidence-head loss (ignored for dflash)."""
 
     def __post_init__(self):
@@ -119,34 +139,34 @@ class DrafterRecipeConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"
+    source: str = setting("synthetic", resume=REFUSE)
     """synthetic: references sampled from the target itself (random prompts + target continuations);
     prepared: token ids written by ``specopd prepare data`` (see ``path``); conversations: chat data as users have
     it (SpecForge ``conversations`` role/content, ShareGPT from/value, OpenAI ``messages``; JSONL, JSON or
     Parquet), put through the target's chat template, loss on every assistant turn (specopd.data.formats)."""
-    path: Optional[str] = None
+    path: Optional[str] = setting(None, resume=REFUSE)
     """prepared data: a .jsonl file (one {"input_ids": [...], "prompt_len": n} per line) or a folder holding
     data.jsonl; conversations: the .jsonl / .json / .parquet file."""
-    num_samples: int = 256
+    num_samples: int = setting(256, resume=REFUSE)
     """synthetic: number of reference sequences generated (train + held-out)."""
-    prompt_len: int = 8
+    prompt_len: int = setting(8, resume=REFUSE)
     """synthetic: prompt tokens per sequence (random ids); anchors lie on the response after them."""
-    seq_len: int = 48
+    seq_len: int = setting(48, resume=REFUSE)
     """synthetic: total tokens per sequence (prompt + response); prepared: sequences are cut to this length."""
-    sample_temperature: float = 1.0
+    sample_temperature: float = setting(1.0, resume=REFUSE)
     """synthetic: temperature used to sample the responses from the target."""
-    batch_size: int = 8
+    batch_size: int = setting(8, resume=FROM_HERE)
     """Sequences per global training step (split by sample across workers)."""
-    heldout: float = 0.125
+    heldout: float = setting(0.125, resume=REFUSE)
     """Fraction of the sequences held out for evaluation (never trained on)."""
-    seed: int = 1234
+    seed: int = setting(1234, resume=REFUSE)
     """Seed of the synthetic data and of the train/held-out split (independent of the top-level seed)."""
     # ---- conversations data (data.source: conversations; specopd.data.formats)
-    overlong: str = "truncate"
+    overlong: str = setting("truncate", resume=REFUSE)
     """conversations: a conversation longer than data.seq_len tokens (after the chat template) is cut there
     (truncate) or left out (drop); both are counted in train_summary.json. One longer than the target's context
     is bad data (see bad_lines)."""
-    bad_lines: str = "error"
+    bad_lines: str = setting("error", resume=REFUSE)
     """conversations: a bad record (not JSON / not UTF-8, unknown role, empty, no assistant turn, longer than the
     target's context, ...) stops the run with its file and line (error), or is skipped and counted by reason in
     train_summary.json (skip)."""
@@ -173,83 +193,83 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    method: str = "specopd"
+    method: str = setting("specopd", resume=REFUSE)
     """specopd (anchored parallel branches, on-policy) | draft_opd (sequential draft-and-verify rollouts) |
     offpolicy_ce | offpolicy_e2e_tv (blocks on the reference tokens, no sampling)."""
-    max_steps: int = 20
+    max_steps: int = setting(20, resume=SAME_RUN)
     """Optimizer steps of the run (a resumed run continues up to this)."""
-    lr: float = 3e-3
+    lr: float = setting(3e-3, resume=FROM_HERE)
     """Peak learning rate (AdamW)."""
-    warmup_steps: int = 2
+    warmup_steps: int = setting(2, resume=FROM_HERE)
     """Linear warmup from 0 to lr over this many steps."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = setting(0.1, resume=FROM_HERE)
     """Cosine decay ends at lr * min_lr_ratio at max_steps."""
-    weight_decay: float = 0.0
+    weight_decay: float = setting(0.0, resume=FROM_HERE)
     """AdamW weight decay on matrices (not on norms and biases)."""
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: List[float] = setting(factory=lambda: [0.9, 0.95], resume=FROM_HERE)
     """AdamW betas."""
-    grad_clip: float = 1.0
+    grad_clip: float = setting(1.0, resume=FROM_HERE)
     """Clip the global gradient norm to this (0 disables clipping)."""
-    anchors_per_seq: int = 8
+    anchors_per_seq: int = setting(8, resume=FROM_HERE)
     """B: anchors (branches) per sequence per step; draft_opd: at most this many rollout rounds per sequence."""
-    temperature: float = 1.0
+    temperature: float = setting(1.0, resume=FROM_HERE)
     """Sampling temperature of branches / rollouts; p and q are compared at this temperature."""
-    output_dir: str = "runs/tiny"
+    output_dir: str = setting("runs/tiny", resume=SAME_RUN)
     """Run folder: metrics.jsonl, checkpoints/, tiny-target/, data cache, profile."""
-    resume: str = "auto"
+    resume: str = setting("auto", resume=SAME_RUN)
     """auto (newest complete checkpoint in output_dir, else start fresh) | none (start fresh) | a step folder."""
-    save_every: int = 0
+    save_every: int = setting(0, resume=SAME_RUN)
     """Checkpoint every N steps (0: only at the end; a checkpoint is always written when a run ends)."""
-    keep_last: int = 2
+    keep_last: int = setting(2, resume=SAME_RUN)
     """Keep the newest K >= 2 checkpoints."""
-    log_every: int = 1
+    log_every: int = setting(1, resume=SAME_RUN)
     """Write a metrics.jsonl line every N steps."""
-    eval_heldout: bool = True
+    eval_heldout: bool = setting(True, resume=SAME_RUN)
     """Evaluate expected acceptance length on the held-out data before and after training."""
-    eval_anchors_per_seq: int = 8
+    eval_anchors_per_seq: int = setting(8, resume=SAME_RUN)
     """Anchors per held-out sequence for that evaluation (and for ``eval_every``)."""
-    eval_every: int = 0
+    eval_every: int = setting(0, resume=SAME_RUN)
     """Every N steps (and at the last step) evaluate the held-out expected acceptance length (bonus included;
     fixed anchors and branches, one forward pass, no update) and log it: ``heldout_expected_al`` in
     metrics.jsonl, the progress bar, and <output_dir>/heldout_al.png (redrawn at each evaluation). 0: off.
     Needs held-out sequences (data.heldout > 0). It does not change the training numbers. One evaluation costs
     the forward passes (no backward) of ceil(held-out sequences / data.batch_size) steps, data.batch_size
     sequences at a time."""
-    cache_trunks: bool = False
+    cache_trunks: bool = setting(False, resume=SAME_RUN)
     """Off-policy methods (offpolicy_ce, offpolicy_e2e_tv) only: keep each training sequence's drafter features
     and final hidden states in its worker's memory after its first prefill, so later epochs skip the target
     (SpecForge's "offline" mode, for small runs: T x (F + D) floats per sequence, F = len(feature_layers) x D).
     The numbers are the same as without it. Colocated roles only (split roles prefill every step). On-policy
     methods score branches against the trunk's full K/V and cannot use it (held-out evaluation, which does,
     prefills in full)."""
-    max_nonfinite_steps: int = 5
+    max_nonfinite_steps: int = setting(5, resume=SAME_RUN)
     """A step whose loss or gradient is NaN / inf is skipped (no update) and logged; this many in a row stop
     the run (with a checkpoint and a message naming the steps)."""
-    deterministic: bool = False
+    deterministic: bool = setting(False, resume=FROM_HERE)
     """torch's deterministic algorithms (CUDA: deterministic cuBLAS / cuDNN, an error instead of a
     non-deterministic kernel): the same recipe on the same workers is bitwise reproducible, resumes too."""
-    batch_invariant: bool = False
+    batch_invariant: bool = setting(False, resume=FROM_HERE)
     """Each sample's step runs alone and the gradients add up in a fixed tree over the global batch, so the
     numbers are bitwise the same for any runtime.num_workers (a resume may change it). Costs one backward per
     sample and an all-reduce of about num_workers x the drafter's size: for checks and small runs."""
-    loss_chunk_rows: Any = "auto"
+    loss_chunk_rows: Any = setting("auto", resume=FROM_HERE)
     """Rows of [rows, V] fp32 logits the fused loss and the branch sampling hold at once: an integer >= 1, or
     auto (a budget of 2 GiB on CUDA / 256 MiB on the CPU, lowered to a quarter of the free GPU memory; see
     specopd.losses.auto_chunk_rows). Lower it if the loss phase runs out of memory."""
     # ---- metrics sinks (specopd.train.metrics)
-    loggers: List[str] = field(default_factory=lambda: ["jsonl"])
+    loggers: List[str] = setting(factory=lambda: ["jsonl"], resume=SAME_RUN)
     """Where the metrics go: any of jsonl, tensorboard, wandb, mlflow. <output_dir>/metrics.jsonl is always
     written (the source of truth: resume and the figures read it); the others get the same numbers under one
     naming scheme (train/loss, train/alpha/pos_<j>, heldout/expected_al, train/supervised_tokens_per_s,
     train/phase_s/<phase>, ...). tensorboard: <output_dir>/tensorboard; wandb: offline under <output_dir>/wandb
     unless trainer.wandb_mode=online; mlflow: a file store <output_dir>/mlruns unless trainer.mlflow_tracking_uri."""
-    logger_project: str = "specopd"
+    logger_project: str = setting("specopd", resume=SAME_RUN)
     """wandb project / mlflow experiment name."""
-    run_name: Optional[str] = None
+    run_name: Optional[str] = setting(None, resume=SAME_RUN)
     """Run name in wandb / mlflow (null: the output_dir's folder name)."""
-    wandb_mode: str = "offline"
+    wandb_mode: str = setting("offline", resume=SAME_RUN)
     """offline (files under <output_dir>/wandb, `wandb sync` uploads them later) | online."""
-    mlflow_tracking_uri: Optional[str] = None
+    mlflow_tracking_uri: Optional[str] = setting(None, resume=SAME_RUN)
     """null: a file store under <output_dir>/mlruns (`mlflow ui --backend-store-uri <output_dir>/mlruns`); else
     any MLflow tracking URI (http://..., sqlite:///...)."""
 
@@ -289,18 +309,18 @@ class TrainerConfig:
 
 @dataclass
 class RuntimeConfig:
-    backend: str = "local"
+    backend: str = setting("local", resume=SAME_RUN)
     """local (in-process workers) | ray (one Ray actor per worker)."""
-    num_workers: int = 1
+    num_workers: int = setting(1, resume=SAME_RUN)
     """Data-parallel workers; each global batch is split by sample across them. With roles=split this
     counts target workers, and each one is paired with its own drafter worker (2 x num_workers in all)."""
-    address: Optional[str] = None
+    address: Optional[str] = setting(None, resume=SAME_RUN)
     """Ray cluster address (null: start a local Ray instance)."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = setting(1.0, resume=SAME_RUN)
     """Ray: CPUs reserved per worker actor (more than the machine has hangs Ray silently)."""
-    gpus_per_worker: float = 0.0
+    gpus_per_worker: float = setting(0.0, resume=SAME_RUN)
     """Ray: GPUs reserved per worker actor."""
-    roles: str = "colocated"
+    roles: str = setting("colocated", resume=SAME_RUN)
     """colocated (each worker runs every phase) | split (target workers prefill and score, keeping the trunk
     caches; drafter workers sample proposals, compute the loss and take the all-reduced optimizer step; the
     controller moves trunk ids + features, proposals and p logits between them). Not for draft_opd."""
@@ -315,15 +335,15 @@ class RuntimeConfig:
 
 @dataclass
 class EvalConfig:
-    prompts: int = 8
+    prompts: int = setting(8, resume=SAME_RUN)
     """Number of held-out prompts decoded by ``specopd eval``."""
-    max_new_tokens: int = 32
+    max_new_tokens: int = setting(32, resume=SAME_RUN)
     """Tokens generated per prompt."""
-    temperature: float = 0.0
+    temperature: float = setting(0.0, resume=SAME_RUN)
     """Decoding temperature (0 = greedy, acceptance = exact match with the target's argmax)."""
-    checkpoint: str = "latest"
+    checkpoint: str = setting("latest", resume=SAME_RUN)
     """Drafter to evaluate: latest (newest checkpoint of trainer.output_dir) | none (untrained) | a folder."""
-    seed: int = 0
+    seed: int = setting(0, resume=SAME_RUN)
     """Seed of the decoding generator."""
 
     def __post_init__(self):
@@ -334,11 +354,11 @@ class EvalConfig:
 
 @dataclass
 class ProfileConfig:
-    enabled: bool = True
+    enabled: bool = setting(True, resume=SAME_RUN)
     """Record per-phase spans (prefill / propose / score / loss_backward / optimizer_step) per worker."""
-    nvml: bool = False
+    nvml: bool = setting(False, resume=SAME_RUN)
     """Sample GPU utilisation / memory with NVML while training (GPU only)."""
-    nvml_interval_ms: int = 50
+    nvml_interval_ms: int = setting(50, resume=SAME_RUN)
     """NVML sampling interval."""
 
     def __post_init__(self):
@@ -348,33 +368,33 @@ class ProfileConfig:
 @dataclass
 class PipelineConfig:
     """The main job (``specopd.mainjob``). Off by default: ``specopd train`` is plain training."""
-    enabled: bool = False
+    enabled: bool = setting(False, resume=SAME_RUN)
     """On: prepare the target (model.target names a `specopd prepare model` target) and chat references on
     first use (cached), warm a fresh drafter up (pipeline.warmup_method) if no warm drafter exists, train with
     trainer.method from it, then print a held-out speculative-decoding AL table (before / after) and the profile."""
-    data_num: int = 48
+    data_num: int = setting(48, resume=SAME_RUN)
     """Distinct chat prompts (first turns of chitchat-dataset train conversations) the target answers (cached,
     resumable)."""
-    data_max_new_tokens: int = 64
+    data_max_new_tokens: int = setting(64, resume=SAME_RUN)
     """Response tokens generated per prompt."""
-    data_temperature: float = 1.0
+    data_temperature: float = setting(1.0, resume=SAME_RUN)
     """Sampling temperature of the target's responses (0: greedy)."""
-    data_batch_size: int = 64
+    data_batch_size: int = setting(64, resume=SAME_RUN)
     """Prompts answered together by the built-in engine (one packed target pass per generated token)."""
-    data_engine: str = "auto"
+    data_engine: str = setting("auto", resume=SAME_RUN)
     """Who answers the prompts: auto (vLLM when its venv is there, `make vllm`, else builtin) | builtin | vllm."""
-    data_prompts: str = "first_turns"
+    data_prompts: str = setting("first_turns", resume=SAME_RUN)
     """first_turns: distinct first user turns of train conversations; all_turns: then their later user turns too
     (58k prompts: pretraining). Held-out conversations' openings are never used."""
-    warmup_steps: int = 20
+    warmup_steps: int = setting(20, resume=SAME_RUN)
     """Steps of the warm drafter from a fresh one (0: start trainer.method from a random drafter)."""
-    warmup_method: str = "offpolicy_ce"
+    warmup_method: str = setting("offpolicy_ce", resume=SAME_RUN)
     """Method of the warm-up: offpolicy_ce | offpolicy_e2e_tv (on the same references)."""
-    warmup_lr: float = 3e-3
+    warmup_lr: float = setting(3e-3, resume=SAME_RUN)
     """Peak learning rate of the warm-up (trainer.lr is the rate of the main training stage)."""
-    warmup_min_lr_ratio: float = 0.1
+    warmup_min_lr_ratio: float = setting(0.1, resume=SAME_RUN)
     """The warm-up's cosine schedule ends at warmup_lr * this (1.0: constant after the linear warmup)."""
-    eval_temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    eval_temperatures: List[float] = setting(factory=lambda: [0.0, 1.0], resume=SAME_RUN)
     """Decoding temperatures of the before / after table (0: greedy, acceptance = exact match)."""
 
     def __post_init__(self):
@@ -395,7 +415,7 @@ class PipelineConfig:
 
 @dataclass
 class RecipeConfig:
-    seed: int = 0
+    seed: int = setting(0, resume=REFUSE)
     """Seed of the drafter init and of all per-sample anchor / branch generators."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The frozen target model."""
@@ -549,6 +569,23 @@ def _expected_type(full_key: str) -> Optional[str]:
             return _type_name(f.type)
         cls = type(f.default_factory())
     return None
+
+
+def resume_policies(cls=None, prefix: str = "") -> dict:
+    """"section.key" -> resume policy of every field of ``cls`` (default ``RecipeConfig``; a section's fields under
+    its name). A field that declares none is a ``TypeError`` naming it: each new field must say what a resume
+    does when it changes."""
+    out = {}
+    for f in dataclasses.fields(cls or RecipeConfig):
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            out.update(resume_policies(type(sub), f"{prefix}{f.name}."))
+        elif f.metadata.get("resume") in RESUME_POLICIES:
+            out[prefix + f.name] = f.metadata["resume"]
+        else:
+            raise TypeError(f"{(cls or RecipeConfig).__name__}.{f.name} declares no resume policy: define it with "
+                            f"setting(default, resume=REFUSE | FROM_HERE | SAME_RUN)")
+    return out
 
 
 def to_dict(cfg: RecipeConfig) -> dict:

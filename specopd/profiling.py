@@ -262,7 +262,7 @@ def write_profile(run_dir, spans: Iterable = (), gpu_samples: Iterable = (), gpu
     return render(run_dir, plot=plot)
 
 
-def _read_jsonl(path: Path) -> list:
+def read_jsonl(path: Path) -> list:
     """The records of a .jsonl; a line cut short (a killed run) is skipped."""
     if not path.exists():
         return []
@@ -280,8 +280,8 @@ def load_profile(run_dir):
     """(spans, gpu_samples, meta) saved under <run_dir>/profile/; meta["cpu_samples"]: CpuSampler's."""
     d = Path(run_dir) / "profile"
     meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
-    meta["cpu_samples"] = _read_jsonl(d / "cpu.jsonl")
-    return _read_jsonl(d / "spans.jsonl"), _read_jsonl(d / "gpu.jsonl"), meta
+    meta["cpu_samples"] = read_jsonl(d / "cpu.jsonl")
+    return read_jsonl(d / "spans.jsonl"), read_jsonl(d / "gpu.jsonl"), meta
 
 
 def _lanes(spans: list) -> list:
@@ -593,47 +593,3 @@ def render(run_dir, plot: bool = True) -> dict:
         plot_timeline(spans, samples, summary, d / "timeline.png", cpu)
     return summary
 
-
-def read_heldout_al(run_dir) -> list:
-    """[(step, held-out expected AL)] from ``<run_dir>/metrics.jsonl`` rows that carry ``heldout_expected_al``
-    (``trainer.eval_every``), in step order; a line cut short by a kill is skipped."""
-    pts = {}
-    for r in _read_jsonl(Path(run_dir) / "metrics.jsonl"):
-        if isinstance(r, dict) and r.get("heldout_expected_al") is not None:
-            pts[int(r["step"])] = float(r["heldout_expected_al"])
-    return sorted(pts.items())
-
-
-def plot_heldout_al(run_dir, start: Optional[float] = None) -> Path:
-    """``<run_dir>/heldout_al.png``: held-out expected AL (bonus included) against the training step, read from
-    metrics.jsonl (so a resumed or crashed run keeps its curve), with ``start`` (the drafter before training) at
-    step 0 when given; the training batches' own expected AL (on-policy, before each update) in grey for
-    comparison. Written tmp + rename (a reader never sees half a file)."""
-    import matplotlib  # matplotlib: slow to import, only when drawing
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # matplotlib: slow to import, only when drawing
-
-    run_dir = Path(run_dir)
-    pts = ([(0, float(start))] if start is not None else []) + read_heldout_al(run_dir)
-    train = [(int(r["step"]), float(r["expected_al"])) for r in _read_jsonl(run_dir / "metrics.jsonl")
-             if isinstance(r, dict) and "expected_al" in r and "step" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot([p[0] for p in train], [p[1] for p in train], color="#bbbbbb", linewidth=1,
-                label="training batches (on-policy, before the update)")
-    if pts:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=_COLORS["eval"], marker="o", markersize=3,
-                linewidth=1.5, label=f"held-out (last {pts[-1][1]:.3f} at step {pts[-1][0]})")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("expected acceptance length (incl. bonus)")
-    ax.set_title("Expected acceptance length during training", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, frameon=False, loc="lower right")
-    fig.tight_layout()
-    path = run_dir / "heldout_al.png"
-    tmp = run_dir / f".heldout_al.png.tmp-{os.getpid()}"
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path

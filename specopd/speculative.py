@@ -27,11 +27,36 @@ None, the chain is ``[d_1..d_k]`` anchored at the prompt token, and p for d_1 is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import Optional, Protocol, Sequence as Seq, Tuple, runtime_checkable
 
 import torch
 
 from specopd.tree import ProposalTree
+
+
+@runtime_checkable
+class BlockDrafter(Protocol):
+    """What a speculative round needs of a drafter (``specopd.drafters``: DFlash and DSpark): a decoding
+    context cache per sequence, grown by the committed features, and one block drafted per sequence in one
+    call. A = sequences of the round, W = ``draft_len``, F = feature width, V = vocab."""
+
+    @property
+    def draft_len(self) -> int:
+        """W: tokens drafted per block."""
+
+    @property
+    def feature_layers(self) -> tuple:
+        """The target layers whose outputs are the drafter's features (``start`` prefills with them)."""
+
+    def context_cache(self) -> object:
+        """An empty decoding cache of one sequence's context (its ``len`` = positions held)."""
+
+    def extend_contexts(self, ctxs: Seq[object], features: Seq[torch.Tensor]) -> None:
+        """Append features[b] [n_b, F] to ctxs[b], all in one pass."""
+
+    def draft_batch(self, ctxs: Seq[object], anchor_tokens: torch.Tensor, temperature: float,
+                    generators=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One block per sequence anchored at len(ctxs[b]) -> (tokens [A, W], raw logits q [A, W, V])."""
 
 
 @dataclass
@@ -84,7 +109,7 @@ def draft_inputs(seqs: Seq[Sequence], device=None) -> tuple:
             torch.arange(len(seqs), device=device), torch.tensor([s.anchor_token for s in seqs], device=device))
 
 
-def draft(drafter, seqs: Seq[Sequence], temperature: float, generators=None) -> tuple:
+def draft(drafter: BlockDrafter, seqs: Seq[Sequence], temperature: float, generators=None) -> tuple:
     """Draft one block after every sequence's anchor in ONE drafter call over their context caches.
 
     Each sequence's ``ctx`` (created here on first use) is first extended by the features the target committed

@@ -2,7 +2,10 @@
 
 Runs tiny / tiny-gdn / tiny-qsa on the local and Ray backends, each straight through and as a stop + resume, and
 prints one sha256 per run over every checkpoint file and every metrics.jsonl / train_summary.json value that is not
-a wall time. Compare the output before and after a change (`diff`):
+a wall time, with the run's own (temporary) folder written as <out> (state.json and the summary name it; the
+manifest and COMPLETE marker, sha256 of those files, are left out; Ray runs leave out the actor's randomly seeded
+global torch RNG state, see _trainer_state), so two runs of the same code agree. Compare
+the output before and after a change (`diff`):
 
     python tests/fingerprint_runs.py > before.txt   # on the base commit
     python tests/fingerprint_runs.py > after.txt    # on the change
@@ -39,15 +42,54 @@ def train(recipe, out, *overrides):
         sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
 
 
-def fingerprint(out):
+DERIVED = {"manifest.json", "COMPLETE"}  # sha256 of the other files (state.json names the run's folder)
+
+
+def _text(path: Path, out: Path) -> str:
+    """A text file with the run's folder (a random temporary name) written as <out>."""
+    return path.read_text().replace(str(out), "<out>")
+
+
+def _trainer_state(path: Path, ray: bool) -> bytes:
+    """trainer_state.pt as the bytes of its values in a fixed order. Ray: without the worker actor's global torch
+    RNG state, which starts from a random seed in every actor process (training draws from seeded generators
+    only: the weights and optimizer state do not depend on it)."""
+    import torch
+
+    sd = torch.load(path, map_location="cpu", weights_only=False)
+    if ray:
+        sd["worker_rng"] = {k: v for k, v in (sd.get("worker_rng") or {}).items() if k != "torch"}
+    parts = []
+
+    def walk(x, key):
+        if isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k], f"{key}/{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{key}[{i}]")
+        elif torch.is_tensor(x):
+            raw = x.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            parts.append(f"{key}:{x.dtype}:{tuple(x.shape)}".encode() + raw)
+        else:
+            parts.append(f"{key}={x!r}".encode())
+
+    walk(sd, "")
+    return b"".join(parts)
+
+
+def fingerprint(out, ray: bool = False):
     h = hashlib.sha256()
     for f in sorted((out / "checkpoints").rglob("*")):
-        if f.is_file():
+        if f.is_file() and f.name not in DERIVED:
             h.update(str(f.relative_to(out)).encode())
-            h.update(f.read_bytes())
-    for line in (out / "metrics.jsonl").read_text().splitlines():
+            if f.name == "trainer_state.pt":
+                h.update(_trainer_state(f, ray))
+            else:
+                h.update(_text(f, out).encode() if f.suffix == ".json" else f.read_bytes())
+    for line in _text(out / "metrics.jsonl", out).splitlines():
         h.update(json.dumps(_strip(json.loads(line)), sort_keys=True).encode())
-    h.update(json.dumps(_strip(json.loads((out / "train_summary.json").read_text())), sort_keys=True).encode())
+    h.update(json.dumps(_strip(json.loads(_text(out / "train_summary.json", out))), sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
@@ -61,8 +103,9 @@ def main():
                 resumed = Path(tmp) / f"{recipe}-{backend}-resumed"
                 train(recipe, resumed, *be, "trainer.max_steps=20")
                 train(recipe, resumed, *be)
-                print(f"{recipe:10s} {backend:5s} straight {fingerprint(straight)}  resumed {fingerprint(resumed)}",
-                      flush=True)
+                ray = backend == "ray"
+                print(f"{recipe:10s} {backend:5s} straight {fingerprint(straight, ray)}  resumed "
+                      f"{fingerprint(resumed, ray)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -125,10 +125,9 @@ def test_training_steps_on_a_bf16_target(tmp_path, method):
     before = {k: v.clone() for k, v in w.target.state_dict().items()}
     ids = w.train_ids[:2]
     n = w.stage(ids, 0)["branches"]
-    proposals, hp = w._staged
-    assert hp.dtype == torch.bfloat16  # the target side stays bf16 until the fused loss's fp32 accumulation
-    w._staged = None
-    m = w.loss_backward(proposals, hp, n)
+    staged, w.staged = w.staged, None
+    assert staged.hp.dtype == torch.bfloat16  # the target side stays bf16 until the fused loss's fp32 accumulation
+    m = w.loss_backward(staged.proposals, staged.hp, n)
     assert torch.isfinite(torch.tensor(m["loss"])) and m["supervised_tokens"] == n * w.W
     grads = [p.grad for p in w.drafter.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
@@ -146,8 +145,8 @@ def test_bf16_proposals_do_not_depend_on_the_batch(tmp_path):
     together = w.propose(w.prefill(ids), ids, step=3)
     alone = w.propose(w.prefill(ids[2:]), ids[2:], step=3)
     b = w.cfg.trainer.anchors_per_seq
-    assert torch.equal(alone["anchors"], together["anchors"][2 * b:])
-    assert torch.equal(alone["tokens"], together["tokens"][2 * b:])
+    assert torch.equal(alone.anchors, together.anchors[2 * b:])
+    assert torch.equal(alone.tokens, together.tokens[2 * b:])
 
 
 def test_bf16_loss_within_noise_of_fp32_on_the_same_weights(tmp_path):
@@ -160,6 +159,6 @@ def test_bf16_loss_within_noise_of_fp32_on_the_same_weights(tmp_path):
     losses = []
     for w in (w16, w32):
         n = w.stage(ids, 0)["branches"]
-        losses.append(w.loss_backward(*w._staged, n)["loss"])
+        losses.append(w.loss_backward(w.staged.proposals, w.staged.hp, n)["loss"])
     # features (fc input) differ by bf16 rounding only: the CE moves by a small fraction of itself
     assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[1]), losses

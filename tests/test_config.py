@@ -87,3 +87,28 @@ def test_cli_dispatch_passes_arguments_through(monkeypatch):
     assert main(["eval", os.path.join(ROOT, "recipes", "tiny.yaml"), "--json", "x.json", "eval.prompts=3"]) == 0
     cfg, args = seen["specopd.eval.cli"]
     assert cfg.eval.prompts == 3 and args.json == "x.json"
+
+
+def test_every_field_declares_what_a_resume_does_with_its_change():
+    """Each recipe field says whether a resume refuses its change, lists it as taking effect from the resumed step,
+    or lists it as the same run (``specopd.config.setting``); a field that declares nothing is an error."""
+    import dataclasses
+
+    from specopd.config import FROM_HERE, REFUSE, RESUME_POLICIES, SAME_RUN, resume_policies, setting, to_dict
+
+    policies = resume_policies()
+    flat = [f"{s}.{k}" for s, sec in to_dict(RecipeConfig()).items() if isinstance(sec, dict) for k in sec] + ["seed"]
+    assert set(policies) == set(flat) and set(policies.values()) <= set(RESUME_POLICIES)
+    assert policies["seed"] == policies["model.target"] == policies["data.seq_len"] == REFUSE
+    assert policies["trainer.max_steps"] == policies["runtime.num_workers"] == SAME_RUN
+    assert policies["trainer.lr"] == policies["data.batch_size"] == FROM_HERE
+
+    @dataclasses.dataclass
+    class Section:
+        declared: int = setting(1, resume=SAME_RUN)
+        bare: int = 2
+
+    with pytest.raises(TypeError, match=r"Section\.bare declares no resume policy"):
+        resume_policies(Section)
+    with pytest.raises(ValueError, match="resume='maybe'"):
+        setting(1, resume="maybe")

@@ -11,7 +11,7 @@ from specopd import speculative as spec
 from specopd.losses import logits_at
 from specopd.train.baselines import draft_opd_rollout
 from specopd.train.tiny import tiny_recipe
-from specopd.train.worker import Worker, sample_branches
+from specopd.train.worker import Worker
 
 
 @contextlib.contextmanager
@@ -33,15 +33,15 @@ def reference_rollout(worker, sample_ids, step):
     blocks = []
     for i, sid in enumerate(sample_ids):
         s = worker.sample(sid)
-        gen = worker._gen("branch", step, int(sid))
+        gen = worker.generator("branch", step, int(sid))
         seq, limit = s["input_ids"][: s["prompt_len"]], int(s["input_ids"].numel())
         for _ in range(t.anchors_per_seq):
             if seq.numel() >= limit:
                 break
             a = seq.numel() - 1
             feats = target.hidden_states(seq[None], drafter.feature_layers)[0]
-            draft, q = sample_branches(drafter, [feats], torch.tensor([a]), torch.tensor([0]), seq[-1:], t.temperature,
-                                       [torch.tensor([0])], [gen])
+            draft, q = drafter.sample([feats], torch.tensor([a]), torch.tensor([0]), seq[-1:], t.temperature, [gen],
+                                      rows=[torch.tensor([0])])
             p = target(torch.cat([seq, draft[0]])[None])[0, a:]  # [W + 1, V]
             (n,), (y,) = spec.accept(draft, q, p[None], t.temperature, gen)
             blocks.append((i, a, int(seq[-1]), draft[0], p[:W]))
@@ -65,11 +65,11 @@ def test_rollout_equals_sequential_reference_one_pass_per_round(tmp_path, target
     hook.remove()
     del w.drafter.draft_batch
     ref = reference_rollout(w, ids, step=3)
-    got = sorted(zip(prop["trunk_index"].tolist(), prop["anchors"].tolist(), range(len(ref))))
+    got = sorted(zip(prop.trunk_index.tolist(), prop.anchors.tolist(), range(len(ref))))
     assert [(i, a) for i, a, _ in got] == [(b[0], b[1]) for b in sorted(ref, key=lambda b: (b[0], b[1]))]
     accepted = 0
     for (i, a, row), r in zip(got, sorted(ref, key=lambda b: (b[0], b[1]))):
-        assert int(prop["anchor_tokens"][row]) == r[2] and torch.equal(prop["tokens"][row], r[3])
+        assert int(prop.anchor_tokens[row]) == r[2] and torch.equal(prop.tokens[row], r[3])
         p_row = logits_at(hp[row], w.target.lm_head.weight)  # the rollout keeps hidden states [W, D] per block
         err = float((p_row - r[4]).abs().max() / r[4].abs().max())
         assert err <= 1e-5, f"block (seq {i}, anchor {a}): p rel err {err:.2e}"
@@ -83,7 +83,7 @@ def test_rollout_equals_sequential_reference_one_pass_per_round(tmp_path, target
     assert len(drafts) == rounds and drafts[0] == len(ids) and len(rows) == rounds
     last = [max(b[1] for b in ref if b[0] == i) for i in range(len(ids))]
     assert sum(rows) == sum(last), f"{sum(rows)} feature rows projected for {sum(last)} context positions"
-    assert prop["tokens"].shape == (len(ref), w.W) and accepted == len(ref)
+    assert prop.tokens.shape == (len(ref), w.W) and accepted == len(ref)
 
 
 def test_rollout_features_equal_plain_forward(tmp_path):
@@ -92,18 +92,18 @@ def test_rollout_features_equal_plain_forward(tmp_path):
     ids = w.train_ids[:3]
     prop, _ = draft_opd_rollout(w, ids, step=0)
     for i in range(len(ids)):
-        f = prop["features"][i]
-        rows = prop["trunk_index"] == i
+        f = prop.features[i]
+        rows = prop.trunk_index == i
         # rebuild the committed sequence: the blocks' anchors and accepted tokens define it
-        a_last = int(prop["anchors"][rows].max())
+        a_last = int(prop.anchors[rows].max())
         assert f.shape[0] == a_last  # the last round's pending token was never run: context < anchor
-        order = torch.argsort(prop["anchors"][rows])
-        anchors, atoks = prop["anchors"][rows][order], prop["anchor_tokens"][rows][order]
+        order = torch.argsort(prop.anchors[rows])
+        anchors, atoks = prop.anchors[rows][order], prop.anchor_tokens[rows][order]
         seq = w.sample(ids[i])["input_ids"][: int(anchors[0])].tolist()
         for k in range(len(anchors)):  # block k's anchor token, then what was accepted until the next anchor
             nxt = int(anchors[k + 1]) if k + 1 < len(anchors) else a_last
             seq.append(int(atoks[k]))
-            seq += prop["tokens"][rows][order][k][: nxt - int(anchors[k]) - 1].tolist()
+            seq += prop.tokens[rows][order][k][: nxt - int(anchors[k]) - 1].tolist()
         seq = torch.tensor(seq[:a_last])
         ref = w.target.hidden_states(seq[None], w.drafter.feature_layers)[0]
         assert float((f - ref).abs().max() / ref.abs().max()) <= 1e-5

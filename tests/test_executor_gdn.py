@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from executors.gdn import GDNCache, GDNExecutor
+from executors.options import ExecOptions
 from kernel_check import kernel_modes
 from oracle import make_tiny_checkpoint
 from specopd.models import load_target
@@ -200,7 +201,7 @@ def test_mismatched_every_is_an_error(target):
     mixer = target.model.layers[0].mixer
     x = torch.zeros(1, 3, target.hidden_size)
     with pytest.raises(ValueError, match="gdn_checkpoint_every"):
-        GDNExecutor().prefill(mixer, x, None, prev=cache.layers[0], options={"gdn_checkpoint_every": 32})
+        GDNExecutor().prefill(mixer, x, None, prev=cache.layers[0], options=ExecOptions(gdn_checkpoint_every=32))
 
 
 def test_bf16_scoring_matches_bf16_sequential(tmp_path):

@@ -28,7 +28,9 @@ def _bench():
 
 def _target(kind, dtype=torch.float32, layers=4, forced_equal=False, qsa_first=False):
     """``forced_equal`` (qsa): a budget that selects every group and every expert routed, so bf16 rounding cannot
-    flip a discrete decision (tests/test_qsa_bf16.py: with sparse selection it does, between any two paths).
+    flip a discrete decision (tests/test_qsa_bf16.py: the torch path now gives every row the same bits in prefill and
+    score, so sparse selection agrees there; on CUDA cuBLAS GEMMs and the GDN chunk prefill vs the replay kernel
+    still differ by ~1 ulp per row, which can flip near ties: benchmarks/NOTES.md, issue 23).
     ``qsa_first``: QSA layers first and third (the first one's input is the embedding: the same in every path)."""
     b = _bench()
     args = SimpleNamespace(hidden=128, layers=layers, vocab=512, device=torch.device("cuda"), dtype=dtype)
@@ -116,7 +118,7 @@ def test_qsa_bf16_selection_triton_equals_torch_first_layer():
         target.kernels = mode
         rec = {}
         c = target.prefill(trunks[0][:4])
-        c.options["qsa_record"] = rec
+        c.options.qsa_record = rec
         target.prefill(trunks[0][4:], cache=c)
         sels[mode] = rec
     first = min(sels["torch"])
@@ -168,7 +170,7 @@ def test_fla_prefill_matches_chunk_kernel():
     out = {}
     for name in ("chunk", "fla"):
         c = target.prefill(trunk[:100])
-        c.options["gdn_prefill"] = name
+        c.options.gdn_prefill = name
         out[name] = target.prefill(trunk[100:], cache=c)  # extension: start not chunk-aligned
     a, b = out["fla"], out["chunk"]
     assert _rel(a.logits, b.logits) <= 3e-2

@@ -4,6 +4,7 @@ import torch
 
 from executors import get_executor
 from executors.gqa import GQACache
+from executors.options import ExecOptions
 from kernel_check import kernel_modes
 from oracle import make_tiny_checkpoint, rel_err
 from specopd.models import load_target
@@ -189,9 +190,9 @@ def test_sdpa_backend_matches_dense(target):
     tree = ProposalTree.from_parents(torch.randint(0, V, (7,), generator=_gen(11)), [-29, 0, 1, 0, -3, 4, -1])
     dense = target.score(tree, target.prefill(trunk))
     cache = target.prefill(trunk)
-    cache.options["gqa_backend"] = "sdpa"
+    cache.options.gqa_backend = "sdpa"
     assert rel_err(target.score(tree, cache), dense) <= TOL
-    cache.options["gqa_backend"] = "nope"
+    cache.options.gqa_backend = "nope"
     with pytest.raises(ValueError, match="unknown gqa_backend 'nope'"):
         target.score(tree, cache)
 
@@ -239,12 +240,12 @@ def test_sdpa_prefill_matches_dense(target):
     attn = target.model.layers[0].self_attn
     x = torch.randn(1, 23, target.hidden_size, generator=_gen(14))
     pos = torch.arange(23).view(1, -1)
-    dense, c_dense = ex.prefill(attn, x, pos, options={"gqa_backend": "dense"})
+    dense, c_dense = ex.prefill(attn, x, pos, options=ExecOptions(gqa_backend="dense"))
     assert rel_err(dense, attn(x, pos)) <= TOL
-    sdpa, c_sdpa = ex.prefill(attn, x, pos, options={"gqa_backend": "sdpa"})
+    sdpa, c_sdpa = ex.prefill(attn, x, pos, options=ExecOptions(gqa_backend="sdpa"))
     assert rel_err(sdpa, dense) <= TOL and torch.equal(c_sdpa.k, c_dense.k)
-    _, part = ex.prefill(attn, x[:, :9], pos[:, :9], options={"gqa_backend": "sdpa"})
-    ext, full = ex.prefill(attn, x[:, 9:], pos[:, 9:], prev=part, options={"gqa_backend": "sdpa"})
+    _, part = ex.prefill(attn, x[:, :9], pos[:, :9], options=ExecOptions(gqa_backend="sdpa"))
+    ext, full = ex.prefill(attn, x[:, 9:], pos[:, 9:], prev=part, options=ExecOptions(gqa_backend="sdpa"))
     assert rel_err(ext, dense[:, 9:]) <= TOL and len(full) == 23
 
 

@@ -44,10 +44,10 @@ def check_tree(tgt, tree, caches, trunks):
     One reference forward per leaf covers the whole path of the leaf. Returns the node logits [M, V]."""
     rec = {}
     for c in caches:
-        c.options["qsa_record"] = rec
+        c.options.qsa_record = rec
     out = tgt.score(tree, caches if len(caches) > 1 else caches[0])
     for c in caches:
-        c.options.pop("qsa_record")
+        c.options.qsa_record = None
     out = out.reshape(tree.num_nodes, -1)
     mods = _qsa(tgt)
     has_child = torch.zeros(tree.num_nodes, dtype=torch.bool)
@@ -139,7 +139,7 @@ def test_prefill_extension(target):
     assert len(part) == 101 and len(ext) == T
     assert rel_err(ext.logits, full.logits) <= TOL
     chunked = target.prefill(trunk[:101])
-    chunked.options["qsa_prefill_chunk"] = 7  # attention in blocks of 7 queries
+    chunked.options.qsa_prefill_chunk = 7  # attention in blocks of 7 queries
     assert rel_err(target.prefill(trunk[101:], cache=chunked).logits, full.logits) <= TOL
     for m in _qsa(target):
         assert rel_err(ext.layers[m.layer_idx].pooled, full.layers[m.layer_idx].pooled) <= TOL

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 
 from specopd.cli import main
 from specopd.train import checkpoint as ck
-from specopd.train.loop import NonFiniteError, recipe_changes, train
+from specopd.train.checkpointer import recipe_changes
+from specopd.train.loop import train
+from specopd.train.step import NonFiniteError
 from specopd.train.tiny import TINY_TEST_OVERRIDES, tiny_recipe
 
 STEPS = 6

@@ -12,6 +12,7 @@ the CPU under TRITON_INTERPRET=1 with the shims of ``tests/fla_shims.py`` (autot
   dot operands share one dtype.
 On CUDA the same checks run in-process (no shims).
 """
+import dataclasses
 import importlib.util
 import json
 import os
@@ -193,7 +194,7 @@ def check_executor() -> None:
     for mode in ("torch", "fla"):
         target.kernels = "torch" if mode == "torch" else "triton"
         if mode == "fla":  # every call's executor options: the fla prefill backend
-            target.run_options = lambda o: {**run_options(o), "gdn_prefill": "fla"}
+            target.run_options = lambda o: dataclasses.replace(run_options(o), gdn_prefill="fla")
         first = target.prefill(trunks[0][:50])
         ext = target.prefill(trunks[0][50:], cache=first)  # extension: start 50, not chunk-aligned
         packed = target.prefill_batch(trunks, packed=True)  # one varlen pass through fla (cu_seqlens)

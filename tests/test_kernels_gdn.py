@@ -124,7 +124,7 @@ def _executor_triton_check() -> None:
     out = {}
     for backend in ("torch", "triton"):
         first = target.prefill(trunk[:30], gdn_checkpoint_every=16)
-        first.options["kernels"] = backend
+        first.options.kernels = backend
         cache = target.prefill(trunk[30:], first)
         out[backend] = (cache, target.score(tree, cache))
     (c0, p0), (c1, p1) = out["torch"], out["triton"]

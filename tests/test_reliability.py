@@ -16,7 +16,8 @@ import torch
 
 from specopd.cli import main
 from specopd.train import checkpoint as ck
-from specopd.train.loop import RecipeChangeError, train
+from specopd.train.checkpointer import RecipeChangeError
+from specopd.train.loop import train
 from specopd.train.tiny import TINY_TEST_OVERRIDES, tiny_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -376,10 +377,10 @@ def test_interrupt_before_the_first_step_claims_no_checkpoint(tmp_path, monkeypa
 
 
 def test_an_al_over_no_branches_is_shown_as_a_dash(tmp_path, capsys):
-    from specopd.train.loop import _al
+    from specopd.train.validator import format_al
 
-    assert _al({"expected_al": 1.0, "branches": 0}) == "-" and _al(None) == "-"
-    assert _al({"expected_al": 1.25, "branches": 3}) == "1.2500"
+    assert format_al({"expected_al": 1.0, "branches": 0}) == "-" and format_al(None) == "-"
+    assert format_al({"expected_al": 1.25, "branches": 3}) == "1.2500"
     train(tiny_recipe(str(tmp_path / "run"), ["data.heldout=0", "trainer.max_steps=1"]), progress=False)
     text = capsys.readouterr().out
     assert "before - -> after - (no held-out sequence" in text and "1.0000 -> 1.0000" not in text
@@ -508,15 +509,15 @@ def test_every_user_mistake_is_a_clear_message_with_exit_2(run, tmp_path):
 def test_internal_bugs_still_show_a_traceback(tmp_path, monkeypatch):
     """A bug (an exception that is not a user's mistake) is not dressed up as one: it leaves ``main`` (Python
     prints its traceback), while a user's mistake of the same run is a message."""
-    import specopd.train.loop as loop
+    import specopd.train.validator as validator
 
     def bug(*a, **k):
         raise KeyError("an internal bug")
 
-    monkeypatch.setattr(loop, "evaluate_heldout", bug)
+    monkeypatch.setattr(validator, "evaluate_heldout", bug)
     monkeypatch.delenv("SPECOPD_DEBUG", raising=False)
     with pytest.raises(KeyError, match="an internal bug"):
         main(["train", RECIPE, *_args(tmp_path / "run", "trainer.eval_heldout=true")])
     with pytest.raises(AttributeError):  # an internal AttributeError is not a user's mistake either
-        monkeypatch.setattr(loop, "evaluate_heldout", lambda *a, **k: None.missing)
+        monkeypatch.setattr(validator, "evaluate_heldout", lambda *a, **k: None.missing)
         main(["train", RECIPE, *_args(tmp_path / "run2", "trainer.eval_heldout=true")])

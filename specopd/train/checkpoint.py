@@ -96,6 +96,14 @@ def _write_json(path: str, obj) -> None:
         os.fsync(f.fileno())
 
 
+def atomic_write(path: str, text: str) -> None:
+    """``path`` = ``text``, written to a tmp file and renamed (a reader never sees half a file)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def _manifest(folder: str) -> dict:
     files = {}
     for name in sorted(os.listdir(folder)):

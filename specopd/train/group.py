@@ -1,8 +1,10 @@
-"""In-process worker group (``runtime.backend: local``).
+"""In-process worker group (``runtime.backend: local``), and the worker-group interface.
 
-The group interface (shared with ``specopd.distributed.ray_backend.RayGroup``):
+The group interface (``WorkerGroup``; ``LocalGroup`` and ``specopd.distributed.ray_backend.RayGroup``):
 ``group.call(method, per_worker_args) -> list of results`` (per_worker_args: one tuple of positional
-args per worker), ``group.broadcast(method, *args) -> list``, ``group.shutdown()``, ``group.num_workers``.
+args per worker), ``group.broadcast(method, *args) -> list``, ``group.shutdown()``, ``group.num_workers``, and
+typed calls of the Worker methods the controller uses (``WorkerCalls``: ``group.train_step(shards, step,
+denom)``, ``group.data_info()``, ``group.state_dict()``, ...), so callers do not spell method names.
 
 With several workers, each ``call`` runs the workers' methods in parallel threads, and their all-reduce is
 a thread barrier whose action sums the gradients in rank order (deterministic) and writes the sum back
@@ -17,6 +19,100 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import List, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class WorkerGroup(Protocol):
+    """What the training controller needs of a group of Workers (``LocalGroup``, ``RayGroup``)."""
+
+    num_workers: int
+    closed: bool  # True once shutdown() ran (or a lost worker shut the group down): no call may follow
+
+    def call(self, method: str, per_worker_args: Sequence[tuple]) -> list:
+        """``Worker.<method>`` on every worker with its own positional arguments -> results in rank order."""
+
+    def call_role(self, role: str, method: str, per_worker_args: Sequence[tuple]) -> list:
+        """``method`` on the drafter workers (colocated: all workers) or, split roles, the target workers."""
+
+    def broadcast(self, method: str, *args) -> list:
+        """``method`` with the same arguments on every worker."""
+
+    def shutdown(self) -> None:
+        ...
+
+    def data_info(self) -> dict:
+        ...
+
+    def state_dict(self) -> dict:
+        ...
+
+    def load_state_dict(self, sd: dict) -> None:
+        ...
+
+    def take_spans(self) -> list:
+        ...
+
+    def stage(self, shards: Sequence[list], step: int) -> int:
+        ...
+
+    def finish(self, denom) -> List[dict]:
+        ...
+
+    def train_step(self, shards: Sequence[list], step: int, denom) -> List[dict]:
+        ...
+
+    def train_step_invariant(self, shards: Sequence[list], step: int, denom, bounds: list, total: int
+                             ) -> List[dict]:
+        ...
+
+    def evaluate(self, shards: Sequence[list]) -> List[dict]:
+        ...
+
+
+class WorkerCalls:
+    """Typed calls of the Worker methods the controller uses, on top of ``call`` / ``broadcast`` (a group
+    class inherits them). ``shards``: one list of sample ids per worker."""
+
+    num_workers: int
+
+    def call(self, method: str, per_worker_args: Sequence[tuple]) -> list:
+        raise NotImplementedError
+
+    def broadcast(self, method: str, *args) -> list:
+        raise NotImplementedError
+
+    def data_info(self) -> dict:
+        """Rank 0's ``Worker.data_info`` (every worker reads the same data)."""
+        return self.call("data_info", [()] * self.num_workers)[0]
+
+    def state_dict(self) -> dict:
+        """Rank 0's ``Worker.state_dict`` (the replicas are identical)."""
+        return self.call("state_dict", [()] * self.num_workers)[0]
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.broadcast("load_state_dict", sd)
+
+    def take_spans(self) -> list:
+        """Every worker's profiler spans since the last call, in worker order, as one list."""
+        return [e for r in self.call("take_spans", [()] * self.num_workers) for e in r]
+
+    def stage(self, shards: Sequence[list], step: int) -> int:
+        """``Worker.stage`` on every shard (Draft-OPD) -> the global branch count (the loss's denominator)."""
+        return sum(r["branches"] for r in self.call("stage", [(p, step) for p in shards]))
+
+    def finish(self, denom) -> List[dict]:
+        return self.call("finish", [(denom,)] * self.num_workers)
+
+    def train_step(self, shards: Sequence[list], step: int, denom) -> List[dict]:
+        return self.call("train_step", [(p, step, denom) for p in shards])
+
+    def train_step_invariant(self, shards: Sequence[list], step: int, denom, bounds: list, total: int
+                             ) -> List[dict]:
+        return self.call("train_step_invariant", [(p, step, denom, bounds, total) for p in shards])
+
+    def evaluate(self, shards: Sequence[list]) -> List[dict]:
+        return self.call("evaluate", [(s,) for s in shards])
 
 
 class ThreadAllReduce:
@@ -43,26 +139,28 @@ class ThreadAllReduce:
         return allreduce
 
 
-def split_call(group, method: str, per_worker_args) -> list:
-    """The controller of ``runtime.roles: split``: pair i = (target worker i, drafter worker i). Moves trunk
-    token ids + features target -> drafter, proposals (anchors, tokens) drafter -> target, p logits back."""
+def split_call(group: WorkerGroup, method: str, per_worker_args) -> list:
+    """The controller of ``runtime.roles: split``: pair i = (target worker i, drafter worker i). Moves trunks
+    (token ids + features) target -> drafter, Branches (anchors, tokens) drafter -> target, the target's
+    hidden states (``Scored``) back."""
     per_worker_args = [tuple(a) for a in per_worker_args]
     call = group.call_role
     if method == "train_step":
         ids = [a[0] for a in per_worker_args]
         trunks = call("target", "stage_trunks", [(i,) for i in ids])
-        light = call("drafter", "stage_proposals", [(t, i, a[1]) for t, i, a in zip(trunks, ids, per_worker_args)])
-        scored = call("target", "score_staged", [(x,) for x in light])
-        res = call("drafter", "finish_scored", [(p, a[2]) for (p, _), a in zip(scored, per_worker_args)])
-        for r, (_, phases) in zip(res, scored):  # the target's prefill / score times join the pair's metrics
-            r["phase_s"] = {**phases, **r["phase_s"]}
+        branches = call("drafter", "stage_proposals", [(t, i, a[1]) for t, i, a in zip(trunks, ids, per_worker_args)])
+        scored = call("target", "score_staged", [(x,) for x in branches])
+        res = call("drafter", "finish_scored", [(s.hp, a[2]) for s, a in zip(scored, per_worker_args)])
+        for r, s in zip(res, scored):  # the target's prefill / score times join the pair's metrics
+            r["phase_s"] = {**s.phase_s, **r["phase_s"]}
         return res
     if method == "evaluate":
         ids = [a[0] for a in per_worker_args]
         trunks = call("target", "stage_trunks", [(i,) for i in ids])
-        light = call("drafter", "propose_eval", [(t, i) + tuple(a[1:]) for t, i, a in zip(trunks, ids, per_worker_args)])
-        scored = call("target", "score_staged", [(x,) for x in light])
-        return call("drafter", "evaluate_scored", [(p,) for p, _ in scored])
+        branches = call("drafter", "propose_eval",
+                        [(t, i) + tuple(a[1:]) for t, i, a in zip(trunks, ids, per_worker_args)])
+        scored = call("target", "score_staged", [(x,) for x in branches])
+        return call("drafter", "evaluate_scored", [(s.hp,) for s in scored])
     if method in ("stage", "finish"):
         raise NotImplementedError("runtime.roles=split runs train_step only (trainer.method=draft_opd needs "
                                   "runtime.roles=colocated)")
@@ -71,7 +169,9 @@ def split_call(group, method: str, per_worker_args) -> list:
     return call("drafter", method, per_worker_args)
 
 
-class LocalGroup:
+class LocalGroup(WorkerCalls):
+    """The Workers in this process (``runtime.backend: local``); see the module docstring."""
+
     def __init__(self, cfg, num_workers: int | None = None):
         from specopd.train.worker import Worker
 
@@ -87,6 +187,7 @@ class LocalGroup:
         self._pool = ThreadPoolExecutor(max_workers=n) if n > 1 else None
         self._ar = ThreadAllReduce(n) if n > 1 else None
         self.output_dir = cfg.trainer.output_dir
+        self.closed = False
         try:  # NVML utilisation samples (profile.nvml on a GPU); None and a reason otherwise
             from specopd.profiling import start_gpu_sampler
 
@@ -127,6 +228,7 @@ class LocalGroup:
         return self.call(method, [args] * self.num_workers)
 
     def shutdown(self) -> None:
+        self.closed = True
         if getattr(self, "sampler", None) is not None:
             self.sampler.stop()
             self.sampler = None

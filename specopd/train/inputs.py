@@ -1,7 +1,7 @@
 """What a run depends on besides its recipe, fingerprinted: the data and the target's weights.
 
 Every checkpoint's state.json carries ``inputs`` = ``input_fingerprints(cfg)``; a resume compares them with the
-inputs of now (``input_changes``) and refuses one that differs, naming what changed (``specopd.train.loop``):
+inputs of now (``input_changes``) and refuses one that differs, naming what changed (``specopd.train.checkpointer``):
 
 - data (``data.source=prepared``): the sha256 of the records used (input_ids, prompt_len / response_start and
   split of every line, in order; other fields, whitespace and key order do not count) and their number.

@@ -9,8 +9,9 @@ scalars by ``scalars`` under one naming scheme:
     train/skipped  heldout/expected_al  heldout/alpha/pos_<j>  heldout/branches  heldout/eval_s
 
 (the progress bar shows train/loss, train/expected_al, heldout/expected_al and train/supervised_tokens_per_s).
-A sink implements ``MetricsSink``: ``log(step, record)`` and ``close()``. wandb runs offline and mlflow writes a
-file store under the run folder unless told otherwise, so nothing needs a network. The optional packages are
+A sink implements ``MetricsSink``: ``log(step, record)`` and ``close()``; ``TrainMetrics`` is the one object the
+training loop calls (every sink at ``trainer.log_every``, and the progress bar). wandb runs offline and mlflow
+writes a file store under the run folder unless told otherwise, so nothing needs a network. The optional packages are
 extras (``pip install -e .[tensorboard]`` / ``[wandb]`` / ``[mlflow]``); ``check_loggers`` names the missing one
 before a run starts. A sink other than jsonl that fails while logging is reported once and turned off; the
 run goes on (the numbers are in metrics.jsonl).
@@ -21,9 +22,13 @@ import importlib.util
 import json
 import os
 import secrets
+from pathlib import Path
 from typing import Optional, Protocol
 
+from tqdm import tqdm
+
 from specopd.config import RecipeError
+from specopd.profiling import read_jsonl
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 # record key -> sink name (lists become <name>/pos_<j>, dicts <name>/<key>)
@@ -52,6 +57,12 @@ def scalars(record: dict) -> dict:
         elif isinstance(v, dict):
             out.update({f"{name}/{kk}": float(x) for kk, x in v.items() if isinstance(x, (int, float))})
     return out
+
+
+def read_metrics(run_dir) -> list:
+    """The records of ``<run_dir>/metrics.jsonl`` (none when it is missing); a line cut short by a kill is
+    skipped."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 class MetricsSink(Protocol):
@@ -251,3 +262,42 @@ def make_logger(cfg, resume_step: Optional[int] = None, warn=print) -> MetricsLo
         elif n == "mlflow":
             sinks.append(MlflowSink(out, t.logger_project, name, _flat_params(to_dict(cfg)), t.mlflow_tracking_uri))
     return MetricsLogger(sinks, warn)
+
+
+class TrainMetrics:
+    """The training loop's metrics: ``log`` a step's line to every sink (``make_logger``), ``show`` it on the
+    progress bar, ``warn`` beside the bar. A resumed run starts at ``step`` (``resumed``: the sinks continue the
+    run there)."""
+
+    def __init__(self, cfg, step: int, resumed: bool, progress: bool = True):
+        t = cfg.trainer
+        self.log_every, self.max_steps = t.log_every, t.max_steps
+        self.sinks = make_logger(cfg, resume_step=step if resumed else None)  # metrics.jsonl + trainer.loggers
+        self.bar = tqdm(total=t.max_steps, initial=min(step, t.max_steps), desc=f"train {t.method}", unit="step",
+                        disable=not progress)
+
+    def log(self, record: dict, force: bool = False) -> None:
+        """Every ``trainer.log_every`` steps, the last step, a skipped step, and when ``force`` (an evaluation)."""
+        step = record["step"]
+        if step % self.log_every == 0 or step == self.max_steps or record.get("skipped") or force:
+            self.sinks.log(record)  # metrics.jsonl (the source of truth) and every trainer.loggers sink
+
+    def show(self, record: dict, heldout: Optional[tuple] = None) -> None:
+        """The progress bar: one step more, its loss and AL, and ``heldout`` = (step, result) of the newest
+        held-out evaluation."""
+        post = dict(loss=f"{record['loss']:.4f}", AL=f"{record['expected_al']:.3f}")
+        if heldout is not None and heldout[1].get("branches", 1):
+            post["heldout_AL"] = f"{heldout[1]['expected_al']:.3f}@{heldout[0]}"
+        self.bar.set_postfix(**post, sup_tok_s=f"{record['supervised_tokens_per_s']:.0f}")
+        self.bar.update(1)
+
+    def warn(self, msg: str) -> None:
+        (tqdm.write if not self.bar.disable else print)(msg)
+
+    def end(self) -> None:
+        """The last step is done: close the progress bar."""
+        self.bar.close()
+
+    def close(self) -> None:
+        """Close the sinks (the run ends, or is interrupted)."""
+        self.sinks.close()

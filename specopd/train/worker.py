@@ -5,13 +5,19 @@ one by one (each becomes an actor method unchanged):
 
     caches    = w.prefill(sample_ids)                    target runs each reference once (trunk), keeps its
                                                          final hidden [T, D] (no [T, V] logits) + drafter features
-    proposals = w.propose(caches, sample_ids, step)      B anchors / sample; ONE drafter forward h [N, W, D] (with
-                                                         grad when training); branch tokens sampled from h.detach()
+    proposals = w.propose(caches, sample_ids, step)      Proposals: B anchors / sample; ONE drafter forward
+                                                         h [N, W, D] (with grad when training); branch tokens
+                                                         sampled from h.detach()
     hp        = w.score(proposals, caches)               target scores all branches in one packed pass -> its
                                                          hidden states [N, W, D] at the drafter's slots
     metrics   = w.loss_backward(proposals, hp, denom)    fused chunked E2E-TV (or CE) on the same h, backward
     metrics   = w.optimizer_step()                       all-reduce (set_allreduce), clip, AdamW, schedule
     metrics   = w.train_step(sample_ids, step, denom)    all of the above
+
+The records handed between the phases are in ``specopd.train.handoff``. State kept between calls, each
+one field set in ``__init__``: ``staged`` (a step's share between ``stage`` and ``finish``, or between the
+split-role hops), ``trunk_caches`` (split roles, target side: between ``stage_trunks`` and ``score_staged``),
+``steps_done``, and the optimizer, scheduler and phase times.
 
 No tensor of size [N, W, V] exists in a step: sampling and the loss build logits ``trainer.loss_chunk_rows``
 rows at a time from hidden states and the frozen lm_head (``specopd.losses``), and alpha (the metrics, the
@@ -22,10 +28,11 @@ Split roles (``runtime.roles: split``; the controller is ``specopd.train.group.s
 (``role="target"``) keeps the trunk caches where they were built and a drafter worker (``role="drafter"``)
 samples, trains and all-reduces; only token ids + features, proposals and the target's hidden states move:
 
-    trunks    = t.stage_trunks(sample_ids)               [{token_ids [T], features [T, F]}]; caches stay in t
-    light     = d.stage_proposals(trunks, sample_ids, step)   {anchors, trunk_index, tokens, reference}
-    hp, phases = t.score_staged(light)                   hp [N, W, D] (row k = 0: the trunk's hidden at the anchor)
-    metrics   = d.finish_scored(hp, denom)               loss/backward, all-reduced optimizer step
+    trunks    = t.stage_trunks(sample_ids)               [Trunk(token_ids [T], features [T, F])]; caches stay in t
+    branches  = d.stage_proposals(trunks, sample_ids, step)   Branches(anchors, trunk_index, tokens, reference)
+    scored    = t.score_staged(branches)                 Scored(hp [N, W, D] (row k = 0: the trunk's hidden at the
+                                                         anchor), phase_s)
+    metrics   = d.finish_scored(scored.hp, denom)        loss/backward, all-reduced optimizer step
 
 Randomness is per sample: anchors and branch tokens of sample s at step t come from generators seeded
 from (seed, t, s), so splitting a batch across workers does not change any sample's proposals. The loss is
@@ -43,11 +50,15 @@ import math
 import time
 import warnings
 import zlib
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
 from specopd.profiling import Profiler
+from specopd.train.handoff import Branches, GradBlocks, Proposals, Scored, Staged, Trunk
+
+if TYPE_CHECKING:
+    from specopd.models.context import TargetCache
 
 
 def seed_for(*parts) -> int:
@@ -69,16 +80,6 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callabl
         prog = min(1.0, (s - warmup_steps) / max(1, max_steps - warmup_steps))
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * prog))
     return f
-
-
-def sample_branches(drafter, features, anchors, trunk_index, anchor_tokens, temperature, rows, gens):
-    """Drafting as a decoder does it (Draft-OPD's rollout: it needs q for rejection sampling): one drafter
-    forward for all branches; tokens of branch rows[i] drawn with gens[i].
-
-    Returns (tokens [N, W], raw logits [N, W, V]) (N = active sequences of one round: small). ``drafter.sample``
-    does the drawing (DSpark: its one left-to-right Markov sampler) with per-sample generators. Training's
-    proposals use ``drafter.sample_tokens`` on the forward that carries the gradient instead (no logits)."""
-    return drafter.sample(features, anchors, trunk_index, anchor_tokens, temperature, gens, rows=rows)
 
 
 class Worker:
@@ -149,27 +150,30 @@ class Worker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t.warmup_steps, t.max_steps, t.min_lr_ratio))
         self.prof = Profiler(f"target{rank}" if role == "target" else f"worker{rank}", enabled=cfg.profile.enabled)
-        self._phase: dict = {}
+        self._phase: dict = {}  # seconds per phase of the current step (``span``), reset when a step starts
         self._allreduce: Optional[Callable] = None
-        self._staged = None
-        self._trunk_cache = {}  # trainer.cache_trunks: sample id -> TargetCache without layer caches
-        self._trunks = None  # split roles, target side: trunk caches between stage_trunks and score_staged
+        self._trunk_cache: dict = {}  # trainer.cache_trunks: sample id -> TargetCache without layer caches
+        self.staged: Optional[Staged] = None  # a step's share between stage and finish (split: the drafter's hops)
+        self.trunk_caches: Optional[list] = None  # split roles, target side: between stage_trunks and score_staged
         self.steps_done = 0  # optimizer steps applied to this replica (checkpoints are labelled with it)
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
-    def _span(self, name: str):
+    def span(self, name: str) -> Iterator[None]:
+        """Time a phase: a profiler span, and its seconds added to this step's ``phase_s``."""
         t0 = time.perf_counter()
         with self.prof.span(name):
             yield
         self._phase[name] = self._phase.get(name, 0.0) + time.perf_counter() - t0
 
-    def _autocast(self):
+    def autocast(self):
+        """bf16 autocast for the drafter on CUDA (nothing on the CPU)."""
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _gen(self, *parts) -> torch.Generator:
+    def generator(self, *parts) -> torch.Generator:
+        """A generator on the worker's device seeded from (seed, *parts): e.g. ("branch", step, sample id)."""
         return torch.Generator(device=self.device).manual_seed(seed_for(self.cfg.seed, *parts))
 
     def sample(self, sid: int) -> dict:
@@ -208,7 +212,7 @@ class Worker:
         the final hidden [T, D] that lm_head reads; no [T, V] logits). ``reuse`` (off-policy training steps with
         trainer.cache_trunks): caches without layer caches, each sequence run once and kept."""
         keep = reuse
-        with self._span("prefill"):
+        with self.span("prefill"):
             todo = [s for s in dict.fromkeys(int(s) for s in sample_ids) if s not in self._trunk_cache] if keep \
                 else list(sample_ids)
             new = self.target.prefill_batch([self.sample(s)["input_ids"].to(self.device) for s in todo],
@@ -221,14 +225,16 @@ class Worker:
                 self._trunk_cache[int(s)] = dataclasses.replace(c, layers=[], extra={})
             return [self._trunk_cache[int(s)] for s in sample_ids]
 
-    def propose(self, caches, sample_ids, step, anchors_per_seq: Optional[int] = None,
-                temperature: Optional[float] = None, reference: bool = False) -> dict:
+    def propose(self, caches: Sequence[Union["TargetCache", Trunk]], sample_ids, step,
+                anchors_per_seq: Optional[int] = None, temperature: Optional[float] = None,
+                reference: bool = False) -> Proposals:
         """Anchors + ONE drafter forward ``hidden`` [N, W, D] (carrying the gradient when grad is enabled: the
         loss reuses it) + branch tokens [N, W] sampled from it detached, in row chunks (or, with ``reference``,
-        the reference tokens after each anchor)."""
+        the reference tokens after each anchor). ``caches``: per sample, anything with ``token_ids`` [T] and
+        ``features`` [T, F] (a TargetCache, or a Trunk from the target worker)."""
         b = anchors_per_seq or self.cfg.trainer.anchors_per_seq
         temp = self.cfg.trainer.temperature if temperature is None else temperature
-        with self._span("propose"):
+        with self.span("propose"):
             anchors, tix, rows, n = [], [], [], 0
             for i, sid in enumerate(sample_ids):
                 a = self.anchors(sid, step, b)
@@ -243,27 +249,27 @@ class Worker:
             trunks = [c.token_ids for c in caches]
             feats = [c.features for c in caches]
             anchor_tokens = torch.cat([trunks[i][anchors[r]] for i, r in enumerate(rows)])
-            with self._autocast():
+            with self.autocast():
                 h = self.drafter.hidden(feats, anchors, tix, anchor_tokens)  # [N, W, D]
             if reference:
                 offs = anchors[:, None] + 1 + torch.arange(self.W, device=self.device)
                 tokens = torch.cat([trunks[i][offs[r]] for i, r in enumerate(rows)])
             else:
-                gens = [self._gen("branch", step, int(s)) for s in sample_ids]
+                gens = [self.generator("branch", step, int(s)) for s in sample_ids]
                 tokens = self.drafter.sample_tokens(h, anchor_tokens, temp, gens, rows,
                                                     chunk_rows=self.cfg.trainer.loss_chunk_rows)
-        return {"anchors": anchors, "trunk_index": tix, "anchor_tokens": anchor_tokens, "tokens": tokens,
-                "features": feats, "hidden": h, "sample_ids": list(sample_ids), "reference": reference}
+        return Proposals(anchors=anchors, trunk_index=tix, anchor_tokens=anchor_tokens, tokens=tokens,
+                         features=feats, sample_ids=list(sample_ids), reference=reference, hidden=h)
 
     @torch.no_grad()
-    def score(self, proposals: dict, caches) -> torch.Tensor:
+    def score(self, proposals: Union[Proposals, Branches], caches) -> torch.Tensor:
         """The target side hp [N, W, D] (what lm_head reads) for each branch slot: k = 0 from the trunk, k >= 1
         from the packed tree pass (hidden states only: no [N, W, V] logits; ``losses.logits_at`` gives p for a
         few rows). Reference blocks (off-policy) need no tree pass: hp comes from the reference's trunk."""
         from specopd.tree import ProposalTree
 
-        a, tix, tok = proposals["anchors"], proposals["trunk_index"], proposals["tokens"]
-        with self._span("score"):
+        a, tix, tok = proposals.anchors, proposals.trunk_index, proposals.tokens
+        with self.span("score"):
             if bool((tix[1:] < tix[:-1]).any()):
                 raise ValueError("score: branches must be grouped by trunk (trunk_index non-decreasing), as "
                                  "propose() returns them; the packed tree lists trunk 0's branches first")
@@ -271,7 +277,7 @@ class Worker:
                 raise ValueError("score: the trunk caches need their final hidden states (prefill(..., "
                                  "keep_hidden=True), as Worker.prefill builds them)")
             rows = [torch.nonzero(tix == i).flatten() for i in range(len(caches))]
-            if proposals.get("reference"):
+            if proposals.reference:
                 offs = a[:, None] + torch.arange(self.W, device=a.device)
                 return torch.cat([caches[i].hidden[offs[r]] for i, r in enumerate(rows)])
             h0 = torch.cat([caches[i].hidden[a[r]] for i, r in enumerate(rows)])[:, None]  # [N, 1, D]
@@ -283,30 +289,30 @@ class Worker:
                                      return_hidden=True)  # [N, W-1, D], trunk order == our order
             return torch.cat([h0, rest.to(h0.dtype)], 1)
 
-    def _head_terms(self, proposals: dict):
+    def _head_terms(self, proposals: Proposals):
         """(lm_head weight [V, D], DSpark's Markov term (W1[prev] [N, W, r], W2 [V, r]) or None, prev [N, W])."""
         from specopd.drafters import shift_tokens
 
-        prev = shift_tokens(proposals["anchor_tokens"], proposals["tokens"])
+        prev = shift_tokens(proposals.anchor_tokens, proposals.tokens)
         head = getattr(self.drafter, "markov_head", None)
         markov = None if head is None else (self.drafter.markov_features(prev), head.markov_w2.weight)
         return self.target.lm_head.weight, markov, prev
 
-    def loss_backward(self, proposals: dict, hp: torch.Tensor, denom) -> dict:
-        """Fused chunked loss on the proposals' drafter forward (``proposals["hidden"]``; Draft-OPD's proposals
-        have none: one forward with grad here) against the target side hp [N, W, D], / denom, backward.
-        DSpark teacher-forces its own sampled tokens through its Markov head. Returns partial sums (the
-        controller adds them over workers); alpha comes from the loss's pass."""
+    def loss_backward(self, proposals: Proposals, hp: torch.Tensor, denom) -> dict:
+        """Fused chunked loss on the proposals' drafter forward (``proposals.hidden``, taken: this backward
+        consumes its graph; Draft-OPD's proposals have none: one forward with grad here) against the target side
+        hp [N, W, D], / denom, backward. DSpark teacher-forces its own sampled tokens through its Markov head.
+        Returns partial sums (the controller adds them over workers); alpha comes from the loss's pass."""
         from specopd.losses import confidence_loss, fused_ce, fused_e2e_tv, prefix_survival
 
         t, method = self.cfg.trainer, self.cfg.trainer.method
-        with self._span("loss_backward"):
-            tokens = proposals["tokens"]
-            h = proposals.pop("hidden", None)  # the graph is consumed by this backward
+        with self.span("loss_backward"):
+            tokens = proposals.tokens
+            h = proposals.take_hidden()  # the graph is consumed by this backward
             if h is None:
-                with self._autocast():
-                    h = self.drafter.hidden(proposals["features"], proposals["anchors"], proposals["trunk_index"],
-                                            proposals["anchor_tokens"])
+                with self.autocast():
+                    h = self.drafter.hidden(proposals.features, proposals.anchors, proposals.trunk_index,
+                                            proposals.anchor_tokens)
             weight, markov, prev = self._head_terms(proposals)
             kw = dict(markov=markov, denom=denom, temperature=t.temperature, chunk_rows=t.loss_chunk_rows)
             hp = hp.to(h.device)
@@ -316,7 +322,7 @@ class Worker:
                 out = fused_e2e_tv(h, weight, hp, **kw)
             loss, alpha = out.loss, out.alpha
             if getattr(self.drafter, "has_confidence", False) and self.cfg.drafter.confidence_weight > 0:
-                with self._autocast():
+                with self.autocast():
                     conf = self.drafter.confidence_logits(h, prev)
                 loss = loss + self.cfg.drafter.confidence_weight * confidence_loss(conf, alpha, denom=denom)
             loss.backward()
@@ -325,29 +331,29 @@ class Worker:
         return {"loss": float(loss.detach()), "branches": n, "supervised_tokens": n * int(tokens.shape[1]),
                 "alpha_sum": alpha.sum(0).tolist(), "surv_sum": surv.sum(0).tolist()}
 
-    def optimizer_step(self, loss_finite: bool = True) -> dict:
+    def optimizer_step(self, loss_finite: bool = True, blocks: Optional[GradBlocks] = None) -> dict:
         """All-reduce (sum) gradients, clip the global norm, AdamW step, advance the LR schedule.
 
         Guard: a NaN / inf gradient norm after the all-reduce (or a non-finite loss on any worker,
         ``loss_finite=False``: its gradients are made NaN before the all-reduce, so every replica sees it)
         skips the AdamW step on every replica alike; the schedule and ``steps_done`` still advance (the
-        step's data is consumed) and the result says ``skipped``."""
+        step's data is consumed) and the result says ``skipped``. ``blocks`` (``train_step_invariant``): the
+        gradient as summation-tree blocks, exchanged and combined in a fixed order instead of the all-reduce."""
         grads = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        staged_blocks, self._blocks = getattr(self, "_blocks", None), None
-        if staged_blocks is not None:  # trainer.batch_invariant (train_step_invariant)
-            self._reduce_blocks(staged_blocks, grads, loss_finite)
+        if blocks is not None:  # trainer.batch_invariant (train_step_invariant)
+            self._reduce_blocks(blocks, grads, loss_finite)
         else:
             if not loss_finite:
                 for g in grads:
                     g.fill_(float("nan"))
             if self._allreduce is not None:
-                with self._span("allreduce"):
+                with self.span("allreduce"):
                     self._allreduce(grads)
-        with self._span("optimizer"):
+        with self.span("optimizer"):
             clip = self.cfg.trainer.grad_clip
             if clip > 0:
                 gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
@@ -365,9 +371,9 @@ class Worker:
         return {"grad_norm": float(gn), "lr": float(lr), "skipped": skipped}
 
     # ------------------------------------------------------------------ whole steps
-    def stage(self, sample_ids, step) -> dict:
-        """Everything before the loss (prefill, proposals / rollout, scoring); kept inside the worker.
-        Returns {"branches": N} so the controller can form the global denominator first."""
+    def prepare(self, sample_ids, step) -> Staged:
+        """Everything before the loss (prefill, proposals / rollout, scoring), with the gradients zeroed and
+        this step's phase times reset."""
         self._phase = {}
         self.optimizer.zero_grad(set_to_none=True)
         method = self.cfg.trainer.method
@@ -379,101 +385,99 @@ class Worker:
             caches = self.prefill(sample_ids, reuse=self.cfg.trainer.cache_trunks)
             proposals = self.propose(caches, sample_ids, step, reference=method.startswith("offpolicy"))
             hp = self.score(proposals, caches)
-        self._staged = (proposals, hp)
-        return {"branches": int(proposals["tokens"].shape[0])}
+        return Staged(proposals, hp)
+
+    def stage(self, sample_ids, step) -> dict:
+        """``prepare``, kept in ``staged`` for ``finish``. Returns {"branches": N} so the controller can form
+        the global denominator first."""
+        self.staged = self.prepare(sample_ids, step)
+        return {"branches": int(self.staged.proposals.tokens.shape[0])}
 
     def finish(self, denom) -> dict:
         """Loss + backward on the staged proposals, then the optimizer step."""
-        if self._staged is None:
+        if self.staged is None:
             raise RuntimeError("finish() called without stage(): nothing to train on")
-        proposals, hp = self._staged
-        self._staged = None
-        m = self.loss_backward(proposals, hp, denom)
+        staged, self.staged = self.staged, None
+        return self.update(staged, denom)
+
+    def update(self, staged: Staged, denom) -> dict:
+        """Loss + backward on ``staged`` (its drafter forward is consumed), then the optimizer step."""
+        m = self.loss_backward(staged.proposals, staged.hp, denom)
         m.update(self.optimizer_step(loss_finite=math.isfinite(m["loss"])))
         m["phase_s"] = dict(self._phase)
         return m
 
     def train_step(self, sample_ids, step, denom) -> dict:
         """One step on this worker's share of the global batch (denom = global branch count)."""
-        self.stage(sample_ids, step)
-        return self.finish(denom)
+        return self.update(self.prepare(sample_ids, step), denom)
 
     # ------------------------------------------------------------------ split roles (see the module docstring)
-    def stage_trunks(self, sample_ids) -> list:
-        """Target side: prefill and keep the caches here; return what the drafter needs of each trunk."""
+    def stage_trunks(self, sample_ids) -> List[Trunk]:
+        """Target side: prefill and keep the caches here (``trunk_caches``); return what the drafter needs of
+        each trunk."""
         self._phase = {}
-        self._trunks = self.prefill(sample_ids)
-        return [{"token_ids": c.token_ids, "features": c.features} for c in self._trunks]
+        self.trunk_caches = self.prefill(sample_ids)
+        return [Trunk(c.token_ids, c.features) for c in self.trunk_caches]
 
-    def score_staged(self, light: Optional[dict]):
-        """Target side: hp [N, W, D] for the proposals on the kept trunks (then drops them), and phase times."""
-        caches, self._trunks = self._trunks, None
-        if light is None:  # an empty share (held-out evaluation)
-            return None, {}
-        prop = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in light.items()}
-        return self.score(prop, caches), dict(self._phase)
+    def score_staged(self, branches: Optional[Branches]) -> Scored:
+        """Target side: hp [N, W, D] for the branches on the kept trunks (then drops them), and phase times."""
+        caches, self.trunk_caches = self.trunk_caches, None
+        if branches is None:  # an empty share (held-out evaluation)
+            return Scored(None, {})
+        return Scored(self.score(branches.to(self.device), caches), dict(self._phase))
 
-    def _trunk_views(self, trunks) -> list:
-        import types
-
-        return [types.SimpleNamespace(token_ids=t["token_ids"].to(self.device), features=t["features"].to(self.device))
-                for t in trunks]
-
-    @staticmethod
-    def _light(prop: dict) -> dict:
-        return {k: prop[k] for k in ("anchors", "trunk_index", "tokens", "reference")}
-
-    def stage_proposals(self, trunks, sample_ids, step) -> dict:
-        """Drafter side: proposals on the received trunks (kept here with the features); returns the part
-        the target worker scores."""
+    def stage_proposals(self, trunks: List[Trunk], sample_ids, step) -> Branches:
+        """Drafter side: proposals on the received trunks (kept in ``staged`` with the features); returns the
+        part the target worker scores."""
         if self.cfg.trainer.method == "draft_opd":
             raise NotImplementedError("runtime.roles=split does not support trainer.method=draft_opd")
         self._phase = {}
         self.optimizer.zero_grad(set_to_none=True)
-        prop = self.propose(self._trunk_views(trunks), sample_ids, step,
+        prop = self.propose([t.to(self.device) for t in trunks], sample_ids, step,
                             reference=self.cfg.trainer.method.startswith("offpolicy"))
-        self._staged = (prop, None)
-        return self._light(prop)
+        self.staged = Staged(prop)
+        return prop.branches()
 
     def finish_scored(self, hp: torch.Tensor, denom) -> dict:
         """Drafter side: attach the target's hidden states hp [N, W, D] to the staged proposals, then ``finish``."""
-        if self._staged is None:
+        if self.staged is None:
             raise RuntimeError("finish_scored() called without stage_proposals(): nothing to train on")
-        self._staged = (self._staged[0], hp.to(self.device))
+        self.staged = Staged(self.staged.proposals, hp.to(self.device))
         return self.finish(denom)
 
     @torch.no_grad()
-    def propose_eval(self, trunks, sample_ids, anchors_per_seq: Optional[int] = None) -> Optional[dict]:
-        """Drafter side of ``evaluate``: the held-out proposals (kept here); None for an empty share."""
+    def propose_eval(self, trunks: List[Trunk], sample_ids, anchors_per_seq: Optional[int] = None
+                     ) -> Optional[Branches]:
+        """Drafter side of ``evaluate``: the held-out proposals (kept in ``staged``); None for an empty share."""
         if not sample_ids:
-            self._staged = None
+            self.staged = None
             return None
         was, keep = self.drafter.training, self._phase
         self.drafter.eval()
         try:
-            prop = self.propose(self._trunk_views(trunks), sample_ids, "eval",
+            prop = self.propose([t.to(self.device) for t in trunks], sample_ids, "eval",
                                 anchors_per_seq or self.cfg.trainer.eval_anchors_per_seq)
         finally:
             self.drafter.train(was)
             self._phase = keep
-        self._staged = (prop, None)
-        return self._light(prop)
+        self.staged = Staged(prop)
+        return prop.branches()
 
     @torch.no_grad()
     def evaluate_scored(self, hp: Optional[torch.Tensor]) -> dict:
         """Drafter side of ``evaluate``: alpha sums of the staged held-out proposals against hp [N, W, D]."""
-        prop, self._staged = (self._staged or (None, None))[0], None
-        if prop is None:
+        staged, self.staged = self.staged, None
+        if staged is None:
             return {"branches": 0, "alpha_sum": [0.0] * self.W, "surv_sum": [0.0] * self.W}
-        return self._eval_sums(prop, hp.to(self.device))
+        return self._eval_sums(staged.proposals, hp.to(self.device))
 
     @torch.no_grad()
-    def _eval_sums(self, prop: dict, hp: torch.Tensor) -> dict:
-        """alpha of the proposals' own drafter forward (``prop["hidden"]``, eval mode) from one fused pass."""
+    def _eval_sums(self, prop: Proposals, hp: torch.Tensor) -> dict:
+        """alpha of the proposals' own drafter forward (``prop.hidden``, eval mode) from one fused pass."""
         from specopd.losses import fused_e2e_tv, prefix_survival
 
         weight, markov, _ = self._head_terms(prop)
-        alpha = fused_e2e_tv(prop["hidden"], weight, hp, markov=markov, temperature=self.cfg.trainer.temperature,
+        alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov, temperature=self.cfg.trainer.temperature,
                              chunk_rows=self.cfg.trainer.loss_chunk_rows).alpha
         return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
                 "surv_sum": prefix_survival(alpha).sum(0).tolist()}
@@ -561,19 +565,17 @@ class Worker:
         parts, phases = [], {}
 
         def leaf(i: int) -> torch.Tensor:
-            self.stage([sample_ids[i - lo]], step)  # zeroes the gradients, then prefill / propose / score
-            proposals, hp = self._staged
-            self._staged = None
-            parts.append(self.loss_backward(proposals, hp, denom))
+            staged = self.prepare([sample_ids[i - lo]], step)  # zeroes the gradients, then prefill / propose / score
+            parts.append(self.loss_backward(staged.proposals, staged.hp, denom))
             for k, v in self._phase.items():
                 phases[k] = phases.get(k, 0.0) + v
             return torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).detach().reshape(-1).float()
                               for q in self.params])
 
         mine = {b: block_sum(*b, leaf, total) for b in blocks(lo, hi, total)}
-        self._blocks = (mine, all_blocks(bounds, total), total)
         self._phase = {}
-        m = self.optimizer_step(loss_finite=all(math.isfinite(x["loss"]) for x in parts))
+        m = self.optimizer_step(loss_finite=all(math.isfinite(x["loss"]) for x in parts),
+                                blocks=GradBlocks(mine, all_blocks(bounds, total), total))
         for k, v in self._phase.items():
             phases[k] = phases.get(k, 0.0) + v
         m.update(loss=sum(x["loss"] for x in parts), branches=sum(x["branches"] for x in parts),
@@ -582,19 +584,19 @@ class Worker:
                  surv_sum=[sum(c) for c in zip(*(x["surv_sum"] for x in parts))])
         return m
 
-    def _reduce_blocks(self, staged, grads: list, loss_finite: bool) -> None:
+    def _reduce_blocks(self, blocks: GradBlocks, grads: list, loss_finite: bool) -> None:
         """Exchange the tree blocks of every worker (summing all-reduce, one buffer per block, zeros but the
         owner's) and write their fixed-order combination into ``grads``."""
         from specopd.train.determinism import combine
 
-        mine, every, total = staged
+        mine, every, total = blocks.mine, blocks.every, blocks.total
         numel = sum(g.numel() for g in grads)
         if not loss_finite:
             for v in mine.values():
                 v.fill_(float("nan"))
         if self._allreduce is not None:
             bufs = [mine[b] if b in mine else torch.zeros(numel, device=grads[0].device) for b in every]
-            with self._span("allreduce"):
+            with self.span("allreduce"):
                 self._allreduce(bufs)
             mine = dict(zip(every, bufs))
         flat = combine({b: v + 0.0 for b, v in mine.items()}, total)  # + 0.0: -0.0 -> +0.0, as an all-reduce does
