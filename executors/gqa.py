@@ -13,6 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 from executors.attention import masked_attention, sdpa_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
 from executors.options import as_options
+from kernels.tree_attention import build_tree_plan, tree_attention_blocked
 
 
 @dataclass
