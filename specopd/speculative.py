@@ -101,14 +101,6 @@ def start(target, prompt_ids, feature_layers: Seq[int] = (), gdn_checkpoint_ever
     return Sequence(target.prefill(ids[:-1], keep_logits=False, **opts), int(ids[-1]))
 
 
-def draft_inputs(seqs: Seq[Sequence], device=None) -> tuple:
-    """What the drafter needs for one block per sequence: (features [list of [T_i, F]], anchors [A],
-    trunk_index [A] (= arange), anchor_tokens [A])."""
-    device = device if device is not None else seqs[0].cache.token_ids.device
-    return ([s.cache.features for s in seqs], torch.tensor([s.anchor for s in seqs], device=device),
-            torch.arange(len(seqs), device=device), torch.tensor([s.anchor_token for s in seqs], device=device))
-
-
 def draft(drafter: BlockDrafter, seqs: Seq[Sequence], temperature: float, generators=None) -> tuple:
     """Draft one block after every sequence's anchor in ONE drafter call over their context caches.
 
