@@ -121,13 +121,13 @@ def varlen_backend(q, options) -> str:
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return "loop"
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn  # noqa: F401  (optional gpu extra)
 
         return "flash_attn"
     except ImportError:
         pass
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (newer torch only)
 
         return "torch"
     except ImportError:

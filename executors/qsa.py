@@ -73,7 +73,7 @@ def attend_selected(mixer, q, k_all, v_all, sel, pos, rows, options=None, triton
         ok = torch.cat([ok_sel, p_tail <= pos[nd, None]], dim=1)  # [n, S]
         idx = rows(torch.where(ok, torch.cat([p_sel, p_tail], dim=1), 0), nd)
         if triton:
-            from kernels.qsa.sparse_attention import pack_rows, sparse_attention
+            from kernels.qsa.sparse_attention import pack_rows, sparse_attention  # Triton, only on this path
 
             o[nd] = sparse_attention(q[nd], k_all, v_all, *pack_rows(idx, ok), mixer.scaling)
         else:

@@ -480,7 +480,7 @@ def _check_keys(data: dict, cls, prefix: str, origin: str) -> None:
 
 
 def _parse_overrides(overrides) -> dict:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # omegaconf: not on the GPU test machine; only to read / write recipes
 
     out: dict = {}
     for ov in overrides or []:
@@ -518,8 +518,8 @@ def load_recipe(path: Optional[str], overrides=None) -> RecipeConfig:
 
     Returns a ``RecipeConfig`` (plain dataclasses; ``__post_init__`` checks have run).
     """
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf import OmegaConf  # omegaconf: not on the GPU test machine; only to read / write recipes
+    from omegaconf.errors import OmegaConfBaseException  # omegaconf: see above
 
     data: dict = {}
     if path is not None:
@@ -594,6 +594,6 @@ def to_dict(cfg: RecipeConfig) -> dict:
 
 
 def to_yaml(cfg: RecipeConfig) -> str:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # omegaconf: not on the GPU test machine; only to read / write recipes
 
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

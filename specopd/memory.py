@@ -39,7 +39,14 @@ from torch import nn
 
 from executors.gqa import BLOCKED
 from executors.qsa import SCORE_BYTES as QSA_SCORE_BYTES
+from specopd.data.formats import count_records
+from specopd.data.smollm2 import MODEL_NAME, default_model_dir, is_prepared
+from specopd.drafters import build_drafter
+from specopd.losses import CHUNK_BUDGET, CHUNK_WORKSET_FACTOR, auto_chunk_rows
+from specopd.models import MODEL_TYPES
+from specopd.models.loading import read_config
 from specopd.profiling import PHASES
+from specopd.train.tiny import tiny_config
 
 DEFAULT_DEVICE_BYTES = 80 * 10**9
 """Device memory assumed when no CUDA device is visible: 80 GB (decimal). An "80 GB" H100 / A100 reports
@@ -141,22 +148,14 @@ def human(n: float) -> str:
 # ---------------------------------------------------------------------------------------------- inputs
 def target_shape(cfg) -> Tuple[Optional[dict], str]:
     """(config.json entries of the target, where they came from); (None, why) when no shape is known."""
-    from specopd.models.loading import read_config
-
     m = cfg.model
     if m.is_tiny:
-        from specopd.train.tiny import tiny_config
-
         return tiny_config(m.target[len("tiny:"):], dict(m.tiny))[0], f"built-in tiny config ({m.target})"
     folder = m.target
     if not os.path.isdir(folder):
-        try:  # a `specopd prepare model` name (e.g. smollm2-135m), once prepared
-            from specopd.data.smollm2 import MODEL_NAME, default_model_dir, is_prepared
-
-            if folder == MODEL_NAME and is_prepared(default_model_dir()):
-                folder = default_model_dir()
-        except ImportError:
-            pass
+        # a `specopd prepare model` name (e.g. smollm2-135m), once prepared
+        if folder == MODEL_NAME and is_prepared(default_model_dir()):
+            folder = default_model_dir()
     if os.path.isdir(folder):
         return read_config(folder), f"{folder}/config.json"
     if m.shape:
@@ -204,8 +203,6 @@ class TargetInfo:
 def analyse_target(shape: dict, dtype: str) -> TargetInfo:
     """Build our model class for ``shape`` on the meta device: exact weights (fp32 where the model keeps them,
     tied weights once), the token mixers and the MLP width."""
-    from specopd.models import MODEL_TYPES
-
     mt = shape.get("model_type")
     if mt not in MODEL_TYPES:
         raise ValueError(f"model_type {mt!r} of the target shape is not supported; supported: {sorted(MODEL_TYPES)}")
@@ -311,8 +308,6 @@ def score_extras(info: TargetInfo, trunk_nodes: List[int], branches: int, t: int
 
 
 def build_meta_drafter(cfg, info: TargetInfo):
-    from specopd.drafters import build_drafter
-
     d = cfg.drafter
     with torch.device("meta"):
         return build_drafter(d.kind, info.model, num_layers=d.num_layers, block_size=d.block_size,
@@ -341,8 +336,6 @@ def _num_sequences(cfg) -> Optional[int]:
     (a prepared file that does not exist yet)."""
     d = cfg.data
     if d.source == "conversations":
-        from specopd.data.formats import count_records
-
         return count_records(d.path)
     if d.source != "prepared":
         return int(d.num_samples)
@@ -356,8 +349,6 @@ def _num_sequences(cfg) -> Optional[int]:
 def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]:
     """The plan of one GPU (one worker) for ``cfg``; None when the target's shape is unknown (see notes of
     ``target_shape``). ``device_bytes`` overrides the device memory (default: ``device_memory(cfg)``)."""
-    from specopd.losses import CHUNK_BUDGET, CHUNK_WORKSET_FACTOR, auto_chunk_rows
-
     shape, source = target_shape(cfg)
     if shape is None:
         return None

@@ -69,7 +69,7 @@ def gpu_unavailable_reason() -> Optional[str]:
     if not torch.cuda.is_available():
         return "no GPU (torch.cuda.is_available() is False)"
     try:
-        import pynvml  # noqa: F401
+        import pynvml  # noqa: F401  (optional: nvidia-ml-py)
     except ImportError:
         return "nvidia-ml-py not installed (pip install nvidia-ml-py)"
     try:

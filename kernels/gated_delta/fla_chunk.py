@@ -32,7 +32,7 @@ def fla_available() -> bool:
     """True when fla's chunked gated delta rule imports (fla-core installed, CUDA build of triton)."""
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # fla's TileLang backend would bypass the fp32-state hook
     try:
-        import fla.ops.gated_delta_rule.chunk  # noqa: F401
+        import fla.ops.gated_delta_rule.chunk  # noqa: F401  (optional gpu extra)
     except Exception:  # ImportError, or fla failing to initialise without a GPU
         return False
     return True

@@ -28,6 +28,8 @@ workers (``role="target"``: prefill, keeping the trunk caches, and packed scorin
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import os
 import re
 import socket
@@ -35,7 +37,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from specopd.train.group import WorkerCalls
+import torch
+import torch.distributed as dist
+
+from specopd.errors import UserError
+from specopd.profiling import append_spans, start_gpu_sampler
+from specopd.train import checkpoint as ck
+from specopd.train.determinism import apply_deterministic
+from specopd.train.group import WorkerCalls, split_call
 
 DEFAULT_WORKER = "specopd.train.worker:Worker"
 PG_READY_TIMEOUT_S = float(os.environ.get("SPECOPD_PG_TIMEOUT_S", "120"))
@@ -74,8 +83,6 @@ def _resolve(worker_cls):
 def last_checkpoint(output_dir) -> Optional[str]:
     """The newest complete checkpoint under <output_dir>/checkpoints (step-<N>/ with model.safetensors)."""
     try:  # the trainer's own notion of "complete", when it has one
-        from specopd.train import checkpoint as ck
-
         fn = getattr(ck, "latest_checkpoint", None) or getattr(ck, "find_latest", None)
         if fn is not None:
             found = fn(output_dir)
@@ -97,16 +104,10 @@ class _WorkerHost:
     """Runs in the actor process: hosts one Worker and its share of the process group."""
 
     def __init__(self, worker_cls, cfg, rank: int, world_size: int, num_threads: int, role: Optional[str] = None):
-        import torch
-
         torch.set_num_threads(max(1, num_threads))
-        from specopd.train.determinism import apply_deterministic
-
         apply_deterministic(bool(_get(cfg, "trainer.deterministic", False)))  # before any CUDA work
         self.rank, self.world_size = rank, world_size
         kw = {"role": role} if role else {}  # colocated: the plain constructor (custom worker classes too)
-        from specopd.errors import UserError
-
         self.init_error = None
         try:
             self.worker = _resolve(worker_cls)(cfg, rank, world_size, **kw)
@@ -114,12 +115,10 @@ class _WorkerHost:
             self.init_error = e  # driver reports it as such (an actor that fails in __init__ loses the type)
             self.sampler, self.gpu_note = None, None
             return
-        from specopd.profiling import start_gpu_sampler
-
         self.sampler, self.gpu_note = start_gpu_sampler(cfg, f"{'target' if role == 'target' else 'worker'}{rank}")
 
     def info(self) -> dict:
-        import ray
+        import ray  # ray: slow to import; only in a Ray run
 
         if self.init_error is not None:
             raise self.init_error
@@ -129,7 +128,7 @@ class _WorkerHost:
                 "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
 
     def master_endpoint(self):
-        import ray
+        import ray  # ray: slow to import; only in a Ray run
 
         with socket.socket() as s:
             s.bind(("", 0))
@@ -137,9 +136,6 @@ class _WorkerHost:
         return ray.util.get_node_ip_address(), port
 
     def init_dist(self, addr: str, port: int, backend: str, timeout_s: float):
-        import torch
-        import torch.distributed as dist
-
         if "nccl" in backend:
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
@@ -149,9 +145,6 @@ class _WorkerHost:
 
     def _allreduce(self, grads: Sequence) -> None:
         """Sum ``grads`` over all workers, in place. Every worker must pass the same list of shapes."""
-        import torch
-        import torch.distributed as dist
-
         ts = [g for g in grads if g is not None]
         if len(ts) != len(grads):
             raise ValueError("all-reduce got None gradients; pass zeros for parameters without a gradient so "
@@ -185,8 +178,6 @@ class _WorkerHost:
         if self.sampler is not None:
             self.sampler.stop()
         try:
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:
@@ -200,8 +191,6 @@ def quiet_ray_kwargs() -> dict:
     """Extra ``ray.init`` arguments that keep Ray's own info lines out of a run's output; also silences the
     notice that Ray turned on token authentication for a local cluster (its default: the setting itself
     is unchanged). Ray's other warnings and errors still show; ``SPECOPD_RAY_VERBOSE=1`` keeps everything."""
-    import logging
-
     if os.environ.get("SPECOPD_RAY_VERBOSE"):
         return {}
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
@@ -225,7 +214,7 @@ def _node_capacity(nodes: list, cpus: float, gpus: float) -> list:
 class RayGroup(WorkerCalls):
     def __init__(self, cfg, worker_cls: Any = DEFAULT_WORKER):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        import ray
+        import ray  # ray: slow to import; only in a Ray run
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -320,8 +309,6 @@ class RayGroup(WorkerCalls):
         if method == "take_spans":  # the loop's per-step span drain: also drain the actors' NVML samples
             return self._take_spans()
         if self.split:
-            from specopd.train.group import split_call
-
             return split_call(self, method, per_worker_args)
         return self.call_role("drafter", method, per_worker_args)
 
@@ -350,10 +337,6 @@ class RayGroup(WorkerCalls):
         """Spans per worker (what Worker.take_spans returns). GPU samples and the workers' GPU note go
         straight to <output_dir>/profile/ (gpu.jsonl, meta.json), where profiling.render reads them: the
         controller may have no GPU while the workers do."""
-        import json
-
-        from specopd.profiling import append_spans
-
         out = self._wait([a.profile_take.remote() for a in self.actors], "take_spans")
         samples = [x for o in out for x in o[1]]
         if samples:
@@ -369,7 +352,7 @@ class RayGroup(WorkerCalls):
         if self.closed:
             return
         self.closed = True
-        import ray
+        import ray  # ray: slow to import; only in a Ray run
 
         if self in _LIVE_GROUPS:
             _LIVE_GROUPS.remove(self)
@@ -383,7 +366,7 @@ class RayGroup(WorkerCalls):
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group  # ray: slow to import
 
         for pg in self.pgs:
             try:
@@ -401,7 +384,7 @@ class RayGroup(WorkerCalls):
 
     # -- internals --------------------------------------------------------------------------------
     def _stop_ray(self):
-        import ray
+        import ray  # ray: slow to import; only in a Ray run
 
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
@@ -415,7 +398,7 @@ class RayGroup(WorkerCalls):
     def _wait(self, refs: list, method: str, base: int = 0) -> list:
         """ray.get in rank order, but fail fast: the first dead actor ends the wait (others may block in
         the all-reduce forever otherwise). ``base``: the actor index of refs[0] (for error messages)."""
-        import ray
+        import ray  # ray: slow to import; only in a Ray run
         from ray.exceptions import (ActorDiedError, ActorUnavailableError, NodeDiedError, OutOfMemoryError,
                                     RayActorError, RayTaskError, WorkerCrashedError)
 
@@ -446,7 +429,7 @@ class RayGroup(WorkerCalls):
         """A worker's error in a collective (gloo: "Connection reset by peer") is often a peer's death that Ray
         has not reported yet: wait up to ``grace_s`` for the other workers, and name a dead one (``_lost``)
         instead of the survivor's symptom."""
-        import ray
+        import ray  # ray: slow to import; only in a Ray run
 
         if not pending:
             return
@@ -509,8 +492,6 @@ def extend_plan(cfg, p: dict) -> dict:
                      f"[N, W, D] -> drafter")
     if not r.address:
         try:
-            import torch
-
             here_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
         except Exception:  # pragma: no cover
             here_gpu = 0

@@ -227,6 +227,7 @@ _FLEX = {}
 
 def flex_available() -> bool:
     try:
+        # pulls in torch's compiler, only when asked
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
     except ImportError:
         return False

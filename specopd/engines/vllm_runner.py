@@ -41,7 +41,7 @@ _PATCH_USED: list = []  # non-empty once the patched expand_kernel ran (the log 
 def _expand_at_caller_dtype(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
     """Triton ``expand_kernel``'s semantics on the CPU: output[cu[i-1]:cu[i]] = input[i] (replace_from ->
     replace_to), written into ``output`` itself at its dtype."""
-    import torch
+    import torch  # the vLLM venv's torch; the engines layer keeps only the stdlib at its top
 
     counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
     vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
@@ -56,7 +56,7 @@ def _patch_cpu_expand() -> bool:
     """Replace vLLM's CPU ``expand_kernel`` stand-in (it drops its result) before the worker registers it; the
     engine then runs in this process, where the patch lives (a spawned engine process would import vLLM afresh).
     -> whether it was applied: only where vLLM registers its C++ stand-ins (the CPU platform without Triton-CPU)."""
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # runs in vLLM's own venv only
     from vllm.triton_utils import HAS_TRITON
     from vllm.utils import cpu_triton_utils
 

@@ -169,7 +169,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.split_qkv(self.conv_seq(u))
         run = recurrent_gated_delta_rule
         if x.is_cuda:  # same arithmetic in one Triton launch (tested against the naive loop)
-            from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule as run
+            from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule as run  # Triton, CUDA only
         o, _, _ = run(q, k, v, g=g, beta=beta)
         return self.finish(o, z)
 

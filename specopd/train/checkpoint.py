@@ -28,9 +28,10 @@ import shutil
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
-from specopd.drafters.layout import MANIFEST, MARKER, save_safetensors, sha256_file, verify_folder
+from specopd.drafters.layout import MANIFEST, MARKER, load_safetensors, save_safetensors, sha256_file, verify_folder
 from specopd.errors import UserError
 from specopd.train.lock import pid_alive
 
@@ -47,8 +48,6 @@ def ckpt_root(output_dir: str) -> str:
 
 
 def controller_rng() -> dict:
-    import numpy as np
-
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
@@ -56,16 +55,12 @@ def controller_rng() -> dict:
 def seed_controller_rng(seed: int) -> None:
     """A fresh run starts the controller's python / numpy / torch RNGs from ``seed`` (they are saved in every
     checkpoint), so the same run writes byte-identical checkpoints in any process."""
-    import numpy as np
-
     random.seed(int(seed))
     np.random.seed(int(seed) % 2 ** 32)
     torch.manual_seed(int(seed))
 
 
 def set_controller_rng(st: dict) -> None:
-    import numpy as np
-
     random.setstate(st["python"])
     np.random.set_state(st["numpy"])
     torch.set_rng_state(st["torch"])
@@ -306,8 +301,6 @@ def load_checkpoint(path: str, map_location="cpu", checksums: bool = True) -> di
 
     Verifies the folder first; raises ``CheckpointError`` naming what is wrong when it is incomplete,
     damaged or cannot be read."""
-    from specopd.drafters.layout import load_safetensors
-
     why = verify(path, checksums=checksums)
     if why is not None:
         raise CheckpointError(f"checkpoint {path} cannot be used: {why}")

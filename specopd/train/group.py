@@ -21,6 +21,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Protocol, Sequence, runtime_checkable
 
+from specopd.profiling import append_spans, start_gpu_sampler
+from specopd.train.worker import Worker
+
 
 @runtime_checkable
 class WorkerGroup(Protocol):
@@ -173,8 +176,6 @@ class LocalGroup(WorkerCalls):
     """The Workers in this process (``runtime.backend: local``); see the module docstring."""
 
     def __init__(self, cfg, num_workers: int | None = None):
-        from specopd.train.worker import Worker
-
         n = int(num_workers or cfg.runtime.num_workers)
         self.num_workers = n
         self.split = cfg.runtime.roles == "split"
@@ -189,8 +190,6 @@ class LocalGroup(WorkerCalls):
         self.output_dir = cfg.trainer.output_dir
         self.closed = False
         try:  # NVML utilisation samples (profile.nvml on a GPU); None and a reason otherwise
-            from specopd.profiling import start_gpu_sampler
-
             self.sampler, self.gpu_note = start_gpu_sampler(cfg, "local")
         except ImportError:
             self.sampler, self.gpu_note = None, None
@@ -216,8 +215,6 @@ class LocalGroup(WorkerCalls):
         """``method`` on the drafter workers (colocated: all workers) or, split, on the target workers."""
         workers = self.targets if role == "target" else self.workers
         if method == "take_spans" and self.sampler is not None:  # drain the NVML samples with the spans
-            from specopd.profiling import append_spans
-
             append_spans(self.output_dir, [], self.sampler.take())
         if self._pool is None:
             return [getattr(workers[0], method)(*per_worker_args[0])]

@@ -23,12 +23,19 @@ import os
 import time
 from typing import Optional
 
+import torch
+
 from specopd.config import RecipeConfig, RecipeError
+from specopd.distributed.ray_backend import RayGroup
+from specopd.drafters.layout import check_folder
 from specopd.memory import check_memory
 from specopd.profiling import Profiler, append_spans, write_profile
 from specopd.train import checkpoint as ck
 from specopd.train.checkpointer import Checkpointer
-from specopd.train.data import BatchOrder
+from specopd.train.data import BatchOrder, warm_conversation_cache
+from specopd.train.determinism import apply_deterministic
+from specopd.train.group import LocalGroup
+from specopd.train.lock import run_lock
 from specopd.train.metrics import TrainMetrics, check_loggers
 from specopd.train.step import NonFiniteGuard, train_step
 from specopd.train.validator import Validator
@@ -36,14 +43,7 @@ from specopd.train.validator import Validator
 
 def make_group(cfg: RecipeConfig):
     if cfg.runtime.backend == "ray":
-        try:
-            from specopd.distributed.ray_backend import RayGroup
-        except ModuleNotFoundError as e:
-            raise RuntimeError(f"runtime.backend=ray needs specopd.distributed.ray_backend ({e}); "
-                               f"use runtime.backend=local") from None
         return RayGroup(cfg)
-    from specopd.train.group import LocalGroup
-
     return LocalGroup(cfg)
 
 
@@ -51,8 +51,6 @@ def check_device(cfg: RecipeConfig) -> None:
     """model.device=cuda on a machine whose torch sees no CUDA device: a RecipeError (Ray clusters given by
     runtime.address are not checked here: their workers may have GPUs the driver lacks)."""
     if cfg.model.device == "cuda" and cfg.runtime.address is None:
-        import torch
-
         if not torch.cuda.is_available():
             raise RecipeError(f"model.device=cuda, but torch sees no CUDA device on this machine (torch "
                               f"{torch.__version__}, torch.cuda.is_available() is False): use model.device=cpu, or "
@@ -98,16 +96,12 @@ class Trainer:
 
     def prepare(self, fresh: bool) -> None:
         """Everything before the workers: determinism, the controller's seeds, the checks, the worker group."""
-        from specopd.train.determinism import apply_deterministic
-
         apply_deterministic(self.t.deterministic)
         if fresh:
             ck.seed_controller_rng(self.cfg.seed)  # byte-reproducible checkpoints (a resume restores the saved states)
         check_loggers(self.t.loggers)  # a missing optional package (tensorboard / wandb / mlflow) names its extra first
         check_memory(self.cfg)  # a step larger than one device is a clear error (MemoryPlanError) before any work
         if self.cfg.runtime.backend == "ray":  # conversations: tokenise once here, not in every worker actor at once
-            from specopd.train.data import warm_conversation_cache
-
             self.warm_cache = warm_conversation_cache(self.cfg)
         self.group = make_group(self.cfg)
 
@@ -190,10 +184,6 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
                          f"every worker needs at least one sample per step")
     check_device(cfg)
     if cfg.drafter.init_from:
-        from specopd.drafters.layout import check_folder
-
         check_folder(cfg.drafter.init_from, "drafter.init_from")
-    from specopd.train.lock import run_lock
-
     with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
         return Trainer(cfg, progress).train()

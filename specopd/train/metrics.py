@@ -22,12 +22,13 @@ import importlib.util
 import json
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Optional, Protocol
 
 from tqdm import tqdm
 
-from specopd.config import RecipeError
+from specopd.config import RecipeError, to_dict
 from specopd.profiling import read_jsonl
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -112,7 +113,7 @@ class TensorBoardSink:
     name = "tensorboard"
 
     def __init__(self, log_dir: str, resume_step: Optional[int] = None):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional extra (.[tensorboard])
 
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir, purge_step=None if not resume_step else resume_step + 1)
@@ -133,7 +134,7 @@ class WandbSink:
     name = "wandb"
 
     def __init__(self, run_dir: str, project: str, name: str, config: dict, mode: str = "offline"):
-        import wandb
+        import wandb  # optional extra (.[wandb])
 
         self._wandb = wandb
         base = os.path.join(run_dir, "wandb")
@@ -169,8 +170,8 @@ class MlflowSink:
             # store means no network, so no usage telemetry either (unless the environment says otherwise)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
+        from mlflow.entities import Param  # optional extra (.[mlflow])
+        from mlflow.tracking import MlflowClient  # optional extra (.[mlflow])
 
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.tracking_uri = tracking_uri
@@ -194,9 +195,7 @@ class MlflowSink:
                 f.write(self.run_id)
 
     def log(self, step: int, record: dict) -> None:
-        import time
-
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional extra (.[mlflow])
 
         ts = int(1000 * (record.get("time") or time.time()))
         ms = [Metric(k, v, ts, int(step)) for k, v in scalars(record).items()]
@@ -247,8 +246,6 @@ class MetricsLogger:
 
 def make_logger(cfg, resume_step: Optional[int] = None, warn=print) -> MetricsLogger:
     """The sinks of ``cfg.trainer.loggers`` (jsonl always) for the run in ``cfg.trainer.output_dir``."""
-    from specopd.config import to_dict
-
     t = cfg.trainer
     out = t.output_dir
     check_loggers(t.loggers)

@@ -55,10 +55,10 @@ def plot_heldout_al(run_dir, start: Optional[float] = None) -> Path:
     metrics.jsonl (so a resumed or crashed run keeps its curve), with ``start`` (the drafter before training) at
     step 0 when given; the training batches' own expected AL (on-policy, before each update) in grey for
     comparison. Written tmp + rename (a reader never sees half a file)."""
-    import matplotlib
+    import matplotlib  # matplotlib: slow to import, only when drawing
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: slow to import, only when drawing
 
     run_dir = Path(run_dir)
     pts = ([(0, float(start))] if start is not None else []) + read_heldout_al(run_dir)

@@ -45,6 +45,7 @@ k >= 1 is the target's score of the branch prefix ``tokens[:k]``; so only W - 1 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import time
@@ -54,8 +55,18 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, 
 
 import torch
 
+from specopd.drafters import build_drafter, load_drafter, shift_tokens
+from specopd.errors import BadInputError
+from specopd.losses import confidence_loss, fused_ce, fused_e2e_tv, prefix_survival
+from specopd.models import load_target
+from specopd.models.loading import resolve_dtype
 from specopd.profiling import Profiler
+from specopd.train.baselines import draft_opd_rollout
+from specopd.train.data import load_dataset, split_dataset, valid_anchors
+from specopd.train.determinism import all_blocks, block_sum, blocks, combine
 from specopd.train.handoff import Branches, GradBlocks, Proposals, Scored, Staged, Trunk
+from specopd.train.tiny import resolve_target_path
+from specopd.tree import ProposalTree
 
 if TYPE_CHECKING:
     from specopd.models.context import TargetCache
@@ -89,12 +100,6 @@ class Worker:
         """role: "both" (colocated) | "target" | "drafter" (split roles; both still build the target and a
         drafter: the drafter worker needs the frozen embeddings / lm_head, the target worker the drafter's
         feature layers)."""
-        from specopd.drafters import build_drafter, load_drafter
-        from specopd.models import load_target
-        from specopd.models.loading import resolve_dtype
-        from specopd.train.data import load_dataset, split_dataset, valid_anchors
-        from specopd.train.tiny import resolve_target_path
-
         if role not in ("both", "target", "drafter"):
             raise ValueError(f"Worker role must be both | target | drafter, got {role!r}")
         self.cfg, self.rank, self.world_size, self.role = cfg, int(rank), int(world_size), role
@@ -131,8 +136,6 @@ class Worker:
             print(f"[data] {dropped} sequence(s) skipped: no {self.W} supervised tokens in a row after an anchor "
                   f"(response or assistant turns shorter than block_size = {self.W + 1} tokens)")
         if not train_ids:
-            from specopd.errors import BadInputError
-
             raise BadInputError(
                 f"every one of the {len(self.dataset)} records of data.path={cfg.data.path!r} is held out (\"split\": "
                 f"\"heldout\"), so there is nothing to train on: mark the training records \"split\": \"train\" (or "
@@ -266,8 +269,6 @@ class Worker:
         """The target side hp [N, W, D] (what lm_head reads) for each branch slot: k = 0 from the trunk, k >= 1
         from the packed tree pass (hidden states only: no [N, W, V] logits; ``losses.logits_at`` gives p for a
         few rows). Reference blocks (off-policy) need no tree pass: hp comes from the reference's trunk."""
-        from specopd.tree import ProposalTree
-
         a, tix, tok = proposals.anchors, proposals.trunk_index, proposals.tokens
         with self.span("score"):
             if bool((tix[1:] < tix[:-1]).any()):
@@ -291,8 +292,6 @@ class Worker:
 
     def _head_terms(self, proposals: Proposals):
         """(lm_head weight [V, D], DSpark's Markov term (W1[prev] [N, W, r], W2 [V, r]) or None, prev [N, W])."""
-        from specopd.drafters import shift_tokens
-
         prev = shift_tokens(proposals.anchor_tokens, proposals.tokens)
         head = getattr(self.drafter, "markov_head", None)
         markov = None if head is None else (self.drafter.markov_features(prev), head.markov_w2.weight)
@@ -303,8 +302,6 @@ class Worker:
         consumes its graph; Draft-OPD's proposals have none: one forward with grad here) against the target side
         hp [N, W, D], / denom, backward. DSpark teacher-forces its own sampled tokens through its Markov head.
         Returns partial sums (the controller adds them over workers); alpha comes from the loss's pass."""
-        from specopd.losses import confidence_loss, fused_ce, fused_e2e_tv, prefix_survival
-
         t, method = self.cfg.trainer, self.cfg.trainer.method
         with self.span("loss_backward"):
             tokens = proposals.tokens
@@ -378,8 +375,6 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         method = self.cfg.trainer.method
         if method == "draft_opd":
-            from specopd.train.baselines import draft_opd_rollout
-
             proposals, hp = draft_opd_rollout(self, sample_ids, step)
         else:
             caches = self.prefill(sample_ids, reuse=self.cfg.trainer.cache_trunks)
@@ -474,8 +469,6 @@ class Worker:
     @torch.no_grad()
     def _eval_sums(self, prop: Proposals, hp: torch.Tensor) -> dict:
         """alpha of the proposals' own drafter forward (``prop.hidden``, eval mode) from one fused pass."""
-        from specopd.losses import fused_e2e_tv, prefix_survival
-
         weight, markov, _ = self._head_terms(prop)
         alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov, temperature=self.cfg.trainer.temperature,
                              chunk_rows=self.cfg.trainer.loss_chunk_rows).alpha
@@ -521,8 +514,7 @@ class Worker:
     def load_state_dict(self, sd: dict) -> None:
         self.drafter.load_state_dict({k: v.to(self.device) for k, v in sd["drafter"].items()}, strict=True)
         if sd.get("optimizer") is not None:  # a copy: in-process replicas get the same dict (their AdamW
-            import copy                      # moments must not share tensors)
-
+            # moments must not share tensors)
             self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
         if sd.get("scheduler") is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
@@ -556,8 +548,6 @@ class Worker:
         bitwise the same for any number of workers. ``bounds``: every worker's (lo, hi) in the global
         batch (this worker's is ``bounds[rank]``), ``total``: the global batch size. Metrics carry
         ``parts`` (one dict per sample) for the controller to add up in a fixed order."""
-        from specopd.train.determinism import all_blocks, block_sum, blocks
-
         lo, hi = bounds[self.rank]
         if hi - lo != len(sample_ids):
             raise ValueError(f"train_step_invariant: rank {self.rank} got {len(sample_ids)} samples for shard "
@@ -587,8 +577,6 @@ class Worker:
     def _reduce_blocks(self, blocks: GradBlocks, grads: list, loss_finite: bool) -> None:
         """Exchange the tree blocks of every worker (summing all-reduce, one buffer per block, zeros but the
         owner's) and write their fixed-order combination into ``grads``."""
-        from specopd.train.determinism import combine
-
         mine, every, total = blocks.mine, blocks.every, blocks.total
         numel = sum(g.numel() for g in grads)
         if not loss_finite:
