@@ -1,15 +1,6 @@
-"""``specopd`` command line.
-
-    specopd train RECIPE [key=value ...] [--dry-run]
-    specopd eval RECIPE [key=value ...] [--json PATH]
-    specopd prepare model NAME | specopd prepare data ...
-    specopd profile RUN_DIR
-    specopd export RUN_DIR|CHECKPOINT OUT_DIR [--dtype bfloat16] [--target PATH]
-
-Overrides are ``section.key=value`` (e.g. ``trainer.max_steps=10 seed=3``). ``train`` runs
-``specopd.train.loop.train``, or ``specopd.mainjob.run`` for a recipe with ``pipeline.enabled`` (the main job);
-eval, prepare and profile dispatch to their owners' modules. Imports flow one way:
-cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels (tests/test_imports.py).
+"""``specopd`` command line: ``train RECIPE [key=value ...] [--dry-run]``, ``eval RECIPE [key=value ...] [--json PATH]``,
+``prepare model NAME | data ...``, ``profile RUN_DIR``, ``export RUN_DIR|CHECKPOINT OUT_DIR [--dtype bfloat16]
+[--target PATH]``; each command dispatches to its owner's module. Overrides: docs/architecture.md ("Command line").
 """
 from __future__ import annotations
 

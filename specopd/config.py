@@ -1,16 +1,6 @@
-"""Recipe configuration: omegaconf structured dataclasses + ``load_recipe``.
-
-A recipe is a YAML file whose sections mirror ``RecipeConfig`` (``model``, ``drafter``, ``data``,
-``trainer``, ``runtime``, ``eval``, ``profile``) plus a top-level ``seed``. Command-line overrides are
-``section.key=value`` strings (YAML-parsed values). Every field has a default; a recipe only names what
-it changes. Unknown keys, wrong types and bad values fail with an error naming the key, what was
-expected, and (for unknown keys) the valid keys of that section.
-
-Every field declares what a resume does when its value differs from the checkpoint's recipe
-(``setting(default, resume=...)``; ``resume_policies`` lists them, ``specopd.train.checkpointer`` applies them):
-``REFUSE`` (another run: the resume is refused), ``FROM_HERE`` (the run differs from an uninterrupted one from
-the resumed step on: the change is listed as such) or ``SAME_RUN`` (bookkeeping or placement that does not change
-the numbers: listed as such).
+"""Recipe configuration: omegaconf structured dataclasses + ``load_recipe`` (``section.key=value`` overrides); every
+field declares what a resume does when its value changes (``setting(default, resume=...)``).
+Checks and resume policies: docs/architecture.md ("Recipes").
 """
 from __future__ import annotations
 

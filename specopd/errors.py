@@ -1,12 +1,6 @@
-"""Errors a user can cause, in one place (a leaf: imports none of our modules).
-
-``UserError`` and its subclasses are mistakes in what a user gave (a recipe key, a file, a folder, a busy run
-folder, a damaged checkpoint): the CLI prints their message and exits with code 2, without a traceback. Their
-message names the file, line or key and the fix. Anything else that goes wrong is a bug and keeps its traceback.
-
-Other modules subclass these (``specopd.config.RecipeError``, ``specopd.train.checkpoint.CheckpointError``,
-``specopd.train.lock.RunLockedError``, ...). The helpers turn the operating system's answer about a path a
-user named into such a message.
+"""Errors a user can cause, in one place (a leaf: imports none of our modules): the CLI prints a ``UserError``'s
+message and exits with code 2, without a traceback; anything else is a bug and keeps its traceback.
+Design: docs/architecture.md ("User errors").
 """
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
-"""Memory plan: one GPU's estimated peak for one SpecOPD step, term by term, before anything is loaded.
-
-``memory_plan(cfg)`` reads the target's shape (its config.json when the folder exists, else the recipe's
-``model.shape``; tiny targets from their built-in config), builds the target and the drafter on the meta
-device (exact parameter counts, layer kinds and mixer sizes, no weights read) and adds up what each phase
-of a step holds:
-
-    prefill    trunk caches growing + one trunk's forward working set
-    propose    trunk caches + the drafter's one forward (with grad: its activations stay for the loss) + one
-               sampling chunk (branch tokens drawn from the detached hidden state, chunk by chunk)
-    score      trunk caches + the packed scoring pass over the N * W branch nodes (hidden states, no logits)
-               (+ the drafter's saved activations when colocated)
-    loss       drafter activations saved for backward + the target side hp [N, W, D] + one loss chunk
-    optimizer  gradients + AdamW temporaries
-
-Terms held by every phase (target weights, drafter weights, AdamW state) are added to each. The peak is the
-largest phase. Sizes per GPU: S = ceil(data.batch_size / runtime.num_workers) sequences of T = data.seq_len
-tokens, N = S * trainer.anchors_per_seq branches of W = drafter.block_size - 1 drafted tokens (block_size counts the anchor). The plan assumes
-the step as ``specopd.train.worker`` runs it: the target keeps hidden states (never [T, V] or [N, W, V] logits),
-one drafter forward per step serves the sampling and the loss, the loss is ``specopd.losses.fused_e2e_tv`` in
-chunks of ``trainer.loss_chunk_rows`` rows, and the drafter
-shares each trunk's context K/V across its branches (issue 9) with a fused attention kernel (no
-[N, H, W, T] score tensor). Activations are bf16 on CUDA (autocast), the drafter's master weights, gradients
-and AdamW state fp32.
-
-Growth: linear in S * T (caches, features) and in N * W (branch activations, hp); the vocabulary enters
-only through the weights and the [chunk, V] loss chunk. ``check_memory(cfg)`` raises ``MemoryPlanError``
-naming the recipe keys to lower when the peak exceeds the device (the trainer calls it before any work).
+"""Memory plan: one GPU's estimated peak for one SpecOPD step, term by term per phase, before anything is loaded
+(``memory_plan``), and ``check_memory``, which names the recipe keys to lower when the step does not fit.
+Phases, sizes and growth: docs/architecture.md ("Memory plan").
 """
 from __future__ import annotations
 

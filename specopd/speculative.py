@@ -1,28 +1,6 @@
-"""The speculative round, written once and batched over sequences: draft -> verify -> accept -> commit.
-
-Used by ``specopd.eval.decoder.SpeculativeDecoder`` (one sequence) and by Draft-OPD's rollout
-(``specopd.train.baselines``, all sequences of a batch in one target pass per round).
-
-State of a sequence (``Sequence``): ``cache`` covers the tokens the target has run; ``last`` is the pending
-token (committed: the prompt's last token or the previous round's bonus / resampled token) at position
-``len(cache)``, not yet run. One round over A sequences:
-
-1. draft    the drafter drafts k tokens after each sequence's anchor (position ``seq.anchor``, token
-            ``seq.anchor_token``, context = features at positions < anchor) with logits q, all sequences in one
-            drafter call (``draft``): each sequence keeps a drafter context cache (``seq.ctx``, per-layer
-            context K/V) that is brought up to the anchor with only the features committed since the last round
-2. verify   ONE target pass over every sequence's chain ``[last, d_1..d_k]`` anchored at ``len(cache) - 1``,
-            packed into one tree (``verify``): node j gives p for d_{j+1}, node k the bonus distribution; the
-            pass keeps its per-layer states (``target.score(..., return_state=True)``)
-3. accept   T = 0: d_i accepted while it equals argmax p; T > 0: lossless rejection sampling (accept d_i with
-            prob min(1, p/q); at the first rejection resample from norm(max(0, p - q)); all k accepted -> a
-            bonus token from p at node k) (``accept``)
-4. commit   ``target.commit`` extends each cache by ``[last, d_1..d_n]`` from the verify pass (no new pass);
-            the bonus / resampled token is the new ``last``, run by the next round's verify (``commit``)
-
-So a round costs exactly one target pass. Rejected tokens are never committed: nothing is rolled back.
-A one-token prompt has nothing to prefill without running its token, so ``start`` runs it: then ``last`` is
-None, the chain is ``[d_1..d_k]`` anchored at the prompt token, and p for d_1 is the prompt pass's logits.
+"""The speculative round, written once and batched over sequences: draft -> verify -> accept -> commit, one target
+pass per round. Used by ``specopd.eval.decoder.SpeculativeDecoder`` and by Draft-OPD's rollout
+(``specopd.train.baselines``). Sequence state and the four steps: docs/architecture.md ("The speculative round").
 """
 from __future__ import annotations
 

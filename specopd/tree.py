@@ -1,13 +1,6 @@
-"""Proposal trees: drafted tokens hanging off positions of a reference sequence ("trunk").
-
-A tree holds M nodes. Node u has a token, a parent (an earlier node, or the trunk position it forks
-from: its *anchor*), a depth (0 for a node whose parent is the trunk) and a semantic position
-``anchor + 1 + depth``. The target scores node u as if it had run ``trunk[:anchor+1] + path(u)`` from
-scratch, where path(u) is the tokens of u's ancestors and u itself, root first.
-
-SpecOPD samples *chain* branches (``from_branches``: N anchors, W tokens each, node ``b*W + j``);
-general trees (several children per node) come from ``from_parents``. Trees of several trunks are
-packed into one scoring batch with ``ProposalTree.pack``; ``trunk_index[u]`` names u's trunk.
+"""Proposal trees: drafted tokens hanging off positions of a reference sequence ("trunk"), scored by the target as
+if each node's path had run from scratch; chains (``from_branches``), general trees (``from_parents``), packing
+(``pack``). Nodes, anchors and positions: docs/architecture.md ("Proposal trees").
 """
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
 """Trunk prefill through flash-linear-attention's chunked gated delta rule (CUDA), keeping its per-chunk states
-in fp32 as the GDN checkpoints.
-
-It follows fla-core 0.6.0 (chunk.py / common/chunk_delta_h.py): ``chunk_gated_delta_rule_fwd`` calls
-``chunk_gated_delta_rule_fwd_h(k=..., w=..., u=..., ...)``, which allocates the chunk states ``h`` [B, NT, HV, K, V]
-in k's dtype and stores the fp32 register state into it. This wrapper replaces that name inside
-``fla.ops.gated_delta_rule.chunk`` for the duration of one call with a version that passes k, w and u in fp32, so
-``h`` is allocated (and the state update k^T v_new computed) in fp32, and keeps that ``h``. fla's output kernel
-(``chunk_fwd_o``: q @ h, A @ v_new) then gets h and v_new cast back to q / k's dtype: every fla kernel sees one
-dtype on its dot operands (bf16 q against fp32 h does not compile: "Both operands must be same dtype").
-If fla changes that call, the wrapper raises instead of returning wrong states. Tested on the CPU under
-TRITON_INTERPRET=1 against the plain recurrence (fp32 and fp16, ``tests/test_fla.py``, which also compiles the
-launches it records for sm_90 in bf16); ``fla_verified`` checks it against our chunk kernel once per CUDA device.
+in fp32 as the GDN checkpoints (a hook on fla-core 0.6.0's ``chunk_gated_delta_rule_fwd_h``).
+The hook and its tests: docs/architecture.md ("GDN kernels: fla chunk").
 """
 from __future__ import annotations
 

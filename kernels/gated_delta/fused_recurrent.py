@@ -1,11 +1,7 @@
-"""Triton fused recurrent gated delta rule (forward) with state checkpoints.
-
-Same contract as ``kernels.gated_delta.naive.recurrent_gated_delta_rule`` (q, k prepared: l2-normed, q
-scaled), one launch per call: program (v-block, batch*head) keeps its [K, BV] state slice in registers and
-walks the T tokens, storing the state before every token whose absolute position is a multiple of
-``checkpoint_every``. The per-token arithmetic is the naive one, in the same order, in fp32.
-
-Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (set before importing this module; tests only).
+"""Triton fused recurrent gated delta rule (forward) with state checkpoints, same contract as
+``kernels.gated_delta.naive.recurrent_gated_delta_rule``. Runs on CUDA, or on the CPU under
+``TRITON_INTERPRET=1`` (set before importing this module; tests only). Design: docs/architecture.md
+("GDN kernels: fused recurrent").
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The gated delta rule as a plain recurrence (the reference every faster form is tested against).
-
-Shapes follow fla: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], state S [B, H, K, V]. Per token t:
-
-    S <- S * exp(g_t)                 (g <= 0: log-space decay)
-    d  = beta_t * (v_t - S^T k_t)      (delta rule: write only what S does not already predict)
-    S <- S + k_t d^T
-    o_t = S^T q_t
-
-q and k are expected l2-normalised and q already scaled by K^-0.5 (``prepare_qk`` does both, as HF and
-fla do with ``use_qk_l2norm_in_kernel=True``). Everything runs in fp32.
+"""The gated delta rule as a plain recurrence in fp32 (the reference every faster form is tested against), with
+fla's shapes: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], state S [B, H, K, V].
+The recurrence: docs/architecture.md ("GDN kernels: reference recurrence").
 """
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""QSA indexer (Triton): group scores and the per-query top-k of groups.
-
-``index_scores``: scores[q, g] = sum_h relu(q_idx[q, h] . keys[g]) / sqrt(di) for the complete groups
-g < n_complete[q] (``QSAttention.index_scores``: fp32, heads summed in order), computed in [BQ, BG] tiles;
-tiles wholly past every query's last complete group are skipped (causal prefill: about half).
-
-``topk_groups``: the top ``k`` of each row's first n_complete scores, returned as ascending group indices padded
-with -1, ties at the boundary going to the lowest group index, exactly as ``select_groups`` (a stable descending
-sort). One program per query finds the k-th largest score by bisection on its fp32 bit pattern (scores are
->= 0, where the bits order like the values; 31 counting passes), then keeps every score above it and the
-lowest-indexed ties in one ascending pass (prefix sums). No sort, O(G) memory per query.
+"""QSA indexer (Triton): group scores (``index_scores``) and the per-query top-k of groups (``topk_groups``, ties
+to the lowest group index, no sort). Tiling and the top-k search: docs/architecture.md ("QSA kernels").
 """
 from __future__ import annotations
 

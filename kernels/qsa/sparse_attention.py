@@ -1,13 +1,6 @@
-"""QSA attention over each query's own key list (Triton), and the blockwise prefill that drives the indexer.
-
-``sparse_attention``: query q attends to the key rows idx[q, :n_keys[q]] only (its selected groups' tokens, then
-its tail). One program per (query, KV head); the G query heads of the KV head are the rows of one tile (padded
-to >= 16), so each gathered K/V row is read once per query. Online softmax in fp32 (exp2), fp32 accumulation.
-
-``qsa_prefill``: causal QSA over a sequence in query chunks: index scores -> top-k groups -> key rows ->
-attention. Memory per chunk is O(chunk x (T / ratio + budget)): no [T, T] score or mask tensor exists.
-
-Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (set before importing this module; tests only).
+"""QSA attention over each query's own key list (``sparse_attention``, Triton), and the blockwise prefill that
+drives the indexer (``qsa_prefill``: no [T, T] tensor). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1``
+(set before importing this module; tests only). Design: docs/architecture.md ("QSA kernels").
 """
 from __future__ import annotations
 

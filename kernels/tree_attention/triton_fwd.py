@@ -1,13 +1,6 @@
-"""Triton forward of tree attention over a block plan (the target is frozen: no backward).
-
-One program per (query block, KV head). The G = H / Hkv query heads sharing a KV head are packed into the
-rows of one tile (row r = node r // G, head r % G), so K/V are read once per query block and never repeated
-in memory. Online softmax in fp32 (exp2), fp32 accumulation; bf16 / fp16 / fp32 inputs (fp32 uses IEEE dots,
-so it matches the fp32 reference; bf16 feeds the tensor cores). Visits only the plan's blocks: the trunk
-prefix without a mask up to the block's smallest anchor, masked up to its largest, then the listed node
-blocks (chain: arithmetic ancestor test; general trees: the plan's bitmask).
-
-Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (set before importing; tests only).
+"""Triton forward of tree attention over a block plan (the target is frozen: no backward). Runs on CUDA, or on
+the CPU under ``TRITON_INTERPRET=1`` (set before importing; tests only).
+Tiling and numerics: docs/architecture.md ("Tree-attention kernel").
 """
 from __future__ import annotations
 

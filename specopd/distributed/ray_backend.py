@@ -1,29 +1,5 @@
-"""RayGroup: the trainer's Workers as Ray actors, data-parallel, gradients summed with torch.distributed.
-
-    group = RayGroup(cfg)                       # cfg.runtime: num_workers, cpus_per_worker, gpus_per_worker,
-    group.call("train_step", [(ids0, t, n),     #   address (None = start a local Ray), roles
-                              (ids1, t, n)])    # one argument tuple per worker -> list of results (rank order)
-    group.train_step([ids0, ids1], t, n)        # the same, typed (``specopd.train.group.WorkerCalls``)
-    group.broadcast("load_state_dict", sd)      # the same arguments to every worker
-    group.shutdown()
-
-Start-up, in order: join or start Ray; check that num_workers x {CPU, GPU} fit the cluster (a clear error
-instead of Ray's silent wait); one placement group per node (STRICT_PACK of bundles {CPU: cpus_per_worker,
-GPU: gpus_per_worker}, pinned to the node); one actor per worker hosting ``Worker(cfg, rank, world_size)``;
-a torch.distributed process group over the actors (gloo on CPU, nccl for CUDA tensors when every worker
-has a whole GPU; rank 0's actor gives the master address and port); ``worker.set_allreduce(fn)`` with fn
-summing the drafter gradients in place (in fp32), so every replica takes the same optimizer step and stays
-identical. A Python error in a worker method stops the run too and is re-raised with its own type.
-
-Faults: an actor that dies (killed, OOM, node lost) ends the run: every survivor is killed (they would
-otherwise wait in the all-reduce) and ``WorkerLostError`` names the rank, its node (ip and id), the
-method, the last complete checkpoint and ``trainer.resume=auto``.
-
-Roles: with ``runtime.roles: colocated`` every actor runs all phases of a step. With ``split`` there are
-2 x num_workers actors: actors 0..n-1 are drafter workers (``Worker(role="drafter")``: proposals, loss,
-backward, the all-reduced optimizer step; the process group spans only them) and actors n..2n-1 target
-workers (``role="target"``: prefill, keeping the trunk caches, and packed scoring). ``call`` runs a step as
-``specopd.train.group.split_call`` (pair i = target n+i with drafter i); other methods go to the drafters.
+"""RayGroup: the trainer's Workers as Ray actors, data-parallel, gradients summed with torch.distributed; the
+interface of ``specopd.train.group.LocalGroup``. Start-up, faults and roles: docs/architecture.md ("Ray backend").
 """
 from __future__ import annotations
 

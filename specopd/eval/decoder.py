@@ -1,16 +1,6 @@
-"""Speculative decoding with a drafter and the target's trunk cache (the evaluation of a drafter).
-
-A thin single-sequence user of ``specopd.speculative`` (the round is written there once): the prompt is
-prefilled once (all but its last token, which is pending); each round drafts k tokens after the pending
-token from the drafter's context cache, which takes in only the features committed since the previous round
-(so the drafter's projections per round do not grow with the context), verifies the chain
-``[last, d_1..d_k]`` in ONE target pass anchored at ``len(cache) - 1``, accepts (T = 0: exact match with
-argmax p; T > 0: lossless rejection sampling) and commits ``[last] + accepted`` from that same pass; the
-bonus / resampled token becomes the next ``last`` and is run by the next round's verify. So the target runs
-once per round, plus the prompt prefill.
-
-Rejected tokens are never committed, so nothing has to be rolled back. ``autoregressive`` runs the same target
-and cache machinery one token per pass (the speedup baseline, and the reference for T = 0).
+"""Speculative decoding with a drafter and the target's trunk cache (the evaluation of a drafter): a single-sequence
+user of ``specopd.speculative``, one target pass per round plus the prompt prefill; ``autoregressive`` is the
+baseline. Design: docs/architecture.md ("Speculative decoding").
 """
 from __future__ import annotations
 

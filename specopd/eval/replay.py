@@ -1,15 +1,6 @@
-"""Greedy (T = 0) speculative decoding replayed on the target's greedy continuation: the same AL, cheaply.
-
-At T = 0 speculative decoding is exact, so the tokens it commits are the target's greedy continuation ``c``
-of the prompt, whatever the drafter does. A round anchored at position ``a`` (the last committed token, not yet
-run by the target) drafts ``d_1..d_W = argmax q`` from the target features of positions ``< a`` and the token at
-``a``, accepts the longest prefix with ``d_i == c[a + i]``, and commits it plus the target's next token, so the
-next round is anchored at ``a + n + 1``. Given ``c`` (generated once per prompt, ``greedy_continuations``),
-every round is known in advance: one target prefill of ``prompt + c`` gives the features, one drafter forward
-over all candidate anchors gives the drafts, and the rounds are a walk over them. ``replay_greedy_al`` returns
-exactly what ``evaluate_al(..., temperature=0)`` returns for the AL and the acceptance counts (tested against
-``SpeculativeDecoder``; only exact argmax ties between two tokens could tell them apart), without a target
-verification pass per round. It has no speed numbers: time real decoding with ``evaluate_al``.
+"""Greedy (T = 0) speculative decoding replayed on the target's greedy continuation: the same AL and acceptance
+counts as ``evaluate_al(..., temperature=0)`` without a target verification pass per round (no speed numbers).
+Why it is exact: docs/architecture.md ("Greedy replay").
 """
 from __future__ import annotations
 

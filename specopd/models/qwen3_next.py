@@ -1,15 +1,6 @@
-"""Our own ``qwen3_next`` and ``qwen3_5`` (dense and MoE) text targets: Gated DeltaNet hybrids.
-
-Layers follow ``layer_types`` (or ``full_attention_interval``, default 4: every 4th layer is full attention):
-- "linear_attention" -> ``GatedDeltaNet`` (mixer kind "gdn", run by ``executors.gdn``)
-- "full_attention"   -> ``GatedAttention`` (kind "gqa": q_proj gives q and a sigmoid output gate, zero-centred
-  (1 + w) q/k RMSNorm, partial RoPE), run by ``executors.gqa`` through project / finish / scaling.
-MLPs: qwen3_next uses the MoE block on layers with ``(i + 1) % decoder_sparse_step == 0`` not in
-``mlp_only_layers`` (when num_experts > 0); qwen3_5_moe uses it on every layer; qwen3_5 is dense.
-
-Checkpoint names equal Hugging Face's; composite (vision-language) checkpoints name the text model
-``model.language_model.*`` (mapped to ``model.*``); vision tower and MTP tensors are ignored. Per-expert
-expert tensors (``mlp.experts.<e>.gate_proj.weight`` ...) are stacked into HF 5.x's 3-D layout.
+"""Our own ``qwen3_next`` and ``qwen3_5`` (dense and MoE) text targets: Gated DeltaNet hybrids (``GatedDeltaNet``,
+kind "gdn"; ``GatedAttention``, kind "gqa"). Layers, MLPs and checkpoint names: docs/architecture.md
+("qwen3_next and qwen3_5").
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Baselines on the same target, drafter and data.
-
-Draft-OPD (``trainer.method: draft_opd``): a sequential draft-and-verify rollout from each prompt with
-lossless rejection sampling at ``trainer.temperature``, rolled out the way a serving engine does it
-(``specopd.speculative``, batched over the step's sequences): every prompt is prefilled once; per round, ONE
-drafter call drafts a W-token block after each active sequence's anchor (its last committed token) from the
-sequences' drafter context caches (extended only by the tokens committed since the last round), ONE target
-pass verifies the chains ``[anchor, d_1..d_W]`` of all active sequences, the blocks are accepted (accept d_j
-with probability min(1, p/q), on rejection resample from norm(max(0, p - q)); all accepted -> bonus token from
-p), and the accepted tokens are committed to each cache from that same pass; the bonus / resampled token is
-the next anchor. Every drafted block with its target p (p for d_j is the target's distribution after
-``prefix + d_1..d_{j-1}``) is kept, and training waits for the rollout to end (at most ``anchors_per_seq``
-rounds per sequence, or when the sequence reaches the reference's length). The loss is the same fused chunked
-E2E-TV on (context, drafted block, target side) as SpecOPD: per block only the target's hidden state [W, D] at the
-verified nodes is kept (``VerifyState.hidden``), never p logits beyond the round's [A, W + 1, V] that rejection
-sampling needs.
-
-Off-policy CE / E2E-TV need no code here: ``Worker.propose(..., reference=True)`` takes the W reference
-tokens after each anchor as the block and ``Worker.score`` reads the target side from the reference's trunk.
+"""Baselines on the same target, drafter and data: Draft-OPD (``trainer.method: draft_opd``), a sequential
+draft-and-verify rollout batched over the step's sequences (``specopd.speculative``), trained with the same fused
+E2E-TV as SpecOPD; off-policy CE / E2E-TV need no code here. Design: docs/architecture.md ("Baselines").
 """
 from __future__ import annotations
 

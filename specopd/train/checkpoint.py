@@ -1,21 +1,6 @@
-"""Checkpoints: ``<output_dir>/checkpoints/step-<N>/`` (N = completed optimizer steps).
-
-A step folder holds the drafter as ``model.safetensors`` + ``config.json`` (loadable with
-``specopd.drafters.load_drafter``), ``trainer_state.pt`` (optimizer, scheduler, the worker's and the
-controller's RNG states: python, numpy, torch, cuda), ``state.json`` (step, data position, metrics, recipe),
-``manifest.json`` (size and sha256 of every other file) and the ``COMPLETE`` marker (step + the manifest's
-sha256). Each file is fsynced; the manifest and then the marker are written last.
-
-Atomicity: the folder is written as ``.tmp-step-<N>-<pid>`` and renamed when complete; ``checkpoints/latest``
-(text: the folder name) is replaced atomically. A save that fails (an exception, a full disk) removes its
-tmp folder and raises ``CheckpointError``; the previous checkpoints are never touched before the new one
-is complete. Pruning (``keep_last``) renames a folder to ``.prune-*`` before deleting it, so a kill in the
-middle never leaves a half-deleted folder that still looks complete.
-
-Integrity: ``verify(path)`` checks the marker, the manifest, every file's size and (by default) its
-sha256. ``find_latest`` returns the newest complete checkpoint whose file sizes match (cheap); resuming
-(``resume_candidates`` / ``quarantine``) checks checksums and moves a damaged one aside to
-``step-<N>.damaged``, never deleting it.
+"""Checkpoints: ``<output_dir>/checkpoints/step-<N>/`` (N = completed optimizer steps), written atomically with a
+manifest of sizes and sha256 that a resume verifies; a damaged one is moved aside, never deleted.
+Contents, atomicity and integrity: docs/architecture.md ("Checkpoint folders").
 """
 from __future__ import annotations
 

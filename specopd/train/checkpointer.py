@@ -1,20 +1,5 @@
-"""The run's checkpoints: where a run starts (fresh, or resumed from a checkpoint) and every checkpoint it writes.
-
-Nothing is lost, nothing is overwritten:
-- resume (``trainer.resume``): ``auto`` takes the newest checkpoint that verifies (sizes + sha256) and moves
-  damaged ones aside, saying so; an explicit folder that fails verification is an error. A resume whose recipe
-  changed in a way that makes it another run is refused; other changes continue and are listed
-  (``recipe_changes``). What a change does is declared on each recipe field (``specopd.config.setting``:
-  ``REFUSE`` / ``FROM_HERE`` / ``SAME_RUN``). A finished run says so and how to extend it.
-- a resume also compares the run's inputs (``specopd.train.inputs``: the prepared data's records and the target's
-  files, by sha256) with the checkpoint's, and refuses one whose data or target changed, naming it.
-- ``recipe.yaml`` is written only once the run is accepted (the workers are built, so the recipe, target and data
-  are valid, and a resume passed its checks and loaded its checkpoint); a different recipe already there is kept
-  in ``recipe.history/``. A fresh run in a used folder moves the old metrics, profile, checkpoints and summary
-  aside (``*.before-<time>``); a resumed one moves the metrics lines after its step aside (``.orphaned``).
-- an interrupted run (an exception, Ctrl-C) keeps every completed step: ``save_on_interrupt``.
-
-The step folders themselves (atomic writes, verification, pruning) are ``specopd.train.checkpoint``'s.
+"""The run's checkpoints: where a run starts (fresh, or resumed from a checkpoint) and every checkpoint it writes;
+nothing is lost, nothing is overwritten. The resume policy: docs/architecture.md ("Resume").
 """
 from __future__ import annotations
 

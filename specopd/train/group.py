@@ -1,19 +1,6 @@
-"""In-process worker group (``runtime.backend: local``), and the worker-group interface.
-
-The group interface (``WorkerGroup``; ``LocalGroup`` and ``specopd.distributed.ray_backend.RayGroup``):
-``group.call(method, per_worker_args) -> list of results`` (per_worker_args: one tuple of positional
-args per worker), ``group.broadcast(method, *args) -> list``, ``group.shutdown()``, ``group.num_workers``, and
-typed calls of the Worker methods the controller uses (``WorkerCalls``: ``group.train_step(shards, step,
-denom)``, ``group.data_info()``, ``group.state_dict()``, ...), so callers do not spell method names.
-
-With several workers, each ``call`` runs the workers' methods in parallel threads, and their all-reduce is
-a thread barrier whose action sums the gradients in rank order (deterministic) and writes the sum back
-into every worker's gradients, so the math equals the Ray path (sum all-reduce across actors).
-
-``runtime.roles: split``: worker i of the group is a pair (target worker i, drafter worker i); both groups
-also answer ``call_role(role, method, per_worker_args)``, and ``call`` goes through ``split_call``, which runs
-``train_step`` / ``evaluate`` as the four-hop exchange of Worker's split-role methods and sends every other
-method (data_info, state_dict, load_state_dict, ...) to the drafter workers. Draft-OPD is not supported split.
+"""In-process worker group (``runtime.backend: local``), and the worker-group interface that
+``specopd.distributed.ray_backend.RayGroup`` shares; ``split_call`` runs a step over split roles.
+Interface, threads and split roles: docs/architecture.md ("Worker groups").
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """What the phases of one training step hand each other (``specopd.train.worker``), as typed records.
-
-    prefill  -> TargetCache per trunk (``specopd.models``), or a Trunk (split roles: what crosses to the drafter)
-    propose  -> Proposals    the branches of this worker's share, with the drafter forward that made them
-    score    -> hp [N, W, D] the target's hidden states at the branch slots (Branches is what it reads)
-    stage    -> Staged       proposals + hp, kept in the worker between ``stage`` and ``finish``
-
-N = branches, W = drafted tokens per branch (``drafter.draft_len``), D = hidden size, F = feature width,
-T = trunk length. Rows are grouped by trunk (``trunk_index`` non-decreasing), trunk i = ``sample_ids[i]``.
+N = branches, W = drafted tokens per branch, D = hidden size, F = feature width, T = trunk length.
+Which phase hands what: docs/architecture.md ("Step handoff").
 """
 from __future__ import annotations
 

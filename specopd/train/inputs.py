@@ -1,15 +1,5 @@
-"""What a run depends on besides its recipe, fingerprinted: the data and the target's weights.
-
-Every checkpoint's state.json carries ``inputs`` = ``input_fingerprints(cfg)``; a resume compares them with the
-inputs of now (``input_changes``) and refuses one that differs, naming what changed (``specopd.train.checkpointer``):
-
-- data (``data.source=prepared``): the sha256 of the records used (input_ids, prompt_len / response_start and
-  split of every line, in order; other fields, whitespace and key order do not count) and their number.
-  Synthetic data is a function of the recipe and the target, which are compared already.
-- target: the sha256 of its config.json and of every weight file (``*.safetensors``, ``*.bin``, the index).
-
-Hashes are cached in ``<output_dir>/.fingerprints.json`` by (absolute path, size, mtime), so a resume reads a
-large target or data file once per change, not once per run.
+"""What a run depends on besides its recipe, fingerprinted: the data and the target's weights (sha256, cached by
+path, size and mtime); a resume whose inputs changed is refused. Design: docs/architecture.md ("Run inputs").
 """
 from __future__ import annotations
 

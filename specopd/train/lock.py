@@ -1,16 +1,6 @@
 """One writer per folder: an exclusive lock on a run folder (``trainer.output_dir``) or a data folder
-(``specopd prepare data --out``), held for the whole run.
-
-``run_lock(folder, what)`` takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<folder>/.specopd.lock`` and writes the
-holder into it (pid, host, start time, command). A second writer is refused at once (``RunLockedError``, a user
-error: exit 2) naming the holder's pid and host. The kernel drops a flock when its process dies, so a lock file
-left by a killed run is simply taken again; its old holder is named in a note. A lock still held although its
-recorded process is gone (same host; e.g. a child that inherited the descriptor lives on) is taken over: the file
-is replaced, with a note. A clean exit empties the file and releases the lock.
-
-Re-entrant within a process (the main job locks its run folder, then its training stage locks it again). Ray
-workers never take it: the driver holds it for them. Only the process that calls ``train`` (or
-``prepare_data``) locks; reading a run (eval, export, profile) does not.
+(``specopd prepare data --out``), held for the whole run; a second writer is refused (``RunLockedError``).
+Stale locks and re-entrancy: docs/architecture.md ("Run lock").
 """
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""The training controller: ``train(cfg)``, a ``Trainer`` whose loop only calls its components.
-
-Builds the worker group (``runtime.backend``: local -> ``LocalGroup``; ray -> ``RayGroup``), resumes from a
-checkpoint if asked, and runs ``trainer.max_steps`` steps. The components, one file each:
-
-- ``checkpointer.Checkpointer``: find / verify / load the checkpoint to resume from (or start fresh), the resume
-  policy (each recipe field declares it), every save, and the save of an interrupted run;
-- ``step.train_step``: one global step across the workers (``NonFiniteGuard``: NaN / inf steps are skipped,
-  ``trainer.max_nonfinite_steps`` in a row stop the run with a checkpoint);
-- ``validator.Validator``: the held-out expected AL before, during (``trainer.eval_every``) and after training;
-- ``metrics.TrainMetrics``: ``<output_dir>/metrics.jsonl`` (one line per logged step), ``trainer.loggers`` and the
-  progress bar.
-
-Writes checkpoints (always one when the run ends), profile spans, and ``train_summary.json`` with the held-out
-expected acceptance length before and after training. One writer per run folder: ``train`` holds
-``specopd.train.lock.run_lock(trainer.output_dir)`` throughout; a second run there is refused at once
-(``RunLockedError``) naming the holder's pid and host.
+"""The training controller: ``train(cfg)``, a ``Trainer`` whose loop only calls its components (checkpointer, step,
+validator, metrics), holding the run folder's lock throughout.
+Components: docs/architecture.md ("The training controller").
 """
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""Metrics sinks (``trainer.loggers: [jsonl, tensorboard, wandb, mlflow]``).
-
-``<output_dir>/metrics.jsonl`` is always written and is the source of truth (resume trims it, the figures read
-it): one JSON line per logged step, as the loop builds it. Every other sink gets the same line flattened to
-scalars by ``scalars`` under one naming scheme:
-
-    train/loss  train/expected_al  train/alpha/pos_<j> (j = 1..W)  train/supervised_tokens_per_s
-    train/supervised_tokens  train/branches  train/lr  train/grad_norm  train/step_s  train/phase_s/<phase>
-    train/skipped  heldout/expected_al  heldout/alpha/pos_<j>  heldout/branches  heldout/eval_s
-
-(the progress bar shows train/loss, train/expected_al, heldout/expected_al and train/supervised_tokens_per_s).
-A sink implements ``MetricsSink``: ``log(step, record)`` and ``close()``; ``TrainMetrics`` is the one object the
-training loop calls (every sink at ``trainer.log_every``, and the progress bar). wandb runs offline and mlflow
-writes a file store under the run folder unless told otherwise, so nothing needs a network. The optional packages are
-extras (``pip install -e .[tensorboard]`` / ``[wandb]`` / ``[mlflow]``); ``check_loggers`` names the missing one
-before a run starts. A sink other than jsonl that fails while logging is reported once and turned off; the
-run goes on (the numbers are in metrics.jsonl).
+"""Metrics sinks (``trainer.loggers: [jsonl, tensorboard, wandb, mlflow]``): ``<output_dir>/metrics.jsonl`` is always
+written and is the source of truth; the optional sinks get the same line flattened to scalars.
+Metric names and failing sinks: docs/architecture.md ("Metrics").
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Tiny seeded random targets built on the fly (``model.target: tiny:<model_type>``).
-
-We build *our own* model class (``specopd.models.MODEL_TYPES[model_type]``) from a tiny config dict, fill
-every parameter deterministically from ``seed`` (one generator per parameter, seeded from the seed and the
-parameter's name, so adding a parameter does not move the others), and write a real Hugging Face style
-folder (``config.json`` + ``model.safetensors``). The run then loads it with ``load_target`` exactly like a
-real checkpoint. transformers is not needed.
-
-The output head is scaled (``init_head_scale``) so the tiny target's next-token distributions are peaked
-and context dependent, like a trained model's; with the usual 0.02 init they would be near uniform and
-any drafter would look good.
+"""Tiny seeded random targets built on the fly (``model.target: tiny:<model_type>``): our own model class, every
+parameter filled from the seed, written as a real Hugging Face folder and loaded with ``load_target``.
+Seeding and the head scale: docs/architecture.md ("Tiny targets").
 """
 from __future__ import annotations
 

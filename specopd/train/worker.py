@@ -1,46 +1,7 @@
-"""One training worker: the target, a drafter replica, its optimizer and scheduler.
-
-The SpecOPD step (docs/data_path.md) as separate methods, so the Ray backend can call them
-one by one (each becomes an actor method unchanged):
-
-    caches    = w.prefill(sample_ids)                    target runs each reference once (trunk), keeps its
-                                                         final hidden [T, D] (no [T, V] logits) + drafter features
-    proposals = w.propose(caches, sample_ids, step)      Proposals: B anchors / sample; ONE drafter forward
-                                                         h [N, W, D] (with grad when training); branch tokens
-                                                         sampled from h.detach()
-    hp        = w.score(proposals, caches)               target scores all branches in one packed pass -> its
-                                                         hidden states [N, W, D] at the drafter's slots
-    metrics   = w.loss_backward(proposals, hp, denom)    fused chunked E2E-TV (or CE) on the same h, backward
-    metrics   = w.optimizer_step()                       all-reduce (set_allreduce), clip, AdamW, schedule
-    metrics   = w.train_step(sample_ids, step, denom)    all of the above
-
-The records handed between the phases are in ``specopd.train.handoff``. State kept between calls, each
-one field set in ``__init__``: ``staged`` (a step's share between ``stage`` and ``finish``, or between the
-split-role hops), ``trunk_caches`` (split roles, target side: between ``stage_trunks`` and ``score_staged``),
-``steps_done``, and the optimizer, scheduler and phase times.
-
-No tensor of size [N, W, V] exists in a step: sampling and the loss build logits ``trainer.loss_chunk_rows``
-rows at a time from hidden states and the frozen lm_head (``specopd.losses``), and alpha (the metrics, the
-DSpark confidence target, the held-out expected AL) comes from the loss's own pass. Memory per worker: the
-trunk caches (S x T), the drafter's activations and hp (N x W x D), one [chunk, V] chunk.
-
-Split roles (``runtime.roles: split``; the controller is ``specopd.train.group.split_call``): a target worker
-(``role="target"``) keeps the trunk caches where they were built and a drafter worker (``role="drafter"``)
-samples, trains and all-reduces; only token ids + features, proposals and the target's hidden states move:
-
-    trunks    = t.stage_trunks(sample_ids)               [Trunk(token_ids [T], features [T, F])]; caches stay in t
-    branches  = d.stage_proposals(trunks, sample_ids, step)   Branches(anchors, trunk_index, tokens, reference)
-    scored    = t.score_staged(branches)                 Scored(hp [N, W, D] (row k = 0: the trunk's hidden at the
-                                                         anchor), phase_s)
-    metrics   = d.finish_scored(scored.hp, denom)        loss/backward, all-reduced optimizer step
-
-Randomness is per sample: anchors and branch tokens of sample s at step t come from generators seeded
-from (seed, t, s), so splitting a batch across workers does not change any sample's proposals. The loss is
-a sum over branches divided by ``denom`` (the global branch count), so per-worker gradients add up to the
-gradient of the global batch.
-
-Target side for branch slot k (the token at a + 1 + k): k = 0 is the trunk's hidden state at the anchor;
-k >= 1 is the target's score of the branch prefix ``tokens[:k]``; so only W - 1 tokens per branch are scored.
+"""One training worker: the target, a drafter replica, its optimizer and scheduler, and the SpecOPD step
+(prefill -> propose -> score -> loss_backward -> optimizer_step) as separate methods the Ray backend calls one by
+one; split roles (a target worker, a drafter worker) move only ids, features, proposals and hidden states.
+No [N, W, V] tensor exists in a step. Design: docs/architecture.md ("Workers").
 """
 from __future__ import annotations
 
