@@ -211,10 +211,19 @@ def _proj_width(mixer: nn.Module) -> int:
 
 
 def trunk_cache_bytes(mixer: nn.Module, t: int, every: int, bpe: int) -> Tuple[int, int]:
-    """(cache bytes, of which GDN state checkpoints) of one mixer's trunk cache for t tokens, as the executors
-    store it: GQACache k, v [T, Hkv, hd]; QSACache + raw index keys [T, di] + pooled keys [T // r, di];
-    GDNCache conv_in [T, Cd], g, beta [T, H] fp32, checkpoints [ceil(T / C), H, K, V] fp32, final [H, K, V]
-    fp32; ConvCache x [T, C]."""
+    """One mixer's trunk cache for t tokens, as the executors store it: GQACache k, v [T, Hkv, hd]; QSACache + raw
+    index keys [T, di] + pooled keys [T // r, di]; GDNCache conv_in [T, Cd], g, beta [T, H] fp32, checkpoints
+    [ceil(T / C), H, K, V] fp32, final [H, K, V] fp32; ConvCache x [T, C].
+
+    Args:
+        mixer: the layer's token mixer (built on the meta device).
+        t: trunk tokens.
+        every: C, the GDN checkpoint interval.
+        bpe: bytes per element of the model dtype.
+
+    Returns:
+        (cache bytes, of which GDN state checkpoints).
+    """
     kind = type(mixer).kind
     if kind in ("gqa", "qsa"):
         b = 2 * t * mixer.num_kv_heads * mixer.head_dim * bpe
@@ -258,7 +267,18 @@ def score_extras(info: TargetInfo, trunk_nodes: List[int], branches: int, t: int
     gdn: GDN_SCORE_STATES fp32 states [H, K, V] per branch (chains: one state per branch and tree level);
     qsa: the gathered keys / values of the selected tokens [M, budget + r - 1, Hkv, hd] x 2 and their fp32
     scores [M, H, keys], processed in node chunks of at most QSA_SCORE_BYTES (the executor's qsa_score_bytes),
-    plus the index scores [M, T / r]."""
+    plus the index scores [M, T / r].
+
+    Args:
+        info: the target's ``TargetInfo``.
+        trunk_nodes: [S] tree nodes per trunk (M = their sum).
+        branches: N.
+        t: trunk tokens T.
+        bpe: bytes per element of the model dtype.
+
+    Returns:
+        (bytes, what they are: e.g. "gdn branch states").
+    """
     m = sum(trunk_nodes)
     best, what = 0, "none"
     kinds = {type(x).kind: x for x in info.mixers}
@@ -290,12 +310,23 @@ def build_meta_drafter(cfg, info: TargetInfo):
 
 
 def drafter_activation_bytes(drafter, n: int, w: int, ctx_rows: int, act: int) -> Tuple[int, int]:
-    """(all layers' activations saved for backward, one layer's) for n branches of w drafted tokens (w + 1 block
-    rows with the anchor) and ctx_rows context rows (each trunk once: shared-context drafter).
+    """The drafter's activations saved for backward, for n branches of w drafted tokens (w + 1 block rows with the
+    anchor) and ctx_rows context rows (each trunk once: shared-context drafter).
     Per block row and layer: residual, norms and attention / MLP outputs (6 D), q in / normed / roped + attention
     output (3 H hd), k and v of the block (6 Hkv hd), MLP gate, up, act, product (4 I), fp32 log-sum-exp (H).
     Per context row and layer: k, v projections, normed, roped (4 Hkv hd). Once: fc output and its norm (2 D)
-    per context row; the final norm's input and output [N, W, D]."""
+    per context row; the final norm's input and output [N, W, D].
+
+    Args:
+        drafter: the drafter (built on the meta device; its ``config`` gives the sizes).
+        n: branches N.
+        w: drafted tokens per branch W.
+        ctx_rows: context rows (S * T).
+        act: bytes per activation element.
+
+    Returns:
+        (all layers' activation bytes, one layer's).
+    """
     c = drafter.config
     d, hq, hkv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     rows = n * (w + 1)

@@ -34,7 +34,17 @@ class BlockDrafter(Protocol):
 
     def draft_batch(self, ctxs: Seq[object], anchor_tokens: torch.Tensor, temperature: float,
                     generators=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One block per sequence anchored at len(ctxs[b]) -> (tokens [A, W], raw logits q [A, W, V])."""
+        """One block per sequence anchored at len(ctxs[b]).
+
+        Args:
+            ctxs: A drafter context caches (``drafter.context_cache()``), one per sequence.
+            anchor_tokens: [A] the anchor token of each sequence.
+            temperature: T (0: argmax).
+            generators: one torch.Generator, or one per sequence, or None.
+
+        Returns:
+            (tokens [A, W], raw logits q [A, W, V]).
+        """
 
 
 @dataclass
@@ -65,8 +75,18 @@ class Sequence:
 
 
 def start(target, prompt_ids, feature_layers: Seq[int] = (), gdn_checkpoint_every: int = 64) -> Sequence:
-    """Prefill a prompt [T0] once (all but its last token, which is pending) -> Sequence. A decoding cache
-    keeps no GDN checkpoints (every anchor is at the end) and no logits."""
+    """Prefill a prompt once (all but its last token, which is pending). A decoding cache keeps no GDN
+    checkpoints (every anchor is at the end) and no logits.
+
+    Args:
+        target: a ``TargetModel``.
+        prompt_ids: [T0] the prompt.
+        feature_layers: the drafter's feature layers (the cache keeps their outputs).
+        gdn_checkpoint_every: C of the GDN executor.
+
+    Returns:
+        the ``Sequence``.
+    """
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(target.device)
     if ids.numel() == 0:
         raise ValueError("prompt_ids is empty: generation needs at least one prompt token (e.g. BOS)")
@@ -84,8 +104,17 @@ def draft(drafter: BlockDrafter, seqs: Seq[Sequence], temperature: float, genera
 
     Each sequence's ``ctx`` (created here on first use) is first extended by the features the target committed
     since it was last used (``cache.features[len(ctx):anchor]``: the prompt in round 1, then only the accepted
-    tokens), so nothing is recomputed over the whole context; then ``drafter.draft_batch``. generators: one
-    torch.Generator, or one per sequence. -> (drafts [A, W], q logits [A, W, V])."""
+    tokens), so nothing is recomputed over the whole context; then ``drafter.draft_batch``.
+
+    Args:
+        drafter: a ``BlockDrafter``.
+        seqs: A sequences.
+        temperature: T (0: argmax).
+        generators: one torch.Generator, or one per sequence.
+
+    Returns:
+        (drafts [A, W], q logits [A, W, V]).
+    """
     new = []
     for s in seqs:
         if s.ctx is None:
@@ -137,13 +166,19 @@ def _generator_list(generators, a: int) -> list:
 
 def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float,
            generators=None) -> tuple:
-    """Verify drafted blocks of A sequences at once.
+    """Verify drafted blocks of A sequences at once. T = 0: exact match with argmax p. T > 0: lossless
+    rejection sampling on softmax(logits / T).
 
-    drafts [A, k]; q_logits [A, k, V] (the drafter's, raw); p_logits [A, k + 1, V] (the target's, raw);
-    generators: one torch.Generator, or one per sequence (its draws: k uniforms, then one token).
-    Returns (accepted [A] list of int n_a in [0, k], next_tokens [A] list of int: the resampled token at the
-    first rejection, or the bonus token from p at node k when all k were accepted).
-    T = 0: exact match with argmax p. T > 0: lossless rejection sampling on softmax(logits / T).
+    Args:
+        drafts: [A, k] drafted tokens.
+        q_logits: [A, k, V] the drafter's logits, raw.
+        p_logits: [A, k + 1, V] the target's logits, raw.
+        temperature: T.
+        generators: one torch.Generator, or one per sequence (its draws: k uniforms, then one token).
+
+    Returns:
+        (accepted [A] list of int n_a in [0, k], next_tokens [A] list of int: the resampled token at the
+        first rejection, or the bonus token from p at node k when all k were accepted).
     """
     a, k = drafts.shape
     if q_logits.shape[:2] != (a, k) or p_logits.shape[:2] != (a, k + 1):
@@ -174,9 +209,20 @@ def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor,
 def commit(target, seqs: Seq[Sequence], state, accepted: Seq[int], next_tokens: Seq[int],
            keep: Optional[Seq[bool]] = None) -> list:
     """Extend each sequence by its verified ``[last, d_1..d_n]`` from the verify pass (``target.commit``, no
-    new pass); ``next_tokens`` become the pending tokens. keep[a] False: sequence a is finished and returned
-    as it was (no commit work for it). Returns the new Sequences; they keep the drafter context caches, which
-    the next ``draft`` extends by the committed features (the verify pass's, through ``target.commit``)."""
+    new pass); ``next_tokens`` become the pending tokens.
+
+    Args:
+        target: the ``TargetModel`` that ran ``verify``.
+        seqs: A sequences.
+        state: the verify pass's state.
+        accepted: [A] accepted draft tokens n_a per sequence.
+        next_tokens: [A] the resampled / bonus token per sequence.
+        keep: [A] bool; False: sequence a is finished and returned as it was (no commit work for it).
+
+    Returns:
+        the new Sequences; they keep the drafter context caches, which the next ``draft`` extends by the committed
+        features (the verify pass's, through ``target.commit``).
+    """
     keep = [True] * len(seqs) if keep is None else list(keep)
     sizes = torch.bincount(state.tree.trunk_index, minlength=len(seqs)).tolist()  # nodes per chain
     paths, off = [], 0

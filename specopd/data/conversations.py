@@ -37,11 +37,19 @@ def _norm(text: str) -> str:
 
 def heldout_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
                          max_prompt_tokens: Optional[int] = None) -> list:
-    """The first ``num`` held-out prompts, in dataset order -> list of (id, [first user message]).
+    """The first ``num`` held-out prompts, in dataset order.
 
     From held-out conversations only; a prompt whose normalised text is the first turn of any train
-    conversation, or of an earlier held-out prompt, is skipped. With ``tokenizer`` and ``max_prompt_tokens``,
-    prompts longer than that (after the chat template) are skipped too.
+    conversation, or of an earlier held-out prompt, is skipped.
+
+    Args:
+        num: how many prompts.
+        seed, heldout_fraction: the train / held-out split (``specopd.data.references.split_of``).
+        tokenizer: with ``max_prompt_tokens``, prompts longer than that (after the chat template) are skipped too.
+        max_prompt_tokens: see ``tokenizer``; None: no limit.
+
+    Returns:
+        list of (id, [first user message]).
     """
     convs = chitchat_conversations()
     seen = {_norm(m[0]["content"]) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "train"}
@@ -68,9 +76,18 @@ def heldout_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1,
 
 def train_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
                        max_prompt_tokens: Optional[int] = HELDOUT_MAX_PROMPT_TOKENS) -> list:
-    """The first ``num`` distinct first user turns of *train* conversations, in dataset order -> list of (id,
-    [message]) (the prompts the main job's references answer; duplicates such as "hello?" would give the same
-    greedy answer many times). With ``tokenizer``, prompts longer than ``max_prompt_tokens`` are skipped."""
+    """The first ``num`` distinct first user turns of *train* conversations, in dataset order (the prompts the main
+    job's references answer; duplicates such as "hello?" would give the same greedy answer many times).
+
+    Args:
+        num: how many prompts.
+        seed, heldout_fraction: the train / held-out split (``specopd.data.references.split_of``).
+        tokenizer: with it, prompts longer than ``max_prompt_tokens`` (after the chat template) are skipped.
+        max_prompt_tokens: see ``tokenizer``.
+
+    Returns:
+        list of (id, [message]).
+    """
     seen, out = set(), []
     for cid, msgs in chitchat_conversations():
         if len(out) >= num:
@@ -90,11 +107,20 @@ def train_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, t
 
 def pretrain_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
                           max_prompt_tokens: Optional[int] = HELDOUT_MAX_PROMPT_TOKENS) -> list:
-    """Up to ``num`` distinct single-turn prompts from *train* conversations -> list of (id, [message]): every
-    first user turn (``train_chat_prompts``' order), then the later user turns, conversation by conversation
-    (many thousands: what pretraining a drafter wants). A prompt whose normalised text is the first user turn of
-    any held-out conversation (a possible evaluation prompt) is never used. Ids: ``<conversation id>`` for
-    first turns, ``<conversation id>#<turn>`` for later ones."""
+    """Up to ``num`` distinct single-turn prompts from *train* conversations: every first user turn
+    (``train_chat_prompts``' order), then the later user turns, conversation by conversation (many thousands: what
+    pretraining a drafter wants). A prompt whose normalised text is the first user turn of any held-out conversation
+    (a possible evaluation prompt) is never used.
+
+    Args:
+        num: at most this many prompts.
+        seed, heldout_fraction: the train / held-out split (``specopd.data.references.split_of``).
+        tokenizer, max_prompt_tokens: as in ``train_chat_prompts``.
+
+    Returns:
+        list of (id, [message]); ids: ``<conversation id>`` for first turns, ``<conversation id>#<turn>`` for later
+        ones.
+    """
     convs = chitchat_conversations()
     banned = {_norm(m[0]["content"]) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "heldout"}
     train = [(cid, m) for cid, m in convs if split_of(cid, seed, heldout_fraction) == "train"]
@@ -131,8 +157,19 @@ def encode_conversation(tok, messages: list, seq_len: int) -> tuple:
 
 def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 0,
                             heldout_fraction: float = 0.1, min_response_tokens: int = 16) -> dict:
-    """Write the first ``num`` train conversations (chat-formatted, cut to ``seq_len`` tokens, at least
-    ``min_response_tokens`` after the prompt) to ``path`` (JSONL, written atomically). Returns counts."""
+    """Write the first ``num`` train conversations, chat-formatted, to ``path`` (JSONL, written atomically).
+
+    Args:
+        tok: the target's tokenizer (its chat template formats each conversation).
+        path: the .jsonl to write.
+        num: how many conversations.
+        seq_len: each is cut to this many tokens.
+        seed, heldout_fraction: the train / held-out split (``specopd.data.references.split_of``).
+        min_response_tokens: conversations with fewer tokens after the prompt are skipped.
+
+    Returns:
+        counts: ``written``, ``skipped_short``, ``tokens``, ``supervised_tokens``.
+    """
     recs, skipped = [], 0
     for cid, msgs in chitchat_conversations():
         if len(recs) >= num:
@@ -157,8 +194,18 @@ def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 
 
 def heldout_prompt_ids(target_dir: str, vocab_size: int, num: int, seed: int = 0,
                        heldout_fraction: float = 0.1) -> list:
-    """``heldout_chat_prompts`` through the target's chat template -> prompt ids [T_i] (what the main job's
-    before/after table and ``specopd eval`` on the main recipe decode)."""
+    """``heldout_chat_prompts`` through the target's chat template (what the main job's before/after table and
+    ``specopd eval`` on the main recipe decode).
+
+    Args:
+        target_dir: the target's Hugging Face folder (its tokenizer).
+        vocab_size: the target's vocabulary size.
+        num: how many prompts.
+        seed, heldout_fraction: the train / held-out split (``specopd.data.references.split_of``).
+
+    Returns:
+        list of prompt ids [T_i].
+    """
     tok = load_tokenizer(target_dir, vocab_size)
     prompts = heldout_chat_prompts(num, seed, heldout_fraction, tok, HELDOUT_MAX_PROMPT_TOKENS)
     return [torch.tensor(encode_prompt(tok, msgs)) for _, msgs in prompts]

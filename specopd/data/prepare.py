@@ -35,7 +35,17 @@ MODELS = {MODEL_NAME: prepare_smollm2}
 
 # ---------------------------------------------------------------------------------------------- sampling
 def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
-    """logits [V] -> one token id: argmax at T = 0, else nucleus sampling from softmax(logits / T)."""
+    """One token: argmax at T = 0, else nucleus sampling from softmax(logits / T).
+
+    Args:
+        logits: [V] one position's logits.
+        temperature: T (0: argmax).
+        top_p: the nucleus mass.
+        generator: the torch.Generator to draw from.
+
+    Returns:
+        the token id (int).
+    """
     if temperature == 0.0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -52,12 +62,23 @@ def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                    generators: Sequence, stop_ids: set, on_tokens=None) -> list:
     """Sample responses for several prompts at once with our target and its trunk caches.
 
-    The prompts [T_i] but their last token are prefilled once (``prefill_batch``, no logits). Then every step
+    The prompts but their last token are prefilled once (``prefill_batch``, no logits). Then every step
     runs all live streams' pending tokens (first: the prompt's last) as one-node chains in *one* packed
     ``target.score`` pass (one new token per stream: O(1) target work a token) and folds them into the caches
-    from that pass (``target.commit``, no second pass), as the speculative decoder does. Equal to one-at-a-time decoding (the
-    same logits up to rounding). Returns [(response ids, "eos" | "length")] in prompt order.
-    ``on_tokens(k)`` (progress) is told how much of the n * max_new_tokens budget each step used up.
+    from that pass (``target.commit``, no second pass), as the speculative decoder does. Equal to one-at-a-time
+    decoding (the same logits up to rounding).
+
+    Args:
+        target: a ``TargetModel``.
+        prompts: n prompt ids [T_i].
+        max_new_tokens: at most this many tokens per response.
+        temperature, top_p: as in ``sample_top_p``.
+        generators: one torch.Generator (or None at T = 0) per prompt.
+        stop_ids: token ids that end a response.
+        on_tokens: ``on_tokens(k)`` (progress) is told how much of the n * max_new_tokens budget each step used up.
+
+    Returns:
+        [(response ids, "eos" | "length")] in prompt order.
     """
     n = len(prompts)
     prompts = [torch.as_tensor(p, device=target.device).reshape(-1) for p in prompts]
@@ -231,7 +252,18 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
 
 
 def make_record(pid: str, prompt_ids: list, resp: list, finish: str, tok, seed: int, heldout_fraction: float) -> dict:
-    """One reference record (``specopd.data.references``): prompt + response ids, the split by prompt id."""
+    """One reference record (``specopd.data.references``): prompt + response ids, the split by prompt id.
+
+    Args:
+        pid: the prompt id.
+        prompt_ids, resp: the prompt's and the response's token ids.
+        finish: "eos" | "length".
+        tok: the tokenizer (the record keeps the response's text).
+        seed, heldout_fraction: the train / held-out split (``specopd.data.references.split_of``).
+
+    Returns:
+        the record: id, split, input_ids, response_start, prompt_len, finish, response.
+    """
     return {"id": pid, "split": split_of(pid, seed, heldout_fraction), "input_ids": list(prompt_ids) + list(resp),
             "response_start": len(prompt_ids), "prompt_len": len(prompt_ids), "finish": finish,
             "response": tok.decode(resp)}

@@ -83,7 +83,17 @@ def server_model(base: str, timeout: float = 10.0) -> str:
 
 
 def completion_ids(choice: dict, prompt_ids: Sequence[int], tok, stop_ids: set) -> tuple:
-    """One ``choices[0]`` -> (response ids, finish "eos" | "length", retokenised?)."""
+    """The response of one ``choices[0]`` of an OpenAI-compatible completion, as token ids.
+
+    Args:
+        choice: the server's ``choices[0]``.
+        prompt_ids: the prompt ids that were sent (a server that ran others is an error).
+        tok: the tokenizer that re-tokenises ``text`` when the server returned no token ids.
+        stop_ids: token ids that end a response.
+
+    Returns:
+        (response ids, finish "eos" | "length", retokenised?).
+    """
     reason = choice.get("finish_reason")
     if reason not in ("stop", "length"):
         raise RequestFailed(f"finish_reason {reason!r} (neither 'stop' nor 'length')", True)

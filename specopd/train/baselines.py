@@ -12,8 +12,18 @@ from specopd.train.handoff import Proposals
 
 def verify_block(p_logits: torch.Tensor, q_logits: torch.Tensor, draft: torch.Tensor, temperature: float,
                  generator: torch.Generator) -> tuple:
-    """One block through ``specopd.speculative.accept``: p_logits [W + 1, V], q_logits [W, V], draft [W] ->
-    (number of accepted draft tokens k, the committed tokens draft[:k] + the resampled / bonus token)."""
+    """One block through ``specopd.speculative.accept``.
+
+    Args:
+        p_logits: [W + 1, V] the target's logits.
+        q_logits: [W, V] the drafter's logits.
+        draft: [W] drafted tokens.
+        temperature: T.
+        generator: the torch.Generator.
+
+    Returns:
+        (number of accepted draft tokens k, the committed tokens draft[:k] + the resampled / bonus token).
+    """
     (k,), (y,) = spec.accept(draft[None], q_logits[None], p_logits[None], temperature, generator)
     return k, torch.cat([draft[:k], torch.tensor([y], device=draft.device, dtype=draft.dtype)])
 

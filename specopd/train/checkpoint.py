@@ -96,11 +96,21 @@ def _manifest(folder: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- save
 def save_checkpoint(output_dir: str, step: int, worker_state: dict, state: dict, keep_last: int = 2) -> str:
-    """Write step-<step> atomically from ``worker_state`` (Worker.state_dict()) and ``state`` (JSON-able:
-    data position, metrics); update ``latest``; prune to ``keep_last``. Returns the folder.
+    """Write step-<step> atomically; update ``latest``; prune.
+
+    Args:
+        output_dir: the run folder.
+        step: completed optimizer steps.
+        worker_state: ``Worker.state_dict()``.
+        state: JSON-able (data position, metrics).
+        keep_last: prune to this many checkpoints.
+
+    Returns:
+        the folder.
 
     Raises ``CheckpointError`` (the cause chained) when the folder cannot be written; nothing of the earlier
-    checkpoints is touched then, and the tmp folder is removed."""
+    checkpoints is touched then, and the tmp folder is removed.
+    """
     root = ckpt_root(output_dir)
     name = f"step-{int(step)}"
     final = os.path.join(root, name)

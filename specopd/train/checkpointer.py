@@ -65,11 +65,20 @@ def _note(k: str, new: dict) -> str:
 
 
 def recipe_changes(old: dict, new: dict, old_fp: Optional[str] = None, new_fp: Optional[str] = None) -> tuple:
-    """(refused, same_run, from_here): "key a -> b" strings for keys that differ between a checkpoint's recipe
-    and this one, by each key's declared resume policy (``specopd.config.resume_policies``). refused: another
-    experiment (the resume is refused); same_run: bookkeeping that does not change the numbers; from_here: take
-    effect from the resumed step on (also keys no field declares). Keys unknown to the old recipe are skipped. A
-    moved target folder with the same config.json and weight sizes is not a change of target."""
+    """"key a -> b" strings for keys that differ between a checkpoint's recipe and this one, by each key's declared
+    resume policy (``specopd.config.resume_policies``). Keys unknown to the old recipe are skipped.
+
+    Args:
+        old: the checkpoint's recipe (a dict).
+        new: this run's recipe (a dict).
+        old_fp, new_fp: the target's fingerprints: a moved target folder with the same config.json and weight sizes
+            is not a change of target.
+
+    Returns:
+        (refused, same_run, from_here). refused: another experiment (the resume is refused); same_run: bookkeeping
+        that does not change the numbers; from_here: take effect from the resumed step on (also keys no field
+        declares).
+    """
     a, b = flat_recipe(old), flat_recipe(new)
     policies = resume_policies()
     refused, same, here = [], [], []

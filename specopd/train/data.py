@@ -29,7 +29,21 @@ def _key(cfg) -> str:
 @torch.no_grad()
 def sample_references(target, num_samples: int, prompt_len: int, seq_len: int, temperature: float, seed: int,
                       batch: int = 256, progress: bool = True) -> list:
-    """Random prompts (uniform ids) + responses sampled from ``target`` at ``temperature``."""
+    """Random prompts (uniform ids) + responses sampled from ``target`` at ``temperature``.
+
+    Args:
+        target: a ``TargetModel``.
+        num_samples: how many sequences.
+        prompt_len: prompt tokens per sequence.
+        seq_len: tokens per sequence, prompt included.
+        temperature: T of the sampling.
+        seed: the generator's seed.
+        batch: sequences per target pass.
+        progress: show a progress bar.
+
+    Returns:
+        list of {"input_ids": [seq_len], "prompt_len"}.
+    """
     g = torch.Generator().manual_seed(int(seed))
     v = target.vocab_size
     out = []
@@ -67,12 +81,22 @@ def _bad_token(ids, vocab_size: Optional[int]) -> Optional[str]:
 
 def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, context: Optional[int] = None,
                   stats: Optional[dict] = None) -> list:
-    """Records of a prepared .jsonl, cut to ``min(seq_len, context)`` tokens (``context``: the target's
-    max_position_embeddings). Dropped, and counted in ``stats`` (when given): records whose prompt does not
-    fit the target's context (``prompt_too_long``) and records with no response token left after the cut
-    (``no_response``); ``cut_to_context`` counts records shortened to the context. Every record is validated as it
-    is read: input_ids are integers (no 3.7, no "3", no booleans) in [0, vocab_size), prompt_len an integer; a bad
-    one, or a line that is not UTF-8 JSON, is a ``BadInputError`` naming file:line."""
+    """Records of a prepared .jsonl, cut to ``min(seq_len, context)`` tokens. Every record is validated as it is
+    read: input_ids are integers (no 3.7, no "3", no booleans) in [0, vocab_size), prompt_len an integer; a bad one,
+    or a line that is not UTF-8 JSON, is a ``BadInputError`` naming file:line.
+
+    Args:
+        path: the .jsonl.
+        seq_len: cut to this many tokens.
+        vocab_size: the target's vocabulary size (None: not checked).
+        context: the target's max_position_embeddings (None: no limit).
+        stats: when given, counts records dropped because their prompt does not fit the context
+            (``prompt_too_long``), with no response token left after the cut (``no_response``), and shortened to the
+            context (``cut_to_context``).
+
+    Returns:
+        list of records.
+    """
     fp = os.path.join(path, "data.jsonl") if os.path.isdir(path) else path
     if os.path.isdir(fp):
         raise BadInputError(f"data.path={path!r}: {fp} is a folder; give a .jsonl file or a folder holding data.jsonl")
@@ -174,8 +198,17 @@ def warm_conversation_cache(cfg) -> Optional[dict]:
 
 
 def load_dataset(cfg, target, progress: bool = True, stats: Optional[dict] = None) -> list:
-    """The run's samples (list indexed by sample id), built once and cached for synthetic data. ``stats``:
-    filled with what was read, dropped, cut or skipped (prepared and conversations data)."""
+    """The run's samples, built once and cached for synthetic data.
+
+    Args:
+        cfg: the recipe.
+        target: the ``TargetModel``.
+        progress: show progress bars.
+        stats: filled with what was read, dropped, cut or skipped (prepared and conversations data).
+
+    Returns:
+        list indexed by sample id.
+    """
     ctx = target_context(target)
     st: dict = stats if stats is not None else {}
     if cfg.data.source == "conversations":
@@ -279,7 +312,17 @@ def valid_anchors(sample: dict, draft_len: int) -> torch.Tensor:
 
 
 def num_branches(length: int, prompt_len: int, draft_len: int, anchors_per_seq: int) -> int:
-    """Branches of one sample per step: min(B, number of valid anchors) (see ``anchor_range``)."""
+    """Branches of one sample per step: min(B, number of valid anchors) (see ``anchor_range``).
+
+    Args:
+        length: the sample's tokens.
+        prompt_len: its prompt tokens.
+        draft_len: W.
+        anchors_per_seq: B.
+
+    Returns:
+        int.
+    """
     lo, hi = anchor_range(length, prompt_len, draft_len)
     return max(0, min(anchors_per_seq, hi - lo + 1))
 

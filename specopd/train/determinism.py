@@ -35,8 +35,17 @@ def all_blocks(bounds: list, n: int) -> list:
 
 
 def block_sum(start: int, size: int, leaf: Callable[[int], torch.Tensor], n: int) -> Optional[torch.Tensor]:
-    """S(start, size), calling ``leaf(i)`` (the gradient of sample i, [P]) for each i in the block in
-    increasing order; None for a block of padding leaves only."""
+    """S(start, size) of the fixed summation tree, calling ``leaf(i)`` for each i in the block in increasing order.
+
+    Args:
+        start: the block's first sample.
+        size: the block's size (an aligned block of ``blocks``).
+        leaf: ``leaf(i)`` -> [P] the gradient of sample i.
+        n: the global batch size (leaves from n on are padding).
+
+    Returns:
+        [P], or None for a block of padding leaves only.
+    """
     if start >= n:
         return None
     if size == 1:

@@ -62,8 +62,18 @@ def reduce_metrics(results: list, wall_s: float) -> dict:
 
 
 def train_step(group, info: dict, cfg: RecipeConfig, ids: list, step: int) -> dict:
-    """Step ``step`` + 1 of the run on the global batch ``ids``; returns its reduced metrics (``step_s``: the
-    workers' wall time). ``info``: the workers' ``data_info`` (draft length, lengths, anchor counts)."""
+    """Step ``step`` + 1 of the run on the global batch.
+
+    Args:
+        group: the ``WorkerGroup``.
+        info: the workers' ``data_info`` (draft length, lengths, anchor counts).
+        cfg: the recipe.
+        ids: the global batch's sample ids.
+        step: completed steps so far.
+
+    Returns:
+        its reduced metrics (``step_s``: the workers' wall time).
+    """
     t, n = cfg.trainer, group.num_workers
     W, B = info["draft_len"], t.anchors_per_seq
     parts = shard(ids, n)
@@ -99,8 +109,17 @@ class NonFiniteGuard:
         return bool(self.bad) and self.bad >= self.limit
 
     def error(self, step: int, written: str, before, keep_last: int) -> NonFiniteError:
-        """The stop at ``step``: ``written`` the checkpoint saved now, ``before`` the newest one kept from before
-        the skipped steps (None: pruned by ``trainer.keep_last``)."""
+        """The stop at ``step``.
+
+        Args:
+            step: the step the run stops at.
+            written: the checkpoint saved now.
+            before: the newest checkpoint kept from before the skipped steps (None: pruned by ``trainer.keep_last``).
+            keep_last: ``trainer.keep_last``.
+
+        Returns:
+            the ``NonFiniteError`` to raise.
+        """
         bad = self.bad
         return NonFiniteError(
             f"stopped at step {step}: the loss or gradient was NaN/inf in {bad} steps in a row "

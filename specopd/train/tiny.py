@@ -95,10 +95,19 @@ def _param_init(name: str, shape, seed: int, hidden: int, init: dict) -> torch.T
 
 
 def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: dict | None = None) -> str:
-    """Write (or reuse) a tiny random checkpoint folder at ``out_dir``; returns ``out_dir``.
+    """Write (or reuse) a tiny random checkpoint folder at ``out_dir``.
 
     Reused when ``out_dir/tiny.json`` records the same (model_type, seed, overrides); otherwise rebuilt.
     Written to ``out_dir.tmp`` and renamed, so a crash never leaves a half-written target behind.
+
+    Args:
+        model_type: a model type with a tiny config (``tiny_config``).
+        out_dir: the folder.
+        seed: fills every parameter.
+        overrides: config entries that replace the tiny defaults.
+
+    Returns:
+        ``out_dir``.
     """
     spec = {"model_type": model_type, "seed": int(seed), "overrides": dict(overrides or {}), "version": TINY_VERSION,
             "init": tiny_config(model_type, dict(overrides or {}))[1]}

@@ -194,8 +194,20 @@ class Worker:
                 reference: bool = False) -> Proposals:
         """Anchors + ONE drafter forward ``hidden`` [N, W, D] (carrying the gradient when grad is enabled: the
         loss reuses it) + branch tokens [N, W] sampled from it detached, in row chunks (or, with ``reference``,
-        the reference tokens after each anchor). ``caches``: per sample, anything with ``token_ids`` [T] and
-        ``features`` [T, F] (a TargetCache, or a Trunk from the target worker)."""
+        the reference tokens after each anchor).
+
+        Args:
+            caches: per sample, anything with ``token_ids`` [T] and ``features`` [T, F] (a TargetCache, or a Trunk
+                from the target worker).
+            sample_ids: the samples' ids (they seed the anchors and tokens).
+            step: the step index (it seeds them too).
+            anchors_per_seq: B; None: ``trainer.anchors_per_seq``.
+            temperature: None: ``trainer.temperature``.
+            reference: take the reference tokens after each anchor (off-policy) instead of sampling.
+
+        Returns:
+            ``Proposals``.
+        """
         b = anchors_per_seq or self.cfg.trainer.anchors_per_seq
         temp = self.cfg.trainer.temperature if temperature is None else temperature
         with self.span("propose"):
@@ -504,11 +516,19 @@ class Worker:
     # ------------------------------------------------------------------ batch-invariant step
     def train_step_invariant(self, sample_ids, step, denom, bounds, total) -> dict:
         """``trainer.batch_invariant``: ``train_step`` with each sample run alone (stage + loss_backward)
-        and this shard's gradient kept as blocks of the fixed summation tree of
-        ``specopd.train.determinism``; ``optimizer_step`` exchanges and combines them, so the update is
-        bitwise the same for any number of workers. ``bounds``: every worker's (lo, hi) in the global
-        batch (this worker's is ``bounds[rank]``), ``total``: the global batch size. Metrics carry
-        ``parts`` (one dict per sample) for the controller to add up in a fixed order."""
+        and this shard's gradient kept as blocks of the fixed summation tree of ``specopd.train.determinism``;
+        ``optimizer_step`` exchanges and combines them, so the update is bitwise the same for any number of workers.
+
+        Args:
+            sample_ids: this worker's samples.
+            step: the step index.
+            denom: the global branch count.
+            bounds: every worker's (lo, hi) in the global batch (this worker's is ``bounds[rank]``).
+            total: the global batch size.
+
+        Returns:
+            metrics; they carry ``parts`` (one dict per sample) for the controller to add up in a fixed order.
+        """
         lo, hi = bounds[self.rank]
         if hi - lo != len(sample_ids):
             raise ValueError(f"train_step_invariant: rank {self.rank} got {len(sample_ids)} samples for shard "
