@@ -50,14 +50,27 @@ def _record(options, mixer, sel):
 
 
 def attend_selected(mixer, q, k_all, v_all, sel, pos, rows, options=None, triton=False) -> torch.Tensor:
-    """Attention of queries q [Q, H, hd] at positions pos [Q] over their own key lists: the selected groups'
-    tokens sel [Q, topk] (ascending, -1 padded), then the tail r*n .. pos, in that order, padded to S = topk * r +
-    r - 1 keys. ``rows(positions [n, S], queries [n])`` maps visible-list positions to rows of k_all / v_all [N, Hkv,
-    hd]. Queries go in chunks of <= ``options.qsa_score_bytes`` of key-stage tensors. -> o [Q, H, hd].
+    """Attention of queries over their own key lists: the selected groups' tokens, then the tail r*n .. pos, in
+    that order, padded to S = topk * r + r - 1 keys. Queries go in chunks of <= ``options.qsa_score_bytes`` of
+    key-stage tensors.
 
     A query's result depends only on its own row and key list, not on which other queries share the call (torch:
     one [1, S] attention per query; triton: one program per query), so prefill (low precision) and score give it
-    bitwise equal outputs (its attention output feeds the next layers' QSA selections and MoE routing)."""
+    bitwise equal outputs (its attention output feeds the next layers' QSA selections and MoE routing).
+
+    Args:
+        mixer: the ``QSAttention`` (its ratio r, topk and scaling).
+        q: [Q, H, hd] queries.
+        k_all, v_all: [N, Hkv, hd] the rows keys and values are gathered from.
+        sel: [Q, topk] selected groups (ascending, -1 padded).
+        pos: [Q] the queries' positions.
+        rows: ``rows(positions [n, S], queries [n])`` maps visible-list positions to rows of k_all / v_all.
+        options: ``ExecOptions`` (``qsa_score_bytes``).
+        triton: use ``kernels.qsa.sparse_attention``.
+
+    Returns:
+        o [Q, H, hd].
+    """
     dev, r, m = q.device, mixer.ratio, q.shape[0]
     n = (pos + 1) // r  # complete groups on each query's visible list
     s_len = sel.shape[1] * r + r - 1

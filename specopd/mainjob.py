@@ -149,10 +149,20 @@ def prepare(cfg, progress: bool = True) -> dict:
 
 
 def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
-    """Speculative decoding of the held-out chat prompts with each (label, checkpoint or None) of ``rows`` at every
+    """Speculative decoding of the held-out chat prompts with each drafter of ``rows`` at every
     ``pipeline.eval_temperatures``: T > 0 decoded for real; T = 0 replayed exactly on the target's greedy
     continuations (``specopd.eval.replay``: the same rounds and counts as real greedy decoding, at a fraction of
-    the cost). -> [{drafter, checkpoint, by_temperature: {T: numbers}}]."""
+    the cost).
+
+    Args:
+        cfg: the main job's recipe.
+        target_dir: the target's Hugging Face folder.
+        rows: (label, checkpoint or None) pairs.
+        progress: show progress bars.
+
+    Returns:
+        [{drafter, checkpoint, by_temperature: {T: numbers}}].
+    """
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device="cpu", kernels=cfg.model.kernels)
     prompts = heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)
@@ -181,7 +191,17 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
 
 
 def format_al_table(results: list, temps, w: int, title: str) -> str:
-    """Before / after AL at each temperature, then acceptance per draft position with its counts."""
+    """Before / after AL at each temperature, then acceptance per draft position with its counts.
+
+    Args:
+        results: what ``evaluate_rows`` returns.
+        temps: the temperatures (columns).
+        w: drafted tokens per block W.
+        title: the table's first line.
+
+    Returns:
+        the table as text.
+    """
     keys = [f"{float(t):g}" for t in temps]
     lines = [title, f"{'drafter':<54}" + "".join(f"{'AL T=' + k:>10}" for k in keys)]
     for r in results:

@@ -251,7 +251,18 @@ def append_spans(run_dir, spans: Iterable, gpu_samples: Iterable = ()) -> None:
 
 def write_profile(run_dir, spans: Iterable = (), gpu_samples: Iterable = (), gpu_note: Optional[str] = None,
                   plot: bool = True) -> dict:
-    """Append the given spans/samples, record the GPU note, then render everything. Returns the summary."""
+    """Append the given spans/samples, record the GPU note, then render everything.
+
+    Args:
+        run_dir: the run folder (writes ``<run_dir>/profile/``).
+        spans: span dicts (worker, name, start, end).
+        gpu_samples: NVML or CPU samples.
+        gpu_note: why there are no GPU samples (None: there are).
+        plot: draw the figures too.
+
+    Returns:
+        the summary (``summary.json``).
+    """
     append_spans(run_dir, spans, gpu_samples)
     d = _profile_dir(run_dir)
     meta_path = d / "meta.json"
@@ -552,7 +563,15 @@ def _plot_use(ax, samples: list, cpu: list, summary: dict, t0: float, table: lis
 
 def plot_timeline(spans: list, samples: list, summary: dict, path: Path, cpu: list = ()) -> None:
     """timeline.png: time per step by phase (or per-worker lanes without step spans), the share of wall
-    time per phase per worker, and GPU activity or CPU use over time."""
+    time per phase per worker, and GPU activity or CPU use over time.
+
+    Args:
+        spans: span dicts (worker, name, start, end).
+        samples: GPU samples.
+        summary: the profile summary (shares per phase per worker).
+        path: the .png to write.
+        cpu: CPU samples (psutil), drawn when there are no GPU samples.
+    """
     import matplotlib  # matplotlib: slow to import, only when drawing
 
     matplotlib.use("Agg")
