@@ -162,3 +162,20 @@ def test_bf16_loss_within_noise_of_fp32_on_the_same_weights(tmp_path):
         losses.append(w.loss_backward(w.staged.proposals, w.staged.hp, n)["loss"])
     # features (fc input) differ by bf16 rounding only: the CE moves by a small fraction of itself
     assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[1]), losses
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@torch.no_grad()
+def test_packed_prefill_within_bf16_noise(targets, seed):
+    """bf16 on the CPU packs the step's trunks into one pass ("auto"): its logits stay within bf16 noise, and the
+    packed caches score within noise too."""
+    t16, t32 = targets
+    trunks = [_ids(n, seed * 10 + i) for i, n in enumerate((23, 1, 40, 16))]
+    packed = t16.prefill_batch(trunks)  # "auto": packed for a bf16 target
+    assert t16.packed_ok
+    for ids, c in zip(trunks, packed):
+        _within_noise(c.logits, t16, t32, [ids[: t + 1] for t in range(ids.numel())], "packed prefill")
+    anchors, toks = torch.tensor([3, 30]), _ids(8, seed + 200).view(2, 4)
+    p = t16.score(ProposalTree.from_branches(anchors, toks), packed[2])
+    seqs = [torch.cat([trunks[2][: int(a) + 1], toks[b, : j + 1]]) for b, a in enumerate(anchors) for j in range(4)]
+    _within_noise(p.reshape(-1, V), t16, t32, seqs, "score on a packed cache")

@@ -1,6 +1,6 @@
 """Packed trunk prefill (``target.prefill_batch``): one varlen pass over several trunks equals one prefill per
 trunk (token ids, logits, features, every layer's cache) in fp32, for GQA and GDN hybrids; models with layers
-that cannot run packed (qwen4_exp: QSA, PLE) fall back. On the CPU the varlen attention is the per-trunk loop
+that cannot run packed (qwen4_exp: QSA, PLE) fall back. "auto" packs on the CPU for bf16 / fp16 targets (fp32 stays per trunk). On the CPU the varlen attention is the per-trunk loop
 and GDN runs per trunk: the flash-attn / torch varlen / fla paths are CUDA-only (benchmarks/gpu_check.sh)."""
 import pytest
 import torch
@@ -56,12 +56,16 @@ def test_unpackable_model_falls_back(tmp_path):
     assert len(target.prefill_batch(trunks, packed=True)) == 2
 
 
-def test_packed_auto_is_per_trunk_on_cpu(tmp_path, monkeypatch):
-    target = load_target(make_tiny_checkpoint("llama", tmp_path))
-    calls = []
-    real = target.prefill
-    monkeypatch.setattr(target, "prefill", lambda t, **kw: calls.append(len(t)) or real(t, **kw))
-    target.prefill_batch([_ids(5, 0), _ids(6, 1)])
-    assert calls == [5, 6]
+def test_packed_auto_on_cpu_packs_bf16_only(tmp_path, monkeypatch):
+    """fp32 on the CPU stays per trunk (bitwise independent of batch-mates); bf16 packs (M = sum T_i matmuls)."""
+    for dtype, per_trunk in ((torch.float32, [5, 6]), (torch.bfloat16, [])):
+        target = load_target(make_tiny_checkpoint("llama", tmp_path), dtype=dtype)
+        calls = []
+        real = target.prefill
+        monkeypatch.setattr(target, "prefill", lambda t, real=real, calls=calls, **kw: calls.append(len(t)) or real(t, **kw))
+        target.prefill_batch([_ids(5, 0), _ids(6, 1)])
+        assert calls == per_trunk and target.packed_ok, dtype
+        target.prefill_batch([_ids(5, 0), _ids(6, 1)], packed=False)
+        assert calls == per_trunk + [5, 6], dtype
     with pytest.raises(ValueError, match="packed must be"):
         target.prefill_batch([_ids(5, 0), _ids(6, 1)], packed="yes")
