@@ -202,14 +202,51 @@ def resolve_chunk_rows(chunk_rows, vocab: int, device) -> int:
     return auto_chunk_rows(vocab, device) if chunk_rows == "auto" else int(chunk_rows)
 
 
-def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [R, V] = sum_k x_k[rows] @ w_k^T, each product in w_k's dtype (bf16 on CUDA: fp32
-    accumulation inside the matmul) and cast to fp32 before the sum and the softmax."""
+def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: torch.Tensor,
+                 bufs: Optional["ChunkBuffers"] = None) -> torch.Tensor:
+    """fp32 logits [R, V] = sum_k x_k[rows] @ w_k^T, each product in w_k's dtype (bf16: fp32 accumulation inside
+    the matmul) and cast to fp32 before the sum and the softmax. ``bufs``: write into reused buffers instead of
+    fresh [R, V] tensors (the same bits; on the CPU a fresh 50 MB tensor costs page faults on every chunk)."""
     z = None
     for x, w in zip(xs, ws):
-        t = (x[rows].to(w.dtype) @ w.t()).float()
-        z = t if z is None else z.add_(t)
+        a = x[rows].to(w.dtype)
+        if bufs is None:
+            t = (a @ w.t()).float()
+            z = t if z is None else z.add_(t)
+            continue
+        n = rows.numel()
+        if z is None and w.dtype == torch.float32:
+            z = torch.mm(a, w.t(), out=bufs.take(n))
+            continue
+        t = torch.mm(a, w.t(), out=bufs.scratch(w.dtype, n))
+        z = bufs.take(n).copy_(t) if z is None else z.add_(t)  # the fp32 cast of t is exact: same bits as .float()
     return z
+
+
+class ChunkBuffers:
+    """[rows, V] buffers that the chunks of one loss / sampling call reuse: ``take(n)`` hands out the next fp32
+    buffer of a fixed cycle (``count`` of them: the [R, V] tensors alive at once), ``scratch(dtype, n)`` the one
+    low-precision product buffer. Views [n, V] of [rows, V] storage, contiguous."""
+
+    def __init__(self, rows: int, vocab: int, device, count: int):
+        self.rows, self.vocab, self.device, self.count = int(rows), int(vocab), device, int(count)
+        self.fp32, self.low, self.next = [], {}, 0
+
+    def take(self, n: int) -> torch.Tensor:
+        if len(self.fp32) < self.count:
+            self.fp32.append(torch.empty(self.rows, self.vocab, dtype=torch.float32, device=self.device))
+        b = self.fp32[self.next % self.count]
+        self.next += 1
+        return b[:n]
+
+    def scratch(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        if dtype not in self.low:
+            self.low[dtype] = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
+        return self.low[dtype][:n]
+
+    def new_chunk(self) -> None:
+        """Start a chunk: its buffers are taken in the same order as the last chunk's."""
+        self.next = 0
 
 
 def softmax_(z: torch.Tensor) -> torch.Tensor:
@@ -243,9 +280,11 @@ class _ChunkedHead(torch.autograd.Function):
         dev = rows.device
         alpha = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if hp is not None else None
         nll = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if targets is not None else None
+        bufs = ChunkBuffers(min(chunk, rows.numel()), ws[0].shape[0], dev, count=2)  # zq, p
         for s in range(0, rows.numel(), chunk):
             r = rows[s: s + chunk]
-            zq = chunk_logits(xs, ws, r)  # [R, V] fp32
+            bufs.new_chunk()
+            zq = chunk_logits(xs, ws, r, bufs)  # [R, V] fp32
             if nll is not None:
                 t = targets[r].long()
                 zt = zq.gather(1, t[:, None]).squeeze(1)
@@ -257,7 +296,7 @@ class _ChunkedHead(torch.autograd.Function):
             if alpha is not None:
                 if nll is None or temperature != 1.0:
                     q, _ = softmax_(zq.div_(temperature))
-                p, _ = softmax_(chunk_logits((hp,), (wp,), r).div_(temperature))
+                p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs).div_(temperature))
                 alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
                 del p
             del zq
@@ -284,27 +323,30 @@ class _ChunkedHead(torch.autograd.Function):
         use_a = ctx.has_alpha and g_alpha is not None and bool(g_alpha.ne(0).any())
         use_n = ctx.has_nll and g_nll is not None and bool(g_nll.ne(0).any())
         if (use_a or use_n) and any(n for n in need):
+            bufs = ChunkBuffers(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device, count=3)  # z, g, p
             for s in range(0, rows.numel(), ctx.chunk):
                 r = rows[s: s + ctx.chunk]
-                z = chunk_logits(xs, ws, r)  # [R, V] fp32 raw logits
+                bufs.new_chunk()
+                z = chunk_logits(xs, ws, r, bufs)  # [R, V] fp32 raw logits
                 g = None
                 if use_n:  # (softmax(z) - onehot) * dL/dnll
-                    g = z.clone() if use_a else z
+                    g = bufs.take(r.numel()).copy_(z) if use_a else z
                     softmax_(g)
                     g[torch.arange(r.numel(), device=g.device), targets[r].long()] -= 1.0
                     g.mul_(g_nll[s: s + ctx.chunk, None])
                 if use_a:  # q (ind - <q, ind>) * dL/dalpha / T
                     q, _ = softmax_(z.div_(T))
-                    p, _ = softmax_(chunk_logits((hp,), (wp,), r).div_(T))
+                    p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs).div_(T))
                     # ind = 1[q < p] + 1/2 1[q == p] = (sign(p - q) + 1) / 2, in p's storage (p - q == 0 iff p == q)
                     ind = p.sub_(q).sign_().add_(1.0).mul_(0.5)  # [R, V]
-                    qi = torch.einsum("rv,rv->r", q, ind)
+                    qi = torch.mul(q, ind, out=bufs.scratch(torch.float32, r.numel())).sum(-1)  # <q, ind> [R]
                     ga = ind.sub_(qi[:, None]).mul_(q).mul_(g_alpha[s: s + ctx.chunk, None] / T)
                     g = ga if g is None else g.add_(ga)
                     del q, ind, p
                 for k, (x, w) in enumerate(zip(xs, ws)):
                     if dx[k] is not None:
-                        dx[k][r] = (g.to(w.dtype) @ w).to(x.dtype)
+                        gl = g if w.dtype == g.dtype else bufs.scratch(w.dtype, r.numel()).copy_(g)  # g.to(w.dtype)
+                        dx[k][r] = (gl @ w).to(x.dtype)
                     if dw[k] is not None:
                         dw[k].add_(g.t() @ x[r].float())  # fp32 accumulation over chunks
                 del g, z

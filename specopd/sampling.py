@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specopd.losses import chunk_logits, resolve_chunk_rows, softmax_
+from specopd.losses import ChunkBuffers, chunk_logits, resolve_chunk_rows, softmax_
 
 
 def _uniforms(n: int, per: int, rows, generators, device, draw: bool = True) -> tuple:
@@ -107,8 +107,13 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
             raise ValueError(f"markov e must be [{', '.join(map(str, lead))}, r]; got {tuple(e.shape)}")
         terms += [e.reshape(-1, e.shape[-1]), w2]
     xs, ws = terms[0::2], terms[1::2]
-    return _sample(lead, weight.shape[0], lambda r: chunk_logits(xs, ws, r), temperature, rows, generators,
-                   chunk_rows, h.device)
+    chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
+    bufs = ChunkBuffers(min(chunk, max(1, terms[0].shape[0])), weight.shape[0], h.device, count=1)
+
+    def logits_of(r):
+        bufs.new_chunk()
+        return chunk_logits(xs, ws, r, bufs)
+    return _sample(lead, weight.shape[0], logits_of, temperature, rows, generators, chunk, h.device)
 
 
 @torch.no_grad()
@@ -141,5 +146,5 @@ def _sample(lead, vocab: int, logits_of, temperature: float, rows, generators, c
     with torch.autocast(torch.device(device).type, enabled=False):  # precision is set here, not by autocast
         for s in range(0, todo.numel(), chunk):
             r = todo[s: s + chunk]
-            out[r] = draw_(logits_of(r), u[r], temperature)  # logits_of: a fresh fp32 [R, V] (overwritten)
+            out[r] = draw_(logits_of(r), u[r], temperature)  # logits_of: fp32 [R, V] that draw_ may overwrite
     return out.view(lead)

@@ -484,3 +484,25 @@ def test_fused_mixed_dtypes_and_autocast():
     ref = fused_e2e_tv(hq.detach().bfloat16().float().requires_grad_(True), weight.bfloat16().float(),
                        hp.bfloat16().float(), chunk_rows=5)
     assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < 1e-2
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16,), (torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_chunk_logits_into_reused_buffers_is_bitwise_the_same(dtypes):
+    """``ChunkBuffers`` only changes where the logits live: every chunk's values have the same bits as fresh
+    tensors, for one term and for two (DSpark's low-rank term), in fp32 and bf16, over chunks of several sizes."""
+    from specopd.losses import ChunkBuffers, chunk_logits
+
+    g = torch.Generator().manual_seed(0)
+    v, rows = 300, torch.randperm(23, generator=g)
+    xs = [torch.randn(23, k, generator=g).to(dt) for k, dt in zip((16, 5), dtypes)]
+    ws = [torch.randn(v, k, generator=g).to(dt) for k, dt in zip((16, 5), dtypes)]
+    bufs = ChunkBuffers(8, v, "cpu", count=2)
+    for s in range(0, 23, 8):
+        r = rows[s: s + 8]
+        bufs.new_chunk()
+        got = chunk_logits(xs, ws, r, bufs)
+        other = chunk_logits(xs[:1], ws[:1], r, bufs)  # a second buffer of the cycle: got is not overwritten
+        assert got.dtype == torch.float32 and got.shape == (r.numel(), v)
+        assert torch.equal(got, chunk_logits(xs, ws, r)) and torch.equal(other, chunk_logits(xs[:1], ws[:1], r))
+        assert got.data_ptr() != other.data_ptr()
