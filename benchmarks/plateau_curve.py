@@ -1,12 +1,14 @@
 """Held-out greedy AL over a run's checkpoints: where off-policy pretraining flattens.
 
     python benchmarks/plateau_curve.py [--run runs/smollm2-135m-dflash-pretrain] [--prompts 64]
-        [--max-new-tokens 64] [--out benchmarks/figures/pretrain_curve.png]
+        [--max-new-tokens 64] [--out benchmarks/figures/pretrain_curve.png] [--continues EARLIER_RUN]
 
 Every complete checkpoint of ``--run`` (and the untrained drafter of its recipe, step 0) is replayed exactly at
 T = 0 on ``--prompts`` held-out chat prompts (``specopd.eval.replay``, equal to real greedy speculative decoding),
 with the standard error over prompts; the run's own periodic held-out expected AL (``heldout_expected_al`` in
 metrics.jsonl) and its training loss are drawn beside it. Prints its command and a table; AL includes the bonus.
+``--continues``: ``--run`` started from the last checkpoint of that earlier run (``drafter.init_from``, a second
+stage): the earlier run's rows come first and ``--run``'s steps are counted on from its last step, one curve.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "figures", "pretrain_curve.png"))
+    ap.add_argument("--continues", default=None, help="an earlier stage's run folder (see the module doc)")
     args = ap.parse_args(argv)
     args.temperatures = []
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + list(argv or sys.argv[1:]))
@@ -38,15 +41,24 @@ def main(argv=None) -> int:
 
     cfg = load_recipe(os.path.join(args.run, "recipe.yaml"), [])
     ev = Evaluator(cfg.model.target, args, args.run)
-    metrics = _metrics(args.run)
-    loss_at = _loss_at(metrics)
-    expected = {int(m["step"]): m["heldout_expected_al"] for m in metrics if m.get("heldout_expected_al")}
-    rows = []
-    for step, folder in _checkpoints(args.run):
-        r = ev(folder, real=False)["replay_t0"]
-        rows.append({"step": step, "al": r["mean_al"], "se": r["se"], "loss": loss_at.get(step),
-                     "expected_al": expected.get(step), "accepted_at": r["accepted_at"],
-                     "reached_at": r["reached_at"], "checkpoint": folder})
+    rows, loss_at, offset, restarts = [], {}, 0, []
+    for run in ([args.continues] if args.continues else []) + [args.run]:
+        metrics = _metrics(run)
+        expected = {int(m["step"]): m["heldout_expected_al"] for m in metrics if m.get("heldout_expected_al")}
+        losses = _loss_at(metrics)
+        loss_at.update({offset + k: v for k, v in losses.items()})
+        last = offset
+        for step, folder in _checkpoints(run):
+            if rows and step == 0:
+                continue  # a later stage's step 0 is the earlier stage's last checkpoint
+            r = ev(folder, real=False)["replay_t0"]
+            rows.append({"step": offset + step, "al": r["mean_al"], "se": r["se"], "loss": losses.get(step),
+                         "expected_al": expected.get(step), "accepted_at": r["accepted_at"],
+                         "reached_at": r["reached_at"], "checkpoint": folder, "run": run})
+            last = offset + step
+        if run != args.run:
+            offset = last
+            restarts.append(offset)
     title = (f"{os.path.basename(os.path.normpath(args.run))}: held-out greedy AL (incl. bonus), {len(ev.prompts)} "
              f"prompts x {args.max_new_tokens} tokens, W={cfg.drafter.block_size - 1}")
     print(f"\n{title}\n{'step':>6}{'AL T=0':>9}{'+- se':>8}{'loss':>9}{'expected AL':>13}  acceptance 1..W")
@@ -71,6 +83,9 @@ def main(argv=None) -> int:
     ex = [(r["step"], r["expected_al"]) for r in rows if r["expected_al"]]
     if ex:
         a1.plot(*zip(*ex), "--s", ms=3, label="expected AL (T=1), held-out references")
+    for x in restarts:
+        a1.axvline(x, color="grey", lw=0.8, ls=":")
+        a1.text(x, a1.get_ylim()[0], " stage 2: new schedule", fontsize=7, color="grey", va="bottom")
     a1.set_xlabel("off-policy CE steps")
     a1.set_ylabel("AL (incl. bonus)")
     a1.grid(alpha=0.3)
