@@ -204,9 +204,19 @@ def resolve_chunk_rows(chunk_rows, vocab: int, device) -> int:
 
 def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: torch.Tensor,
                  bufs: Optional["ChunkBuffers"] = None) -> torch.Tensor:
-    """fp32 logits [R, V] = sum_k x_k[rows] @ w_k^T, each product in w_k's dtype (bf16: fp32 accumulation inside
-    the matmul) and cast to fp32 before the sum and the softmax. ``bufs``: write into reused buffers instead of
-    fresh [R, V] tensors (the same bits; on the CPU a fresh 50 MB tensor costs page faults on every chunk)."""
+    """fp32 logits of some rows: each product in w_k's dtype (bf16: fp32 accumulation inside the matmul), cast to
+    fp32 before the sum and the softmax.
+
+    Args:
+        xs: per term, [N, K_k] hidden rows (the drafter's hidden states; DSpark adds a low-rank term).
+        ws: per term, [V, K_k] weights (the lm_head).
+        rows: [R] indices into N.
+        bufs: write into these reused buffers instead of fresh [R, V] tensors (the same bits; on the CPU a fresh
+            50 MB tensor costs page faults on every chunk); None: fresh tensors.
+
+    Returns:
+        [R, V] fp32 logits = sum_k x_k[rows] @ w_k^T.
+    """
     z = None
     for x, w in zip(xs, ws):
         a = x[rows].to(w.dtype)
