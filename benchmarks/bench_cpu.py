@@ -257,10 +257,10 @@ def bench_decode(target_dir: str, dtypes: list, n_prompts: int, n_new: int, batc
     return rows
 
 
-def decode_table(rows: list, n_prompts: int, n_new: int) -> str:
+def decode_table(rows: list, n_prompts: int, n_new: int, drafter_dir: str = DRAFTER) -> str:
     key = {(r["dtype"], r["batch"], r["mode"], r["engine"]): r for r in rows}
     lines = [f"held-out chat prompts x {n_new} new tokens, greedy, no stop tokens, prefill included; batch 1: "
-             f"{n_prompts} prompts one after another; drafter {os.path.relpath(DRAFTER, ROOT)} (W = 4)",
+             f"{n_prompts} prompts one after another; drafter {os.path.relpath(drafter_dir, ROOT)} (W = 4)",
              "| target | batch | decoding | ours tokens/s | ours AL | vLLM tokens/s | vLLM AL | ours / vLLM | "
              "ours spec / ours AR |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -464,7 +464,7 @@ def main(argv=None) -> int:
                if args.decode else None)
         if dec:
             print()
-            print(decode_table(dec, args.decode_prompts, args.decode_new), flush=True)
+            print(decode_table(dec, args.decode_prompts, args.decode_new, args.drafter), flush=True)
         if args.profile:
             print()
             print(profile_all(args.target, args.profile_dtype, tmp, rates), flush=True)
