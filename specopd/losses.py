@@ -203,7 +203,7 @@ def resolve_chunk_rows(chunk_rows, vocab: int, device) -> int:
 
 
 def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: torch.Tensor,
-                 bufs: Optional["ChunkBuffers"] = None) -> torch.Tensor:
+                 bufs: Optional["ChunkBuffers"] = None, slot: int = 0) -> torch.Tensor:
     """fp32 logits of some rows: each product in w_k's dtype (bf16: fp32 accumulation inside the matmul), cast to
     fp32 before the sum and the softmax.
 
@@ -213,6 +213,7 @@ def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: t
         rows: [R] indices into N.
         bufs: write into these reused buffers instead of fresh [R, V] tensors (the same bits; on the CPU a fresh
             50 MB tensor costs page faults on every chunk); None: fresh tensors.
+        slot: which of ``bufs``' fp32 buffers holds the result (the caller's other live [R, V] tensors use others).
 
     Returns:
         [R, V] fp32 logits = sum_k x_k[rows] @ w_k^T.
@@ -226,37 +227,31 @@ def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: t
             continue
         n = rows.numel()
         if z is None and w.dtype == torch.float32:
-            z = torch.mm(a, w.t(), out=bufs.take(n))
+            z = torch.mm(a, w.t(), out=bufs.fp32(slot, n))
             continue
         t = torch.mm(a, w.t(), out=bufs.scratch(w.dtype, n))
-        z = bufs.take(n).copy_(t) if z is None else z.add_(t)  # the fp32 cast of t is exact: same bits as .float()
+        z = bufs.fp32(slot, n).copy_(t) if z is None else z.add_(t)  # the fp32 cast of t is exact: same bits
     return z
 
 
 class ChunkBuffers:
-    """[rows, V] buffers that the chunks of one loss / sampling call reuse: ``take(n)`` hands out the next fp32
-    buffer of a fixed cycle (``count`` of them: the [R, V] tensors alive at once), ``scratch(dtype, n)`` the one
-    low-precision product buffer. Views [n, V] of [rows, V] storage, contiguous."""
+    """[rows, V] buffers that the chunks of one loss / sampling call reuse: ``fp32(slot, n)`` one per live fp32
+    tensor of a chunk, ``scratch(dtype, n)`` one per dtype for products and casts consumed at once. Each is made on
+    first use; views [n, V] of [rows, V] storage, contiguous."""
 
-    def __init__(self, rows: int, vocab: int, device, count: int):
-        self.rows, self.vocab, self.device, self.count = int(rows), int(vocab), device, int(count)
-        self.fp32, self.low, self.next = [], {}, 0
+    def __init__(self, rows: int, vocab: int, device):
+        self.rows, self.vocab, self.device = int(rows), int(vocab), device
+        self.slots, self.low = {}, {}
 
-    def take(self, n: int) -> torch.Tensor:
-        if len(self.fp32) < self.count:
-            self.fp32.append(torch.empty(self.rows, self.vocab, dtype=torch.float32, device=self.device))
-        b = self.fp32[self.next % self.count]
-        self.next += 1
-        return b[:n]
+    def fp32(self, slot: int, n: int) -> torch.Tensor:
+        if slot not in self.slots:
+            self.slots[slot] = torch.empty(self.rows, self.vocab, dtype=torch.float32, device=self.device)
+        return self.slots[slot][:n]
 
     def scratch(self, dtype: torch.dtype, n: int) -> torch.Tensor:
         if dtype not in self.low:
             self.low[dtype] = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
         return self.low[dtype][:n]
-
-    def new_chunk(self) -> None:
-        """Start a chunk: its buffers are taken in the same order as the last chunk's."""
-        self.next = 0
 
 
 def softmax_(z: torch.Tensor) -> torch.Tensor:
@@ -290,11 +285,10 @@ class _ChunkedHead(torch.autograd.Function):
         dev = rows.device
         alpha = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if hp is not None else None
         nll = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if targets is not None else None
-        bufs = ChunkBuffers(min(chunk, rows.numel()), ws[0].shape[0], dev, count=2)  # zq, p
+        bufs = ChunkBuffers(min(chunk, rows.numel()), ws[0].shape[0], dev)  # slots: 0 zq, 1 p
         for s in range(0, rows.numel(), chunk):
             r = rows[s: s + chunk]
-            bufs.new_chunk()
-            zq = chunk_logits(xs, ws, r, bufs)  # [R, V] fp32
+            zq = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V] fp32
             if nll is not None:
                 t = targets[r].long()
                 zt = zq.gather(1, t[:, None]).squeeze(1)
@@ -306,7 +300,7 @@ class _ChunkedHead(torch.autograd.Function):
             if alpha is not None:
                 if nll is None or temperature != 1.0:
                     q, _ = softmax_(zq.div_(temperature))
-                p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs).div_(temperature))
+                p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=1).div_(temperature))
                 alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
                 del p
             del zq
@@ -333,20 +327,19 @@ class _ChunkedHead(torch.autograd.Function):
         use_a = ctx.has_alpha and g_alpha is not None and bool(g_alpha.ne(0).any())
         use_n = ctx.has_nll and g_nll is not None and bool(g_nll.ne(0).any())
         if (use_a or use_n) and any(n for n in need):
-            bufs = ChunkBuffers(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device, count=3)  # z, g, p
+            bufs = ChunkBuffers(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device)  # slots: 0 z, 1 g, 2 p
             for s in range(0, rows.numel(), ctx.chunk):
                 r = rows[s: s + ctx.chunk]
-                bufs.new_chunk()
-                z = chunk_logits(xs, ws, r, bufs)  # [R, V] fp32 raw logits
+                z = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V] fp32 raw logits
                 g = None
                 if use_n:  # (softmax(z) - onehot) * dL/dnll
-                    g = bufs.take(r.numel()).copy_(z) if use_a else z
+                    g = bufs.fp32(1, r.numel()).copy_(z) if use_a else z
                     softmax_(g)
                     g[torch.arange(r.numel(), device=g.device), targets[r].long()] -= 1.0
                     g.mul_(g_nll[s: s + ctx.chunk, None])
                 if use_a:  # q (ind - <q, ind>) * dL/dalpha / T
                     q, _ = softmax_(z.div_(T))
-                    p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs).div_(T))
+                    p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=2).div_(T))
                     # ind = 1[q < p] + 1/2 1[q == p] = (sign(p - q) + 1) / 2, in p's storage (p - q == 0 iff p == q)
                     ind = p.sub_(q).sign_().add_(1.0).mul_(0.5)  # [R, V]
                     qi = torch.mul(q, ind, out=bufs.scratch(torch.float32, r.numel())).sum(-1)  # <q, ind> [R]

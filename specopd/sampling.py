@@ -108,12 +108,9 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
         terms += [e.reshape(-1, e.shape[-1]), w2]
     xs, ws = terms[0::2], terms[1::2]
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
-    bufs = ChunkBuffers(min(chunk, max(1, terms[0].shape[0])), weight.shape[0], h.device, count=1)
-
-    def logits_of(r):
-        bufs.new_chunk()
-        return chunk_logits(xs, ws, r, bufs)
-    return _sample(lead, weight.shape[0], logits_of, temperature, rows, generators, chunk, h.device)
+    bufs = ChunkBuffers(min(chunk, max(1, terms[0].shape[0])), weight.shape[0], h.device)
+    return _sample(lead, weight.shape[0], lambda r: chunk_logits(xs, ws, r, bufs), temperature, rows, generators,
+                   chunk, h.device)
 
 
 @torch.no_grad()

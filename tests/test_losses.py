@@ -497,12 +497,11 @@ def test_chunk_logits_into_reused_buffers_is_bitwise_the_same(dtypes):
     v, rows = 300, torch.randperm(23, generator=g)
     xs = [torch.randn(23, k, generator=g).to(dt) for k, dt in zip((16, 5), dtypes)]
     ws = [torch.randn(v, k, generator=g).to(dt) for k, dt in zip((16, 5), dtypes)]
-    bufs = ChunkBuffers(8, v, "cpu", count=2)
+    bufs = ChunkBuffers(8, v, "cpu")
     for s in range(0, 23, 8):
         r = rows[s: s + 8]
-        bufs.new_chunk()
         got = chunk_logits(xs, ws, r, bufs)
-        other = chunk_logits(xs[:1], ws[:1], r, bufs)  # a second buffer of the cycle: got is not overwritten
+        other = chunk_logits(xs[:1], ws[:1], r, bufs, slot=1)  # another slot: got is not overwritten
         assert got.dtype == torch.float32 and got.shape == (r.numel(), v)
         assert torch.equal(got, chunk_logits(xs, ws, r)) and torch.equal(other, chunk_logits(xs[:1], ws[:1], r))
         assert got.data_ptr() != other.data_ptr()
