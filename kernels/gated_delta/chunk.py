@@ -151,19 +151,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                            chunk_size: Optional[int] = None):
     """The chunked Triton forward with the same contract as ``naive.recurrent_gated_delta_rule``.
 
-    Args:
-        q, k: [B, T, HQ, K] prepared (l2-normed, q scaled: ``naive.prepare_qk``).
-        v: [B, T, H, V], H a multiple of HQ (head h reads q/k head h // (H / HQ)).
-        g: [B, T, H] log decay.
-        beta: [B, T, H] write strength.
-        initial_state: [B, H, K, V] or None (zeros).
-        checkpoint_every: C; keep the states before every token whose absolute position ``start + t`` is a multiple
-            of C.
-        start: the absolute position of token 0 (an extension of a trunk).
+    Args / Returns: as ``kernels.gated_delta.naive.recurrent_gated_delta_rule``, except:
+        q, k: [B, T, HQ, K] with v's H a multiple of HQ (head h reads q/k head h // (H / HQ)).
         chunk_size: BT (default: ``chunk_size_for(C)``, the largest of 64, 32, 16 that divides C).
-
-    Returns:
-        (o [B, T, H, V] fp32, final_state [B, H, K, V] fp32, checkpoints [B, n, H, K, V] fp32 or None without C).
     """
     b, t, hq, kd = k.shape
     h, vd = v.shape[2], v.shape[3]

@@ -68,22 +68,11 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                checkpoint_every: Optional[int] = None, start: int = 0, cu_seqlens=None):
     """The contract of ``kernels.gated_delta.chunk.chunk_gated_delta_rule``, computed by fla on CUDA.
 
-    Args:
-        q, k: [B, T, HQ, K] prepared (l2-normed, q scaled: ``naive.prepare_qk``).
-        v: [B, T, H, V], H a multiple of HQ (head h reads q/k head h // (H / HQ)).
-        g: [B, T, H] log decay.
-        beta: [B, T, H] write strength.
-        initial_state: [B, H, K, V] or None (zeros).
-        checkpoint_every: C, a multiple of 64 (fla's chunk); keep the states before every token whose absolute
-            position ``start + t`` is a multiple of C.
-        start: the absolute position of token 0 (an extension of a trunk).
+    Args / Returns: as ``kernels.gated_delta.chunk.chunk_gated_delta_rule``, except:
+        checkpoint_every: C must be a multiple of 64 (fla's chunk).
         cu_seqlens: [n + 1] long on the device: B = 1 holds n fresh sequences packed one after another (fla's varlen
-            mode; ``start`` must be 0).
-
-    Returns:
-        (o [B, T, H, V] fp32, final_state [B, H, K, V] fp32, checkpoints [B, n, H, K, V] fp32 or None without C). With
-        ``cu_seqlens``: (o [1, N, H, V], final [n, H, K, V], a list of n checkpoint tensors
-        [n_i, H, K, V] or None): fla's chunks restart at every sequence.
+            mode; ``start`` must be 0). Then it returns (o [1, N, H, V], final [n, H, K, V], a list of n checkpoint
+            tensors [n_i, H, K, V] or None): fla's chunks restart at every sequence.
     """
     fla_available()
     try:

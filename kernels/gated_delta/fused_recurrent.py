@@ -54,19 +54,8 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      checkpoint_every: Optional[int] = None, start: int = 0, block_v: int = 32):
     """The recurrence token by token in one Triton launch, exactly as ``naive.recurrent_gated_delta_rule``.
 
-    Args:
-        q, k: [B, T, H, K] prepared (l2-normed, q scaled: ``naive.prepare_qk``).
-        v: [B, T, H, V].
-        g: [B, T, H] log decay.
-        beta: [B, T, H] write strength.
-        initial_state: [B, H, K, V] or None (zeros).
-        checkpoint_every: C; keep the states before every token whose absolute position ``start + t`` is a multiple
-            of C.
-        start: the absolute position of token 0 (an extension of a trunk).
-        block_v: value columns per program.
-
-    Returns:
-        (o [B, T, H, V] fp32, final_state [B, H, K, V] fp32, checkpoints [B, n, H, K, V] fp32 or None without C).
+    Args / Returns: as ``kernels.gated_delta.naive.recurrent_gated_delta_rule``; ``block_v``: value columns per
+    program.
     """
     b, t, h, kd = k.shape
     vd = v.shape[-1]

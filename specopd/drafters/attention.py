@@ -159,16 +159,8 @@ def chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout
                              chunk_elems: int = CHUNK_ELEMS) -> torch.Tensor:
     """The exact chunked path (any device): forward and backward in fp32, probabilities recomputed chunk by chunk.
 
-    Args:
-        q: [N, S, H, hd] block queries (S = block_size).
-        k_blk, v_blk: [N, S, Hkv, hd] the blocks' own keys / values.
-        k_ctx, v_ctx: [C, Hkv, hd] the packed context of every trunk (trunk 0's rows, then trunk 1's, ...).
-        layout: BranchLayout (branches grouped by trunk, sorted by anchor; block b sees its trunk's rows < a_b).
-        scale: softmax scale.
-        chunk_elems: bound on one chunk's score tensor [n, H, S, a_max].
-
-    Returns:
-        o [N, S, H, hd] in q's dtype.
+    Args / Returns: as ``specopd.drafters.attention.branch_attention`` (o in q's dtype); ``chunk_elems``: bound on
+    one chunk's score tensor [n, H, S, a_max].
     """
     _check(q, k_blk, v_blk, k_ctx, v_ctx, layout)
     return _ChunkedBranchAttention.apply(q, k_blk, v_blk, k_ctx, v_ctx, layout, float(scale), int(chunk_elems))
@@ -281,18 +273,10 @@ def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, s
     On CUDA a failed compile warns once (naming ``SPECOPD_DRAFTER_ATTENTION=chunked``), falls back to the exact
     chunked path for this call and, through ``resolve_backend``, for every later "auto" call of the process.
 
-    Args:
-        q: [N, S, H, hd] block queries (S = block_size).
-        k_blk, v_blk: [N, S, Hkv, hd] the blocks' own keys / values.
-        k_ctx, v_ctx: [C, Hkv, hd] the packed context of every trunk (trunk 0's rows, then trunk 1's, ...).
-        layout: BranchLayout (branches grouped by trunk, sorted by anchor; block b sees its trunk's rows < a_b).
-        scale: softmax scale.
+    Args / Returns: as ``specopd.drafters.attention.branch_attention``, and:
         compiled: compile the BlockMask and the forward with ``torch.compile`` (default: on CUDA); else eager
             (unfused, forward only).
         dynamic: ``torch.compile(dynamic=)``.
-
-    Returns:
-        o [N, S, H, hd].
     """
     _check(q, k_blk, v_blk, k_ctx, v_ctx, layout)
     if compiled is None:

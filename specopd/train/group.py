@@ -111,18 +111,7 @@ class WorkerCalls:
 
     def train_step_invariant(self, shards: Sequence[list], step: int, denom, bounds: list, total: int
                              ) -> List[dict]:
-        """``Worker.train_step_invariant`` on every worker (``trainer.batch_invariant``).
-
-        Args:
-            shards: one list of sample ids per worker.
-            step: the step index.
-            denom: the global branch count.
-            bounds: every worker's (lo, hi) in the global batch.
-            total: the global batch size.
-
-        Returns:
-            one metrics dict per worker, in rank order.
-        """
+        """Args / Returns: as ``specopd.train.group.WorkerGroup.train_step_invariant``."""
         return self.call("train_step_invariant", [(p, step, denom, bounds, total) for p in shards])
 
     def evaluate(self, shards: Sequence[list]) -> List[dict]:
