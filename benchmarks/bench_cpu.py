@@ -257,7 +257,7 @@ def bench_decode(target_dir: str, dtypes: list, n_prompts: int, n_new: int, batc
     return rows
 
 
-def decode_table(rows: list, n_prompts: int, n_new: int, drafter_dir: str = DRAFTER) -> str:
+def decode_table(rows: list, n_prompts: int, n_new: int, drafter_dir: str) -> str:
     key = {(r["dtype"], r["batch"], r["mode"], r["engine"]): r for r in rows}
     lines = [f"held-out chat prompts x {n_new} new tokens, greedy, no stop tokens, prefill included; batch 1: "
              f"{n_prompts} prompts one after another; drafter {os.path.relpath(drafter_dir, ROOT)} (W = 4)",

@@ -3,7 +3,7 @@
     python benchmarks/plateau_curve.py [--run runs/smollm2-135m-dflash-pretrain] [--prompts 64]
         [--max-new-tokens 64] [--out benchmarks/figures/pretrain_curve.png] [--continues EARLIER_RUN]
 
-Every complete checkpoint of ``--run`` (and the untrained drafter of its recipe, step 0) is replayed exactly at
+Every complete checkpoint of ``--run`` is replayed exactly at
 T = 0 on ``--prompts`` held-out chat prompts (``specopd.eval.replay``, equal to real greedy speculative decoding),
 with the standard error over prompts; the run's own periodic held-out expected AL (``heldout_expected_al`` in
 metrics.jsonl) and its training loss are drawn beside it. Prints its command and a table; AL includes the bonus.
