@@ -2,7 +2,8 @@
 
     python benchmarks/bench_al.py [--recipe recipes/smollm2-135m-dflash.yaml] [--steps 60] [--eval-every 20]
         [--methods specopd,draft_opd,offpolicy_ce,offpolicy_e2e_tv] [--prompts 32] [--max-new-tokens 64]
-        [--temperatures 0,1|none] [--real-at all|final] [--no-equal-time] [--out runs/bench-al] [key=value ...]
+        [--temperatures 0,1|none] [--real-at all|final] [--no-equal-time] [--references target|dataset]
+        [--out runs/bench-al] [key=value ...]
 
 1. prepare   the recipe's main-job stages 1-3 (``specopd.mainjob.prepare``: target, data, warm drafter; cached),
              so every method starts from the same warm drafter and trains on the same data
@@ -15,6 +16,10 @@
              (``specopd.eval.replay``: cheap, equal to real T=0 decoding), and real speculative decoding
              (``evaluate_al``) at each ``--temperatures`` on the checkpoints ``--real-at`` names (all: every
              checkpoint; final: the warm drafter and each run's last one)
+
+``--references dataset``: every method trains on the dataset's own replies to the same prompts (the next turn of
+each train conversation, ``write_dataset_replies``) instead of the target's answers: references the target did not
+write, as a user's chat data comes before any regeneration.
 
 Writes ``<out>/bench_al.json`` and two figures, ``al_vs_steps.png`` and ``al_vs_wall.png``; prints a table.
 AL = tokens committed per target verification round, *including* the bonus token. Reruns reuse finished
@@ -126,6 +131,22 @@ class Evaluator:
         return res
 
 
+def dataset_replies(cfg, prep: dict, out: str) -> str:
+    """The dataset's own replies to the prompts the pipeline's references answer -> <out>/main/data/...jsonl."""
+    from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts, write_dataset_replies
+    from specopd.data.prepare import load_tokenizer
+    from specopd.models.loading import read_config
+
+    pl = cfg.pipeline
+    tok = load_tokenizer(prep["target_dir"], int(read_config(prep["target_dir"])["vocab_size"]))
+    pick = train_chat_prompts if pl.data_prompts == "first_turns" else pretrain_chat_prompts
+    path = os.path.join(out, "main", "data", f"dataset_replies_{pl.data_num}.jsonl")
+    c = write_dataset_replies(tok, path, pick(pl.data_num, tokenizer=tok), cfg.data.seq_len)
+    print(f"[bench_al] the dataset's own replies: {c['written']} references ({c['supervised_tokens']} response "
+          f"tokens; {c['skipped']} prompts without a reply skipped) -> {path}", flush=True)
+    return path
+
+
 def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str) -> dict:
     """Train ``method`` from the warm drafter for ``steps`` (resumable); -> {steps, wall_at, checkpoints}."""
     from specopd.mainjob import stage_cfg
@@ -220,6 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--real-at", choices=["all", "final"], default="all")
     ap.add_argument("--no-equal-time", action="store_true")
+    ap.add_argument("--references", choices=["target", "dataset"], default="target",
+                    help="train on the target's answers (the pipeline's references) or the dataset's own replies")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-al"))
     ap.add_argument("overrides", nargs="*", help="recipe overrides section.key=value")
     args = ap.parse_args(argv)
@@ -242,6 +265,8 @@ def main(argv=None) -> int:
     cfg = load_recipe(args.recipe, [f"trainer.output_dir={os.path.join(args.out, 'main')}", *args.overrides])
     t0 = time.perf_counter()
     prep = prepare(cfg)
+    if args.references == "dataset":
+        prep["train_data"] = cfg.data.path = dataset_replies(cfg, prep, args.out)
     ev = Evaluator(prep["target_dir"], args, args.out)
     W = int(cfg.drafter.block_size) - 1  # drafted tokens (block_size counts the anchor)
 

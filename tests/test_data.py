@@ -286,3 +286,27 @@ def test_generate_batch_one_node_per_step_equals_greedy_forward(target_dir):
         assert out == seq[len(p):] and fin == ("eos" if seq[-1] == 7 else "length")
     steps = max(len(o) for o, _ in res)  # one scoring pass per generated token of the longest stream
     assert len(calls) <= steps + 4  # + the prompt prefills (one per prompt on the CPU)
+
+
+def test_write_dataset_replies(target_dir, tmp_path):
+    """Each pretraining prompt gets the next turn of its own (train) conversation as the assistant's reply."""
+    from specopd.data import conversations as C
+
+    tok = P.load_tokenizer(target_dir, 128)
+    prompts = C.pretrain_chat_prompts(6000)
+    prompts = prompts[:8] + [p for p in prompts if "#" in p[0]][:8]  # first turns and later turns
+    out = str(tmp_path / "replies.jsonl")
+    c = C.write_dataset_replies(tok, out, prompts, seq_len=1024, min_response_tokens=1)
+    recs = R.read_records(out)
+    assert c["written"] == len(recs) and c["written"] + c["skipped"] == 16 and c["written"] >= 12
+    convs = dict(C.chitchat_conversations())
+    byid = dict(prompts)
+    for r in recs:
+        cid, _, k = r["id"].partition("#")
+        k = int(k or 0)
+        assert R.split_of(cid, 0, 0.1) == "train" and r["split"] == "train" and len(r["input_ids"]) <= 1024
+        assert convs[cid][k]["content"] == byid[r["id"]][0]["content"]
+        assert r["input_ids"][: r["prompt_len"]] == P.encode_prompt(tok, byid[r["id"]])
+        reply = {"role": "assistant", "content": convs[cid][k + 1]["content"]}
+        want = C.encode_conversation(tok, [byid[r["id"]][0], reply], 1024)
+        assert (r["input_ids"], r["prompt_len"]) == want

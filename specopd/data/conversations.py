@@ -192,6 +192,46 @@ def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 
             "supervised_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs)}
 
 
+def write_dataset_replies(tok, path: str, prompts: list, seq_len: int, min_response_tokens: int = 4) -> dict:
+    """Write each prompt of ``pretrain_chat_prompts`` with the reply the dataset itself gives it (the next turn of
+    its conversation, as the assistant's), chat-formatted, to ``path`` (JSONL, written atomically): references
+    the target did not write, as a user's own chat data gives them before any regeneration.
+
+    Args:
+        tok: the target's tokenizer (its chat template formats each pair).
+        path: the .jsonl to write.
+        prompts: ``pretrain_chat_prompts(...)`` output, ids ``<conversation id>`` or ``<conversation id>#<turn>``
+            (train conversations only; held-out openings already excluded there).
+        seq_len: each pair is cut to this many tokens.
+        min_response_tokens: pairs with fewer tokens after the prompt (or no next turn) are skipped.
+
+    Returns:
+        counts: ``written``, ``skipped``, ``supervised_tokens``.
+    """
+    convs = dict(chitchat_conversations())
+    recs, skipped = [], 0
+    for pid, msgs in prompts:
+        cid, _, k = pid.partition("#")
+        conv, k = convs[cid], int(k or 0)
+        if k + 1 >= len(conv):
+            skipped += 1
+            continue
+        pair = [msgs[0], {"role": "assistant", "content": conv[k + 1]["content"]}]
+        ids, pl = encode_conversation(tok, pair, seq_len)
+        if len(ids) - pl < min_response_tokens:
+            skipped += 1
+            continue
+        recs.append({"id": pid, "split": "train", "input_ids": ids, "prompt_len": pl})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+    return {"written": len(recs), "skipped": skipped,
+            "supervised_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs)}
+
+
 def heldout_prompt_ids(target_dir: str, vocab_size: int, num: int, seed: int = 0,
                        heldout_fraction: float = 0.1) -> list:
     """``heldout_chat_prompts`` through the target's chat template (what the main job's before/after table and
