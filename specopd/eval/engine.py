@@ -387,9 +387,10 @@ def format_judge(report: dict, title: str = "") -> str:
 # ------------------------------------------------------------------------------------------- the main job
 def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     """The main job's vLLM rows: each (label, checkpoint) served by vLLM on the held-out chat prompts at
-    ``pipeline.eval_temperatures``, plus ours on vLLM's schedule and vLLM's default argmax drafts at T > 0. Without a
-    vLLM venv (or with SPECOPD_VLLM_JUDGE=0): [] and a line saying why; a judge that fails prints why and the job
-    goes on.
+    ``pipeline.eval_temperatures``, plus ours on vLLM's schedule. vLLM's default argmax drafts at T > 0 (another
+    algorithm, reported, never compared) are left to ``specopd serve-check --vllm-default``: one more vLLM start per
+    drafter. Without a vLLM venv (or with SPECOPD_VLLM_JUDGE=0): [] and a line saying why; a judge that fails prints
+    why and the job goes on.
 
     Args:
         cfg: the main job's RecipeConfig.
@@ -398,8 +399,7 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
         progress: progress output.
 
     Returns:
-        rows in ``evaluate_rows``' format for ``format_al_table`` (labels + " | vLLM", " | ours, vLLM's schedule",
-        " | vLLM default (argmax drafts)").
+        rows in ``evaluate_rows``' format for ``format_al_table`` (labels + " | vLLM", " | ours, vLLM's schedule").
     """
     why = vllm_missing_reason() or ("SPECOPD_VLLM_JUDGE=0" if os.environ.get("SPECOPD_VLLM_JUDGE") == "0" else None)
     if why:
@@ -415,7 +415,7 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
             continue
         try:
             rep = judge(target_dir, path, prompts, cfg.eval.max_new_tokens, cfg.pipeline.eval_temperatures, stops,
-                        dtype, seed=cfg.eval.seed, target=target, own=False, vllm_default=True, progress=progress,
+                        dtype, seed=cfg.eval.seed, target=target, own=False, progress=progress,
                         work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)))
         except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
             print(f"[specopd] vLLM judge of {path} failed: {e}", flush=True)
@@ -427,10 +427,6 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
                     "problems": rep["problems"]})
         out.append({"drafter": f"{label} | ours, vLLM's schedule", "checkpoint": path, "engine": "ours",
                     "by_temperature": {t: dict(r["ours_vllm_schedule"]) for t, r in by.items()}})
-        if any("vllm_greedy_drafts" in r for r in by.values()):  # T = 0 is the same algorithm either way
-            out.append({"drafter": f"{label} | vLLM default (argmax drafts)", "checkpoint": path, "engine": "vllm",
-                        "by_temperature": {t: dict(r.get("vllm_greedy_drafts") or r["vllm"], how="vllm")
-                                           for t, r in by.items()}})
     return out
 
 
