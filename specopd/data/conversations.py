@@ -155,6 +155,16 @@ def encode_conversation(tok, messages: list, seq_len: int) -> tuple:
     return ids[:seq_len], n
 
 
+def _write_jsonl(path: str, recs: list) -> None:
+    """Records -> ``path``, one JSON object per line, written atomically (a temporary file, then a rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
 def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 0,
                             heldout_fraction: float = 0.1, min_response_tokens: int = 16) -> dict:
     """Write the first ``num`` train conversations, chat-formatted, to ``path`` (JSONL, written atomically).
@@ -181,12 +191,7 @@ def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 
             skipped += 1
             continue
         recs.append({"id": cid, "split": "train", "input_ids": ids, "prompt_len": pl})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        for r in recs:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    _write_jsonl(path, recs)
     return {"written": len(recs), "skipped_short": skipped,
             "tokens": sum(len(r["input_ids"]) for r in recs),
             "supervised_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs)}
@@ -222,12 +227,7 @@ def write_dataset_replies(tok, path: str, prompts: list, seq_len: int, min_respo
             skipped += 1
             continue
         recs.append({"id": pid, "split": "train", "input_ids": ids, "prompt_len": pl})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        for r in recs:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    _write_jsonl(path, recs)
     return {"written": len(recs), "skipped": skipped,
             "supervised_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs)}
 
