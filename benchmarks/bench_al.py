@@ -133,15 +133,14 @@ class Evaluator:
 
 def dataset_replies(cfg, prep: dict, out: str) -> str:
     """The dataset's own replies to the prompts the pipeline's references answer -> <out>/main/data/...jsonl."""
-    from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts, write_dataset_replies
+    from specopd.data.conversations import write_dataset_replies
     from specopd.data.prepare import load_tokenizer
+    from specopd.mainjob import reference_prompts
     from specopd.models.loading import read_config
 
-    pl = cfg.pipeline
     tok = load_tokenizer(prep["target_dir"], int(read_config(prep["target_dir"])["vocab_size"]))
-    pick = train_chat_prompts if pl.data_prompts == "first_turns" else pretrain_chat_prompts
-    path = os.path.join(out, "main", "data", f"dataset_replies_{pl.data_num}.jsonl")
-    c = write_dataset_replies(tok, path, pick(pl.data_num, tokenizer=tok), cfg.data.seq_len)
+    path = os.path.join(out, "main", "data", f"dataset_replies_{cfg.pipeline.data_num}.jsonl")
+    c = write_dataset_replies(tok, path, reference_prompts(cfg, tok), cfg.data.seq_len)
     print(f"[bench_al] the dataset's own replies: {c['written']} references ({c['supervised_tokens']} response "
           f"tokens; {c['skipped']} prompts without a reply skipped) -> {path}", flush=True)
     return path

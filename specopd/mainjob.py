@@ -43,6 +43,13 @@ def _target_dir(name: str) -> str:
                             f"knows ({sorted(MODELS)})")
 
 
+def reference_prompts(cfg, tok) -> list:
+    """The train chat prompts the references answer: the first ``pipeline.data_num`` of ``pipeline.data_prompts``
+    (``train_chat_prompts`` or ``pretrain_chat_prompts``), in that order; ``tok``: the target's tokenizer."""
+    pick = train_chat_prompts if cfg.pipeline.data_prompts == "first_turns" else pretrain_chat_prompts
+    return pick(cfg.pipeline.data_num, tokenizer=tok)
+
+
 def _references(cfg, target_dir: str) -> tuple:
     """-> (reference folder, records of the wanted prompts): the first data_num distinct train prompts answered
     by the target (generated once, cached; a larger data_num generates only the new ones) with
@@ -55,8 +62,7 @@ def _references(cfg, target_dir: str) -> tuple:
     ref_dir = os.path.join(cache_root(), "data", f"chitchat-{kind}-{name}-t{pl.data_max_new_tokens}-"
                                                  f"T{pl.data_temperature:g}{suffix}")
     tok = load_tokenizer(target_dir, int(read_config(target_dir)["vocab_size"]))
-    pick = train_chat_prompts if pl.data_prompts == "first_turns" else pretrain_chat_prompts
-    prompts = pick(pl.data_num, tokenizer=tok)
+    prompts = reference_prompts(cfg, tok)
     want = {pid for pid, _ in prompts}
     have = {r["id"] for r in read_records(os.path.join(ref_dir, DATA_FILE))}
     if want - have:
