@@ -1,8 +1,8 @@
 """Greedy acceptance at each draft depth, per method, from ``bench_al.py`` outputs: where SpecOPD's on-policy
 branches differ from off-policy references (depth >= 2, docs/on_policy.md) and where they cannot (depth 1).
 
-    python benchmarks/depth_acceptance.py --runs runs/bench-al-plateau runs/bench-al-dataset-120 \
-        --labels "the target's greedy references" "the dataset's own replies" \
+    python benchmarks/depth_acceptance.py --runs runs/bench-al-plateau runs/bench-al-dataset-120 runs/bench-al-t1refs \
+        --labels "the target's greedy references" "the dataset's own replies" "the target's T=1 samples" \
         --out benchmarks/figures/depth_acceptance.png
 
 Per run: the warm drafter and each method's last equal-steps checkpoint, T = 0 (exact replay). Acceptance at depth
