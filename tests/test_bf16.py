@@ -179,3 +179,28 @@ def test_packed_prefill_within_bf16_noise(targets, seed):
     p = t16.score(ProposalTree.from_branches(anchors, toks), packed[2])
     seqs = [torch.cat([trunks[2][: int(a) + 1], toks[b, : j + 1]]) for b, a in enumerate(anchors) for j in range(4)]
     _within_noise(p.reshape(-1, V), t16, t32, seqs, "score on a packed cache")
+
+
+def test_judge_near_ties_name_the_margin_in_noise_units(tmp_path):
+    """The vLLM judge's diagnosis of a parted bf16 greedy text (``near_ties``): the fp32 reference's margin between
+    the two tokens, in noise units of the plain bf16 forward there. A token far from the argmax is many units away
+    (a bug, not a tie); one text a prefix of the other has no parting token."""
+    from specopd.eval.engine import NEAR_TIE_UNITS, describe_near_ties, near_ties
+
+    path = make_tiny_checkpoint("llama", tmp_path, vocab_size=V, num_hidden_layers=2, initializer_range=0.2)
+    t16 = load_target(path, dtype=torch.bfloat16)
+    t32 = load_target(path, dtype=torch.bfloat16).float()
+    prompt = _ids(10, 7).tolist()
+    ours = autoregressive(t16, torch.tensor(prompt), 8).tokens.tolist()
+    j = 3
+    ref = t32(torch.tensor([prompt + ours[:j]]))[0, -1]
+    far = int(ref.argmin())
+    theirs = ours[:j] + [far] + ours[j + 1:]
+    ties = near_ties(path, t16, [prompt, prompt], [0, 1], [ours, ours], [theirs, ours[:5]])
+    assert len(ties) == 1 and ties[0]["prompt"] == 0 and ties[0]["token"] == j
+    assert (ties[0]["ours"], ties[0]["theirs"]) == (ours[j], far)
+    assert ties[0]["margin"] == pytest.approx(float(ref[ours[j]] - ref[far]), rel=1e-5)
+    unit = float(_err(t16(torch.tensor([prompt + ours[:j]]))[0, -1], ref))
+    assert ties[0]["unit"] == pytest.approx(unit, rel=1e-5)
+    assert ties[0]["units"] > NEAR_TIE_UNITS
+    assert describe_near_ties(ties).startswith("0 of 1 partings are near ties")

@@ -24,6 +24,7 @@ from specopd.models import load_target
 from specopd.models.loading import read_config, resolve_dtype
 
 NOISE_SIGMAS = 4.0  # a T > 0 acceptance rate further apart than this many standard errors is a disagreement
+NEAR_TIE_UNITS = 6.0  # docs/exactness.md, bf16 promise 2: a near tie's fp32 margin is <= 2 x 3 bf16 noise units
 
 
 # ------------------------------------------------------------------------------------------- vLLM side
@@ -300,7 +301,12 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         if t == 0:
             vt = [o["token_ids"] for o in run["outputs"]]
             bad = [i for i, (a, b) in enumerate(zip(vt, greedy)) if a != b]
-            report["checks"]["vllm speculative greedy == our greedy"] = (not bad, _diff_text(bad, vt, greedy))
+            why = _diff_text(bad, vt, greedy)
+            if bad and torch_dtype != torch.float32:
+                ties = near_ties(target_dir, target, prompts, bad, greedy, vt)
+                report["near_ties"] = ties
+                why += "; " + describe_near_ties(ties)
+            report["checks"]["vllm speculative greedy == our greedy"] = (not bad, why)
             if bad:
                 dis.append(f"T=0: vLLM's speculative greedy output differs from our greedy output on prompts {bad} "
                            f"(a near-tie of the target's argmax, or a wrong target computation on one side)")
@@ -345,6 +351,48 @@ def _cut(ids: list, stops) -> list:
         if t in s:
             return ids[: j + 1]
     return ids
+
+
+@torch.no_grad()
+def near_ties(target_dir: str, target, prompts: Sequence, bad: Sequence[int], ours: Sequence, theirs: Sequence
+              ) -> list:
+    """Where two greedy texts of a low-precision target first part, how near a tie the two tokens are.
+
+    Args:
+        target_dir: the target's folder (its fp32 reference: the same rounded weights, fp32 activations).
+        target: the low-precision TargetModel that wrote ``ours``.
+        prompts: [T_i] prompt ids; bad: the prompts whose texts differ; ours / theirs: the texts.
+
+    Returns:
+        per prompt of ``bad`` that parts before either text ends: {prompt, token (index), ours, theirs (the two
+        token ids), margin (|fp32 logit difference|), unit (the plain low-precision forward's max |logit error|
+        there: docs/exactness.md's noise unit), units (margin / unit)}. ``units <= NEAR_TIE_UNITS``: a near tie.
+    """
+    ref = load_target(target_dir, dtype=target.dtype, device="cpu").float()
+    out = []
+    for i in bad:
+        a, b = list(ours[i]), list(theirs[i])
+        j = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is None:  # one text is a prefix of the other (a stop token): no token to compare
+            continue
+        ids = torch.as_tensor(list(prompts[i]) + a[:j], dtype=torch.long)[None]
+        f = ref(ids)[0, -1]
+        unit = float((target(ids)[0, -1].float() - f).abs().max())
+        margin = abs(float(f[a[j]] - f[b[j]]))
+        out.append(dict(prompt=int(i), token=j, ours=int(a[j]), theirs=int(b[j]), margin=margin, unit=unit,
+                        units=margin / max(unit, 1e-12)))
+    return out
+
+
+def describe_near_ties(ties: list) -> str:
+    """One line: how many of the partings are near ties, and the largest margin in noise units."""
+    if not ties:
+        return "no parting token to compare"
+    near = sum(t["units"] <= NEAR_TIE_UNITS for t in ties)
+    worst = max(ties, key=lambda t: t["units"])
+    return (f"{near} of {len(ties)} partings are near ties of the fp32 reference (margin <= {NEAR_TIE_UNITS:g} bf16 "
+            f"noise units, docs/exactness.md); the widest: prompt {worst['prompt']} token {worst['token']}, margin "
+            f"{worst['margin']:.3f} = {worst['units']:.1f} units")
 
 
 def _diff_text(bad: list, a: list, b: list) -> str:
