@@ -196,7 +196,7 @@ def test_judge_near_ties_name_the_margin_in_noise_units(tmp_path):
     ref = t32(torch.tensor([prompt + ours[:j]]))[0, -1]
     far = int(ref.argmin())
     theirs = ours[:j] + [far] + ours[j + 1:]
-    ties = near_ties(path, t16, [prompt, prompt], [0, 1], [ours, ours], [theirs, ours[:5]])
+    ties = near_ties(t32, t16, [prompt, prompt], [0, 1], [ours, ours], [theirs, ours[:5]])
     assert len(ties) == 1 and ties[0]["prompt"] == 0 and ties[0]["token"] == j
     assert (ties[0]["ours"], ties[0]["theirs"]) == (ours[j], far)
     assert ties[0]["margin"] == pytest.approx(float(ref[ours[j]] - ref[far]), rel=1e-5)

@@ -286,6 +286,22 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     if plain or 0.0 in temps:  # the target's greedy continuations (batched), cut after a stop token for the text
         full = greedy_continuations(target, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens + k)
         greedy = [_cut(g.tolist()[:max_new_tokens], stop_token_ids) for g in full]
+    refs = []  # the fp32 reference of a low-precision target, loaded once, when a text first parts
+
+    def against_ours(name: str, theirs: list) -> list:
+        """report["checks"][name]: vLLM's greedy texts ``theirs`` == ours; in low precision each parting is
+        named with its near-tie margin (``near_ties``). -> the prompts whose texts differ."""
+        bad = [i for i, (a, b) in enumerate(zip(theirs, greedy)) if a != b]
+        why = _diff_text(bad, theirs, greedy)
+        if bad and torch_dtype != torch.float32:
+            if not refs:
+                refs.append(load_target(target_dir, dtype=torch_dtype, device="cpu").float())
+            ties = near_ties(refs[0], target, prompts, bad, greedy, theirs)
+            report.setdefault("near_ties", {})[name] = ties
+            why += "; " + describe_near_ties(ties)
+        report["checks"][name] = (not bad, why)
+        return bad
+
     spec = run_judge(target_dir, export, prompts, max_new_tokens, temps, stop_token_ids, dtype, k, seed,
                      os.path.join(work, "vllm"), patch_cpu_expand=patch_vllm)
     report["num_speculative_tokens"] = spec["num_speculative_tokens"]
@@ -299,14 +315,7 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
                            stop_token_ids=stop_token_ids, progress=progress) if own else None
         dis = disagreements(ov, v, t)
         if t == 0:
-            vt = [o["token_ids"] for o in run["outputs"]]
-            bad = [i for i, (a, b) in enumerate(zip(vt, greedy)) if a != b]
-            why = _diff_text(bad, vt, greedy)
-            if bad and torch_dtype != torch.float32:
-                ties = near_ties(target_dir, target, prompts, bad, greedy, vt)
-                report["near_ties"] = ties
-                why += "; " + describe_near_ties(ties)
-            report["checks"]["vllm speculative greedy == our greedy"] = (not bad, why)
+            bad = against_ours("vllm speculative greedy == our greedy", [o["token_ids"] for o in run["outputs"]])
             if bad:
                 dis.append(f"T=0: vLLM's speculative greedy output differs from our greedy output on prompts {bad} "
                            f"(a near-tie of the target's argmax, or a wrong target computation on one side)")
@@ -330,10 +339,10 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
                        os.path.join(work, "vllm"))
         pt = [o["token_ids"] for o in pl["runs"][0]["outputs"]]
         report["tokens_per_s"]["vllm_plain"] = pl["runs"][0]["tokens_per_s"]
-        bad = [i for i, (a, b) in enumerate(zip(pt, greedy)) if a != b]
-        report["checks"]["vLLM plain greedy == our greedy"] = (not bad, _diff_text(bad, pt, greedy))
+        bad = against_ours("vLLM plain greedy == our greedy", pt)
         if bad:
-            problems.append(f"vLLM's plain greedy output differs from ours on prompts {bad}: {_diff_text(bad, pt, greedy)}")
+            problems.append(f"vLLM's plain greedy output differs from ours on prompts {bad}: "
+                            f"{report['checks']['vLLM plain greedy == our greedy'][1]}")
         if 0.0 in temps:
             st = [o["token_ids"] for o in spec["runs"][temps.index(0.0)]["outputs"]]
             bad = [i for i, (a, b) in enumerate(zip(st, pt)) if a != b]
@@ -354,12 +363,12 @@ def _cut(ids: list, stops) -> list:
 
 
 @torch.no_grad()
-def near_ties(target_dir: str, target, prompts: Sequence, bad: Sequence[int], ours: Sequence, theirs: Sequence
-              ) -> list:
+def near_ties(ref, target, prompts: Sequence, bad: Sequence[int], ours: Sequence, theirs: Sequence) -> list:
     """Where two greedy texts of a low-precision target first part, how near a tie the two tokens are.
 
     Args:
-        target_dir: the target's folder (its fp32 reference: the same rounded weights, fp32 activations).
+        ref: the fp32 reference of ``target``: the same rounded weights, fp32 activations
+            (``load_target(dir, dtype=target.dtype).float()``).
         target: the low-precision TargetModel that wrote ``ours``.
         prompts: [T_i] prompt ids; bad: the prompts whose texts differ; ours / theirs: the texts.
 
@@ -368,11 +377,10 @@ def near_ties(target_dir: str, target, prompts: Sequence, bad: Sequence[int], ou
         token ids), margin (|fp32 logit difference|), unit (the plain low-precision forward's max |logit error|
         there: docs/exactness.md's noise unit), units (margin / unit)}. ``units <= NEAR_TIE_UNITS``: a near tie.
     """
-    ref = load_target(target_dir, dtype=target.dtype, device="cpu").float()
     out = []
     for i in bad:
         a, b = list(ours[i]), list(theirs[i])
-        j = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        j = _first_difference(a, b)
         if j is None:  # one text is a prefix of the other (a stop token): no token to compare
             continue
         ids = torch.as_tensor(list(prompts[i]) + a[:j], dtype=torch.long)[None]
@@ -395,11 +403,17 @@ def describe_near_ties(ties: list) -> str:
             f"{worst['margin']:.3f} = {worst['units']:.1f} units")
 
 
+def _first_difference(a: Sequence, b: Sequence) -> Optional[int]:
+    """The first index where ``a`` and ``b`` differ; None when one is a prefix of the other."""
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def _diff_text(bad: list, a: list, b: list) -> str:
     if not bad:
         return ""
     i = bad[0]
-    j = next((n for n, (x, y) in enumerate(zip(a[i], b[i])) if x != y), min(len(a[i]), len(b[i])))
+    j = _first_difference(a[i], b[i])
+    j = min(len(a[i]), len(b[i])) if j is None else j
     return f"prompt {i} first differs at new token {j}: {a[i][j:j + 4]} vs {b[i][j:j + 4]}"
 
 
