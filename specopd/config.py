@@ -203,7 +203,8 @@ class TrainerConfig:
     anchors_per_seq: int = setting(8, resume=FROM_HERE)
     """B: anchors (branches) per sequence per step; draft_opd: at most this many rollout rounds per sequence."""
     temperature: float = setting(1.0, resume=FROM_HERE)
-    """Sampling temperature of branches / rollouts; p and q are compared at this temperature."""
+    """Sampling temperature of branches / rollouts; p and q are compared at this temperature. 0: greedy branches
+    (the drafter's argmax) and alpha = q(argmax p) with q at T = 1, the smooth form of greedy acceptance."""
     output_dir: str = setting("runs/tiny", resume=SAME_RUN)
     """Run folder: metrics.jsonl, checkpoints/, tiny-target/, data cache, profile."""
     resume: str = setting("auto", resume=SAME_RUN)
@@ -274,7 +275,7 @@ class TrainerConfig:
             raise RecipeError(f"trainer.betas={list(self.betas)} must be two numbers in [0, 1)")
         _check_range("trainer", "grad_clip", self.grad_clip, lo=0)
         _check_range("trainer", "anchors_per_seq", self.anchors_per_seq, lo=1)
-        _check_range("trainer", "temperature", self.temperature, lo=0, lo_open=True)
+        _check_range("trainer", "temperature", self.temperature, lo=0)
         why = dir_problem(self.output_dir, writable=False)
         if why is not None:
             raise RecipeError(f"trainer.output_dir={self.output_dir!r} cannot be the run folder: {why}; give a "

@@ -4,10 +4,13 @@ Masks, normalisation and memory: docs/architecture.md ("Losses").
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from kernels.e2e_tv import cpu as tv_cpu
 
 # fp32 [rows, V] buffers one loss chunk holds at its peak (logits of q and p and their bf16 matmul
 # outputs; softmaxes are taken in place). The memory plan and ``auto_chunk_rows`` use it.
@@ -15,12 +18,17 @@ CHUNK_WORKSET_FACTOR = 4
 # Budget of one chunk's working set when ``chunk_rows="auto"`` (bytes), by device type.
 CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 256 << 20}
 DFLASH_POSITION_DECAY = 7.0  # released DFlash CE weights exp(-k / 7) for drafted slot k (0-based)
+# The fused E2E-TV's alpha and gradient on the CPU: "auto" (the C kernel kernels/e2e_tv when it builds, else
+# torch) | "cpu" (the kernel, an error if it does not build) | "torch". Set by $SPECOPD_TV_KERNEL.
+TV_KERNEL = os.environ.get("SPECOPD_TV_KERNEL", "auto")
+# temperature 0 of alpha: p one-hot at its argmax, q at T = 1 (alpha = q(argmax p)); see ``tv_alpha``.
+GREEDY = 0.0
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for probabilities (T = 0 acceptance is exact match); "
-                         f"got {temperature}")
+        raise ValueError(f"temperature must be > 0 for probabilities (T = 0 acceptance is exact match: "
+                         f"tv_alpha's greedy form); got {temperature}")
     return torch.softmax(logits.float() / float(temperature), dim=-1)
 
 
@@ -43,10 +51,16 @@ def _reduce(per_branch: torch.Tensor, has_any: torch.Tensor, denom) -> torch.Ten
 
 
 def tv_alpha(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """alpha [N, W] = sum_v min(q, p) = 1 - TV(p, q) (rejection-sampling acceptance); grad through q only."""
+    """alpha [N, W] = sum_v min(q, p) = 1 - TV(p, q) (rejection-sampling acceptance); grad through q only.
+
+    ``temperature`` 0 (greedy): p is one-hot at its argmax and q stays at T = 1, so alpha = q(argmax p), the
+    smooth surrogate of greedy acceptance 1[argmax q == argmax p] (``GREEDY``)."""
     if q_logits.shape != p_logits.shape:
         raise ValueError(f"q_logits {tuple(q_logits.shape)} and p_logits {tuple(p_logits.shape)} must have one "
                          f"shape [N, W, V] (same vocabulary)")
+    if temperature == GREEDY:
+        g = p_logits.detach().argmax(-1, keepdim=True)
+        return torch.softmax(q_logits.float(), -1).gather(-1, g).squeeze(-1)
     return torch.minimum(_probs(q_logits, temperature), _probs(p_logits.detach(), temperature)).sum(-1)
 
 
@@ -97,7 +111,7 @@ def e2e_tv_loss(q_logits: torch.Tensor, p_logits: torch.Tensor, mask: Optional[t
         mask: [N, W] bool; a False position ends its branch (only the valid prefix counts).
         denom: divide the summed branch losses by this (the global branch count); None: the branches with a valid
             position.
-        temperature: T > 0 of both softmaxes.
+        temperature: T > 0 of both softmaxes; 0: greedy (alpha = q(argmax p), q at T = 1; ``tv_alpha``).
 
     Returns:
         scalar loss.
@@ -236,7 +250,7 @@ def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: t
 
 class ChunkBuffers:
     """[rows, V] buffers that the chunks of one loss / sampling call reuse: ``fp32(slot, n)`` one per live fp32
-    tensor of a chunk, ``scratch(dtype, n)`` one per dtype for products and casts consumed at once. Each is made on
+    tensor of a chunk, ``scratch(dtype, n, slot)`` per dtype for products and casts (slot 0: consumed at once). Each is made on
     first use; views [n, V] of [rows, V] storage, contiguous."""
 
     def __init__(self, rows: int, vocab: int, device):
@@ -248,10 +262,43 @@ class ChunkBuffers:
             self.slots[slot] = torch.empty(self.rows, self.vocab, dtype=torch.float32, device=self.device)
         return self.slots[slot][:n]
 
-    def scratch(self, dtype: torch.dtype, n: int) -> torch.Tensor:
-        if dtype not in self.low:
-            self.low[dtype] = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
-        return self.low[dtype][:n]
+    def scratch(self, dtype: torch.dtype, n: int, slot: int = 0) -> torch.Tensor:
+        if (dtype, slot) not in self.low:
+            self.low[dtype, slot] = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
+        return self.low[dtype, slot][:n]
+
+
+def raw_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: torch.Tensor, bufs: "ChunkBuffers",
+               slot: int) -> torch.Tensor:
+    """``chunk_logits`` without the fp32 copy of a single bf16 product (the kernel reads bf16 itself).
+
+    Args:
+        xs, ws: per term, [N, K_k] hidden rows and [V, K_k] weights, as in ``chunk_logits``.
+        rows: [R] indices into N.
+        bufs: the call's ``ChunkBuffers``.
+        slot: fp32 slot ``slot`` (or bf16 scratch slot ``slot + 1``) that holds the result.
+
+    Returns:
+        [R, V] logits in w's dtype for one term (the values the fp32 copy would hold, exactly), fp32 for several.
+    """
+    if len(xs) != 1:
+        return chunk_logits(xs, ws, rows, bufs, slot)
+    x, w = xs[0], ws[0]
+    n = rows.numel()
+    out = bufs.fp32(slot, n) if w.dtype == torch.float32 else bufs.scratch(w.dtype, n, slot + 1)
+    return torch.mm(x[rows].to(w.dtype), w.t(), out=out)
+
+
+def use_tv_kernel(device) -> bool:
+    """Whether the fused E2E-TV runs alpha and its gradient through kernels/e2e_tv (``TV_KERNEL``) on ``device``."""
+    if TV_KERNEL not in ("auto", "cpu", "torch"):
+        raise ValueError(f"SPECOPD_TV_KERNEL={TV_KERNEL!r}: use auto, cpu or torch")
+    if TV_KERNEL == "torch" or torch.device(device).type != "cpu":
+        return False
+    if TV_KERNEL == "cpu" and not tv_cpu.available():
+        raise RuntimeError(f"SPECOPD_TV_KERNEL=cpu but the CPU TV kernel does not build: "
+                           f"{tv_cpu.unavailable_reason()}; unset it to use the torch path")
+    return tv_cpu.available()
 
 
 def softmax_(z: torch.Tensor) -> torch.Tensor:
@@ -267,9 +314,11 @@ class _ChunkedHead(torch.autograd.Function):
     """Per-row statistics of q = softmax(sum_k x_k @ w_k^T / T), computed ``chunk`` rows at a time.
 
     Outputs for the flat rows ``rows`` [R]: alpha [R] = sum_v min(q, p) with p = softmax(hp @ wp^T / T)
-    (when hp is given), nll [R] = -log softmax(z)[target] at temperature 1 (when targets are given).
+    (when hp is given; T = 0: alpha = softmax(z)[g], g = argmax hp @ wp^T, kept for the backward),
+    nll [R] = -log softmax(z)[target] at temperature 1 (when targets are given).
     Backward gets dL/dalpha, dL/dnll [R] and recomputes each chunk's logits:
         dalpha/dz_v = q_v (ind_v - sum_u q_u ind_u) / T,   ind = 1[q < p] + 1/2 1[q == p]  (torch.minimum's rule)
+        dalpha/dz_v = alpha (1[v == g] - q_v)                                              (T = 0)
         dnll/dz_v   = softmax(z)_v - 1[v == target]
     then G [R, V] -> dx_k = G @ w_k, dw_k = G^T x_k (for the inputs that need them).
     """
@@ -285,30 +334,53 @@ class _ChunkedHead(torch.autograd.Function):
         dev = rows.device
         alpha = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if hp is not None else None
         nll = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if targets is not None else None
+        greedy = alpha is not None and temperature == GREEDY
+        gidx = torch.zeros(rows.numel(), dtype=torch.long, device=dev) if greedy else None  # argmax p
         bufs = ChunkBuffers(min(chunk, rows.numel()), ws[0].shape[0], dev)  # slots: 0 zq, 1 p
+        ctx.stats = None
+        if alpha is not None and nll is None and not greedy and use_tv_kernel(dev):  # kernels/e2e_tv
+            ctx.stats = torch.empty(rows.numel(), 5, dtype=torch.float32, device=dev)  # for the backward
+            for s in range(0, rows.numel(), chunk):
+                r = rows[s: s + chunk]
+                alpha[s: s + chunk], ctx.stats[s: s + chunk] = tv_cpu.tv_alpha_forward(
+                    raw_logits(xs, ws, r, bufs, 0), raw_logits((hp,), (wp,), r, bufs, 2), temperature)
+        else:
+            _ChunkedHead._forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx)
+        ctx.gidx = gidx
+        ctx.chunk, ctx.temperature, ctx.device_type = chunk, temperature, dev.type
+        ctx.has_alpha, ctx.has_nll, ctx.n_terms = alpha is not None, nll is not None, len(xs)
+        ctx.save_for_backward(rows, hp, wp, targets, *xw)
+        empty = torch.zeros(0, device=dev)
+        return (alpha if alpha is not None else empty), (nll if nll is not None else empty)
+
+    @staticmethod
+    def _forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx):
+        """The forward's chunks in torch ops (alpha, nll, greedy alpha; written into alpha / nll / gidx)."""
+        greedy = gidx is not None
+        tq = 1.0 if greedy else temperature  # q's temperature in alpha
         for s in range(0, rows.numel(), chunk):
             r = rows[s: s + chunk]
             zq = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V] fp32
             if nll is not None:
                 t = targets[r].long()
                 zt = zq.gather(1, t[:, None]).squeeze(1)
-                if alpha is None or temperature == 1.0:
+                if alpha is None or tq == 1.0:
                     q, lse = softmax_(zq)
                 else:
                     lse = torch.logsumexp(zq, -1)
                 nll[s: s + chunk] = lse - zt
             if alpha is not None:
-                if nll is None or temperature != 1.0:
-                    q, _ = softmax_(zq.div_(temperature))
-                p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=1).div_(temperature))
-                alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
-                del p
+                if nll is None or tq != 1.0:
+                    q, _ = softmax_(zq.div_(tq))
+                if greedy:
+                    g = chunk_logits((hp,), (wp,), r, bufs, slot=1).argmax(-1)  # [R]
+                    gidx[s: s + chunk] = g
+                    alpha[s: s + chunk] = q.gather(1, g[:, None]).squeeze(1)
+                else:
+                    p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=1).div_(temperature))
+                    alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
+                    del p
             del zq
-        ctx.chunk, ctx.temperature, ctx.device_type = chunk, temperature, dev.type
-        ctx.has_alpha, ctx.has_nll, ctx.n_terms = alpha is not None, nll is not None, len(xs)
-        ctx.save_for_backward(rows, hp, wp, targets, *xw)
-        empty = torch.zeros(0, device=dev)
-        return (alpha if alpha is not None else empty), (nll if nll is not None else empty)
 
     @staticmethod
     def backward(ctx, g_alpha, g_nll):
@@ -330,6 +402,11 @@ class _ChunkedHead(torch.autograd.Function):
             bufs = ChunkBuffers(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device)  # slots: 0 z, 1 g, 2 p
             for s in range(0, rows.numel(), ctx.chunk):
                 r = rows[s: s + ctx.chunk]
+                if use_a and not use_n and ctx.stats is not None:  # kernels/e2e_tv, from the forward's stats
+                    g = _ChunkedHead._grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha)
+                    _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
+                    del g
+                    continue
                 z = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V] fp32 raw logits
                 g = None
                 if use_n:  # (softmax(z) - onehot) * dL/dnll
@@ -337,7 +414,16 @@ class _ChunkedHead(torch.autograd.Function):
                     softmax_(g)
                     g[torch.arange(r.numel(), device=g.device), targets[r].long()] -= 1.0
                     g.mul_(g_nll[s: s + ctx.chunk, None])
-                if use_a:  # q (ind - <q, ind>) * dL/dalpha / T
+                if use_a and ctx.gidx is not None:  # T = 0: alpha (onehot(g) - q) * dL/dalpha
+                    q, _ = softmax_(z)
+                    gi = ctx.gidx[s: s + ctx.chunk]
+                    ar = torch.arange(r.numel(), device=q.device)
+                    coef = q[ar, gi] * g_alpha[s: s + ctx.chunk]  # alpha * dL/dalpha [R]
+                    ga = q.mul_(-coef[:, None])
+                    ga[ar, gi] += coef
+                    g = ga if g is None else g.add_(ga)
+                    del q
+                elif use_a:  # q (ind - <q, ind>) * dL/dalpha / T
                     q, _ = softmax_(z.div_(T))
                     p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=2).div_(T))
                     # ind = 1[q < p] + 1/2 1[q == p] = (sign(p - q) + 1) / 2, in p's storage (p - q == 0 iff p == q)
@@ -346,17 +432,36 @@ class _ChunkedHead(torch.autograd.Function):
                     ga = ind.sub_(qi[:, None]).mul_(q).mul_(g_alpha[s: s + ctx.chunk, None] / T)
                     g = ga if g is None else g.add_(ga)
                     del q, ind, p
-                for k, (x, w) in enumerate(zip(xs, ws)):
-                    if dx[k] is not None:
-                        gl = g if w.dtype == g.dtype else bufs.scratch(w.dtype, r.numel()).copy_(g)  # g.to(w.dtype)
-                        dx[k][r] = (gl @ w).to(x.dtype)
-                    if dw[k] is not None:
-                        dw[k].add_(g.t() @ x[r].float())  # fp32 accumulation over chunks
+                _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
                 del g, z
         grads = []
         for k in range(len(xs)):
             grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
         return (None, None, None, None, None, None, *grads)
+
+
+    @staticmethod
+    def _grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha):
+        """dL/dz [R, V] of one chunk by kernels/e2e_tv: in w's dtype for one term whose weight needs no gradient
+        (what ``_grad_inputs`` multiplies by), else fp32 (over z itself when z is fp32)."""
+        n = r.numel()
+        z = raw_logits(xs, ws, r, bufs, 0)
+        zp = raw_logits((hp,), (wp,), r, bufs, 2)
+        if len(xs) == 1 and dw[0] is None:
+            out = z if z.dtype == torch.float32 else bufs.scratch(ws[0].dtype, n, 5)
+        else:
+            out = z if z.dtype == torch.float32 else bufs.fp32(1, n)
+        return tv_cpu.tv_alpha_backward(z, zp, ctx.temperature, ctx.stats[s: s + n], g_alpha[s: s + n], out)
+
+    @staticmethod
+    def _grad_inputs(g, r, xs, ws, dx, dw, bufs):
+        """dx_k[r] = G @ w_k, dw_k += G^T x_k[r] for one chunk's G = dL/dz [R, V]."""
+        for k, (x, w) in enumerate(zip(xs, ws)):
+            if dx[k] is not None:
+                gl = g if w.dtype == g.dtype else bufs.scratch(w.dtype, r.numel()).copy_(g)  # g.to(w.dtype)
+                dx[k][r] = (gl @ w).to(x.dtype)
+            if dw[k] is not None:
+                dw[k].add_(g.t() @ x[r].float())  # fp32 accumulation over chunks
 
 
 class FusedOut(NamedTuple):
@@ -398,8 +503,9 @@ def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p
     terms = _flat_terms(hq, weight, markov)
     hpf, wp = _target_side(hp, p_weight, weight, n, w)
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], hq.device)
-    if hp is not None and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for alpha (T = 0 acceptance is exact match); got {temperature}")
+    if hp is not None and temperature < 0:
+        raise ValueError(f"temperature must be > 0 for alpha, or 0 for its greedy form (alpha = q(argmax p)); "
+                         f"got {temperature}")
     rows = torch.nonzero(rows_mask.reshape(-1)).flatten()
     tflat = None if targets is None else targets.reshape(-1).to(hq.device)
     a, nl = _ChunkedHead.apply(rows, chunk, float(temperature), hpf, wp, tflat, *terms)
@@ -425,7 +531,7 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
         markov: DSpark's low-rank term ``(e [N, W, r], w2 [V, r])``, e = W1[x_prev]; both get gradients.
         mask: [N, W] bool; False ends the branch (positions after it are not computed).
         denom: as in ``e2e_tv_loss``.
-        temperature: T > 0 of both softmaxes.
+        temperature: T > 0 of both softmaxes; 0: greedy (alpha = q(argmax p), q at T = 1; ``tv_alpha``).
         chunk_rows: rows of [rows, V] logits per chunk, or "auto" (``auto_chunk_rows``).
 
     Returns:

@@ -52,6 +52,23 @@ def test_tv_alpha_values():
         tv_alpha(q, p[..., :5])
 
 
+def test_tv_alpha_greedy_is_q_at_the_target_argmax():
+    """temperature 0: p one-hot at argmax p, q at T = 1, so alpha = q(argmax p); its gradient goes through q."""
+    q, p = _logits(4, requires_grad=True), _logits(5)
+    a = tv_alpha(q, p, temperature=0.0)
+    for b in range(N):
+        for j in range(W):
+            qs = [math.exp(x) for x in q[b, j].tolist()]
+            g = max(range(V), key=lambda v: float(p[b, j, v]))
+            assert abs(float(a[b, j]) - qs[g] / sum(qs)) < 1e-6
+    (gq,) = torch.autograd.grad(a.sum(), q)
+    sq = torch.softmax(q.detach(), -1)
+    onehot = torch.nn.functional.one_hot(p.argmax(-1), V).float()
+    torch.testing.assert_close(gq, a.detach()[..., None] * (onehot - sq), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="temperature"):
+        e2e_tv_loss(q, p, temperature=-1.0)
+
+
 def test_e2e_tv_values_and_masks():
     q, p = _logits(2), _logits(3)
     alpha = _alpha_loop(q, p)
@@ -190,6 +207,9 @@ CASES = [  # n, w, temperature, chunk, markov rank, mask kind, denom, ties
     (4, 3, 1.0, 5, 0, "empty", 6, (0, 2)),  # ties q == p on whole rows, an empty branch
     (6, 5, 0.9, 1, 0, "holes", 11, (3,)),
     (3, 4, 1.0, 1000, 4, None, 3, ()),  # one chunk holds everything
+    (5, 4, 0.0, 3, 0, None, None, ()),  # greedy: alpha = q(argmax p)
+    (7, 1, 0.0, 2, 3, "holes", None, ()),  # greedy, one drafted token, DSpark's Markov term
+    (4, 3, 0.0, 5, 0, "empty", 6, (0, 2)),  # greedy, q == p rows, an empty branch
 ]
 
 
@@ -221,7 +241,11 @@ def test_fused_e2e_tv_equals_full_logits(n, w, temp, chunk, rank, mask_kind, den
     _close(out.alpha[valid], alpha_ref[valid])
     assert bool((out.alpha[~valid] == 0).all()) and not out.alpha.requires_grad
     for b in ties:
-        assert torch.allclose(out.alpha[b][valid[b]], torch.ones(int(valid[b].sum())), atol=1e-5)
+        if temp == 0:  # greedy: alpha = q(argmax q) = max q, not 1
+            top = torch.softmax(ql.detach()[b], -1).amax(-1)
+            torch.testing.assert_close(out.alpha[b][valid[b]], top[valid[b]], rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.allclose(out.alpha[b][valid[b]], torch.ones(int(valid[b].sum())), atol=1e-5)
 
 
 def _mask_or_ones(mask, n, w):
@@ -290,6 +314,13 @@ def test_fused_ce_equals_full_logits(weights):
     _close(out.alpha[mask], tv_alpha(ql.detach(), pl, 0.7)[mask])
     no_alpha = fused_ce(hq, weight, targets, chunk_rows=3)
     assert no_alpha.alpha is None
+    # greedy alpha beside the CE in one pass: the same loss and gradient, alpha = q(argmax p)
+    greedy = fused_ce(hq, weight, targets, markov=markov, mask=mask, denom=8, weights=weights, hp=hp,
+                      temperature=0.0, chunk_rows=4)
+    ref = ce_loss(*_ref_logits(hq, weight, hp, markov)[:1], targets, mask, denom=8, weights=weights)
+    for a, b in zip(_grads(greedy.loss, inputs), _grads(ref, inputs)):
+        _close(a, b)
+    _close(greedy.alpha[mask], tv_alpha(ql.detach(), pl, 0.0)[mask])
 
 
 def test_position_weights_dflash():
@@ -327,7 +358,7 @@ def test_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="markov"):
         fused_e2e_tv(hq, weight, hp, markov=(torch.zeros(3, 2, 2), torch.zeros(5, 2)))
     with pytest.raises(ValueError, match="temperature"):
-        fused_e2e_tv(hq, weight, hp, temperature=0.0)
+        fused_e2e_tv(hq, weight, hp, temperature=-0.5)
 
 
 class _MaxNumel(TorchDispatchMode):

@@ -148,14 +148,16 @@ def _reference_step(w, prop, denom):
     return loss, alpha
 
 
-@pytest.mark.parametrize("kind,method", [("dflash", "specopd"), ("dspark", "specopd"), ("dflash", "offpolicy_ce"),
-                                         ("dspark", "offpolicy_e2e_tv")])
-def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method):
+@pytest.mark.parametrize("kind,method,temp", [("dflash", "specopd", 0.8), ("dspark", "specopd", 0.8),
+                                              ("dflash", "offpolicy_ce", 0.8), ("dspark", "offpolicy_e2e_tv", 0.8),
+                                              ("dflash", "specopd", 0.0), ("dspark", "specopd", 0.0),
+                                              ("dflash", "offpolicy_e2e_tv", 0.0)])
+def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method, temp):
     """The step's one drafter forward (branches sampled from its detached hidden state, the fused chunked loss on
     the same graph; DSpark teacher-forcing its own samples) gives the loss, alpha and gradients of the v0.1
-    full-logit step with a second forward."""
+    full-logit step with a second forward. temp 0: greedy branches, alpha = q(argmax p)."""
     cfg = tiny_recipe(str(tmp_path), [f"drafter.kind={kind}", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
-                                      "trainer.temperature=0.8", "drafter.block_size=5"])
+                                      f"trainer.temperature={temp}", "drafter.block_size=5"])
     w = Worker(cfg)
     ids = w.train_ids[:2]
     caches = w.prefill(ids)
@@ -166,7 +168,7 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method):
         gens = [w.generator("branch", 1, int(s)) for s in ids]
         with torch.no_grad():
             toks, _ = w.drafter.sample(prop.features, prop.anchors, prop.trunk_index, prop.anchor_tokens,
-                                       0.8, gens, rows=rows)
+                                       temp, gens, rows=rows)
         assert torch.equal(toks, prop.tokens)
     hp = w.score(prop, caches)
     denom = 3 * prop.tokens.shape[0]
