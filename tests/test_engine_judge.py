@@ -20,6 +20,24 @@ def test_vllm_counters_become_table_numbers():
     assert v["per_position_acceptance"] == [0.5, 0.6, pytest.approx(1 / 3), 0.0]
 
 
+def test_round_by_round_rule():
+    """vLLM's per-request steps (accepted drafts per verify step) + 1 == our tokens per round, prompt by prompt;
+    a difference names the prompt and its first differing round; prompts outside ``same_text`` and outputs
+    without steps are not compared."""
+    ours = [[3, 1, 5, 2], [1, 1, 2], [2]]
+    outs = [{"steps": {"accepted": [2, 0, 4, 1], "drafted": [4, 4, 4, 4]}},
+            {"steps": {"accepted": [0, 0, 1], "drafted": [4, 4, 4]}},
+            {"steps": {"accepted": [1], "drafted": [4]}}]
+    assert E.round_disagreements(ours, outs) == []
+    outs[1]["steps"]["accepted"] = [0, 2, 1]
+    (msg,) = E.round_disagreements(ours, outs)
+    assert "prompt 1: round 1 accepts 3 tokens in vLLM, 1 in ours" in msg
+    assert E.round_disagreements(ours, outs, same_text=[0, 2]) == []
+    outs[2]["steps"]["accepted"] = [1, 0]  # one round more in vLLM
+    assert any("prompt 2: round 1 accepts 1 tokens in vLLM, - in ours" in m for m in E.round_disagreements(ours, outs))
+    assert E.round_disagreements(ours, [{"steps": None}] * 3) == []
+
+
 def test_disagreement_rules():
     a = dict(rounds=100, accepted_at=[50, 20, 5, 1], reached_at=[100, 50, 20, 5])
     assert E.disagreements(a, dict(a), 0.0) == []

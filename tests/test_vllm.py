@@ -86,6 +86,9 @@ def test_vllm_serves_our_export_three_ways(served):
     assert sum(t0["vllm"]["accepted_at"]) > 0  # not vacuous: drafts were accepted
     assert rep["num_speculative_tokens"] == 4 and len(t0["vllm"]["accepted_at"]) == 4
     assert t0["disagreements"] == []
+    # prompt by prompt, round by round: vLLM's own per-request verify steps == ours on its schedule
+    ok, why = checks["T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"]
+    assert ok and why == f"{len(served['prompts'])} prompts compared", why
     t1 = rep["by_temperature"]["1"]
     assert sum(t1["ours_vllm_schedule"]["accepted_at"]) > 0
     # T = 1, draft_sample_method=probabilistic, vLLM's CPU expand_kernel fixed by the runner (vllm#55005, see

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 # run as a script, this folder is sys.path[0]: none of its modules may shadow a package vLLM imports
 if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
@@ -71,11 +72,19 @@ def _llm(args, speculative_config=None, sampling=False):
               disable_log_stats=False, seed=0, enable_prefix_caching=False)
     if sampling:
         kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, args.max_model_len))
-    if speculative_config:
-        kw["speculative_config"] = speculative_config
+    if speculative_config:  # with each request's own verify steps (accepted / drafted per step)
+        kw.update(speculative_config=speculative_config, per_request_spec_decode_metrics="detailed")
     if getattr(args, "max_num_seqs", None):
         kw["max_num_seqs"] = args.max_num_seqs
     return LLM(**kw)
+
+
+def _steps(c) -> Optional[dict]:
+    """One output's verify steps, {accepted: [per step], drafted: [per step]}, or None (no drafter)."""
+    m = getattr(c, "spec_decode_metrics", None)
+    if m is None:
+        return None
+    return {"accepted": [int(x) for x in m.per_step_accepted], "drafted": [int(x) for x in m.per_step_drafted]}
 
 
 def _params(r: dict):
@@ -161,7 +170,7 @@ def judge(args) -> int:
             bp = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
             counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], bp)]
         out = [{"id": r["id"], "token_ids": list(o.outputs[0].token_ids), "finish": _finish(o.outputs[0]),
-                "text": o.outputs[0].text} for r, o in zip(rs, outs)]
+                "text": o.outputs[0].text, "steps": _steps(o.outputs[0])} for r, o in zip(rs, outs)]
         n_tok = sum(len(o["token_ids"]) for o in out)
         runs.append({"temperature": temp, "outputs": out, "wall_s": wall, "tokens_per_s": n_tok / max(wall, 1e-9),
                      "counters": counters})

@@ -107,7 +107,8 @@ def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: in
                           greedy: Optional[Sequence] = None) -> dict:
     """Our ``SpeculativeDecoder`` on vLLM's schedule: the first new token from the target's prefill (greedy, or
     sampled at T > 0), then rounds anchored at it. -> {mean_al, rounds, accepted_at, reached_at,
-    per_position_acceptance, tokens: [ids per prompt, cut at max_new_tokens]}.
+    per_position_acceptance, accept_lengths: [tokens per round (bonus included), per prompt], tokens: [ids per
+    prompt, cut at max_new_tokens] (decoding only)}.
 
     Args:
         prompts: [T_i] ids; greedy: the target's greedy continuations (``greedy_continuations``, >= max_new_tokens
@@ -125,14 +126,17 @@ def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: in
         acc = list(r["accepted_at"]) if r else [0] * k
         rounds = r["rounds"] if r else 0
         reached = [rounds] + acc[:-1]
+        lengths = [[] for _ in prompts]
+        for j, i in enumerate(idx):
+            lengths[i] = [int(x) for x in r["accept_lengths"][j]]
         return dict(mean_al=1.0 + sum(acc) / max(1, rounds), rounds=rounds, accepted_at=acc, reached_at=reached,
                     per_position_acceptance=[a / n if n else None for a, n in zip(acc, reached)], temperature=0.0,
-                    block_size=k, how="replay")
+                    block_size=k, how="replay", accept_lengths=lengths)
 
     dec = SpeculativeDecoder(target, drafter, temperature=temperature, block_size=block_size,
                              stop_token_ids=stop_token_ids)
     k = dec.block_size
-    rounds, accepted_at, tokens = 0, [0] * k, []
+    rounds, accepted_at, tokens, lengths = 0, [0] * k, [], []
     was = drafter.training
     drafter.eval()
     try:
@@ -140,19 +144,21 @@ def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: in
             p = [int(t) for t in p]
             g = torch.Generator().manual_seed(int(seed) * 1_000_003 + i)
             first = int(autoregressive(target, p, 1, temperature, g).tokens[0])
-            out = [first]
+            out, rl = [first], []
             if first not in stops and max_new_tokens > 1:
                 res = dec.generate(p + [first], max_new_tokens - 1, generator=g)
                 rounds += res.rounds
                 accepted_at = [a + b for a, b in zip(accepted_at, res.accepted_at)]
                 out += res.tokens.tolist()
+                rl = [int(x) for x in res.accept_lengths]
             tokens.append(out[:max_new_tokens])
+            lengths.append(rl)
     finally:
         drafter.train(was)
     reached = [rounds] + accepted_at[:-1]
     return dict(mean_al=1.0 + sum(accepted_at) / max(1, rounds), rounds=rounds, accepted_at=accepted_at,
                 reached_at=reached, per_position_acceptance=[a / r if r else None for a, r in zip(accepted_at, reached)],
-                tokens=tokens, temperature=float(temperature), block_size=k, how="decode")
+                tokens=tokens, temperature=float(temperature), block_size=k, how="decode", accept_lengths=lengths)
 
 
 def disagreements(ours: dict, vllm: dict, temperature: float) -> list:
@@ -174,6 +180,32 @@ def disagreements(ours: dict, vllm: dict, temperature: float) -> list:
         if abs(po - pv) > NOISE_SIGMAS * se + 1e-12:
             out.append(f"T={temperature:g}: acceptance at draft position {i + 1}: ours {po:.3f} ({ao}/{ro}) vs vLLM "
                        f"{pv:.3f} ({av}/{rv}), {abs(po - pv) / se:.1f} standard errors apart (> {NOISE_SIGMAS:g})")
+    return out
+
+
+def round_disagreements(ours_lengths: Sequence[Sequence[int]], vllm_outputs: Sequence[dict],
+                        same_text: Optional[Sequence[int]] = None) -> list:
+    """T = 0, prompt by prompt: vLLM's own verify steps (``per_request_spec_decode_metrics``: accepted drafts per
+    step, + 1 for the bonus) against our rounds on its schedule. Greedy: every round must be equal.
+
+    Args:
+        ours_lengths: per prompt, tokens per round (``ours_on_vllm_schedule``'s ``accept_lengths``).
+        vllm_outputs: the runner's outputs, each with ``steps`` {accepted, drafted} (None: vLLM gave none).
+        same_text: compare only these prompts (low precision: those whose greedy texts agree); None: all.
+
+    Returns:
+        sentences, one per prompt that differs (empty: every compared round agrees, or vLLM gave no steps).
+    """
+    out = []
+    for i, (mine, o) in enumerate(zip(ours_lengths, vllm_outputs)):
+        if o.get("steps") is None or (same_text is not None and i not in same_text):
+            continue
+        theirs = [a + 1 for a in o["steps"]["accepted"]]
+        if list(mine) != theirs:
+            j = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            out.append(f"T=0: prompt {i}: round {j} accepts {theirs[j] if j < len(theirs) else '-'} tokens in "
+                       f"vLLM, {mine[j] if j < len(mine) else '-'} in ours on vLLM's schedule ({len(theirs)} / "
+                       f"{len(mine)} rounds; greedy: every round must be equal)")
     return out
 
 
@@ -319,8 +351,16 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
             if bad:
                 dis.append(f"T=0: vLLM's speculative greedy output differs from our greedy output on prompts {bad} "
                            f"(a near-tie of the target's argmax, or a wrong target computation on one side)")
+            same = [i for i in range(len(prompts)) if i not in bad]
+            rd = round_disagreements(ov["accept_lengths"], run["outputs"], same)
+            if any(o.get("steps") is not None for o in run["outputs"]):
+                report["checks"]["T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"] = (
+                    not rd, "; ".join(rd) or f"{len(same)} prompts compared" + (
+                        f" (not the {len(bad)} whose texts part)" if bad else ""))
+            dis += rd
         report["by_temperature"][f"{t:g}"] = dict(vllm=v, ours_vllm_schedule={x: y for x, y in ov.items()
-                                                                               if x != "tokens"},
+                                                                               if x not in ("tokens",
+                                                                                            "accept_lengths")},
                                                   ours={x: mine[x] for x in ("mean_al", "rounds", "accepted_at",
                                                                              "reached_at", "per_position_acceptance")}
                                                   if mine else None,
