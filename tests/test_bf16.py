@@ -204,3 +204,40 @@ def test_judge_near_ties_name_the_margin_in_noise_units(tmp_path):
     assert ties[0]["unit"] == pytest.approx(unit, rel=1e-5)
     assert ties[0]["units"] > NEAR_TIE_UNITS
     assert describe_near_ties(ties).startswith("0 of 1 partings are near ties")
+
+
+def test_judge_draft_near_ties_find_the_differing_slot(tmp_path):
+    """``draft_near_ties``: on a text both engines wrote alike, the first round whose acceptance differs, the draft
+    slot where one side left the text, and the drafter's fp32-feature margin there in noise units; prompts whose
+    rounds agree are skipped."""
+    from specopd.drafters import export_drafter, load_drafter
+    from specopd.eval.engine import describe_near_ties, draft_near_ties
+
+    path = make_tiny_checkpoint("llama", tmp_path, vocab_size=V, num_hidden_layers=2, initializer_range=0.2)
+    t16 = load_target(path, dtype=torch.bfloat16)
+    t32 = load_target(path, dtype=torch.bfloat16).float()
+    export = export_drafter(build_drafter("dflash", t16, num_layers=1, block_size=5, seed=0, feature_layers=[1]),
+                            str(tmp_path / "drafter"))
+    prompt = _ids(9, 3).tolist()
+    text = autoregressive(t16, torch.tensor(prompt), 12).tokens.tolist()
+    ours = [[1, 2, 1], [2, 1]]  # tokens per round (accepted drafts + 1)
+    outs = [{"steps": {"accepted": [1, 1, 0], "drafted": [4] * 3}},  # prompt 0: vLLM accepts one more in round 0
+            {"steps": {"accepted": [1, 0], "drafted": [4] * 2}}]  # prompt 1: the same rounds
+    (t,) = draft_near_ties(t32, t16, export, [prompt, prompt], [text, text], ours, outs, [0, 1])
+    assert (t["prompt"], t["round"], t["position"]) == (0, 0, 0) and t["text"] == text[1]
+    d16, d32 = load_drafter(export, t16).eval(), load_drafter(export, t32).eval()
+    seq = torch.tensor(prompt + text)
+    a = len(prompt)
+    with torch.no_grad():
+        logit = []
+        for tg, d in ((t16, d16), (t32, d32)):
+            c = tg.prefill(seq[: a + 1], feature_layers=d.feature_layers, keep_logits=False, keep_hidden=True)
+            h = d.hidden([c.features], torch.tensor([a]), torch.tensor([0]), seq[a: a + 1])[0, 0]
+            logit.append((h.to(tg.lm_head.weight.dtype) @ tg.lm_head.weight.t()).float())
+    assert t["ours"] == int(logit[0].argmax())
+    assert t["unit"] == pytest.approx(float((logit[0] - logit[1]).abs().max()), rel=1e-5)
+    masked = logit[1].clone()
+    masked[t["text"]] = -float("inf")
+    other = t["ours"] if t["ours"] != t["text"] else int(masked.argmax())  # the runner-up of the fp32 features
+    assert t["margin"] == pytest.approx(abs(float(logit[1][t["text"]] - logit[1][other])), rel=1e-5)
+    assert "round differences" in describe_near_ties([t], "round differences")

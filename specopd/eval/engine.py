@@ -354,9 +354,18 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
             same = [i for i in range(len(prompts)) if i not in bad]
             rd = round_disagreements(ov["accept_lengths"], run["outputs"], same)
             if any(o.get("steps") is not None for o in run["outputs"]):
-                report["checks"]["T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"] = (
-                    not rd, "; ".join(rd) or f"{len(same)} prompts compared" + (
-                        f" (not the {len(bad)} whose texts part)" if bad else ""))
+                why = "; ".join(rd) or f"{len(same)} prompts compared" + (
+                    f" (not the {len(bad)} whose texts part)" if bad else "")
+                if rd and torch_dtype != torch.float32:
+                    if not refs:
+                        refs.append(load_target(target_dir, dtype=torch_dtype, device="cpu").float())
+                    diff = [i for i in same if list(ov["accept_lengths"][i]) != [
+                        a + 1 for a in run["outputs"][i]["steps"]["accepted"]]]
+                    dt = draft_near_ties(refs[0], target, ck or export, prompts, greedy, ov["accept_lengths"],
+                                         run["outputs"], diff)
+                    report.setdefault("near_ties", {})["rounds"] = dt
+                    why += "; " + describe_near_ties(dt, "round differences", "the drafter's logits on fp32 features")
+                report["checks"]["T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"] = (not rd, why)
             dis += rd
         report["by_temperature"][f"{t:g}"] = dict(vllm=v, ours_vllm_schedule={x: y for x, y in ov.items()
                                                                                if x not in ("tokens",
@@ -432,14 +441,62 @@ def near_ties(ref, target, prompts: Sequence, bad: Sequence[int], ours: Sequence
     return out
 
 
-def describe_near_ties(ties: list) -> str:
-    """One line: how many of the partings are near ties, and the largest margin in noise units."""
+@torch.no_grad()
+def draft_near_ties(ref, target, drafter_path: str, prompts: Sequence, texts: Sequence, ours_lengths: Sequence,
+                    vllm_outputs: Sequence[dict], which: Sequence[int]) -> list:
+    """Where a low-precision target's rounds differ from vLLM's on a text both wrote alike, how near a tie the
+    drafter's own choice is: the same text leaves only the draft to differ.
+
+    Args:
+        ref: the fp32 reference of ``target`` (as in ``near_ties``); target: the low-precision TargetModel.
+        drafter_path: the drafter, loaded once on each (its features and lm_head are each target's).
+        prompts: [T_i] prompt ids; texts: the (common) greedy texts; ours_lengths: our tokens per round per
+            prompt; vllm_outputs: the runner's outputs with ``steps``; which: the prompts to look at.
+
+    Returns:
+        per prompt: {prompt, round, position (0-based draft slot), text (the text's token there), ours (our draft),
+        margin (|fp32-feature drafter logit difference| of the text token and the other candidate), unit (max
+        |drafter logit, low-precision - fp32 features| there), units}. ``units <= NEAR_TIE_UNITS``: a near tie.
+    """
+    drafters = {id(t): load_drafter(drafter_path, t).eval() for t in (target, ref)}
+    out = []
+    for i in which:
+        mine, theirs = list(ours_lengths[i]), [a + 1 for a in vllm_outputs[i]["steps"]["accepted"]]
+        j = _first_difference(mine, theirs)
+        if j is None:
+            continue
+        m = min(mine[j], theirs[j]) - 1  # the first draft slot where one side's draft is not the text
+        seq = torch.as_tensor(list(prompts[i]) + list(texts[i]), dtype=torch.long)
+        a = len(prompts[i]) + sum(mine[:j])  # the round's anchor
+        if m >= drafters[id(target)].draft_len or a + 1 + m >= len(seq):
+            continue
+        logits = []
+        for t in (target, ref):
+            d = drafters[id(t)]
+            c = t.prefill(seq[: a + 1], feature_layers=d.feature_layers, keep_logits=False, keep_hidden=True)
+            h = d.hidden([c.features], torch.tensor([a]), torch.tensor([0]), seq[a: a + 1])[0, m]  # [D]
+            logits.append((h.to(t.lm_head.weight.dtype) @ t.lm_head.weight.t()).float())
+        lp, f = logits
+        x = int(seq[a + 1 + m])
+        d = int(lp.argmax())
+        other = d if d != x else int(torch.cat([f[:x], f.new_full((1,), -float("inf")), f[x + 1:]]).argmax())
+        unit = float((lp - f).abs().max())
+        margin = abs(float(f[x] - f[other]))
+        out.append(dict(prompt=int(i), round=j, position=m, text=x, ours=d, margin=margin, unit=unit,
+                        units=margin / max(unit, 1e-12)))
+    return out
+
+
+def describe_near_ties(ties: list, what: str = "partings", of: str = "the fp32 reference") -> str:
+    """One line: how many of the partings (or round differences) are near ties, and the largest margin in noise
+    units."""
     if not ties:
-        return "no parting token to compare"
+        return f"no {what[:-1]} token to compare"
     near = sum(t["units"] <= NEAR_TIE_UNITS for t in ties)
     worst = max(ties, key=lambda t: t["units"])
-    return (f"{near} of {len(ties)} partings are near ties of the fp32 reference (margin <= {NEAR_TIE_UNITS:g} bf16 "
-            f"noise units, docs/exactness.md); the widest: prompt {worst['prompt']} token {worst['token']}, margin "
+    where = f"token {worst['token']}" if "token" in worst else f"round {worst['round']} slot {worst['position'] + 1}"
+    return (f"{near} of {len(ties)} {what} are near ties of {of} (margin <= {NEAR_TIE_UNITS:g} bf16 "
+            f"noise units, docs/exactness.md); the widest: prompt {worst['prompt']} {where}, margin "
             f"{worst['margin']:.3f} = {worst['units']:.1f} units")
 
 
