@@ -250,8 +250,8 @@ def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: t
 
 class ChunkBuffers:
     """[rows, V] buffers that the chunks of one loss / sampling call reuse: ``fp32(slot, n)`` one per live fp32
-    tensor of a chunk, ``scratch(dtype, n, slot)`` per dtype for products and casts (slot 0: consumed at once). Each is made on
-    first use; views [n, V] of [rows, V] storage, contiguous."""
+    tensor of a chunk, ``scratch(dtype, n, slot)`` per dtype for products and casts (slot 0: consumed at once).
+    Each is made on first use; views [n, V] of [rows, V] storage, contiguous."""
 
     def __init__(self, rows: int, vocab: int, device):
         self.rows, self.vocab, self.device = int(rows), int(vocab), device
