@@ -119,6 +119,7 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
     from specopd.train.data import BatchOrder
 
     seq_len, ov = SETTINGS[setting]
+    kept = losses.TV_KERNEL
     w0 = None
     data = chat_data(target_dir, 49152, seq_len, os.path.join(tmp, f"chat{seq_len}.jsonl"), exact=setting == "long")
     workers = make_workers(target_dir, data, seq_len, ov, dtypes, os.path.join(tmp, f"run-{setting}"), kernels)
@@ -152,7 +153,7 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
         m, flops = count_flops(one)
         stats[key]["flops_per_token"] = flops / m["supervised_tokens"]
         stats[key]["tokens_per_s"] = stats[key]["tokens"] / stats[key]["seconds"]
-    losses.TV_KERNEL = os.environ.get("SPECOPD_TV_KERNEL", "auto")
+    losses.TV_KERNEL = kept
     return {"setting": setting, "seq_len": seq_len, "batch": w0.cfg.data.batch_size,
             "anchors": w0.cfg.trainer.anchors_per_seq, "W": w0.W, "stats": stats}
 

@@ -439,18 +439,17 @@ class _ChunkedHead(torch.autograd.Function):
             grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
         return (None, None, None, None, None, None, *grads)
 
-
     @staticmethod
     def _grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha):
-        """dL/dz [R, V] of one chunk by kernels/e2e_tv: in w's dtype for one term whose weight needs no gradient
-        (what ``_grad_inputs`` multiplies by), else fp32 (over z itself when z is fp32)."""
+        """dL/dz [R, V] of one chunk by kernels/e2e_tv: fp32 over z itself when z is fp32; else (one bf16 term)
+        in w's dtype, what ``_grad_inputs`` multiplies by, unless the weight needs its fp32 gradient."""
         n = r.numel()
         z = raw_logits(xs, ws, r, bufs, 0)
         zp = raw_logits((hp,), (wp,), r, bufs, 2)
-        if len(xs) == 1 and dw[0] is None:
-            out = z if z.dtype == torch.float32 else bufs.scratch(ws[0].dtype, n, 5)
+        if z.dtype == torch.float32:
+            out = z
         else:
-            out = z if z.dtype == torch.float32 else bufs.fp32(1, n)
+            out = bufs.scratch(z.dtype, n, 5) if dw[0] is None else bufs.fp32(1, n)
         return tv_cpu.tv_alpha_backward(z, zp, ctx.temperature, ctx.stats[s: s + n], g_alpha[s: s + n], out)
 
     @staticmethod

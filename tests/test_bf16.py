@@ -223,9 +223,9 @@ def test_judge_draft_near_ties_find_the_differing_slot(tmp_path):
     ours = [[1, 2, 1], [2, 1]]  # tokens per round (accepted drafts + 1)
     outs = [{"steps": {"accepted": [1, 1, 0], "drafted": [4] * 3}},  # prompt 0: vLLM accepts one more in round 0
             {"steps": {"accepted": [1, 0], "drafted": [4] * 2}}]  # prompt 1: the same rounds
-    (t,) = draft_near_ties(t32, t16, export, [prompt, prompt], [text, text], ours, outs, [0, 1])
-    assert (t["prompt"], t["round"], t["position"]) == (0, 0, 0) and t["text"] == text[1]
     d16, d32 = load_drafter(export, t16).eval(), load_drafter(export, t32).eval()
+    (t,) = draft_near_ties(t32, d32, t16, d16, [prompt, prompt], [text, text], ours, outs, [0, 1])
+    assert (t["prompt"], t["round"], t["position"]) == (0, 0, 0) and t["text"] == text[1]
     seq = torch.tensor(prompt + text)
     a = len(prompt)
     with torch.no_grad():

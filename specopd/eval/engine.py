@@ -318,7 +318,16 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     if plain or 0.0 in temps:  # the target's greedy continuations (batched), cut after a stop token for the text
         full = greedy_continuations(target, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens + k)
         greedy = [_cut(g.tolist()[:max_new_tokens], stop_token_ids) for g in full]
-    refs = []  # the fp32 reference of a low-precision target, loaded once, when a text first parts
+    refs = {}  # the fp32 reference of a low-precision target (and the drafter on it), each loaded when first needed
+
+    def reference(with_drafter: bool = False):
+        if "target" not in refs:
+            refs["target"] = load_target(target_dir, dtype=torch_dtype, device="cpu").float()
+        if not with_drafter:
+            return refs["target"]
+        if "drafter" not in refs:
+            refs["drafter"] = load_drafter(ck or export, refs["target"]).eval()
+        return refs["target"], refs["drafter"]
 
     def against_ours(name: str, theirs: list) -> list:
         """report["checks"][name]: vLLM's greedy texts ``theirs`` == ours; in low precision each parting is
@@ -326,9 +335,7 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         bad = [i for i, (a, b) in enumerate(zip(theirs, greedy)) if a != b]
         why = _diff_text(bad, theirs, greedy)
         if bad and torch_dtype != torch.float32:
-            if not refs:
-                refs.append(load_target(target_dir, dtype=torch_dtype, device="cpu").float())
-            ties = near_ties(refs[0], target, prompts, bad, greedy, theirs)
+            ties = near_ties(reference(), target, prompts, bad, greedy, theirs)
             report.setdefault("near_ties", {})[name] = ties
             why += "; " + describe_near_ties(ties)
         report["checks"][name] = (not bad, why)
@@ -357,12 +364,8 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
                 why = "; ".join(rd) or f"{len(same)} prompts compared" + (
                     f" (not the {len(bad)} whose texts part)" if bad else "")
                 if rd and torch_dtype != torch.float32:
-                    if not refs:
-                        refs.append(load_target(target_dir, dtype=torch_dtype, device="cpu").float())
-                    diff = [i for i in same if list(ov["accept_lengths"][i]) != [
-                        a + 1 for a in run["outputs"][i]["steps"]["accepted"]]]
-                    dt = draft_near_ties(refs[0], target, ck or export, prompts, greedy, ov["accept_lengths"],
-                                         run["outputs"], diff)
+                    dt = draft_near_ties(*reference(with_drafter=True), target, drafter, prompts, greedy,
+                                         ov["accept_lengths"], run["outputs"], same)
                     report.setdefault("near_ties", {})["rounds"] = dt
                     why += "; " + describe_near_ties(dt, "round differences", "the drafter's logits on fp32 features")
                 report["checks"]["T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"] = (not rd, why)
@@ -442,23 +445,23 @@ def near_ties(ref, target, prompts: Sequence, bad: Sequence[int], ours: Sequence
 
 
 @torch.no_grad()
-def draft_near_ties(ref, target, drafter_path: str, prompts: Sequence, texts: Sequence, ours_lengths: Sequence,
+def draft_near_ties(ref, ref_drafter, target, drafter, prompts: Sequence, texts: Sequence, ours_lengths: Sequence,
                     vllm_outputs: Sequence[dict], which: Sequence[int]) -> list:
     """Where a low-precision target's rounds differ from vLLM's on a text both wrote alike, how near a tie the
     drafter's own choice is: the same text leaves only the draft to differ.
 
     Args:
-        ref: the fp32 reference of ``target`` (as in ``near_ties``); target: the low-precision TargetModel.
-        drafter_path: the drafter, loaded once on each (its features and lm_head are each target's).
+        ref, ref_drafter: the fp32 reference of ``target`` (as in ``near_ties``) and the drafter loaded on it.
+        target, drafter: the low-precision TargetModel and the drafter loaded on it.
         prompts: [T_i] prompt ids; texts: the (common) greedy texts; ours_lengths: our tokens per round per
-            prompt; vllm_outputs: the runner's outputs with ``steps``; which: the prompts to look at.
+            prompt; vllm_outputs: the runner's outputs with ``steps``; which: the prompts to look at (those whose
+            rounds all agree are skipped).
 
     Returns:
         per prompt: {prompt, round, position (0-based draft slot), text (the text's token there), ours (our draft),
         margin (|fp32-feature drafter logit difference| of the text token and the other candidate), unit (max
         |drafter logit, low-precision - fp32 features| there), units}. ``units <= NEAR_TIE_UNITS``: a near tie.
     """
-    drafters = {id(t): load_drafter(drafter_path, t).eval() for t in (target, ref)}
     out = []
     for i in which:
         mine, theirs = list(ours_lengths[i]), [a + 1 for a in vllm_outputs[i]["steps"]["accepted"]]
@@ -468,11 +471,10 @@ def draft_near_ties(ref, target, drafter_path: str, prompts: Sequence, texts: Se
         m = min(mine[j], theirs[j]) - 1  # the first draft slot where one side's draft is not the text
         seq = torch.as_tensor(list(prompts[i]) + list(texts[i]), dtype=torch.long)
         a = len(prompts[i]) + sum(mine[:j])  # the round's anchor
-        if m >= drafters[id(target)].draft_len or a + 1 + m >= len(seq):
+        if m >= drafter.draft_len or a + 1 + m >= len(seq):
             continue
         logits = []
-        for t in (target, ref):
-            d = drafters[id(t)]
+        for t, d in ((target, drafter), (ref, ref_drafter)):
             c = t.prefill(seq[: a + 1], feature_layers=d.feature_layers, keep_logits=False, keep_hidden=True)
             h = d.hidden([c.features], torch.tensor([a]), torch.tensor([0]), seq[a: a + 1])[0, m]  # [D]
             logits.append((h.to(t.lm_head.weight.dtype) @ t.lm_head.weight.t()).float())
