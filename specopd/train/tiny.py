@@ -4,6 +4,7 @@ Seeding and the head scale: docs/architecture.md ("Tiny targets").
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -112,10 +113,8 @@ def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: d
     spec = {"model_type": model_type, "seed": int(seed), "overrides": dict(overrides or {}), "version": TINY_VERSION,
             "init": tiny_config(model_type, dict(overrides or {}))[1]}
     marker = os.path.join(out_dir, "tiny.json")
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            if json.load(f) == json.loads(json.dumps(spec)):
-                return out_dir
+    if _built(marker, spec):
+        return out_dir
     cfg, init = tiny_config(model_type, spec["overrides"])
     if model_type not in MODEL_TYPES:
         raise ValueError(f"tiny:{model_type}: our {model_type} model is not available (specopd/models/"
@@ -139,15 +138,33 @@ def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: d
         json.dump(cfg, f, indent=2)
     with open(os.path.join(tmp, "tiny.json"), "w") as f:
         json.dump(spec, f)
-    if os.path.isfile(marker):  # another process finished first
+    for _ in range(8):
+        try:
+            os.rename(tmp, out_dir)  # atomic: readers see no folder or a whole one
+            return out_dir
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if _built(marker, spec):  # another process (a Ray worker of this run) finished first: use its folder
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out_dir
+        old = out_dir.rstrip("/") + f".old-{os.getpid()}"  # a stale target: moved aside, never deleted in place
+        try:
+            os.rename(out_dir, old)
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+    raise RuntimeError(f"{out_dir}: could not replace it with a new tiny target ({tmp}); other processes keep "
+                       f"writing it; remove the folder and rerun")
+
+
+def _built(marker: str, spec: dict) -> bool:
+    """Whether ``marker`` (a target folder's tiny.json) records exactly ``spec``."""
+    try:
         with open(marker) as f:
-            if json.load(f) == json.loads(json.dumps(spec)):
-                shutil.rmtree(tmp)
-                return out_dir
-    if os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
-    return out_dir
+            return json.load(f) == json.loads(json.dumps(spec))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
 
 
 def resolve_target_path(model_cfg, output_dir: str) -> str:
