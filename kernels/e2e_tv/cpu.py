@@ -1,88 +1,41 @@
 """The CPU kernel of alpha = sum_v min(q, p) and its gradient (``tv_cpu.c``), built on first use and loaded with
 ctypes.
 
-Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``) into
-``$SPECOPD_CACHE/kernels`` (default ``~/.cache/specopd/kernels``), one file per source, flags and CPU, written
-atomically (parallel workers may build at once). ``available()`` is False where no compiler works; the callers
-(``specopd.losses``) then keep the torch path, which computes the same numbers (``naive.py``).
+Built by ``kernels.cbuild`` (the system C compiler, cached in ``$SPECOPD_CACHE/kernels``). ``available()`` is False
+where no compiler works; the callers (``specopd.losses``) then keep the torch path, which computes the same numbers
+(``naive.py``).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from typing import Optional
 
 import torch
 
+from kernels.cbuild import Library
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tv_cpu.c")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_error: Optional[str] = None
 
 
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return flags + platform.machine()
-
-
-def build_dir() -> str:
-    root = os.environ.get("SPECOPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specopd")
-    return os.path.join(root, "kernels")
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc / gcc / $CC) on PATH")
-    src = open(SOURCE, "rb").read()
-    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    path = os.path.join(build_dir(), f"tv_cpu-{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(build_dir(), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir())
-        os.close(fd)
-        try:
-            out = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
-            if out.returncode != 0:
-                raise RuntimeError(f"{cc} failed to build {SOURCE}:\n{out.stderr[-2000:]}")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    lib = ctypes.CDLL(path)
+def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.tv_alpha_forward.argtypes = [ptr, i32, i64, ptr, i32, i64, i64, i64, f32, ptr, ptr, i32]
     lib.tv_alpha_backward.argtypes = [ptr, i32, i64, ptr, i32, i64, i64, i64, f32, ptr, ptr, ptr, i32, i64, i32]
     lib.tv_alpha_forward.restype = lib.tv_alpha_backward.restype = None
-    return lib
+
+
+LIB = Library(SOURCE, _declare)
 
 
 def available() -> bool:
     """True when the kernel is built (or builds now) and loads; the reason it does not: ``unavailable_reason()``."""
-    global _lib, _error
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except (OSError, RuntimeError) as e:
-                _error = str(e)
-        return _lib is not None
+    return LIB.available()
 
 
 def unavailable_reason() -> Optional[str]:
-    available()
-    return _error
+    LIB.available()
+    return LIB.error
 
 
 def _rows(z: torch.Tensor, name: str):
@@ -98,7 +51,7 @@ def _check(zq, zp, temperature):
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     if not available():
-        raise RuntimeError(f"the CPU TV kernel is not available: {_error}")
+        raise RuntimeError(f"the CPU TV kernel is not available: {LIB.error}")
 
 
 def tv_alpha_forward(zq: torch.Tensor, zp: torch.Tensor, temperature: float):
@@ -117,7 +70,7 @@ def tv_alpha_forward(zq: torch.Tensor, zp: torch.Tensor, temperature: float):
     r, v = zq.shape
     alpha = torch.empty(r, dtype=torch.float32)
     stats = torch.empty(r, 5, dtype=torch.float32)
-    _lib.tv_alpha_forward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature), alpha.data_ptr(),
+    LIB.get().tv_alpha_forward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature), alpha.data_ptr(),
                           stats.data_ptr(), torch.get_num_threads())
     return alpha, stats
 
@@ -144,6 +97,6 @@ def tv_alpha_backward(zq: torch.Tensor, zp: torch.Tensor, temperature: float, st
                          f"{tuple(stats.shape)}, {tuple(grad_alpha.shape)}")
     coef = (grad_alpha.float() / float(temperature)).contiguous()
     stats = stats.float().contiguous()
-    _lib.tv_alpha_backward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature), stats.data_ptr(),
+    LIB.get().tv_alpha_backward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature), stats.data_ptr(),
                            coef.data_ptr(), *_rows(out, "out"), torch.get_num_threads())
     return out

@@ -1,0 +1,89 @@
+"""Build a CPU kernel's C source on first use and load it with ctypes (the one owner of that for ``kernels/``).
+
+The system C compiler (``$CC``, else ``cc`` / ``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``; no
+fast-math) into ``$SPECOPD_CACHE/kernels`` (default ``~/.cache/specopd/kernels``): one file per source, flags and
+CPU, written atomically (parallel workers may build at once). OpenMP threads come from the runtime torch has
+already loaded.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from typing import Callable, Optional
+
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return flags + platform.machine()
+
+
+def build_dir() -> str:
+    root = os.environ.get("SPECOPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specopd")
+    return os.path.join(root, "kernels")
+
+
+def build(source: str) -> ctypes.CDLL:
+    """Compile ``source`` (a .c path) unless a build for these flags and this CPU exists; load it.
+
+    Raises:
+        RuntimeError: no compiler, or it failed (its stderr in the message).
+    """
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc / gcc / $CC) on PATH")
+    src = open(source, "rb").read()
+    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    name = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(build_dir(), f"{name}-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(build_dir(), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir())
+        os.close(fd)
+        try:
+            out = subprocess.run([cc, *FLAGS, source, "-o", tmp, "-lm"], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"{cc} failed to build {source}:\n{out.stderr[-2000:]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return ctypes.CDLL(path)
+
+
+class Library:
+    """A kernel library built and loaded once per process on first ``get()``; ``declare(lib)`` sets argtypes."""
+
+    def __init__(self, source: str, declare: Callable[[ctypes.CDLL], None]):
+        self.source, self._declare = source, declare
+        self._lock = threading.Lock()
+        self._lib: Optional[ctypes.CDLL] = None
+        self.error: Optional[str] = None
+
+    def available(self) -> bool:
+        """True when the library is built (or builds now) and loads; else ``error`` says why."""
+        with self._lock:
+            if self._lib is None and self.error is None:
+                try:
+                    lib = build(self.source)
+                    self._declare(lib)
+                    self._lib = lib
+                except (OSError, RuntimeError) as e:
+                    self.error = str(e)
+            return self._lib is not None
+
+    def get(self) -> ctypes.CDLL:
+        if not self.available():
+            raise RuntimeError(f"the CPU kernel {os.path.basename(self.source)} is not available: {self.error}")
+        return self._lib
