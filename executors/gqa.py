@@ -13,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 from executors.attention import masked_attention, sdpa_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
 from executors.options import as_options
-from kernels.tree_attention import build_tree_plan, tree_attention_blocked
+from kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked
 
 
 @dataclass
@@ -38,6 +38,7 @@ class GQANodes:
 BACKENDS = {"dense": masked_attention, "sdpa": sdpa_attention}  # dense-mask attention (prefill; score baseline)
 SCORE_BACKENDS = ("blocked", "triton", "dense", "sdpa")
 BLOCKED = dict(block_m=64, block_n=64)  # torch path: nodes x keys per block (fewer, larger blocks: fewer launches)
+GROUP_KEYS = 1 << 16  # torch path in bf16 / fp16: query blocks x keys gathered per fused-attention call
 
 
 def _option(options) -> str:
@@ -257,7 +258,11 @@ class GQAExecutor(Executor):
                 o = tree_attention(q[0], k[0], v[0], trunk_k, trunk_v, plan, mixer.scaling)[None]
             else:
                 plan = _tree_plan(tree, lens, BLOCKED, None)
-                o = tree_attention_blocked(q[0], k[0], v[0], trunk_k, trunk_v, plan, mixer.scaling)
+                groups = None
+                if q.dtype != torch.float32 and dev.type == "cpu":  # half precision: batched blocks, once per tree
+                    groups = tree_cached(tree, ("tree_groups", lens, *BLOCKED.values(), GROUP_KEYS),
+                                         lambda: block_groups(plan, GROUP_KEYS))
+                o = tree_attention_blocked(q[0], k[0], v[0], trunk_k, trunk_v, plan, mixer.scaling, groups)
                 o = o.to(q.dtype)[None]
         return mixer.finish(o, extra), GQANodes(k[0], v[0])
 

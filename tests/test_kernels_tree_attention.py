@@ -119,6 +119,33 @@ def test_blocked_torch_path_matches_reference():
         assert kernel_check.rel(got, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("general", [False, True])
+@pytest.mark.parametrize("max_keys", [0, 600, 1 << 16])
+def test_bf16_block_groups_within_noise_of_the_reference(general, max_keys):
+    """bf16 on the CPU: query blocks batched into groups (one fused-attention call each, padded keys and rows
+    masked) stay within the bf16 noise of one call per block, against the fp32 reference of the same rounded
+    inputs; every node is written once; the groups respect their key budget (a lone block may exceed it)."""
+    from kernels.tree_attention import block_groups
+
+    lens = [150, 77, 40]
+    anchor, parent, tix = make_tree(lens, 9, [5, 1, 3], general=general)
+    q, k, v, tk, tv = make_inputs(lens, anchor.numel(), 6, 2, 16, dtype=torch.bfloat16)
+    f = lambda x: x.float()  # noqa: E731
+    ref = tree_attention_reference(f(q), f(k), f(v), [f(x) for x in tk], [f(x) for x in tv], anchor, parent, tix, 0.3)
+    plan = build_tree_plan(anchor, parent, tix, lens, block_m=8, block_n=16)
+    groups = block_groups(plan, max_keys)
+    assert sum(int(g.real.sum()) for g in groups) == anchor.numel()
+    assert torch.equal(torch.sort(torch.cat([g.rows[g.real] for g in groups])).values, torch.arange(anchor.numel()))
+    assert all(g.keys.numel() <= max(max_keys, g.keys.shape[1]) for g in groups)
+    if max_keys == 1 << 16:
+        assert len(groups) == 1 and bool((~groups[0].real).any())  # padding rows exist and are dropped
+    got = tree_attention_blocked(q, k, v, torch.cat(tk), torch.cat(tv), plan, 0.3, groups)
+    one = tree_attention_blocked(q, k, v, torch.cat(tk), torch.cat(tv), plan, 0.3, block_groups(plan, 0))
+    unit = float((one - ref).abs().max())
+    assert unit > 0 and float((got - ref).abs().max()) <= 2 * unit
+    assert kernel_check.rel(got, ref) <= 1e-2
+
+
 def test_plan_errors_name_the_fix():
     anchor, parent, tix = make_tree([20], 3, [2])
     with pytest.raises(ValueError, match="outside its trunk"):

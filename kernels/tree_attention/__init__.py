@@ -1,4 +1,5 @@
 """Tree attention for scoring proposal trees: ``naive`` (dense masked reference), ``plan`` (the block plan and
 the blocked torch path that uses it) and ``triton_fwd`` (the Triton forward kernel; import it explicitly)."""
 from kernels.tree_attention.naive import tree_attention_reference  # noqa: F401
-from kernels.tree_attention.plan import TreeAttentionPlan, build_tree_plan, tree_attention_blocked  # noqa: F401
+from kernels.tree_attention.plan import (  # noqa: F401
+    TreeAttentionPlan, block_groups, build_tree_plan, tree_attention_blocked)

@@ -187,10 +187,85 @@ def block_visibility(plan: TreeAttentionPlan, b: int, e: int) -> torch.Tensor:
     return ((w[:, None] >> torch.arange(plan.block_n)[None, :]) & 1) != 0
 
 
+@dataclass
+class BlockGroup:
+    """Query blocks of a plan gathered for one batched attention call (G blocks, padded to the longest)."""
+
+    rows: torch.Tensor  # [G, R] node id of each query row, R <= block_m (a padding row repeats its block's first)
+    real: torch.Tensor  # [G, R] bool, False on padding rows
+    keys: torch.Tensor  # [G, S] row of each key in cat([trunk keys, node keys]) (padding: row 0, masked)
+    mask: torch.Tensor  # [G, R, S] bool visibility
+
+
+def _block_keys(plan: TreeAttentionPlan, b: int, lo_t: torch.Tensor, hi_t: torch.Tensor):
+    """Query block b's keys as rows of cat([trunk keys, node keys]) and its [rows, keys] visibility."""
+    s0, s1 = int(plan.q_start[b]), int(plan.q_end[b])
+    tr = int(plan.q_trunk[b])
+    off, t_len = int(plan.trunk_offsets[tr]), int(plan.t_len[b])
+    keys = [torch.arange(off, off + t_len)]
+    masks = [torch.arange(t_len)[None, :] <= plan.anchor[s0:s1, None]]
+    for e in range(int(plan.nb_ptr[b]), int(plan.nb_ptr[b + 1])):
+        kb = int(plan.nb_idx[e])
+        k0, k1 = max(kb * plan.block_n, int(lo_t[tr])), min((kb + 1) * plan.block_n, int(hi_t[tr]))
+        keys.append(plan.trunk_total + plan.order[k0:k1])
+        masks.append(block_visibility(plan, b, e)[:, k0 - kb * plan.block_n: k1 - kb * plan.block_n])
+    return torch.cat(keys), torch.cat(masks, dim=1)
+
+
+def _trunk_node_ranges(plan: TreeAttentionPlan):
+    """Sorted node range [lo_t, hi_t) of each trunk: node key blocks are clipped to it (the rest is never
+    visible)."""
+    n_tr = plan.trunk_offsets.numel() - 1
+    lo_t = torch.full((n_tr,), plan.num_nodes, dtype=torch.long).scatter_reduce(0, plan.q_trunk, plan.q_start, "amin")
+    hi_t = torch.zeros(n_tr, dtype=torch.long).scatter_reduce(0, plan.q_trunk, plan.q_end, "amax")
+    return lo_t, hi_t
+
+
+def block_groups(plan: TreeAttentionPlan, max_keys: int = 1 << 16) -> list:
+    """The plan's query blocks as ``BlockGroup`` s for ``tree_attention_blocked`` on half-precision CPU inputs:
+    built once per plan (the same for every layer), blocks sorted by key count and grouped while
+    G x S <= ``max_keys``, so the gathered K / V stay bounded (G x S x Hkv x D, not blocks x trunk length) and
+    padding stays small.
+
+    Returns:
+        list of BlockGroup.
+    """
+    lo_t, hi_t = _trunk_node_ranges(plan)
+    blocks = [_block_keys(plan, b, lo_t, hi_t) for b in range(plan.num_qblocks)]
+    order = sorted(range(len(blocks)), key=lambda b: blocks[b][0].numel())
+    groups, cur = [], []
+    for b in order + [None]:
+        if b is not None and (not cur or (len(cur) + 1) * blocks[b][0].numel() <= max_keys):
+            cur.append(b)
+            continue
+        s = max(blocks[c][0].numel() for c in cur)
+        r = max(int(plan.q_end[c] - plan.q_start[c]) for c in cur)
+        g = len(cur)
+        rows = torch.empty(g, r, dtype=torch.long)
+        real = torch.zeros(g, r, dtype=torch.bool)
+        keys = torch.zeros(g, s, dtype=torch.long)
+        mask = torch.zeros(g, r, s, dtype=torch.bool)
+        for i, c in enumerate(cur):
+            s0, s1 = int(plan.q_start[c]), int(plan.q_end[c])
+            kc, mc = blocks[c]
+            n = s1 - s0
+            rows[i, :n], rows[i, n:] = plan.order[s0:s1], plan.order[s0]
+            real[i, :n] = True
+            keys[i, : kc.numel()] = kc
+            mask[i, :n, : kc.numel()] = mc
+            mask[i, n:, : kc.numel()] = mc[0]
+        groups.append(BlockGroup(rows=rows, real=real, keys=keys, mask=mask))
+        cur = [b] if b is not None else []
+    return groups
+
+
 def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: torch.Tensor,
-                           trunk_v: torch.Tensor, plan: TreeAttentionPlan, scale: float) -> torch.Tensor:
+                           trunk_v: torch.Tensor, plan: TreeAttentionPlan, scale: float,
+                           groups: Optional[list] = None) -> torch.Tensor:
     """Tree attention in torch over the plan's blocks only (the CPU path; exact in fp32): per query block its trunk
-    prefix [0, t_len) and its listed node blocks.
+    prefix [0, t_len) and its listed node blocks. fp32: one exact ``attend`` per query block. bf16 / fp16 on the
+    CPU: torch's fused attention, one call per ``BlockGroup`` (``groups``: ``block_groups(plan)``, built here when
+    not given; pass it to reuse it across layers).
 
     Args:
         q: [M, H, D] node queries.
@@ -198,41 +273,32 @@ def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tr
         trunk_k, trunk_v: [sum T_i, Hkv, D] the trunks' keys packed at ``plan.trunk_offsets``.
         plan: ``build_tree_plan``'s.
         scale: softmax scale.
+        groups: ``block_groups(plan)`` (half-precision CPU inputs only).
 
     Returns:
         o [M, H, D] fp32 (bf16 / fp16 inputs on the CPU: the fused kernel's output in fp32 storage).
     """
     o = torch.empty(plan.num_nodes, q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    if q.dtype != torch.float32 and q.device.type == "cpu":
+        return _attend_groups(o, q, k, v, trunk_k, trunk_v, groups or block_groups(plan), scale)
     order = plan.order.to(q.device)
-    # sorted node range of each trunk: node key blocks are clipped to it (the rest is never visible)
-    n_tr = plan.trunk_offsets.numel() - 1
-    lo_t = torch.full((n_tr,), plan.num_nodes, dtype=torch.long).scatter_reduce(0, plan.q_trunk, plan.q_start, "amin")
-    hi_t = torch.zeros(n_tr, dtype=torch.long).scatter_reduce(0, plan.q_trunk, plan.q_end, "amax")
+    lo_t, hi_t = _trunk_node_ranges(plan)
+    keys, vals = torch.cat([trunk_k, k]), torch.cat([trunk_v, v])  # [sum T_i + M, Hkv, D]
     for b in range(plan.num_qblocks):
-        s0, s1 = int(plan.q_start[b]), int(plan.q_end[b])
-        rows = order[s0:s1]
-        tr = int(plan.q_trunk[b])
-        off, t_len = int(plan.trunk_offsets[tr]), int(plan.t_len[b])
-        trunk_vis = torch.arange(t_len)[None, :] <= plan.anchor[s0:s1, None]
-        keys, vals, masks = [trunk_k[off: off + t_len]], [trunk_v[off: off + t_len]], [trunk_vis]
-        for e in range(int(plan.nb_ptr[b]), int(plan.nb_ptr[b + 1])):
-            kb = int(plan.nb_idx[e])
-            k0, k1 = max(kb * plan.block_n, int(lo_t[tr])), min((kb + 1) * plan.block_n, int(hi_t[tr]))
-            nodes = order[k0:k1]
-            keys.append(k[nodes])
-            vals.append(v[nodes])
-            masks.append(block_visibility(plan, b, e)[:, k0 - kb * plan.block_n: k1 - kb * plan.block_n])
-        mask = torch.cat(masks, dim=1).to(q.device)
-        o[rows] = _attend_block(q[rows], torch.cat(keys), torch.cat(vals), mask, scale).float()
+        rows = order[int(plan.q_start[b]): int(plan.q_end[b])]
+        kb, mask = _block_keys(plan, b, lo_t, hi_t)
+        kb = kb.to(q.device)
+        o[rows] = attend(q[rows], keys[kb], vals[kb], mask.to(q.device), scale)
     return o
 
 
-def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query block: fp32 inputs -> ``attend`` (exact fp32, the reference's numerics); bf16 / fp16 on the CPU ->
-    torch's fused attention on the half-precision inputs (fp32 accumulation inside, no fp32 copies of the keys;
-    within bf16 noise of the reference, docs/exactness.md). q [Q, H, D], k/v [S, Hkv, D], mask [Q, S] -> [Q, H, D]."""
-    if q.dtype == torch.float32 or q.device.type != "cpu":
-        return attend(q, k, v, mask, scale)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       attn_mask=mask[None, None], scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
+def _attend_groups(o, q, k, v, trunk_k, trunk_v, groups: list, scale: float) -> torch.Tensor:
+    """Half precision on the CPU: one fused attention call per group of query blocks (fp32 accumulation inside;
+    within bf16 noise of the reference, docs/exactness.md). Fills and returns o [M, H, D]."""
+    keys, vals = torch.cat([trunk_k, k]), torch.cat([trunk_v, v])  # [sum T_i + M, Hkv, D]
+    for g in groups:
+        qg = q[g.rows].transpose(1, 2)  # [G, H, R, D]
+        kg, vg = keys[g.keys].transpose(1, 2), vals[g.keys].transpose(1, 2)  # [G, Hkv, S, D]
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask[:, None], scale=scale, enable_gqa=True)
+        o[g.rows[g.real]] = og.transpose(1, 2)[g.real].float()
+    return o
