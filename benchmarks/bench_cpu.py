@@ -24,7 +24,7 @@ for one SpecOPD step, one Draft-OPD round (8 sequences), one autoregressive toke
 The CPU is shared with other jobs: only ratios measured side by side in one run mean anything.
 
     python benchmarks/bench_cpu.py [--settings main,long] [--dtypes float32,bfloat16] [--steps 2] [--warmup 1]
-                                   [--tv-kernels torch,cpu] [--decode] [--profile] [--json out.json]
+                                   [--paths torch,tv,auto] [--decode] [--profile] [--json out.json]
 """
 from __future__ import annotations
 
@@ -44,6 +44,41 @@ SETTINGS = {  # seq_len, recipe overrides
     "long": (512, ["data.batch_size=4", "trainer.anchors_per_seq=64"]),
 }
 SHAPES = ((2048, 576, 1536), (512, 576, 49152))
+PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each on its own worker)
+    # torch's ops everywhere: the fused loss in torch, eager norm / SiLU / RoPE, one attention call per query block
+    "torch": {"tv": "torch", "layer_ops": "torch", "group_keys": 0},
+    # the fused loss's C kernel only (kernels/e2e_tv)
+    "tv": {"tv": "auto", "layer_ops": "torch", "group_keys": 0},
+    # the default: + bf16 norm / SiLU / RoPE in C (kernels/layer_ops) with gate and up as one matmul, and the
+    # score's query blocks batched into groups (one fused attention call per group)
+    "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16},
+}
+
+
+class use_path:
+    """Sets a ``PATHS`` entry for the block (``specopd.losses.TV_KERNEL``, ``SPECOPD_LAYER_OPS``,
+    ``executors.gqa.GROUP_KEYS``) and restores what it found."""
+
+    def __init__(self, name: str):
+        self.p = PATHS[name]
+
+    def __enter__(self):
+        from executors import gqa
+        from specopd import losses
+
+        self.kept = (losses.TV_KERNEL, os.environ.get("SPECOPD_LAYER_OPS"), gqa.GROUP_KEYS)
+        losses.TV_KERNEL, gqa.GROUP_KEYS = self.p["tv"], self.p["group_keys"]
+        os.environ["SPECOPD_LAYER_OPS"] = self.p["layer_ops"]
+
+    def __exit__(self, *exc):
+        from executors import gqa
+        from specopd import losses
+
+        losses.TV_KERNEL, env, gqa.GROUP_KEYS = self.kept
+        if env is None:
+            os.environ.pop("SPECOPD_LAYER_OPS", None)
+        else:
+            os.environ["SPECOPD_LAYER_OPS"] = env
 
 
 def matmul_rates(reps: int = 5) -> dict:
@@ -91,8 +126,8 @@ def count_flops(fn) -> tuple:
 
 
 def make_workers(target_dir: str, data: str, seq_len: int, overrides: list, dtypes: list, out_dir: str,
-                 kernels=("auto",)) -> dict:
-    """{(dtype, method, loss kernel): Worker}, one target per dtype shared by its workers."""
+                 paths=("auto",)) -> dict:
+    """{(dtype, method, CPU path): Worker}, one target per dtype shared by its workers."""
     from specopd.config import load_recipe
     from specopd.train.worker import Worker
 
@@ -104,36 +139,33 @@ def make_workers(target_dir: str, data: str, seq_len: int, overrides: list, dtyp
                   "data.heldout=0.0", "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
                   f"trainer.method={method}", f"trainer.output_dir={out_dir}", "trainer.eval_heldout=false", "trainer.eval_every=0",
                   *overrides]
-            for kern in kernels:
+            for path in paths:
                 w = Worker(load_recipe(RECIPE, ov), target=shared)
                 shared = w.target
-                workers[(dt, method, kern)] = w
+                workers[(dt, method, path)] = w
     return workers
 
 
 def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warmup: int, tmp: str,
-                   kernels=("auto",)) -> dict:
-    """Steps of every (dtype, method, loss kernel) worker, alternating, on the same batches; tokens/s, phases,
-    FLOPs per supervised token. ``kernels``: values of ``specopd.losses.TV_KERNEL`` (the fused loss's CPU path)."""
-    from specopd import losses
+                   paths=("auto",)) -> dict:
+    """Steps of every (dtype, method, CPU path) worker, alternating, on the same batches; tokens/s, phases,
+    FLOPs per supervised token. ``paths``: names in ``PATHS``."""
     from specopd.train.data import BatchOrder
 
     seq_len, ov = SETTINGS[setting]
-    kept = losses.TV_KERNEL
-    w0 = None
     data = chat_data(target_dir, 49152, seq_len, os.path.join(tmp, f"chat{seq_len}.jsonl"), exact=setting == "long")
-    workers = make_workers(target_dir, data, seq_len, ov, dtypes, os.path.join(tmp, f"run-{setting}"), kernels)
+    workers = make_workers(target_dir, data, seq_len, ov, dtypes, os.path.join(tmp, f"run-{setting}"), paths)
     w0 = next(iter(workers.values()))
     order = BatchOrder(w0.train_ids, w0.cfg.data.batch_size, w0.cfg.data.seed)
     batches = [order.next() for _ in range(steps + warmup)]
     stats = {k: {"steps": 0, "tokens": 0, "seconds": 0.0, "phase_s": {}} for k in workers}
     for step, ids in enumerate(batches):
         for key, w in workers.items():
-            losses.TV_KERNEL = key[2]
-            t0 = time.perf_counter()
-            n = w.stage(ids, step)["branches"]
-            m = w.finish(n)
-            dt = time.perf_counter() - t0
+            with use_path(key[2]):
+                t0 = time.perf_counter()
+                n = w.stage(ids, step)["branches"]
+                m = w.finish(n)
+                dt = time.perf_counter() - t0
             print(f"  [{setting}] step {step} {' '.join(key)}: {dt:.2f} s, {m['supervised_tokens']} tokens",
                   flush=True)
             if step < warmup:
@@ -145,39 +177,37 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
             for k, v in m["phase_s"].items():
                 s["phase_s"][k] = s["phase_s"].get(k, 0.0) + v
     for key, w in workers.items():  # FLOPs of one more step (same batch as the first timed one)
-        losses.TV_KERNEL = key[2]
-
         def one(w=w):
             n = w.stage(batches[warmup], warmup)["branches"]
             return w.finish(n)
-        m, flops = count_flops(one)
+        with use_path(key[2]):
+            m, flops = count_flops(one)
         stats[key]["flops_per_token"] = flops / m["supervised_tokens"]
         stats[key]["tokens_per_s"] = stats[key]["tokens"] / stats[key]["seconds"]
-    losses.TV_KERNEL = kept
     return {"setting": setting, "seq_len": seq_len, "batch": w0.cfg.data.batch_size,
             "anchors": w0.cfg.trainer.anchors_per_seq, "W": w0.W, "stats": stats}
 
 
 def training_table(results: list, rates: dict) -> str:
-    lines = ["| setting | target | method | loss kernel | supervised tokens/s | vs fp32 | vs torch loss | "
+    lines = ["| setting | target | method | CPU path | supervised tokens/s | vs fp32 | vs torch path | "
              "SpecOPD / Draft-OPD | GFLOP / token | roofline tokens/s | share of roofline | prefill s | propose s | "
              "score s | commit s | loss+bwd s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         st = r["stats"]
-        for (dt, method, kern), s in st.items():
+        for (dt, method, path), s in st.items():
             rate = max(rates[dt].values()) * 1e9
             roof = rate / s["flops_per_token"]
-            fp32 = st.get(("float32", method, kern))
+            fp32 = st.get(("float32", method, path))
             vs = f"{s['tokens_per_s'] / fp32['tokens_per_s']:.2f}x" if fp32 else "-"
             tor = st.get((dt, method, "torch"))
-            vs_t = f"{s['tokens_per_s'] / tor['tokens_per_s']:.2f}x" if tor and kern != "torch" else "-"
-            ratio = (f"{s['tokens_per_s'] / st[(dt, 'draft_opd', kern)]['tokens_per_s']:.2f}x"
+            vs_t = f"{s['tokens_per_s'] / tor['tokens_per_s']:.2f}x" if tor and path != "torch" else "-"
+            ratio = (f"{s['tokens_per_s'] / st[(dt, 'draft_opd', path)]['tokens_per_s']:.2f}x"
                      if method == "specopd" else "-")
             ph = {k: v / max(1, s["steps"]) for k, v in s["phase_s"].items()}
             lines.append(
                 f"| {r['setting']} ({r['seq_len']} tok, batch {r['batch']}, B {r['anchors']}, W {r['W']}) | {dt} | "
-                f"{method} | {kern} | {s['tokens_per_s']:.1f} | {vs} | {vs_t} | {ratio} | "
+                f"{method} | {path} | {s['tokens_per_s']:.1f} | {vs} | {vs_t} | {ratio} | "
                 f"{s['flops_per_token'] / 1e9:.2f} | "
                 f"{roof:.0f} | {100 * s['tokens_per_s'] / roof:.0f}% | {ph.get('prefill', 0):.2f} | "
                 f"{ph.get('propose', 0):.2f} | {ph.get('score', 0):.2f} | {ph.get('commit', 0):.2f} | "
@@ -454,9 +484,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default=DRAFTER, help="decoding: the drafter (default: the shipped one)")
     ap.add_argument("--profile", action="store_true", help="also the op tables (see the module doc)")
     ap.add_argument("--profile-dtype", default="bfloat16")
-    ap.add_argument("--tv-kernels", default="auto",
-                    help="the fused loss's CPU path per row, side by side: auto | cpu | torch, comma-separated "
-                         "(specopd.losses.TV_KERNEL; kernels/e2e_tv)")
+    ap.add_argument("--paths", default="auto",
+                    help="CPU code paths, side by side, comma-separated: torch | tv | auto (PATHS)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), flush=True)
@@ -469,8 +498,11 @@ def main(argv=None) -> int:
     out = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         before = matmul_rates()
-        kernels = tuple(k for k in args.tv_kernels.split(",") if k)
-        results = [bench_training(args.target, s, dtypes, args.steps, args.warmup, tmp, kernels) for s in settings]
+        paths = tuple(k for k in args.paths.split(",") if k)
+        bad = [k for k in paths if k not in PATHS]
+        if bad:
+            ap.error(f"--paths: unknown {bad}; known: {sorted(PATHS)}")
+        results = [bench_training(args.target, s, dtypes, args.steps, args.warmup, tmp, paths) for s in settings]
         after = matmul_rates()
         rates = {d: {k: max(before[d][k], after[d][k]) for k in before[d]} for d in before}
         print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; target {args.target}; one worker; "
