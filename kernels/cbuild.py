@@ -17,6 +17,7 @@ import tempfile
 import threading
 from typing import Callable, Optional
 
+HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "simd.h")  # shared helpers, in every key
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -43,7 +44,7 @@ def build(source: str) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc / $CC) on PATH")
-    src = open(source, "rb").read()
+    src = open(source, "rb").read() + open(HEADER, "rb").read()
     key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
     name = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(build_dir(), f"{name}-{key}.so")
@@ -52,7 +53,8 @@ def build(source: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir())
         os.close(fd)
         try:
-            out = subprocess.run([cc, *FLAGS, source, "-o", tmp, "-lm"], capture_output=True, text=True)
+            cmd = [cc, *FLAGS, "-I", os.path.dirname(HEADER), source, "-o", tmp, "-lm"]
+            out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 raise RuntimeError(f"{cc} failed to build {source}:\n{out.stderr[-2000:]}")
             os.replace(tmp, path)

@@ -18,30 +18,9 @@
 #error "tv_cpu.c needs AVX-512 (-march=native on an AVX-512 CPU); without it specopd.losses keeps the torch path"
 #endif
 #include <immintrin.h>
+#include "simd.h"
 
-#define VW 16      /* floats per vector */
 #define BLOCK 1024 /* sums: fp32 vector lanes over BLOCK elements, the block sums in fp64 (~1e-7 for any V) */
-
-static inline __mmask16 tail_mask(int64_t n) { return n >= VW ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
-
-/* exp(x), Cephes expf (~1 ulp) on 16 lanes; x is clamped to [-87.34, 88]: below, 2^-126 e^r (~1e-38) instead of a
- * denormal or 0. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.0f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
-}
 
 static inline __m512 exp_scaled(const float *x, __mmask16 k, __m512 m, __m512 inv_t) {
     return exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x), m), inv_t));

@@ -21,11 +21,9 @@
 #error "layer_ops_cpu.c needs AVX-512 F/BW/VL (-march=native on such a CPU); without it the models keep torch's ops"
 #endif
 #include <immintrin.h>
+#include "simd.h"
 
-#define VW 16
 #define PAR_MIN 32768 /* elements below which a call runs on one thread (OpenMP start-up costs more) */
-
-static inline __mmask16 tail_mask(int64_t n) { return n >= VW ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
 
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 k) {
     __m256i h = _mm256_maskz_loadu_epi16(k, p);
@@ -50,24 +48,6 @@ static inline void store_bf16(uint16_t *p, __mmask16 k, __m512 x) { _mm256_mask_
 
 static inline __m512 round_bf16(__m512 x) { /* fp32 -> bf16 -> fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
-}
-
-/* exp(x), Cephes expf (~1 ulp) on 16 lanes; x clamped to [-87.34, 88] (the same as kernels/e2e_tv/tv_cpu.c). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.0f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
 }
 
 /* out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps))      (unit_offset 0: llama / qwen3, HF's two roundings)
