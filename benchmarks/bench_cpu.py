@@ -25,6 +25,7 @@ The CPU is shared with other jobs: only ratios measured side by side in one run 
 
     python benchmarks/bench_cpu.py [--settings main,long] [--dtypes float32,bfloat16] [--steps 2] [--warmup 1]
                                    [--paths torch,tv,auto] [--decode] [--profile] [--json out.json]
+                                   [--figure benchmarks/figures/cpu_paths.png]
 """
 from __future__ import annotations
 
@@ -213,6 +214,41 @@ def training_table(results: list, rates: dict) -> str:
                 f"{ph.get('propose', 0):.2f} | {ph.get('score', 0):.2f} | {ph.get('commit', 0):.2f} | "
                 f"{ph.get('loss_backward', 0):.2f} |")
     return "\n".join(lines)
+
+
+PHASES = ("prefill", "propose", "score", "commit", "loss_backward")
+
+
+def training_figure(results: list, rates: dict, path: str) -> None:
+    """Seconds per step by phase (stacked), one bar per (method, CPU path) of the bf16 target (the paths differ
+    there; fp32 rows only when no bf16 row exists), a panel per setting; each bar labelled with its share of the
+    roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.6), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        keys = [k for k in r["stats"] if k[0] == "bfloat16"] or list(r["stats"])
+        bottoms = [0.0] * len(keys)
+        for ph in PHASES:
+            vals = [r["stats"][k]["phase_s"].get(ph, 0.0) / max(1, r["stats"][k]["steps"]) for k in keys]
+            ax.bar(range(len(keys)), vals, bottom=bottoms, label=ph.replace("_", " + "))
+            bottoms = [b + v for b, v in zip(bottoms, vals)]
+        for i, k in enumerate(keys):
+            s = r["stats"][k]
+            share = s["tokens_per_s"] * s["flops_per_token"] / (max(rates[k[0]].values()) * 1e9)
+            ax.text(i, bottoms[i], f"{100 * share:.0f}%", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([f"{'bf16' if k[0] == 'bfloat16' else 'fp32'}\n{k[1]}\n{k[2]}" for k in keys], fontsize=7)
+        ax.set_ylabel("seconds per step (phases)")
+        ax.set_title(f"{r['setting']}: {r['seq_len']} tokens, batch {r['batch']}, B {r['anchors']}, W {r['W']} "
+                     f"(% = share of the roofline)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"figure: {path}")
 
 
 DRAFTER = os.path.join(ROOT, "recipes", "drafters", "smollm2-135m-dflash")
@@ -487,6 +523,7 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="auto",
                     help="CPU code paths, side by side, comma-separated: torch | tv | auto (PATHS)")
     ap.add_argument("--json")
+    ap.add_argument("--figure", help="a PNG of the steps' phases per CPU path (one panel per setting)")
     args = ap.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), flush=True)
     if args.target is None:
@@ -511,6 +548,8 @@ def main(argv=None) -> int:
         print(rates_table(before, after))
         print()
         print(training_table(results, rates), flush=True)
+        if args.figure and results:
+            training_figure(results, rates, args.figure)
         dec = (bench_decode(args.target, dtypes, args.decode_prompts, args.decode_new,
                             [int(b) for b in args.decode_batches.split(",")], args.drafter, tmp)
                if args.decode else None)
