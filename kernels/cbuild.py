@@ -75,6 +75,8 @@ class Library:
 
     def available(self) -> bool:
         """True when the library is built (or builds now) and loads; else ``error`` says why."""
+        if self._lib is not None:  # the common case, asked per layer: no lock
+            return True
         with self._lock:
             if self._lib is None and self.error is None:
                 try:
