@@ -189,6 +189,12 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
             "anchors": w0.cfg.trainer.anchors_per_seq, "W": w0.W, "stats": stats}
 
 
+def roofline_tokens_per_s(s: dict, rates: dict) -> float:
+    """Supervised tokens/s at the dtype's best measured matmul rate ``rates`` (GFLOP/s by shape) for a row's
+    matmul FLOPs per token."""
+    return max(rates.values()) * 1e9 / s["flops_per_token"]
+
+
 def training_table(results: list, rates: dict) -> str:
     lines = ["| setting | target | method | CPU path | supervised tokens/s | vs fp32 | vs torch path | "
              "SpecOPD / Draft-OPD | GFLOP / token | roofline tokens/s | share of roofline | prefill s | propose s | "
@@ -197,8 +203,7 @@ def training_table(results: list, rates: dict) -> str:
     for r in results:
         st = r["stats"]
         for (dt, method, path), s in st.items():
-            rate = max(rates[dt].values()) * 1e9
-            roof = rate / s["flops_per_token"]
+            roof = roofline_tokens_per_s(s, rates[dt])
             fp32 = st.get(("float32", method, path))
             vs = f"{s['tokens_per_s'] / fp32['tokens_per_s']:.2f}x" if fp32 else "-"
             tor = st.get((dt, method, "torch"))
@@ -238,7 +243,7 @@ def training_figure(results: list, rates: dict, path: str) -> None:
             bottoms = [b + v for b, v in zip(bottoms, vals)]
         for i, k in enumerate(keys):
             s = r["stats"][k]
-            share = s["tokens_per_s"] * s["flops_per_token"] / (max(rates[k[0]].values()) * 1e9)
+            share = s["tokens_per_s"] / roofline_tokens_per_s(s, rates[k[0]])
             ax.text(i, bottoms[i], f"{100 * share:.0f}%", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([f"{'bf16' if k[0] == 'bfloat16' else 'fp32'}\n{k[1]}\n{k[2]}" for k in keys], fontsize=7)

@@ -70,8 +70,8 @@ def tv_alpha_forward(zq: torch.Tensor, zp: torch.Tensor, temperature: float):
     r, v = zq.shape
     alpha = torch.empty(r, dtype=torch.float32)
     stats = torch.empty(r, 5, dtype=torch.float32)
-    LIB.get().tv_alpha_forward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature), alpha.data_ptr(),
-                          stats.data_ptr(), torch.get_num_threads())
+    LIB.get().tv_alpha_forward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature),
+                               alpha.data_ptr(), stats.data_ptr(), torch.get_num_threads())
     return alpha, stats
 
 
@@ -97,6 +97,6 @@ def tv_alpha_backward(zq: torch.Tensor, zp: torch.Tensor, temperature: float, st
                          f"{tuple(stats.shape)}, {tuple(grad_alpha.shape)}")
     coef = (grad_alpha.float() / float(temperature)).contiguous()
     stats = stats.float().contiguous()
-    LIB.get().tv_alpha_backward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature), stats.data_ptr(),
-                           coef.data_ptr(), *_rows(out, "out"), torch.get_num_threads())
+    LIB.get().tv_alpha_backward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature),
+                                stats.data_ptr(), coef.data_ptr(), *_rows(out, "out"), torch.get_num_threads())
     return out

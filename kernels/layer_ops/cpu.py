@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
-
 import torch
 
 from kernels.cbuild import Library
@@ -40,17 +38,12 @@ def mode() -> str:
 
 def enabled(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: all bf16 on the CPU, none needing a gradient, mode "auto", and
-    the library available (``unavailable_reason()`` says why not)."""
+    the library available (``LIB.error`` says why not)."""
     if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return mode() == "auto" and LIB.available()
-
-
-def unavailable_reason() -> Optional[str]:
-    LIB.available()
-    return LIB.error
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -279,11 +279,11 @@ def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tr
         o [M, H, D] fp32 (bf16 / fp16 inputs on the CPU: the fused kernel's output in fp32 storage).
     """
     o = torch.empty(plan.num_nodes, q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    keys, vals = torch.cat([trunk_k, k]), torch.cat([trunk_v, v])  # [sum T_i + M, Hkv, D]
     if q.dtype != torch.float32 and q.device.type == "cpu":
-        return _attend_groups(o, q, k, v, trunk_k, trunk_v, groups or block_groups(plan), scale)
+        return _attend_groups(o, q, keys, vals, groups or block_groups(plan), scale)
     order = plan.order.to(q.device)
     lo_t, hi_t = _trunk_node_ranges(plan)
-    keys, vals = torch.cat([trunk_k, k]), torch.cat([trunk_v, v])  # [sum T_i + M, Hkv, D]
     for b in range(plan.num_qblocks):
         rows = order[int(plan.q_start[b]): int(plan.q_end[b])]
         kb, mask = _block_keys(plan, b, lo_t, hi_t)
@@ -292,10 +292,10 @@ def tree_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tr
     return o
 
 
-def _attend_groups(o, q, k, v, trunk_k, trunk_v, groups: list, scale: float) -> torch.Tensor:
+def _attend_groups(o, q, keys, vals, groups: list, scale: float) -> torch.Tensor:
     """Half precision on the CPU: one fused attention call per group of query blocks (fp32 accumulation inside;
-    within bf16 noise of the reference, docs/exactness.md). Fills and returns o [M, H, D]."""
-    keys, vals = torch.cat([trunk_k, k]), torch.cat([trunk_v, v])  # [sum T_i + M, Hkv, D]
+    within bf16 noise of the reference, docs/exactness.md). keys / vals [sum T_i + M, Hkv, D]. Fills and returns
+    o [M, H, D]."""
     for g in groups:
         qg = q[g.rows].transpose(1, 2)  # [G, H, R, D]
         kg, vg = keys[g.keys].transpose(1, 2), vals[g.keys].transpose(1, 2)  # [G, Hkv, S, D]

@@ -202,7 +202,8 @@ def round_disagreements(ours_lengths: Sequence[Sequence[int]], vllm_outputs: Seq
             continue
         theirs = [a + 1 for a in o["steps"]["accepted"]]
         if list(mine) != theirs:
-            j = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            j = _first_difference(mine, theirs)
+            j = min(len(mine), len(theirs)) if j is None else j
             out.append(f"T=0: prompt {i}: round {j} accepts {theirs[j] if j < len(theirs) else '-'} tokens in "
                        f"vLLM, {mine[j] if j < len(mine) else '-'} in ours on vLLM's schedule ({len(theirs)} / "
                        f"{len(mine)} rounds; greedy: every round must be equal)")

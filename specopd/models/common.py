@@ -189,23 +189,22 @@ class MLP(nn.Module):
         if self.act is F.silu and layer_ops.enabled(x, self.gate_proj.weight, self.up_proj.weight):
             # bf16 on the CPU outside autograd: gate and up as one matmul (the same bits, measured: oneDNN's
             # [N = 2I] blocking there runs faster than two [N = I] calls), silu * up in one pass in C
-            gu = F.linear(x, self._gate_up(), self._gate_up_bias())
+            gu = F.linear(x, *self._gate_up())
             i = self.gate_proj.out_features
             return self.down_proj(layer_ops.silu_mul(gu[..., :i], gu[..., i:]))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
-    def _gate_up(self) -> torch.Tensor:
-        """[2I, D] = cat(gate, up) weights, rebuilt when either changes (an attribute, not in the state dict)."""
-        g, u = self.gate_proj.weight, self.up_proj.weight
-        key = (g.data_ptr(), u.data_ptr(), g._version, u._version, g.dtype, g.device)
+    def _gate_up(self) -> tuple:
+        """(weight [2I, D], bias [2I] or None) = cat(gate, up), rebuilt when a weight or bias changes (attributes,
+        not in the state dict)."""
+        ps = [p for p in (self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias, self.up_proj.bias)
+              if p is not None]
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in ps)
         if getattr(self, "_gate_up_key", None) != key:
-            self._gate_up_w, self._gate_up_key = torch.cat([g, u]).detach(), key
-        return self._gate_up_w
-
-    def _gate_up_bias(self):
-        if self.gate_proj.bias is None:
-            return None
-        return torch.cat([self.gate_proj.bias, self.up_proj.bias]).detach()
+            w = torch.cat(ps[:2]).detach()
+            b = torch.cat(ps[2:]).detach() if len(ps) == 4 else None
+            self._gate_up_wb, self._gate_up_key = (w, b), key
+        return self._gate_up_wb
 
 
 class Router(nn.Module):
