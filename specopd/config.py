@@ -205,6 +205,11 @@ class TrainerConfig:
     temperature: float = setting(1.0, resume=FROM_HERE)
     """Sampling temperature of branches / rollouts; p and q are compared at this temperature. 0: greedy branches
     (the drafter's argmax) and alpha = q(argmax p) with q at T = 1, the smooth form of greedy acceptance."""
+    ce_weight: float = setting(0.0, resume=FROM_HERE)
+    """specopd / offpolicy_e2e_tv: add ce_weight x the CE of the drafter's block on the reference tokens after each
+    anchor (the same drafter pass, uniform over positions) to E2E-TV. E2E-TV at T = 1 lowers greedy acceptance
+    from a CE-trained plateau (benchmarks/NOTES.md, "The plateau experiment"); on greedy references the CE's labels
+    are the target's argmax. 0: E2E-TV alone (the paper's loss)."""
     output_dir: str = setting("runs/tiny", resume=SAME_RUN)
     """Run folder: metrics.jsonl, checkpoints/, tiny-target/, data cache, profile."""
     resume: str = setting("auto", resume=SAME_RUN)
@@ -276,6 +281,12 @@ class TrainerConfig:
         _check_range("trainer", "grad_clip", self.grad_clip, lo=0)
         _check_range("trainer", "anchors_per_seq", self.anchors_per_seq, lo=1)
         _check_range("trainer", "temperature", self.temperature, lo=0)
+        _check_range("trainer", "ce_weight", self.ce_weight, lo=0)
+        if self.ce_weight > 0 and self.method not in ("specopd", "offpolicy_e2e_tv"):
+            raise RecipeError(f"trainer.ce_weight={self.ce_weight} adds a CE term to E2E-TV (methods specopd and "
+                              f"offpolicy_e2e_tv); trainer.method={self.method} "
+                              + ("is CE already" if self.method == "offpolicy_ce" else
+                                 "has no reference block per rollout round") + ": set trainer.ce_weight=0")
         why = dir_problem(self.output_dir, writable=False)
         if why is not None:
             raise RecipeError(f"trainer.output_dir={self.output_dir!r} cannot be the run folder: {why}; give a "
@@ -336,8 +347,12 @@ class EvalConfig:
     """Drafter to evaluate: latest (newest checkpoint of trainer.output_dir) | none (untrained) | a folder."""
     seed: int = setting(0, resume=SAME_RUN)
     """Seed of the decoding generator."""
+    dtype: str = setting("auto", resume=SAME_RUN)
+    """The target's dtype when decoding and judging: auto (= model.dtype) | float32 | bfloat16 | float16. float32
+    keeps the judge's exact checks (T = 0 token equality with vLLM) for a drafter trained on a bf16 target."""
 
     def __post_init__(self):
+        _check_choice("eval", "dtype", self.dtype, ["auto", "float32", "bfloat16", "float16"])
         _check_range("eval", "prompts", self.prompts, lo=1)
         _check_range("eval", "max_new_tokens", self.max_new_tokens, lo=1)
         _check_range("eval", "temperature", self.temperature, lo=0)
@@ -402,6 +417,11 @@ class PipelineConfig:
         if not self.eval_temperatures or any(not is_finite_number(t) or t < 0 for t in self.eval_temperatures):
             raise RecipeError(f"pipeline.eval_temperatures={list(self.eval_temperatures)} must list one or more "
                               f"temperatures >= 0 (0 = greedy)")
+
+
+def eval_dtype(cfg) -> str:
+    """The target dtype of decoding and judging: ``eval.dtype``, or ``model.dtype`` when it is auto."""
+    return cfg.model.dtype if cfg.eval.dtype == "auto" else cfg.eval.dtype
 
 
 @dataclass

@@ -518,9 +518,10 @@ def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p
 
 def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
                  markov=None, mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0,
-                 chunk_rows="auto") -> FusedOut:
+                 chunk_rows="auto", ce_targets: Optional[torch.Tensor] = None, ce_weight: float = 0.0) -> FusedOut:
     """E2E-TV from hidden states, equal to ``e2e_tv_loss(q_logits, p_logits, mask, denom, temperature)`` with
-    ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T``, never materialising [N, W, V].
+    ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T``, never materialising [N, W, V];
+    with ``ce_weight`` > 0, plus ``ce_weight * ce_loss(q_logits, ce_targets, mask, denom)`` from the same pass.
 
     Args:
         hq: [N, W, D] the drafter's final (normed) hidden state, with grad.
@@ -532,13 +533,26 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
         denom: as in ``e2e_tv_loss``.
         temperature: T > 0 of both softmaxes; 0: greedy (alpha = q(argmax p), q at T = 1; ``tv_alpha``).
         chunk_rows: rows of [rows, V] logits per chunk, or "auto" (``auto_chunk_rows``).
+        ce_targets: [N, W] reference tokens, the labels of the CE term (needed when ``ce_weight`` > 0).
+        ce_weight: the CE term's weight (q at T = 1, uniform over the valid prefix's positions); 0: none.
 
     Returns:
-        ``FusedOut(loss, alpha)``: the scalar loss and alpha [N, W] fp32 detached (0 past a branch's valid prefix),
-        which feeds the metrics and the confidence loss with no second TV pass.
+        ``FusedOut(loss, alpha, nll)``: the scalar loss, alpha [N, W] fp32 detached (0 past a branch's valid
+        prefix), which feeds the metrics and the confidence loss with no second TV pass, and the CE term's nll
+        [N, W] (None without it).
     """
     n, w = hq.shape[:2]
     valid = torch.cumprod(_mask(mask, (n, w), hq.device).long(), dim=1).bool()
+    if ce_weight < 0:
+        raise ValueError(f"ce_weight must be >= 0; got {ce_weight}")
+    if ce_weight > 0:
+        if ce_targets is None or tuple(ce_targets.shape) != (n, w):
+            raise ValueError(f"ce_weight > 0 needs ce_targets [N, W] = [{n}, {w}] (the reference tokens); got "
+                             f"{None if ce_targets is None else list(ce_targets.shape)}")
+        alpha, nll = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight,
+                               targets=ce_targets)
+        loss = e2e_tv_from_alpha(alpha, valid, denom) + ce_weight * _masked_branch_mean(nll, valid, denom)
+        return FusedOut(loss, alpha.detach(), nll.detach())
     alpha, _ = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight)
     return FusedOut(e2e_tv_from_alpha(alpha, valid, denom), alpha.detach())
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from specopd.config import eval_dtype
 from specopd.data.conversations import heldout_prompt_ids, pretrain_chat_prompts, train_chat_prompts
 from specopd.data.prepare import MODELS, load_tokenizer, prepare_data, stop_token_ids
 from specopd.data.references import DATA_FILE, read_records
@@ -170,7 +171,7 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
         [{drafter, checkpoint, by_temperature: {T: numbers}}].
     """
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device="cpu", kernels=cfg.model.kernels)
+    target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu", kernels=cfg.model.kernels)
     prompts = heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     out, greedy = [], None  # greedy: the target's greedy continuations, shared by every drafter's T=0 replay

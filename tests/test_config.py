@@ -53,6 +53,21 @@ def test_bad_values_list_choices():
         load_recipe(None, ["trainer.resume=/no/such/ckpt"])
     with pytest.raises(RecipeError, match="section.key=value"):
         load_recipe(None, ["max_steps"])
+    with pytest.raises(RecipeError, match="ce_weight"):
+        load_recipe(None, ["trainer.ce_weight=-0.1"])
+    for method in ("offpolicy_ce", "draft_opd"):  # a CE term only beside E2E-TV, named with the fix
+        with pytest.raises(RecipeError, match="set trainer.ce_weight=0"):
+            load_recipe(None, [f"trainer.method={method}", "trainer.ce_weight=0.5"])
+    assert load_recipe(None, ["trainer.ce_weight=0.5"]).trainer.ce_weight == 0.5
+    with pytest.raises(RecipeError, match="float32"):
+        load_recipe(None, ["eval.dtype=fp8"])
+
+
+def test_eval_dtype_defaults_to_the_models():
+    from specopd.config import eval_dtype
+
+    assert eval_dtype(load_recipe(None, ["model.dtype=bfloat16"])) == "bfloat16"
+    assert eval_dtype(load_recipe(None, ["model.dtype=bfloat16", "eval.dtype=float32"])) == "float32"
 
 
 def test_missing_recipe_file_lists_recipes():

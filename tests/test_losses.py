@@ -296,6 +296,44 @@ def test_fused_all_masked_and_denom_split():
     torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("n,w,temp,chunk,rank,mask_kind,denom,ties", CASES)
+def test_fused_e2e_tv_with_ce_term_equals_full_logits(n, w, temp, chunk, rank, mask_kind, denom, ties):
+    """trainer.ce_weight: E2E-TV + ce_weight x CE on the reference tokens, one pass: loss and every gradient equal
+    the plain ``e2e_tv_loss + ce_weight * ce_loss`` on full logits (the CE on the valid prefix, q at T = 1)."""
+    hq, weight, hp, markov = _hidden(n * 10 + w + 1, n, w, r=rank, ties=ties)
+    mask = _case_mask(mask_kind, n, w, n + w)
+    targets = torch.randint(0, 13, (n, w), generator=torch.Generator().manual_seed(n + 2 * w))
+    inputs = [hq] + (list(markov) if markov else [])
+    lam = 0.3
+    out = fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=denom, temperature=temp, chunk_rows=chunk,
+                       ce_targets=targets, ce_weight=lam)
+    ql, pl = _ref_logits(hq, weight, hp, markov)
+    valid = torch.cumprod(_mask_or_ones(mask, n, w).long(), 1).bool()
+    ref = e2e_tv_loss(ql, pl, mask, denom=denom, temperature=temp) + lam * ce_loss(ql, targets, valid, denom=denom)
+    assert abs(float(out.loss.detach()) - float(ref.detach())) <= 1e-5 * max(1.0, abs(float(ref.detach())))
+    g = _grads(out.loss, inputs)
+    for a, b in zip(g, _grads(ref, inputs)):
+        _close(a, b)
+    _close(out.alpha[valid], tv_alpha(ql.detach(), pl, temp)[valid])
+    nll_ref = -torch.log_softmax(ql.detach(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    _close(out.nll[valid], nll_ref[valid])
+    # the CE term is what moves the gradient: without it the result is E2E-TV's
+    alone = fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=denom, temperature=temp, chunk_rows=chunk)
+    assert out.nll is not None and alone.nll is None
+    if bool(valid.any()):
+        assert float((g[0] - _grads(alone.loss, [hq])[0]).abs().max()) > 1e-4
+
+
+def test_fused_e2e_tv_ce_term_needs_its_labels():
+    hq, weight, hp, _ = _hidden(3, 2, 3)
+    with pytest.raises(ValueError, match="ce_targets"):
+        fused_e2e_tv(hq, weight, hp, ce_weight=0.5)
+    with pytest.raises(ValueError, match="ce_targets"):
+        fused_e2e_tv(hq, weight, hp, ce_weight=0.5, ce_targets=torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="ce_weight"):
+        fused_e2e_tv(hq, weight, hp, ce_weight=-1.0, ce_targets=torch.zeros(2, 3, dtype=torch.long))
+
+
 @pytest.mark.parametrize("weights", [None, "dflash", [0.5, 1.0, 0.0, 2.0]])
 def test_fused_ce_equals_full_logits(weights):
     n, w = 6, 4

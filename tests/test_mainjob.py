@@ -92,3 +92,30 @@ def test_specopd_train_runs_the_main_job_for_a_pipeline_recipe(tmp_path, monkeyp
                "--json", str(tmp_path / "s.json")])
     assert rc == 0 and len(seen) == 1 and seen[0].pipeline.enabled
     assert json.loads(open(tmp_path / "s.json").read()) == {"ok": True}
+
+
+def test_evaluation_loads_the_target_in_eval_dtype(monkeypatch):
+    """The main job trains on a bf16 target and decodes / judges in eval.dtype (float32: the judge's exact T = 0
+    checks); auto follows model.dtype."""
+    import torch
+
+    import specopd.mainjob
+    from specopd.config import load_recipe
+
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load_target(path, dtype=None, **kw):
+        seen.append(dtype)
+        raise Loaded
+
+    monkeypatch.setattr(specopd.mainjob, "load_target", fake_load_target)
+    recipe = os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml")
+    for over, want in ((["model.dtype=bfloat16", "eval.dtype=float32"], torch.float32),
+                       (["model.dtype=bfloat16", "eval.dtype=auto"], torch.bfloat16),
+                       (["model.dtype=float32", "eval.dtype=auto"], torch.float32)):
+        with pytest.raises(Loaded):
+            specopd.mainjob.evaluate_rows(load_recipe(recipe, over), "unused", [], progress=False)
+        assert seen.pop() == want

@@ -142,6 +142,10 @@ def _reference_step(w, prop, denom):
         loss = ce_loss(q, prop.tokens, denom=denom)
     else:
         loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
+    if t.ce_weight > 0:  # the reference tokens after each anchor, read from the trunk here
+        ref = torch.stack([w.sample(prop.sample_ids[int(prop.trunk_index[b])])["input_ids"][
+            int(prop.anchors[b]) + 1: int(prop.anchors[b]) + 1 + w.W] for b in range(q.shape[0])])
+        loss = loss + t.ce_weight * ce_loss(q, ref, denom=denom)
     alpha = tv_alpha(q.detach(), p, temperature=t.temperature)
     if conf is not None:
         loss = loss + w.cfg.drafter.confidence_weight * confidence_loss(conf, alpha, denom=denom)
@@ -151,13 +155,16 @@ def _reference_step(w, prop, denom):
 @pytest.mark.parametrize("kind,method,temp", [("dflash", "specopd", 0.8), ("dspark", "specopd", 0.8),
                                               ("dflash", "offpolicy_ce", 0.8), ("dspark", "offpolicy_e2e_tv", 0.8),
                                               ("dflash", "specopd", 0.0), ("dspark", "specopd", 0.0),
-                                              ("dflash", "offpolicy_e2e_tv", 0.0)])
+                                              ("dflash", "offpolicy_e2e_tv", 0.0), ("dflash", "specopd+ce", 0.8),
+                                              ("dspark", "specopd+ce", 0.0), ("dflash", "offpolicy_e2e_tv+ce", 0.8)])
 def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method, temp):
     """The step's one drafter forward (branches sampled from its detached hidden state, the fused chunked loss on
     the same graph; DSpark teacher-forcing its own samples) gives the loss, alpha and gradients of the v0.1
-    full-logit step with a second forward. temp 0: greedy branches, alpha = q(argmax p)."""
+    full-logit step with a second forward. temp 0: greedy branches, alpha = q(argmax p). "+ce": trainer.ce_weight
+    adds the CE on the reference tokens after each anchor."""
+    method, ce = method.split("+")[0], 0.4 if method.endswith("+ce") else 0.0
     cfg = tiny_recipe(str(tmp_path), [f"drafter.kind={kind}", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
-                                      f"trainer.temperature={temp}", "drafter.block_size=5"])
+                                      f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}"])
     w = Worker(cfg)
     ids = w.train_ids[:2]
     caches = w.prefill(ids)
@@ -170,6 +177,7 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method, te
             toks, _ = w.drafter.sample(prop.features, prop.anchors, prop.trunk_index, prop.anchor_tokens,
                                        temp, gens, rows=rows)
         assert torch.equal(toks, prop.tokens)
+    assert (prop.reference_tokens is not None) == (ce > 0)
     hp = w.score(prop, caches)
     denom = 3 * prop.tokens.shape[0]
     ref_loss, ref_alpha = _reference_step(w, prop, denom)

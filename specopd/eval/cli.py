@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from specopd.config import eval_dtype
 from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.prepare import MODELS, encode_prompt, load_tokenizer
 from specopd.data.references import read_prompts
@@ -276,7 +277,7 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     if prompts_file and not os.path.isfile(prompts_file):
         raise FileNotFoundError(f"--prompts {prompts_file!r} " + ("is a folder" if os.path.isdir(prompts_file) else
                                                                 "does not exist") + " (give a JSONL or text file)")
-    target = load_target(path, dtype=cfg.model.dtype, device=_device(cfg.model.device), kernels=cfg.model.kernels)
+    target = load_target(path, dtype=eval_dtype(cfg), device=_device(cfg.model.device), kernels=cfg.model.kernels)
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)
     if prompts_file:

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specopd.config import eval_dtype
 from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.prepare import load_tokenizer, stop_token_ids
 from specopd.drafters import export_drafter, load_drafter
@@ -567,8 +568,8 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     if why:
         print(f"[specopd] no vLLM rows: {why}", flush=True)
         return []
-    dtype = "bfloat16" if resolve_dtype(cfg.model.dtype) == torch.bfloat16 else "float32"
-    target = load_target(target_dir, dtype=resolve_dtype(cfg.model.dtype), device="cpu")
+    dtype = "bfloat16" if resolve_dtype(eval_dtype(cfg)) == torch.bfloat16 else "float32"
+    target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu")
     prompts = [p.tolist() for p in heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)]
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     out = []

@@ -47,6 +47,8 @@ class Proposals:
     sample_ids: List[int]  # [S] dataset ids of the trunks
     reference: bool  # True: off-policy blocks of reference tokens (scored from the trunk, no tree pass)
     hidden: Optional[torch.Tensor] = None  # [N, W, D] drafter forward with its graph (None: Draft-OPD's, or taken)
+    reference_tokens: Optional[torch.Tensor] = None  # [N, W] int64, the trunk's tokens after each anchor (the CE
+    #                                                  labels of trainer.ce_weight; None when it is 0)
 
     def branches(self) -> Branches:
         return Branches(self.anchors, self.trunk_index, self.tokens, self.reference)

@@ -227,15 +227,19 @@ class Worker:
             anchor_tokens = torch.cat([trunks[i][anchors[r]] for i, r in enumerate(rows)])
             with self.autocast():
                 h = self.drafter.hidden(feats, anchors, tix, anchor_tokens)  # [N, W, D]
-            if reference:
+            ref_tokens = None
+            if reference or self.cfg.trainer.ce_weight > 0:
                 offs = anchors[:, None] + 1 + torch.arange(self.W, device=self.device)
-                tokens = torch.cat([trunks[i][offs[r]] for i, r in enumerate(rows)])
+                ref_tokens = torch.cat([trunks[i][offs[r]] for i, r in enumerate(rows)])
+            if reference:
+                tokens = ref_tokens
             else:
                 gens = [self.generator("branch", step, int(s)) for s in sample_ids]
                 tokens = self.drafter.sample_tokens(h, anchor_tokens, temp, gens, rows,
                                                     chunk_rows=self.cfg.trainer.loss_chunk_rows)
         return Proposals(anchors=anchors, trunk_index=tix, anchor_tokens=anchor_tokens, tokens=tokens,
-                         features=feats, sample_ids=list(sample_ids), reference=reference, hidden=h)
+                         features=feats, sample_ids=list(sample_ids), reference=reference, hidden=h,
+                         reference_tokens=ref_tokens if self.cfg.trainer.ce_weight > 0 else None)
 
     @torch.no_grad()
     def score(self, proposals: Union[Proposals, Branches], caches) -> torch.Tensor:
@@ -289,7 +293,7 @@ class Worker:
             if method == "offpolicy_ce":
                 out = fused_ce(h, weight, tokens, hp=hp, **kw)
             else:
-                out = fused_e2e_tv(h, weight, hp, **kw)
+                out = fused_e2e_tv(h, weight, hp, ce_targets=proposals.reference_tokens, ce_weight=t.ce_weight, **kw)
             loss, alpha = out.loss, out.alpha
             if getattr(self.drafter, "has_confidence", False) and self.cfg.drafter.confidence_weight > 0:
                 with self.autocast():
