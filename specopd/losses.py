@@ -338,12 +338,17 @@ class _ChunkedHead(torch.autograd.Function):
         gidx = torch.zeros(rows.numel(), dtype=torch.long, device=dev) if greedy else None  # argmax p
         bufs = ChunkBuffers(min(chunk, rows.numel()), ws[0].shape[0], dev)  # slots: 0 zq, 1 p
         ctx.stats = None
-        if alpha is not None and nll is None and not greedy and use_tv_kernel(dev):  # kernels/e2e_tv
+        # kernels/e2e_tv: alpha (and a CE term's nll when q's temperature is 1: the kernel's own softmax)
+        if alpha is not None and not greedy and (nll is None or temperature == 1.0) and use_tv_kernel(dev):
             ctx.stats = torch.empty(rows.numel(), 5, dtype=torch.float32, device=dev)  # for the backward
             for s in range(0, rows.numel(), chunk):
                 r = rows[s: s + chunk]
+                zq = raw_logits(xs, ws, r, bufs, 0)
                 alpha[s: s + chunk], ctx.stats[s: s + chunk] = tv_cpu.tv_alpha_forward(
-                    raw_logits(xs, ws, r, bufs, 0), raw_logits((hp,), (wp,), r, bufs, 2), temperature)
+                    zq, raw_logits((hp,), (wp,), r, bufs, 2), temperature)
+                if nll is not None:
+                    nll[s: s + chunk] = tv_cpu.ce_nll(zq, ctx.stats[s: s + chunk], targets[r])
+                del zq
         else:
             _ChunkedHead._forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx)
         ctx.gidx = gidx
@@ -402,8 +407,10 @@ class _ChunkedHead(torch.autograd.Function):
             bufs = ChunkBuffers(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device)  # slots: 0 z, 1 g, 2 p
             for s in range(0, rows.numel(), ctx.chunk):
                 r = rows[s: s + ctx.chunk]
-                if use_a and not use_n and ctx.stats is not None:  # kernels/e2e_tv, from the forward's stats
-                    g = _ChunkedHead._grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha)
+                if ctx.stats is not None:  # kernels/e2e_tv, from the forward's stats (+ the CE term at T = 1)
+                    g = _ChunkedHead._grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs,
+                                                  g_alpha if use_a else None,
+                                                  (g_nll, targets) if use_n else None)
                     _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
                     del g
                     continue
@@ -440,9 +447,10 @@ class _ChunkedHead(torch.autograd.Function):
         return (None, None, None, None, None, None, *grads)
 
     @staticmethod
-    def _grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha):
+    def _grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha, ce=None):
         """dL/dz [R, V] of one chunk by kernels/e2e_tv: fp32 over z itself when z is fp32; else (one bf16 term)
-        in w's dtype, what ``_grad_inputs`` multiplies by, unless the weight needs its fp32 gradient."""
+        in w's dtype, what ``_grad_inputs`` multiplies by, unless the weight needs its fp32 gradient.
+        ce: (dL/dnll [rows], targets [all rows]) of a CE term, or None."""
         n = r.numel()
         z = raw_logits(xs, ws, r, bufs, 0)
         zp = raw_logits((hp,), (wp,), r, bufs, 2)
@@ -450,7 +458,10 @@ class _ChunkedHead(torch.autograd.Function):
             out = z
         else:
             out = bufs.scratch(z.dtype, n, 5) if dw[0] is None else bufs.fp32(1, n)
-        return tv_cpu.tv_alpha_backward(z, zp, ctx.temperature, ctx.stats[s: s + n], g_alpha[s: s + n], out)
+        gn, tg = (None, None) if ce is None else (ce[0][s: s + n], ce[1][r])
+        ga = g_alpha[s: s + n] if g_alpha is not None else torch.zeros(n, dtype=torch.float32, device=z.device)
+        return tv_cpu.tv_alpha_backward(z, zp, ctx.temperature, ctx.stats[s: s + n], ga, out, grad_nll=gn,
+                                        targets=tg)
 
     @staticmethod
     def _grad_inputs(g, r, xs, ws, dx, dw, bufs):

@@ -155,6 +155,86 @@ def test_fused_e2e_tv_kernel_equals_torch_path(monkeypatch, wdtype, rank):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5 * float(y.abs().max()))
 
 
+CE_CASES = [(1, 1, 3.0), (3, 15, 3.0), (4, 16, 3.0), (5, 17, 3.0), (3, 1025, 3.0), (2, 49152, 3.0), (4, 300, 60.0)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("r,v,scale", CE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ce_term_equals_reference(r, v, scale, dtype):
+    """trainer.ce_weight through the kernel (T = 1): nll from the forward's statistics, and the gradient
+    dL/dalpha q (ind - <q, ind>) + dL/dnll (q - onehot) in one pass, against naive.py in float64; targets on the
+    first and last entries; bf16 output rounded once (the onehot subtracted before rounding)."""
+    zq, zp = _rows(r * 7 + v, r, v, scale, dtype)
+    g = torch.Generator().manual_seed(r + v)
+    ga, gn = torch.randn(r, generator=g), torch.randn(r, generator=g)
+    targets = torch.randint(0, v, (r,), generator=g)
+    targets[0] = 0
+    targets[-1] = v - 1
+    alpha, stats = cpu.tv_alpha_forward(zq, zp, 1.0)
+    nll = cpu.ce_nll(zq, stats, targets)
+    ref_nll = naive.ce_nll(zq.double(), targets)
+    torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-5, atol=1e-5)
+    out = cpu.tv_alpha_backward(zq, zp, 1.0, stats, ga, torch.empty(r, v), grad_nll=gn, targets=targets)
+    ref = _ref(zq, zp, 1.0, ga)[1] + naive.ce_backward(zq.double(), targets, gn.double())
+    assert float((out.double() - ref).abs().max()) <= 1e-5 * (float(ref.abs().max()) + 1e-30)
+    ob = cpu.tv_alpha_backward(zq, zp, 1.0, stats, ga, torch.empty(r, v, dtype=torch.bfloat16), grad_nll=gn,
+                               targets=targets)
+    assert torch.equal(ob, out.to(torch.bfloat16))
+    if dtype == torch.float32:  # in place over the logits it reads
+        buf = zq.clone()
+        cpu.tv_alpha_backward(buf, zp, 1.0, stats, ga, buf, grad_nll=gn, targets=targets)
+        assert torch.equal(buf, out)
+    # without the CE term: the E2E-TV gradient alone, bit for bit the old call's
+    assert torch.equal(cpu.tv_alpha_backward(zq, zp, 1.0, stats, ga, torch.empty(r, v)),
+                       cpu.tv_alpha_backward(zq, zp, 1.0, stats, ga, torch.empty(r, v), grad_nll=None))
+
+
+@needs_kernel
+def test_ce_term_errors_name_what_is_wrong():
+    zq, zp = _rows(1, 3, 20)
+    _, stats = cpu.tv_alpha_forward(zq, zp, 0.7)
+    ga = torch.ones(3)
+    with pytest.raises(ValueError, match="T = 1"):
+        cpu.tv_alpha_backward(zq, zp, 0.7, stats, ga, torch.empty(3, 20), grad_nll=ga, targets=torch.zeros(3).long())
+    _, stats = cpu.tv_alpha_forward(zq, zp, 1.0)
+    with pytest.raises(ValueError, match="targets"):
+        cpu.tv_alpha_backward(zq, zp, 1.0, stats, ga, torch.empty(3, 20), grad_nll=ga, targets=None)
+    with pytest.raises(ValueError, match=r"\[0, V = 20\)"):
+        cpu.tv_alpha_backward(zq, zp, 1.0, stats, ga, torch.empty(3, 20), grad_nll=ga,
+                              targets=torch.tensor([0, 20, 1]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("wdtype,rank", [(torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 2)])
+def test_fused_e2e_tv_with_ce_term_kernel_equals_torch_path(monkeypatch, wdtype, rank):
+    """trainer.ce_weight at T = 1 runs through the kernel; loss, alpha, nll and every gradient equal its torch path."""
+    g = torch.Generator().manual_seed(rank + 5)
+    n, w, d, v = 6, 4, 8, 333
+    hq = torch.randn(n, w, d, generator=g, requires_grad=True)
+    hp = torch.randn(n, w, d, generator=g)
+    weight = torch.randn(v, d, generator=g).to(wdtype)
+    markov = None
+    if rank:
+        markov = (torch.randn(n, w, rank, generator=g).requires_grad_(True),
+                  (torch.randn(v, rank, generator=g) * 0.5).requires_grad_(True))
+    mask = torch.rand(n, w, generator=g) > 0.2
+    targets = torch.randint(0, v, (n, w), generator=g)
+    inputs = [hq] + (list(markov) if markov else [])
+    res = {}
+    for kind in ("torch", "cpu"):
+        monkeypatch.setattr(losses, "TV_KERNEL", kind)
+        out = losses.fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=7, temperature=1.0, chunk_rows=5,
+                                  ce_targets=targets, ce_weight=0.3)
+        res[kind] = (out.loss.detach(), out.alpha, out.nll, torch.autograd.grad(out.loss, inputs))
+    (l0, a0, n0, g0), (l1, a1, n1, g1) = res["torch"], res["cpu"]
+    assert abs(float(l1) - float(l0)) <= 1e-5 * max(1.0, abs(float(l0)))
+    torch.testing.assert_close(a1, a0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(n1, n0, rtol=1e-5, atol=1e-5)
+    for x, y in zip(g1, g0):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5 * float(y.abs().max()))
+
+
 def test_kernel_choice_errors_name_the_fix(monkeypatch):
     monkeypatch.setattr(losses, "TV_KERNEL", "fast")
     with pytest.raises(ValueError, match="SPECOPD_TV_KERNEL"):

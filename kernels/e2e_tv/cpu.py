@@ -21,7 +21,8 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tv_cpu.c")
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.tv_alpha_forward.argtypes = [ptr, i32, i64, ptr, i32, i64, i64, i64, f32, ptr, ptr, i32]
-    lib.tv_alpha_backward.argtypes = [ptr, i32, i64, ptr, i32, i64, i64, i64, f32, ptr, ptr, ptr, i32, i64, i32]
+    lib.tv_alpha_backward.argtypes = [ptr, i32, i64, ptr, i32, i64, i64, i64, f32, ptr, ptr, ptr, ptr, ptr, i32, i64,
+                                      i32]
     lib.tv_alpha_forward.restype = lib.tv_alpha_backward.restype = None
 
 
@@ -75,9 +76,18 @@ def tv_alpha_forward(zq: torch.Tensor, zp: torch.Tensor, temperature: float):
     return alpha, stats
 
 
+def ce_nll(zq: torch.Tensor, stats: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """nll [R] = logsumexp(zq) - zq[target] from ``tv_alpha_forward``'s statistics of a T = 1 call (its max and
+    1 / sum of exp); zq the same logits."""
+    zt = zq.gather(1, targets.long()[:, None]).squeeze(1).float()
+    return stats[:, 0] - torch.log(stats[:, 2]) - zt
+
+
 def tv_alpha_backward(zq: torch.Tensor, zp: torch.Tensor, temperature: float, stats: torch.Tensor,
-                      grad_alpha: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """dL/dzq = dL/dalpha * q (ind - <q, ind>) / T, ind = 1[q < p] + 1/2 1[q == p], written into ``out``.
+                      grad_alpha: torch.Tensor, out: torch.Tensor, grad_nll: Optional[torch.Tensor] = None,
+                      targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dL/dzq = dL/dalpha * q (ind - <q, ind>) / T, ind = 1[q < p] + 1/2 1[q == p], written into ``out``; with
+    ``grad_nll`` (T = 1 only) plus dL/dnll * (q - onehot(target)), the CE term's (``ce_nll``).
 
     Args:
         zq, zp: [R, V] the logits given to ``tv_alpha_forward`` (recomputed: the same values).
@@ -86,6 +96,8 @@ def tv_alpha_backward(zq: torch.Tensor, zp: torch.Tensor, temperature: float, st
         grad_alpha: [R] fp32 dL/dalpha.
         out: [R, V] fp32 / bf16 with contiguous rows (may be zq itself when both are fp32 and zq is not needed
             after: each row is read before it is written).
+        grad_nll: [R] fp32 dL/dnll of the CE term, or None.
+        targets: [R] int64, the CE's labels (with ``grad_nll``).
 
     Returns:
         ``out``.
@@ -95,8 +107,20 @@ def tv_alpha_backward(zq: torch.Tensor, zp: torch.Tensor, temperature: float, st
     if tuple(out.shape) != (r, v) or tuple(stats.shape) != (r, 5) or tuple(grad_alpha.shape) != (r,):
         raise ValueError(f"out [R, V] = {[r, v]}, stats [R, 5], grad_alpha [R]; got {tuple(out.shape)}, "
                          f"{tuple(stats.shape)}, {tuple(grad_alpha.shape)}")
+    cn = tg = None
+    if grad_nll is not None:
+        if float(temperature) != 1.0:
+            raise ValueError(f"the CE term's gradient needs the kernel's q at T = 1; got temperature {temperature}")
+        if targets is None or tuple(grad_nll.shape) != (r,) or tuple(targets.shape) != (r,):
+            raise ValueError(f"grad_nll and targets must both be [R] = [{r}]; got "
+                             f"{tuple(grad_nll.shape)} and {None if targets is None else tuple(targets.shape)}")
+        if bool(((targets < 0) | (targets >= v)).any()):
+            raise ValueError(f"targets must lie in [0, V = {v})")
+        cn = grad_nll.float().contiguous()
+        tg = targets.to(torch.int64).contiguous()
     coef = (grad_alpha.float() / float(temperature)).contiguous()
     stats = stats.float().contiguous()
     LIB.get().tv_alpha_backward(*_rows(zq, "zq"), *_rows(zp, "zp"), r, v, 1.0 / float(temperature),
-                                stats.data_ptr(), coef.data_ptr(), *_rows(out, "out"), torch.get_num_threads())
+                                stats.data_ptr(), coef.data_ptr(), None if cn is None else cn.data_ptr(),
+                                None if tg is None else tg.data_ptr(), *_rows(out, "out"), torch.get_num_threads())
     return out

@@ -32,3 +32,15 @@ def tv_alpha_backward(zq: torch.Tensor, zp: torch.Tensor, temperature: float,
     p = torch.softmax(_wide(zp) / temperature, -1)
     ind = (q < p).to(q.dtype) + 0.5 * (q == p).to(q.dtype)
     return q * (ind - (q * ind).sum(-1, keepdim=True)) * (_wide(grad_alpha)[:, None] / temperature)
+
+
+def ce_nll(zq: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """nll [R] = -log softmax(zq)[target] (q at T = 1)."""
+    return -torch.log_softmax(_wide(zq), -1).gather(-1, targets.long()[:, None]).squeeze(-1)
+
+
+def ce_backward(zq: torch.Tensor, targets: torch.Tensor, grad_nll: torch.Tensor) -> torch.Tensor:
+    """dL/dzq of the CE term = grad_nll (softmax(zq) - onehot(target)), [R, V] fp32 (fp64 for fp64 inputs)."""
+    q = torch.softmax(_wide(zq), -1)
+    q[torch.arange(q.shape[0]), targets.long()] -= 1.0
+    return q * _wide(grad_nll)[:, None]

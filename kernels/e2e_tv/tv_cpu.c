@@ -108,16 +108,19 @@ static void row_alpha(const float *eq, const float *ep, int64_t V, float ra, flo
     *s = sacc;
 }
 
-/* out[v] = c q_v (ind_v - s) from a row's logits and statistics (out may be a: each vector is read first). */
+/* out[v] = q_v (c (ind_v - s) + cn) from a row's logits and statistics (out may be a: each vector is read first).
+ * cn = 0 without the CE term; with it (T = 1) the caller subtracts cn at the row's target. */
 static void row_grad(const float *a, const float *b, int64_t V, float ma, float mb, float ra, float rb, float s,
-                     float c, float inv_t, float *out) {
+                     float c, float cn, float inv_t, float *out) {
     __m512 vma = _mm512_set1_ps(ma), vmb = _mm512_set1_ps(mb), vt = _mm512_set1_ps(inv_t);
     __m512 vra = _mm512_set1_ps(ra), vrb = _mm512_set1_ps(rb), vs = _mm512_set1_ps(s), vc = _mm512_set1_ps(c);
+    __m512 vcn = _mm512_set1_ps(cn);
     for (int64_t v = 0; v < V; v += VW) {
         __mmask16 k = tail_mask(V - v);
         __m512 q = _mm512_mul_ps(exp_scaled(a + v, k, vma, vt), vra);
         __m512 p = _mm512_mul_ps(exp_scaled(b + v, k, vmb, vt), vrb);
-        __m512 g = _mm512_mul_ps(vc, _mm512_mul_ps(q, _mm512_sub_ps(tie_rule(q, p), vs)));
+        __m512 g = cn == 0.0f ? _mm512_mul_ps(vc, _mm512_mul_ps(q, _mm512_sub_ps(tie_rule(q, p), vs)))
+                              : _mm512_mul_ps(q, _mm512_fmadd_ps(vc, _mm512_sub_ps(tie_rule(q, p), vs), vcn));
         _mm512_mask_storeu_ps(out + v, k, g);
     }
 }
@@ -149,9 +152,11 @@ void tv_alpha_forward(const void *zq, int q_bf16, int64_t ldq, const void *zp, i
 }
 
 /* Backward: g[row, v] = coef[row] * q_v (ind_v - <q, ind>), coef = dL/dalpha / T, from the forward's stats and the
- * same logits; written as fp32 or bf16 (out_bf16), row stride ldg. */
+ * same logits; written as fp32 or bf16 (out_bf16), row stride ldg. With coef_nll and targets (T = 1 only: q is the
+ * CE's softmax), plus the CE term's coef_nll[row] * (q_v - 1[v == targets[row]]), added before any rounding. */
 void tv_alpha_backward(const void *zq, int q_bf16, int64_t ldq, const void *zp, int p_bf16, int64_t ldp,
                        int64_t R, int64_t V, float inv_t, const float *stats, const float *coef,
+                       const float *coef_nll, const int64_t *targets,
                        void *g, int out_bf16, int64_t ldg, int threads) {
 #pragma omp parallel num_threads(threads)
     {
@@ -163,7 +168,10 @@ void tv_alpha_backward(const void *zq, int q_bf16, int64_t ldq, const void *zp, 
             const float *b = load_row(zp, p_bf16, ldp, r, V, xp);
             const float *st = stats + 5 * r;
             float ma = st[0], mb = st[1], ra = st[2], rb = st[3], s = st[4], c = coef[r];
-            row_grad(a, b, V, ma, mb, ra, rb, s, c, inv_t, out_bf16 ? gr : (float *)g + r * ldg);
+            float cn = coef_nll ? coef_nll[r] : 0.0f;
+            float *o = out_bf16 ? gr : (float *)g + r * ldg;
+            row_grad(a, b, V, ma, mb, ra, rb, s, c, cn, inv_t, o);
+            if (coef_nll) o[targets[r]] -= cn;
             if (out_bf16) {
                 uint16_t *h = (uint16_t *)g + r * ldg;
                 for (int64_t v = 0; v < V; v++) h[v] = f32_to_bf16(gr[v]);
