@@ -156,11 +156,13 @@ def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str)
                   cache_trunks=method.startswith("offpolicy"))  # the off-policy baselines as fast as they go
     done = [s for s, _ in _checkpoints(out_dir)]
     if not done or max(done) < steps:
-        print(f"\n[bench_al] {method}: {steps} steps from the warm drafter -> {out_dir}", flush=True)
+        print(f"\n[bench_al] {method}: {steps} steps from the warm drafter (trainer.ce_weight="
+              f"{c.trainer.ce_weight:g}) -> {out_dir}", flush=True)
         train(c, progress=True)
     m = _metrics(out_dir)
     return {"steps": steps, "wall_at": _wall_at(m), "checkpoints": _checkpoints(out_dir), "loss_at": _loss_at(m),
-            "mean_step_s": (sum(x.get("step_s", 0.0) for x in m) / max(1, len(m)))}
+            "mean_step_s": (sum(x.get("step_s", 0.0) for x in m) / max(1, len(m))),
+            "ce_weight": c.trainer.ce_weight}
 
 
 def _row(label, steps, wall, res, temps, w, loss=None) -> dict:
@@ -311,6 +313,7 @@ def main(argv=None) -> int:
             "prepare": {k: v for k, v in prep.items() if k != "cfg"}, "warm": {k: v["mean_al"] for k, v in
                                                                               (warm_res or {}).items()},
             "curves": curves, "equal_time": equal_time, "rows": rows, "temperatures": args.temperatures,
+            "ce_weight": {m: r["ce_weight"] for m, r in runs.items()},
             "prompts": len(ev.prompts), "max_new_tokens": args.max_new_tokens, "al_includes_bonus": True,
             "wall_s_total": time.perf_counter() - t0, "evaluations": ev.cache}
     with open(os.path.join(args.out, "bench_al.json"), "w") as f:
@@ -325,6 +328,8 @@ def main(argv=None) -> int:
         loss = f"{r['loss']:>9.4f}" if r.get("loss") is not None else f"{'':>9}"
         print(f"{r['method']:<40}{r['steps']:>6}{r['train_wall_s']:>9.0f}{loss}" +
               "".join(f"{r[c]:>12.3f} +- {se[c]:.3f}" if c in r else f"{'':>20}" for c in cols))
+    print("trainer.ce_weight (a CE term beside E2E-TV): " + ", ".join(f"{m} {r['ce_weight']:g}"
+                                                                      for m, r in runs.items()))
     ref = next(r for r in rows if r["method"] == "specopd")
     print(f"\nSpecOPD minus each row, paired over the same prompts (difference +- its standard error; > 2 se: "
           f"SpecOPD ahead beyond noise)")

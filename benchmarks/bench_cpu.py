@@ -139,7 +139,7 @@ def make_workers(target_dir: str, data: str, seq_len: int, overrides: list, dtyp
             ov = [f"model.target={target_dir}", f"model.dtype={dt}", f"data.path={data}", f"data.seq_len={seq_len}",
                   "data.heldout=0.0", "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
                   f"trainer.method={method}", f"trainer.output_dir={out_dir}", "trainer.eval_heldout=false", "trainer.eval_every=0",
-                  *overrides]
+                  "trainer.ce_weight=0", *overrides]  # both methods on E2E-TV alone (the paper's loss)
             for path in paths:
                 w = Worker(load_recipe(RECIPE, ov), target=shared)
                 shared = w.target

@@ -282,7 +282,7 @@ class TrainerConfig:
         _check_range("trainer", "anchors_per_seq", self.anchors_per_seq, lo=1)
         _check_range("trainer", "temperature", self.temperature, lo=0)
         _check_range("trainer", "ce_weight", self.ce_weight, lo=0)
-        if self.ce_weight > 0 and self.method not in ("specopd", "offpolicy_e2e_tv"):
+        if self.ce_weight > 0 and self.method not in CE_TERM_METHODS:
             raise RecipeError(f"trainer.ce_weight={self.ce_weight} adds a CE term to E2E-TV (methods specopd and "
                               f"offpolicy_e2e_tv); trainer.method={self.method} "
                               + ("is CE already" if self.method == "offpolicy_ce" else
@@ -417,6 +417,9 @@ class PipelineConfig:
         if not self.eval_temperatures or any(not is_finite_number(t) or t < 0 for t in self.eval_temperatures):
             raise RecipeError(f"pipeline.eval_temperatures={list(self.eval_temperatures)} must list one or more "
                               f"temperatures >= 0 (0 = greedy)")
+
+
+CE_TERM_METHODS = ("specopd", "offpolicy_e2e_tv")  # the methods trainer.ce_weight adds a CE term to
 
 
 def eval_dtype(cfg) -> str:

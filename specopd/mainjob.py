@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from specopd.config import eval_dtype
+from specopd.config import CE_TERM_METHODS, eval_dtype
 from specopd.data.conversations import heldout_prompt_ids, pretrain_chat_prompts, train_chat_prompts
 from specopd.data.prepare import MODELS, load_tokenizer, prepare_data, stop_token_ids
 from specopd.data.references import DATA_FILE, read_records
@@ -96,7 +96,8 @@ def _write_train_data(recs: list, path: str) -> None:
 def stage_cfg(cfg, prep: dict, **kw):
     """The recipe of one training stage: a copy of the main recipe with the pipeline off, the prepared target
     and data, the drafter initialised from the warm drafter (``prep["warm"]``, if any), and ``kw`` as trainer
-    overrides (e.g. method=..., output_dir=..., max_steps=..., lr=...)."""
+    overrides (e.g. method=..., output_dir=..., max_steps=..., lr=...). A stage whose method takes no CE term
+    (off-policy CE, Draft-OPD: ``CE_TERM_METHODS``) trains with ``trainer.ce_weight`` 0."""
     c = copy.deepcopy(cfg)
     c.pipeline.enabled = False
     c.model.target = prep["target_dir"]
@@ -106,6 +107,8 @@ def stage_cfg(cfg, prep: dict, **kw):
         if not hasattr(c.trainer, k):
             raise KeyError(f"stage_cfg: trainer has no key {k!r}")
         setattr(c.trainer, k, v)
+    if c.trainer.method not in CE_TERM_METHODS:
+        c.trainer.ce_weight = 0.0
     return c
 
 

@@ -32,6 +32,8 @@ def test_bench_al_runs_every_method_from_one_warm_drafter(tmp_path, monkeypatch)
     assert rc == 0
     data = json.loads((out / "bench_al.json").read_text())
     assert sorted(data["curves"]) == sorted(bench_al.METHODS)
+    # the main recipe's CE term goes to the methods that take one; CE and Draft-OPD train without it
+    assert data["ce_weight"] == {"specopd": 0.3, "offpolicy_e2e_tv": 0.3, "offpolicy_ce": 0.0, "draft_opd": 0.0}
     for method, pts in data["curves"].items():
         assert [p["step"] for p in pts] == [0, 1, 2]  # the warm drafter, then every checkpoint
         assert pts[0]["checkpoint"] == data["prepare"]["warm"]  # every method starts from the same drafter
