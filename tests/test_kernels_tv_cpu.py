@@ -127,12 +127,13 @@ def test_strided_rows_in_place_output_and_nan():
 
 
 @needs_kernel
-@pytest.mark.parametrize("wdtype,rank", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 3),
-                                         (torch.bfloat16, 2)])
-def test_fused_e2e_tv_kernel_equals_torch_path(monkeypatch, wdtype, rank):
+@pytest.mark.parametrize("wdtype,rank,ce", [(torch.float32, 0, 0.0), (torch.bfloat16, 0, 0.0), (torch.float32, 3, 0.0),
+                                            (torch.bfloat16, 2, 0.0), (torch.float32, 0, 0.3), (torch.bfloat16, 0, 0.3),
+                                            (torch.bfloat16, 2, 0.3)])
+def test_fused_e2e_tv_kernel_equals_torch_path(monkeypatch, wdtype, rank, ce):
     """The fused loss through the kernel against its torch path: loss, alpha and every gradient (one term and
-    DSpark's Markov term; fp32 and bf16 lm_head), chunked."""
-    g = torch.Generator().manual_seed(rank + 11)
+    DSpark's Markov term; fp32 and bf16 lm_head), chunked; ce > 0: trainer.ce_weight's CE term (T = 1) and its nll."""
+    g = torch.Generator().manual_seed(rank + 11 + int(ce * 10))
     n, w, d, v = 6, 4, 8, 333
     hq = torch.randn(n, w, d, generator=g, requires_grad=True)
     hp = torch.randn(n, w, d, generator=g)
@@ -142,15 +143,20 @@ def test_fused_e2e_tv_kernel_equals_torch_path(monkeypatch, wdtype, rank):
         markov = (torch.randn(n, w, rank, generator=g).requires_grad_(True),
                   (torch.randn(v, rank, generator=g) * 0.5).requires_grad_(True))
     mask = torch.rand(n, w, generator=g) > 0.2
+    targets = torch.randint(0, v, (n, w), generator=g) if ce else None
     inputs = [hq] + (list(markov) if markov else [])
     res = {}
     for kind in ("torch", "cpu"):
         monkeypatch.setattr(losses, "TV_KERNEL", kind)
-        out = losses.fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=7, temperature=0.8, chunk_rows=5)
-        res[kind] = (out.loss.detach(), out.alpha, torch.autograd.grad(out.loss, inputs))
-    (l0, a0, g0), (l1, a1, g1) = res["torch"], res["cpu"]
+        out = losses.fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=7, temperature=1.0 if ce else 0.8,
+                                  chunk_rows=5, ce_targets=targets, ce_weight=ce)
+        res[kind] = (out.loss.detach(), out.alpha, out.nll, torch.autograd.grad(out.loss, inputs))
+    (l0, a0, n0, g0), (l1, a1, n1, g1) = res["torch"], res["cpu"]
     assert abs(float(l1) - float(l0)) <= 1e-5 * max(1.0, abs(float(l0)))
     torch.testing.assert_close(a1, a0, rtol=1e-5, atol=1e-6)
+    assert (n0 is None) == (n1 is None) == (not ce)
+    if ce:
+        torch.testing.assert_close(n1, n0, rtol=1e-5, atol=1e-5)
     for x, y in zip(g1, g0):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5 * float(y.abs().max()))
 
@@ -203,36 +209,6 @@ def test_ce_term_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match=r"\[0, V = 20\)"):
         cpu.tv_alpha_backward(zq, zp, 1.0, stats, ga, torch.empty(3, 20), grad_nll=ga,
                               targets=torch.tensor([0, 20, 1]))
-
-
-@needs_kernel
-@pytest.mark.parametrize("wdtype,rank", [(torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 2)])
-def test_fused_e2e_tv_with_ce_term_kernel_equals_torch_path(monkeypatch, wdtype, rank):
-    """trainer.ce_weight at T = 1 runs through the kernel; loss, alpha, nll and every gradient equal its torch path."""
-    g = torch.Generator().manual_seed(rank + 5)
-    n, w, d, v = 6, 4, 8, 333
-    hq = torch.randn(n, w, d, generator=g, requires_grad=True)
-    hp = torch.randn(n, w, d, generator=g)
-    weight = torch.randn(v, d, generator=g).to(wdtype)
-    markov = None
-    if rank:
-        markov = (torch.randn(n, w, rank, generator=g).requires_grad_(True),
-                  (torch.randn(v, rank, generator=g) * 0.5).requires_grad_(True))
-    mask = torch.rand(n, w, generator=g) > 0.2
-    targets = torch.randint(0, v, (n, w), generator=g)
-    inputs = [hq] + (list(markov) if markov else [])
-    res = {}
-    for kind in ("torch", "cpu"):
-        monkeypatch.setattr(losses, "TV_KERNEL", kind)
-        out = losses.fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=7, temperature=1.0, chunk_rows=5,
-                                  ce_targets=targets, ce_weight=0.3)
-        res[kind] = (out.loss.detach(), out.alpha, out.nll, torch.autograd.grad(out.loss, inputs))
-    (l0, a0, n0, g0), (l1, a1, n1, g1) = res["torch"], res["cpu"]
-    assert abs(float(l1) - float(l0)) <= 1e-5 * max(1.0, abs(float(l0)))
-    torch.testing.assert_close(a1, a0, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(n1, n0, rtol=1e-5, atol=1e-5)
-    for x, y in zip(g1, g0):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5 * float(y.abs().max()))
 
 
 def test_kernel_choice_errors_name_the_fix(monkeypatch):
