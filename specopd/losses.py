@@ -556,16 +556,15 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
     valid = torch.cumprod(_mask(mask, (n, w), hq.device).long(), dim=1).bool()
     if ce_weight < 0:
         raise ValueError(f"ce_weight must be >= 0; got {ce_weight}")
-    if ce_weight > 0:
-        if ce_targets is None or tuple(ce_targets.shape) != (n, w):
-            raise ValueError(f"ce_weight > 0 needs ce_targets [N, W] = [{n}, {w}] (the reference tokens); got "
-                             f"{None if ce_targets is None else list(ce_targets.shape)}")
-        alpha, nll = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight,
-                               targets=ce_targets)
-        loss = e2e_tv_from_alpha(alpha, valid, denom) + ce_weight * _masked_branch_mean(nll, valid, denom)
-        return FusedOut(loss, alpha.detach(), nll.detach())
-    alpha, _ = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight)
-    return FusedOut(e2e_tv_from_alpha(alpha, valid, denom), alpha.detach())
+    if ce_weight > 0 and (ce_targets is None or tuple(ce_targets.shape) != (n, w)):
+        raise ValueError(f"ce_weight > 0 needs ce_targets [N, W] = [{n}, {w}] (the reference tokens); got "
+                         f"{None if ce_targets is None else list(ce_targets.shape)}")
+    alpha, nll = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight,
+                           targets=ce_targets if ce_weight > 0 else None)
+    loss = e2e_tv_from_alpha(alpha, valid, denom)
+    if nll is not None:
+        loss = loss + ce_weight * _masked_branch_mean(nll, valid, denom)
+    return FusedOut(loss, alpha.detach(), None if nll is None else nll.detach())
 
 
 def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, markov=None,

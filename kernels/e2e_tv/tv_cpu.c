@@ -109,7 +109,8 @@ static void row_alpha(const float *eq, const float *ep, int64_t V, float ra, flo
 }
 
 /* out[v] = q_v (c (ind_v - s) + cn) from a row's logits and statistics (out may be a: each vector is read first).
- * cn = 0 without the CE term; with it (T = 1) the caller subtracts cn at the row's target. */
+ * cn = 0 without the CE term (then E2E-TV's own product order, its bits unchanged); with it (T = 1) the caller
+ * subtracts cn at the row's target. */
 static void row_grad(const float *a, const float *b, int64_t V, float ma, float mb, float ra, float rb, float s,
                      float c, float cn, float inv_t, float *out) {
     __m512 vma = _mm512_set1_ps(ma), vmb = _mm512_set1_ps(mb), vt = _mm512_set1_ps(inv_t);
