@@ -283,8 +283,8 @@ class TrainerConfig:
         _check_range("trainer", "temperature", self.temperature, lo=0)
         _check_range("trainer", "ce_weight", self.ce_weight, lo=0)
         if self.ce_weight > 0 and self.method not in CE_TERM_METHODS:
-            raise RecipeError(f"trainer.ce_weight={self.ce_weight} adds a CE term to E2E-TV (methods specopd and "
-                              f"offpolicy_e2e_tv); trainer.method={self.method} "
+            raise RecipeError(f"trainer.ce_weight={self.ce_weight} adds a CE term to E2E-TV (methods "
+                              f"{' and '.join(CE_TERM_METHODS)}); trainer.method={self.method} "
                               + ("is CE already" if self.method == "offpolicy_ce" else
                                  "has no reference block per rollout round") + ": set trainer.ce_weight=0")
         why = dir_problem(self.output_dir, writable=False)

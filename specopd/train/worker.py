@@ -227,8 +227,9 @@ class Worker:
             anchor_tokens = torch.cat([trunks[i][anchors[r]] for i, r in enumerate(rows)])
             with self.autocast():
                 h = self.drafter.hidden(feats, anchors, tix, anchor_tokens)  # [N, W, D]
+            want_ce = self.cfg.trainer.ce_weight > 0
             ref_tokens = None
-            if reference or self.cfg.trainer.ce_weight > 0:
+            if reference or want_ce:
                 offs = anchors[:, None] + 1 + torch.arange(self.W, device=self.device)
                 ref_tokens = torch.cat([trunks[i][offs[r]] for i, r in enumerate(rows)])
             if reference:
@@ -239,7 +240,7 @@ class Worker:
                                                     chunk_rows=self.cfg.trainer.loss_chunk_rows)
         return Proposals(anchors=anchors, trunk_index=tix, anchor_tokens=anchor_tokens, tokens=tokens,
                          features=feats, sample_ids=list(sample_ids), reference=reference, hidden=h,
-                         reference_tokens=ref_tokens if self.cfg.trainer.ce_weight > 0 else None)
+                         reference_tokens=ref_tokens if want_ce else None)
 
     @torch.no_grad()
     def score(self, proposals: Union[Proposals, Branches], caches) -> torch.Tensor:
