@@ -4,8 +4,10 @@ Masks, normalisation and memory: docs/architecture.md ("Losses").
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import NamedTuple, Optional, Sequence
+import threading
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,9 @@ from kernels.e2e_tv import cpu as tv_cpu
 # outputs; softmaxes are taken in place). The memory plan and ``auto_chunk_rows`` use it.
 CHUNK_WORKSET_FACTOR = 4
 # Budget of one chunk's working set when ``chunk_rows="auto"`` (bytes), by device type.
-CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 256 << 20}
+# CPU: 512 MiB = 682 rows at V = 49,152, so the main job's 512 rows run as one chunk (oneDNN's bf16 lm_head
+# matmul: ~1,200 GFLOP/s at 341 rows, ~2,100 at 512; benchmarks/NOTES.md).
+CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 512 << 20}
 DFLASH_POSITION_DECAY = 7.0  # released DFlash CE weights exp(-k / 7) for drafted slot k (0-based)
 # The fused E2E-TV's alpha and gradient on the CPU: "auto" (the C kernel kernels/e2e_tv when it builds, else
 # torch) | "cpu" (the kernel, an error if it does not build) | "torch". Set by $SPECOPD_TV_KERNEL.
@@ -211,6 +215,15 @@ def auto_chunk_rows(vocab: int, device="cpu", budget_bytes: Optional[int] = None
     return max(1, budget // (CHUNK_WORKSET_FACTOR * 4 * int(vocab)))
 
 
+def even_chunk(n: int, chunk: int) -> int:
+    """Rows per chunk when ``n`` rows are cut into ceil(n / chunk) chunks of near-equal size (at most ``chunk``):
+    no small last chunk (a [R, V] matmul's rate falls with R). E.g. 512 rows, chunk 341 -> 256 (two chunks)."""
+    if n <= 0:
+        return max(1, int(chunk))
+    k = -(-n // int(chunk))
+    return -(-n // k)
+
+
 def resolve_chunk_rows(chunk_rows, vocab: int, device) -> int:
     check_chunk_rows(chunk_rows)
     return auto_chunk_rows(vocab, device) if chunk_rows == "auto" else int(chunk_rows)
@@ -251,11 +264,46 @@ def chunk_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: t
 class ChunkBuffers:
     """[rows, V] buffers that the chunks of one loss / sampling call reuse: ``fp32(slot, n)`` one per live fp32
     tensor of a chunk, ``scratch(dtype, n, slot)`` per dtype for products and casts (slot 0: consumed at once).
-    Each is made on first use; views [n, V] of [rows, V] storage, contiguous."""
+    Each is made on first use; views [n, V] of [rows, V] storage, contiguous. ``ChunkBuffers.pooled`` keeps them
+    between calls on the CPU."""
+
+    _pool = threading.local()  # per thread: {(vocab, device): ChunkBuffers} kept between calls (CPU)
 
     def __init__(self, rows: int, vocab: int, device):
         self.rows, self.vocab, self.device = int(rows), int(vocab), device
         self.slots, self.low = {}, {}
+        self.busy = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def pooled(cls, rows: int, vocab: int, device) -> Iterator["ChunkBuffers"]:
+        """The buffers of one call. On the CPU, this thread's pooled set for (vocab, device), grown to ``rows``
+        and kept after the call: a fresh [rows, V] tensor above glibc's mmap threshold (32 MiB) is new pages every
+        call, one page fault per 4 KiB (measured: ~11 ms per 50 MB, as long as the lm_head matmul that fills it).
+        Elsewhere, or while the pooled set is in use (a nested call), fresh buffers. ``release_pool`` frees them.
+        Nothing a call returns may be a view of them."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            yield cls(rows, vocab, device)
+            return
+        pool = cls._pool.__dict__.setdefault("sets", {})
+        key = (int(vocab), str(device))
+        b = pool.get(key)
+        if b is not None and b.busy:
+            yield cls(rows, vocab, device)
+            return
+        if b is None or b.rows < int(rows):
+            b = pool[key] = cls(rows, vocab, device)
+        b.busy = True
+        try:
+            yield b
+        finally:
+            b.busy = False
+
+    @classmethod
+    def release_pool(cls) -> None:
+        """Free this thread's pooled CPU buffers."""
+        cls._pool.__dict__.pop("sets", None)
 
     def fp32(self, slot: int, n: int) -> torch.Tensor:
         if slot not in self.slots:
@@ -336,21 +384,22 @@ class _ChunkedHead(torch.autograd.Function):
         nll = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if targets is not None else None
         greedy = alpha is not None and temperature == GREEDY
         gidx = torch.zeros(rows.numel(), dtype=torch.long, device=dev) if greedy else None  # argmax p
-        bufs = ChunkBuffers(min(chunk, rows.numel()), ws[0].shape[0], dev)  # slots: 0 zq, 1 p
-        ctx.stats = None
-        # kernels/e2e_tv: alpha (and a CE term's nll when q's temperature is 1: the kernel's own softmax)
-        if alpha is not None and not greedy and (nll is None or temperature == 1.0) and use_tv_kernel(dev):
-            ctx.stats = torch.empty(rows.numel(), 5, dtype=torch.float32, device=dev)  # for the backward
-            for s in range(0, rows.numel(), chunk):
-                r = rows[s: s + chunk]
-                zq = raw_logits(xs, ws, r, bufs, 0)
-                alpha[s: s + chunk], ctx.stats[s: s + chunk] = tv_cpu.tv_alpha_forward(
-                    zq, raw_logits((hp,), (wp,), r, bufs, 2), temperature)
-                if nll is not None:
-                    nll[s: s + chunk] = tv_cpu.ce_nll(zq, ctx.stats[s: s + chunk], targets[r])
-                del zq
-        else:
-            _ChunkedHead._forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx)
+        chunk = even_chunk(rows.numel(), chunk)
+        with ChunkBuffers.pooled(min(chunk, rows.numel()), ws[0].shape[0], dev) as bufs:  # slots: 0 zq, 1 p
+            ctx.stats = None
+            # kernels/e2e_tv: alpha (and a CE term's nll when q's temperature is 1: the kernel's own softmax)
+            if alpha is not None and not greedy and (nll is None or temperature == 1.0) and use_tv_kernel(dev):
+                ctx.stats = torch.empty(rows.numel(), 5, dtype=torch.float32, device=dev)  # for the backward
+                for s in range(0, rows.numel(), chunk):
+                    r = rows[s: s + chunk]
+                    zq = raw_logits(xs, ws, r, bufs, 0)
+                    alpha[s: s + chunk], ctx.stats[s: s + chunk] = tv_cpu.tv_alpha_forward(
+                        zq, raw_logits((hp,), (wp,), r, bufs, 2), temperature)
+                    if nll is not None:
+                        nll[s: s + chunk] = tv_cpu.ce_nll(zq, ctx.stats[s: s + chunk], targets[r])
+                    del zq
+            else:
+                _ChunkedHead._forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx)
         ctx.gidx = gidx
         ctx.chunk, ctx.temperature, ctx.device_type = chunk, temperature, dev.type
         ctx.has_alpha, ctx.has_nll, ctx.n_terms = alpha is not None, nll is not None, len(xs)
@@ -404,43 +453,44 @@ class _ChunkedHead(torch.autograd.Function):
         use_a = ctx.has_alpha and g_alpha is not None and bool(g_alpha.ne(0).any())
         use_n = ctx.has_nll and g_nll is not None and bool(g_nll.ne(0).any())
         if (use_a or use_n) and any(n for n in need):
-            bufs = ChunkBuffers(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device)  # slots: 0 z, 1 g, 2 p
-            for s in range(0, rows.numel(), ctx.chunk):
-                r = rows[s: s + ctx.chunk]
-                if ctx.stats is not None:  # kernels/e2e_tv, from the forward's stats (+ the CE term at T = 1)
-                    g = _ChunkedHead._grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs,
-                                                  g_alpha if use_a else None,
-                                                  (g_nll, targets) if use_n else None)
+            with ChunkBuffers.pooled(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device) as bufs:
+                # slots: 0 z, 1 g, 2 p
+                for s in range(0, rows.numel(), ctx.chunk):
+                    r = rows[s: s + ctx.chunk]
+                    if ctx.stats is not None:  # kernels/e2e_tv, from the forward's stats (+ the CE term at T = 1)
+                        g = _ChunkedHead._grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs,
+                                                      g_alpha if use_a else None,
+                                                      (g_nll, targets) if use_n else None)
+                        _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
+                        del g
+                        continue
+                    z = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V] fp32 raw logits
+                    g = None
+                    if use_n:  # (softmax(z) - onehot) * dL/dnll
+                        g = bufs.fp32(1, r.numel()).copy_(z) if use_a else z
+                        softmax_(g)
+                        g[torch.arange(r.numel(), device=g.device), targets[r].long()] -= 1.0
+                        g.mul_(g_nll[s: s + ctx.chunk, None])
+                    if use_a and ctx.gidx is not None:  # T = 0: alpha (onehot(g) - q) * dL/dalpha
+                        q, _ = softmax_(z)
+                        gi = ctx.gidx[s: s + ctx.chunk]
+                        ar = torch.arange(r.numel(), device=q.device)
+                        coef = q[ar, gi] * g_alpha[s: s + ctx.chunk]  # alpha * dL/dalpha [R]
+                        ga = q.mul_(-coef[:, None])
+                        ga[ar, gi] += coef
+                        g = ga if g is None else g.add_(ga)
+                        del q
+                    elif use_a:  # q (ind - <q, ind>) * dL/dalpha / T
+                        q, _ = softmax_(z.div_(T))
+                        p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=2).div_(T))
+                        # ind = 1[q < p] + 1/2 1[q == p] = (sign(p - q) + 1) / 2, in p's storage (p - q == 0 iff p == q)
+                        ind = p.sub_(q).sign_().add_(1.0).mul_(0.5)  # [R, V]
+                        qi = torch.mul(q, ind, out=bufs.scratch(torch.float32, r.numel())).sum(-1)  # <q, ind> [R]
+                        ga = ind.sub_(qi[:, None]).mul_(q).mul_(g_alpha[s: s + ctx.chunk, None] / T)
+                        g = ga if g is None else g.add_(ga)
+                        del q, ind, p
                     _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
-                    del g
-                    continue
-                z = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V] fp32 raw logits
-                g = None
-                if use_n:  # (softmax(z) - onehot) * dL/dnll
-                    g = bufs.fp32(1, r.numel()).copy_(z) if use_a else z
-                    softmax_(g)
-                    g[torch.arange(r.numel(), device=g.device), targets[r].long()] -= 1.0
-                    g.mul_(g_nll[s: s + ctx.chunk, None])
-                if use_a and ctx.gidx is not None:  # T = 0: alpha (onehot(g) - q) * dL/dalpha
-                    q, _ = softmax_(z)
-                    gi = ctx.gidx[s: s + ctx.chunk]
-                    ar = torch.arange(r.numel(), device=q.device)
-                    coef = q[ar, gi] * g_alpha[s: s + ctx.chunk]  # alpha * dL/dalpha [R]
-                    ga = q.mul_(-coef[:, None])
-                    ga[ar, gi] += coef
-                    g = ga if g is None else g.add_(ga)
-                    del q
-                elif use_a:  # q (ind - <q, ind>) * dL/dalpha / T
-                    q, _ = softmax_(z.div_(T))
-                    p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=2).div_(T))
-                    # ind = 1[q < p] + 1/2 1[q == p] = (sign(p - q) + 1) / 2, in p's storage (p - q == 0 iff p == q)
-                    ind = p.sub_(q).sign_().add_(1.0).mul_(0.5)  # [R, V]
-                    qi = torch.mul(q, ind, out=bufs.scratch(torch.float32, r.numel())).sum(-1)  # <q, ind> [R]
-                    ga = ind.sub_(qi[:, None]).mul_(q).mul_(g_alpha[s: s + ctx.chunk, None] / T)
-                    g = ga if g is None else g.add_(ga)
-                    del q, ind, p
-                _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
-                del g, z
+                    del g, z
         grads = []
         for k in range(len(xs)):
             grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]

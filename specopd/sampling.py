@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specopd.losses import ChunkBuffers, chunk_logits, resolve_chunk_rows, softmax_
+from specopd.losses import ChunkBuffers, chunk_logits, even_chunk, resolve_chunk_rows, softmax_
 
 
 def _uniforms(n: int, per: int, rows, generators, device, draw: bool = True) -> tuple:
@@ -108,9 +108,9 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
         terms += [e.reshape(-1, e.shape[-1]), w2]
     xs, ws = terms[0::2], terms[1::2]
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
-    bufs = ChunkBuffers(min(chunk, max(1, terms[0].shape[0])), weight.shape[0], h.device)
-    return _sample(lead, weight.shape[0], lambda r: chunk_logits(xs, ws, r, bufs), temperature, rows, generators,
-                   chunk, h.device)
+    with ChunkBuffers.pooled(min(chunk, max(1, terms[0].shape[0])), weight.shape[0], h.device) as bufs:
+        return _sample(lead, weight.shape[0], lambda r: chunk_logits(xs, ws, r, bufs), temperature, rows,
+                       generators, chunk, h.device)
 
 
 @torch.no_grad()
@@ -140,6 +140,7 @@ def _sample(lead, vocab: int, logits_of, temperature: float, rows, generators, c
     chunk = resolve_chunk_rows(chunk_rows, vocab, device)
     out = torch.full((n * per,), -1, dtype=torch.long, device=device)
     u, todo = _uniforms(n, per, rows, generators, device, draw=temperature > 0)
+    chunk = even_chunk(todo.numel(), chunk)
     with torch.autocast(torch.device(device).type, enabled=False):  # precision is set here, not by autocast
         for s in range(0, todo.numel(), chunk):
             r = todo[s: s + chunk]

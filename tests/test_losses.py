@@ -387,6 +387,44 @@ def test_auto_chunk_rows_fits_budget():
     assert auto_chunk_rows(v, "cpu") >= 1
 
 
+def test_even_chunk_cuts_rows_into_near_equal_chunks():
+    """No small last chunk: ceil(n / chunk) chunks of near-equal size, never above ``chunk``."""
+    from specopd.losses import even_chunk
+
+    assert even_chunk(512, 341) == 256 and even_chunk(512, 682) == 512 and even_chunk(1024, 682) == 512
+    assert even_chunk(0, 5) == 5 and even_chunk(1, 5) == 1 and even_chunk(7, 1) == 1
+    for n in range(1, 60):
+        for c in range(1, 20):
+            e = even_chunk(n, c)
+            sizes = [min(e, n - s) for s in range(0, n, e)]
+            assert e <= c and len(sizes) == -(-n // c) and max(sizes) - min(sizes) <= len(sizes), (n, c, sizes)
+
+
+def test_pooled_chunk_buffers_are_kept_between_calls_on_the_cpu():
+    """``ChunkBuffers.pooled``: the same storage call after call (no fresh pages), grown when more rows are asked,
+    fresh while in use (a nested call cannot overwrite its caller's chunk), freed by ``release_pool``; the fused
+    loss's outputs are not views of it (a second call leaves the first call's alpha as it was)."""
+    from specopd.losses import ChunkBuffers
+
+    ChunkBuffers.release_pool()
+    with ChunkBuffers.pooled(8, 300, "cpu") as a:
+        pa = a.fp32(0, 8).data_ptr()
+        with ChunkBuffers.pooled(8, 300, "cpu") as nested:
+            assert nested is not a and nested.fp32(0, 8).data_ptr() != pa
+    with ChunkBuffers.pooled(4, 300, "cpu") as b:
+        assert b is a and b.fp32(0, 4).data_ptr() == pa
+    with ChunkBuffers.pooled(16, 300, "cpu") as c:
+        assert c is not a and c.rows == 16
+    ChunkBuffers.release_pool()
+    with ChunkBuffers.pooled(4, 300, "cpu") as d:
+        assert d is not c
+    hq, weight, hp, _ = _hidden(6, 4, 3)
+    first = fused_e2e_tv(hq, weight, hp, chunk_rows=5)
+    kept = first.alpha.clone()
+    fused_e2e_tv(hq * 2, weight, hp, chunk_rows=5)
+    assert torch.equal(first.alpha, kept)
+
+
 def test_bad_shapes_are_clear_errors():
     hq, weight, hp, _ = _hidden(2, 3, 2)
     with pytest.raises(ValueError, match="lm_head weight"):
