@@ -273,6 +273,7 @@ class ChunkBuffers:
         self.rows, self.vocab, self.device = int(rows), int(vocab), device
         self.slots, self.low = {}, {}
         self.busy = False
+        self.uses = 0  # calls that have had this pooled set: a call can tell whether its buffers were reused since
 
     @classmethod
     @contextlib.contextmanager
@@ -295,6 +296,7 @@ class ChunkBuffers:
         if b is None or b.rows < int(rows):
             b = pool[key] = cls(rows, vocab, device)
         b.busy = True
+        b.uses += 1
         try:
             yield b
         finally:
@@ -317,7 +319,7 @@ class ChunkBuffers:
 
 
 def raw_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: torch.Tensor, bufs: "ChunkBuffers",
-               slot: int) -> torch.Tensor:
+               slot: int, compute: bool = True) -> torch.Tensor:
     """``chunk_logits`` without the fp32 copy of a single bf16 product (the kernel reads bf16 itself).
 
     Args:
@@ -325,16 +327,18 @@ def raw_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: tor
         rows: [R] indices into N.
         bufs: the call's ``ChunkBuffers``.
         slot: fp32 slot ``slot`` (or bf16 scratch slot ``slot + 1``) that holds the result.
+        compute: False: return that buffer as it is (it holds these logits from an earlier call with the same
+            arguments).
 
     Returns:
         [R, V] logits in w's dtype for one term (the values the fp32 copy would hold, exactly), fp32 for several.
     """
-    if len(xs) != 1:
-        return chunk_logits(xs, ws, rows, bufs, slot)
-    x, w = xs[0], ws[0]
     n = rows.numel()
+    if len(xs) != 1:
+        return chunk_logits(xs, ws, rows, bufs, slot) if compute else bufs.fp32(slot, n)
+    x, w = xs[0], ws[0]
     out = bufs.fp32(slot, n) if w.dtype == torch.float32 else bufs.scratch(w.dtype, n, slot + 1)
-    return torch.mm(x[rows].to(w.dtype), w.t(), out=out)
+    return torch.mm(x[rows].to(w.dtype), w.t(), out=out) if compute else out
 
 
 def use_tv_kernel(device) -> bool:
@@ -364,7 +368,8 @@ class _ChunkedHead(torch.autograd.Function):
     Outputs for the flat rows ``rows`` [R]: alpha [R] = sum_v min(q, p) with p = softmax(hp @ wp^T / T)
     (when hp is given; T = 0: alpha = softmax(z)[g], g = argmax hp @ wp^T, kept for the backward),
     nll [R] = -log softmax(z)[target] at temperature 1 (when targets are given).
-    Backward gets dL/dalpha, dL/dnll [R] and recomputes each chunk's logits:
+    Backward gets dL/dalpha, dL/dnll [R] and recomputes each chunk's logits (the C kernel's path reads them back
+    instead when all rows were one chunk of a pooled CPU set that no call has used since):
         dalpha/dz_v = q_v (ind_v - sum_u q_u ind_u) / T,   ind = 1[q < p] + 1/2 1[q == p]  (torch.minimum's rule)
         dalpha/dz_v = alpha (1[v == g] - q_v)                                              (T = 0)
         dnll/dz_v   = softmax(z)_v - 1[v == target]
@@ -386,7 +391,7 @@ class _ChunkedHead(torch.autograd.Function):
         gidx = torch.zeros(rows.numel(), dtype=torch.long, device=dev) if greedy else None  # argmax p
         chunk = even_chunk(rows.numel(), chunk)
         with ChunkBuffers.pooled(min(chunk, rows.numel()), ws[0].shape[0], dev) as bufs:  # slots: 0 zq, 1 p
-            ctx.stats = None
+            ctx.stats = ctx.kept = None
             # kernels/e2e_tv: alpha (and a CE term's nll when q's temperature is 1: the kernel's own softmax)
             if alpha is not None and not greedy and (nll is None or temperature == 1.0) and use_tv_kernel(dev):
                 ctx.stats = torch.empty(rows.numel(), 5, dtype=torch.float32, device=dev)  # for the backward
@@ -398,6 +403,8 @@ class _ChunkedHead(torch.autograd.Function):
                     if nll is not None:
                         nll[s: s + chunk] = tv_cpu.ce_nll(zq, ctx.stats[s: s + chunk], targets[r])
                     del zq
+                # one chunk in a pooled set: the backward reads these logits back if nothing used the set since
+                ctx.kept = (bufs, bufs.uses) if chunk >= rows.numel() and bufs.uses else None
             else:
                 _ChunkedHead._forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx)
         ctx.gidx = gidx
@@ -458,9 +465,10 @@ class _ChunkedHead(torch.autograd.Function):
                 for s in range(0, rows.numel(), ctx.chunk):
                     r = rows[s: s + ctx.chunk]
                     if ctx.stats is not None:  # kernels/e2e_tv, from the forward's stats (+ the CE term at T = 1)
+                        kept = ctx.kept is not None and ctx.kept[0] is bufs and bufs.uses == ctx.kept[1] + 1
                         g = _ChunkedHead._grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs,
                                                       g_alpha if use_a else None,
-                                                      (g_nll, targets) if use_n else None)
+                                                      (g_nll, targets) if use_n else None, recompute=not kept)
                         _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
                         del g
                         continue
@@ -491,19 +499,21 @@ class _ChunkedHead(torch.autograd.Function):
                         del q, ind, p
                     _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
                     del g, z
+        ctx.kept = None
         grads = []
         for k in range(len(xs)):
             grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
         return (None, None, None, None, None, None, *grads)
 
     @staticmethod
-    def _grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha, ce=None):
+    def _grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha, ce=None, recompute=True):
         """dL/dz [R, V] of one chunk by kernels/e2e_tv: fp32 over z itself when z is fp32; else (one bf16 term)
         in w's dtype, what ``_grad_inputs`` multiplies by, unless the weight needs its fp32 gradient.
-        ce: (dL/dnll [rows], targets [all rows]) of a CE term, or None."""
+        ce: (dL/dnll [rows], targets [all rows]) of a CE term, or None. recompute: False when ``bufs`` still holds
+        the forward's logits of these rows (the same bits: the same matmuls)."""
         n = r.numel()
-        z = raw_logits(xs, ws, r, bufs, 0)
-        zp = raw_logits((hp,), (wp,), r, bufs, 2)
+        z = raw_logits(xs, ws, r, bufs, 0, compute=recompute)
+        zp = raw_logits((hp,), (wp,), r, bufs, 2, compute=recompute)
         if z.dtype == torch.float32:
             out = z
         else:

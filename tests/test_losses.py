@@ -425,6 +425,41 @@ def test_pooled_chunk_buffers_are_kept_between_calls_on_the_cpu():
     assert torch.equal(first.alpha, kept)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ce", [0.0, 0.5])
+def test_backward_reads_the_forwards_single_chunk_back_bit_for_bit(monkeypatch, dtype, ce):
+    """With all rows in one pooled chunk, the kernel's backward reads the forward's logits back instead of
+    recomputing them: the same gradient to the bit as a backward that recomputes (forced by a call that uses the
+    pool in between), and the read-back path is the one taken."""
+    from kernels.e2e_tv import cpu as tv_cpu
+    from specopd import losses
+
+    if not tv_cpu.available():
+        pytest.skip(f"the CPU TV kernel does not build: {tv_cpu.unavailable_reason()}")
+    monkeypatch.setattr(losses, "TV_KERNEL", "auto")
+    reads = []
+    raw = losses.raw_logits
+    monkeypatch.setattr(losses, "raw_logits", lambda *a, **k: reads.append(k.get("compute", True)) or raw(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    n, w, d, v = 5, 4, 16, 300
+    hp = torch.randn(n, w, d, generator=g)
+    weight = torch.randn(v, d, generator=g).to(dtype)
+    targets = torch.randint(0, v, (n, w), generator=g)
+    grads = []
+    for between in (False, True):
+        hq = torch.randn(n, w, d, generator=torch.Generator().manual_seed(4)).requires_grad_()
+        kw = dict(ce_targets=targets, ce_weight=ce) if ce else {}
+        out = fused_e2e_tv(hq, weight, hp.to(dtype).float(), chunk_rows=64, temperature=1.0 if ce else 0.9, **kw)  # CE: kernel at T = 1
+        if between:
+            with losses.ChunkBuffers.pooled(4, v, "cpu"):
+                pass
+        reads.clear()
+        out.loss.backward()
+        assert reads == ([True, True] if between else [False, False])
+        grads.append(hq.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_bad_shapes_are_clear_errors():
     hq, weight, hp, _ = _hidden(2, 3, 2)
     with pytest.raises(ValueError, match="lm_head weight"):
