@@ -47,35 +47,37 @@ SETTINGS = {  # seq_len, recipe overrides
 SHAPES = ((2048, 576, 1536), (512, 576, 49152))
 PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each on its own worker)
     # torch's ops everywhere: the fused loss in torch, eager norm / SiLU / RoPE, one attention call per query block
-    "torch": {"tv": "torch", "layer_ops": "torch", "group_keys": 0},
+    "torch": {"tv": "torch", "layer_ops": "torch", "group_keys": 0, "sample": "torch"},
     # the fused loss's C kernel only (kernels/e2e_tv)
-    "tv": {"tv": "auto", "layer_ops": "torch", "group_keys": 0},
-    # the default: + bf16 norm / SiLU / RoPE in C (kernels/layer_ops) with gate and up as one matmul, and the
-    # score's query blocks batched into groups (one fused attention call per group)
-    "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16},
+    "tv": {"tv": "auto", "layer_ops": "torch", "group_keys": 0, "sample": "torch"},
+    # the default: + bf16 norm / SiLU / RoPE in C (kernels/layer_ops) with gate and up as one matmul, the
+    # score's query blocks batched into groups (one fused attention call per group), the branch draws in C
+    # (kernels/sampling)
+    "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto"},
 }
 
 
 class use_path:
     """Sets a ``PATHS`` entry for the block (``specopd.losses.TV_KERNEL``, ``SPECOPD_LAYER_OPS``,
-    ``executors.gqa.GROUP_KEYS``) and restores what it found."""
+    ``executors.gqa.GROUP_KEYS``, ``specopd.sampling.SAMPLE_KERNEL``) and restores what it found."""
 
     def __init__(self, name: str):
         self.p = PATHS[name]
 
     def __enter__(self):
         from executors import gqa
-        from specopd import losses
+        from specopd import losses, sampling
 
-        self.kept = (losses.TV_KERNEL, os.environ.get("SPECOPD_LAYER_OPS"), gqa.GROUP_KEYS)
+        self.kept = (losses.TV_KERNEL, os.environ.get("SPECOPD_LAYER_OPS"), gqa.GROUP_KEYS, sampling.SAMPLE_KERNEL)
         losses.TV_KERNEL, gqa.GROUP_KEYS = self.p["tv"], self.p["group_keys"]
+        sampling.SAMPLE_KERNEL = self.p["sample"]
         os.environ["SPECOPD_LAYER_OPS"] = self.p["layer_ops"]
 
     def __exit__(self, *exc):
         from executors import gqa
-        from specopd import losses
+        from specopd import losses, sampling
 
-        losses.TV_KERNEL, env, gqa.GROUP_KEYS = self.kept
+        losses.TV_KERNEL, env, gqa.GROUP_KEYS, sampling.SAMPLE_KERNEL = self.kept
         if env is None:
             os.environ.pop("SPECOPD_LAYER_OPS", None)
         else:

@@ -5,9 +5,29 @@ decoding all draw through it, so the tokens do not depend on the chunking or on 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from specopd.losses import ChunkBuffers, chunk_logits, even_chunk, resolve_chunk_rows, softmax_
+from kernels.sampling import cpu as sample_cpu
+from specopd.losses import ChunkBuffers, chunk_logits, even_chunk, raw_logits, resolve_chunk_rows, softmax_
+
+# Draws at T > 0 on the CPU: "auto" (the C kernel kernels/sampling when it builds, else torch) | "cpu" (the kernel,
+# an error if it does not build) | "torch" (``draw_``). Set by $SPECOPD_SAMPLE_KERNEL.
+SAMPLE_KERNEL = os.environ.get("SPECOPD_SAMPLE_KERNEL", "auto")
+
+
+def use_sample_kernel(device, temperature: float) -> bool:
+    """Whether draws at ``temperature`` on ``device`` go through kernels/sampling (``SAMPLE_KERNEL``): the same
+    rule as ``draw_``, from bf16 or fp32 logits in one pass per row (no fp32 copy, no [R, V] softmax)."""
+    if SAMPLE_KERNEL not in ("auto", "cpu", "torch"):
+        raise ValueError(f"SPECOPD_SAMPLE_KERNEL={SAMPLE_KERNEL!r}: use auto, cpu or torch")
+    if temperature <= 0 or SAMPLE_KERNEL == "torch" or torch.device(device).type != "cpu":
+        return False
+    if SAMPLE_KERNEL == "cpu" and not sample_cpu.available():
+        raise RuntimeError(f"SPECOPD_SAMPLE_KERNEL=cpu but the CPU sampling kernel does not build: "
+                           f"{sample_cpu.unavailable_reason()}; unset it to use the torch path")
+    return sample_cpu.available()
 
 
 def _uniforms(n: int, per: int, rows, generators, device, draw: bool = True) -> tuple:
@@ -108,9 +128,10 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
         terms += [e.reshape(-1, e.shape[-1]), w2]
     xs, ws = terms[0::2], terms[1::2]
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
+    kernel = use_sample_kernel(h.device, temperature)
     with ChunkBuffers.pooled(min(chunk, max(1, terms[0].shape[0])), weight.shape[0], h.device) as bufs:
-        return _sample(lead, weight.shape[0], lambda r: chunk_logits(xs, ws, r, bufs), temperature, rows,
-                       generators, chunk, h.device)
+        logits_of = (lambda r: raw_logits(xs, ws, r, bufs, 0)) if kernel else (lambda r: chunk_logits(xs, ws, r, bufs))
+        return _sample(lead, weight.shape[0], logits_of, temperature, rows, generators, chunk, h.device, kernel)
 
 
 @torch.no_grad()
@@ -130,11 +151,14 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows=N
     """
     _check_temperature(temperature)
     flat = logits.reshape(-1, logits.shape[-1])
-    return _sample(logits.shape[:-1], logits.shape[-1], lambda r: flat[r].float(), temperature, rows, generator,
-                   chunk_rows, logits.device)
+    kernel = use_sample_kernel(logits.device, temperature) and flat.dtype in (torch.float32, torch.bfloat16)
+    return _sample(logits.shape[:-1], logits.shape[-1], (lambda r: flat[r]) if kernel else (lambda r: flat[r].float()),
+                   temperature, rows, generator, chunk_rows, logits.device, kernel)
 
 
-def _sample(lead, vocab: int, logits_of, temperature: float, rows, generators, chunk_rows, device):
+def _sample(lead, vocab: int, logits_of, temperature: float, rows, generators, chunk_rows, device, kernel=False):
+    """Tokens [*lead] from ``logits_of(flat rows)`` chunk by chunk: fp32 [R, V] that ``draw_`` may overwrite, or
+    (``kernel``) fp32 / bf16 [R, V] for kernels/sampling."""
     per = int(torch.tensor(lead[1:]).prod()) if len(lead) > 1 else 1
     n = int(lead[0]) if len(lead) else 1
     chunk = resolve_chunk_rows(chunk_rows, vocab, device)
@@ -144,5 +168,6 @@ def _sample(lead, vocab: int, logits_of, temperature: float, rows, generators, c
     with torch.autocast(torch.device(device).type, enabled=False):  # precision is set here, not by autocast
         for s in range(0, todo.numel(), chunk):
             r = todo[s: s + chunk]
-            out[r] = draw_(logits_of(r), u[r], temperature)  # logits_of: fp32 [R, V] that draw_ may overwrite
+            z = logits_of(r)
+            out[r] = sample_cpu.draw(z, u[r], temperature, CDF_BLOCK) if kernel else draw_(z, u[r], temperature)
     return out.view(lead)
