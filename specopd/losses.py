@@ -21,6 +21,9 @@ CHUNK_WORKSET_FACTOR = 4
 # CPU: 512 MiB = 682 rows at V = 49,152, so the main job's 512 rows run as one chunk (oneDNN's bf16 lm_head
 # matmul: ~1,200 GFLOP/s at 341 rows, ~2,100 at 512; benchmarks/NOTES.md).
 CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 512 << 20}
+# Rows per [rows, V] @ [V, D] matmul of the backward for bf16 on the CPU: oneDNN runs it at ~1,500 GFLOP/s up to
+# ~341 rows and ~900 from 384 rows on (measured with torch 2.13's oneDNN; benchmarks/NOTES.md).
+DX_ROWS_CPU_BF16 = 341
 DFLASH_POSITION_DECAY = 7.0  # released DFlash CE weights exp(-k / 7) for drafted slot k (0-based)
 # The fused E2E-TV's alpha and gradient on the CPU: "auto" (the C kernel kernels/e2e_tv when it builds, else
 # torch) | "cpu" (the kernel, an error if it does not build) | "torch". Set by $SPECOPD_TV_KERNEL.
@@ -529,7 +532,11 @@ class _ChunkedHead(torch.autograd.Function):
         for k, (x, w) in enumerate(zip(xs, ws)):
             if dx[k] is not None:
                 gl = g if w.dtype == g.dtype else bufs.scratch(w.dtype, r.numel()).copy_(g)  # g.to(w.dtype)
-                dx[k][r] = (gl @ w).to(x.dtype)
+                n, step = r.numel(), r.numel()
+                if gl.device.type == "cpu" and gl.dtype == torch.bfloat16:
+                    step = even_chunk(n, DX_ROWS_CPU_BF16)
+                for s in range(0, n, step):
+                    dx[k][r[s: s + step]] = (gl[s: s + step] @ w).to(x.dtype)
             if dw[k] is not None:
                 dw[k].add_(g.t() @ x[r].float())  # fp32 accumulation over chunks
 

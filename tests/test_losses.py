@@ -460,6 +460,26 @@ def test_backward_reads_the_forwards_single_chunk_back_bit_for_bit(monkeypatch, 
     assert torch.equal(grads[0], grads[1])
 
 
+def test_bf16_backward_in_row_blocks_puts_every_row_back(monkeypatch):
+    """A bf16 chunk's dx = G @ w runs in blocks of ``DX_ROWS_CPU_BF16`` rows on the CPU: the gradient of every row
+    equals the one-block product up to one bf16 rounding of the same fp32 sums (rows land where they belong)."""
+    from specopd import losses
+
+    g = torch.Generator().manual_seed(7)
+    n, w, d, v = 100, 7, 16, 50  # 700 rows in one chunk: blocks of 234 at 341
+    hp = torch.randn(n, w, d, generator=g)
+    weight = torch.randn(v, d, generator=g).bfloat16()
+    grads = []
+    for rows in (losses.DX_ROWS_CPU_BF16, 1 << 30):
+        monkeypatch.setattr(losses, "DX_ROWS_CPU_BF16", rows)
+        hq = torch.randn(n, w, d, generator=torch.Generator().manual_seed(8)).requires_grad_()
+        fused_e2e_tv(hq, weight, hp, chunk_rows=1000).loss.backward()
+        grads.append(hq.grad)
+    blocked, whole = grads
+    assert torch.allclose(blocked, whole, rtol=2 ** -7, atol=1e-6 * float(whole.abs().max()))
+    assert float((blocked - whole).abs().max()) < 0.05 * float(whole.abs().max())
+
+
 def test_bad_shapes_are_clear_errors():
     hq, weight, hp, _ = _hidden(2, 3, 2)
     with pytest.raises(ValueError, match="lm_head weight"):
