@@ -30,6 +30,7 @@ The CPU is shared with other jobs: only ratios measured side by side in one run 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -54,7 +55,21 @@ PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each 
     # score's query blocks batched into groups (one fused attention call per group), the branch draws in C
     # (kernels/sampling)
     "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto"},
+    # "auto" as it was before 2026-12-02 09:00 UTC: fresh [rows, V] chunk buffers on every call, 256 MiB chunks
+    # cut 341 + 171 rows, the backward recomputing the logits, one dx matmul per chunk, draws in torch
+    "prev": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "torch", "chunks": "prev"},
 }
+
+
+class _FreshBuffers:
+    """``ChunkBuffers.pooled`` as it was before the pool: fresh buffers on every call (the "prev" path)."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def pooled(rows, vocab, device):
+        from specopd.losses import ChunkBuffers
+
+        yield ChunkBuffers(rows, vocab, device)
 
 
 class use_path:
@@ -69,8 +84,14 @@ class use_path:
         from specopd import losses, sampling
 
         self.kept = (losses.TV_KERNEL, os.environ.get("SPECOPD_LAYER_OPS"), gqa.GROUP_KEYS, sampling.SAMPLE_KERNEL)
+        self.chunks = (losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, losses.ChunkBuffers.__dict__["pooled"],
+                       losses.even_chunk, sampling.even_chunk)
         losses.TV_KERNEL, gqa.GROUP_KEYS = self.p["tv"], self.p["group_keys"]
         sampling.SAMPLE_KERNEL = self.p["sample"]
+        if self.p.get("chunks") == "prev":
+            losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16 = 256 << 20, 1 << 62
+            losses.ChunkBuffers.pooled = _FreshBuffers.__dict__["pooled"]
+            losses.even_chunk = sampling.even_chunk = lambda n, chunk: chunk
         os.environ["SPECOPD_LAYER_OPS"] = self.p["layer_ops"]
 
     def __exit__(self, *exc):
@@ -78,6 +99,8 @@ class use_path:
         from specopd import losses, sampling
 
         losses.TV_KERNEL, env, gqa.GROUP_KEYS, sampling.SAMPLE_KERNEL = self.kept
+        losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, pooled, losses.even_chunk, sampling.even_chunk = self.chunks
+        losses.ChunkBuffers.pooled = pooled
         if env is None:
             os.environ.pop("SPECOPD_LAYER_OPS", None)
         else:
@@ -528,7 +551,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also the op tables (see the module doc)")
     ap.add_argument("--profile-dtype", default="bfloat16")
     ap.add_argument("--paths", default="auto",
-                    help="CPU code paths, side by side, comma-separated: torch | tv | auto (PATHS)")
+                    help="CPU code paths, side by side, comma-separated: torch | tv | auto | prev (PATHS)")
     ap.add_argument("--json")
     ap.add_argument("--figure", help="a PNG of the steps' phases per CPU path (one panel per setting)")
     args = ap.parse_args(argv)
