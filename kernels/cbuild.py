@@ -87,6 +87,11 @@ class Library:
                     self.error = str(e)
             return self._lib is not None
 
+    def reason(self) -> Optional[str]:
+        """Why the library is not available (it tries to build first), or None when it is."""
+        self.available()
+        return self.error
+
     def get(self) -> ctypes.CDLL:
         if not self.available():
             raise RuntimeError(f"the CPU kernel {os.path.basename(self.source)} is not available: {self.error}")

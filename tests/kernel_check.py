@@ -8,12 +8,23 @@ imported a kernel module.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def c_kernels_expected() -> bool:
+    """AVX-512 and a C compiler: the CPU C kernels (kernels/e2e_tv, kernels/sampling, kernels/layer_ops) must build
+    here; a silent fallback to torch would hide a broken kernel."""
+    try:
+        avx512 = "avx512f" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return avx512 and bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 
 
 def device() -> str:

@@ -2,26 +2,17 @@
 cases: V below / on / past a vector (16) and a search block (1024), temperatures, bf16 logits, -inf logits, u at 0
 and just below 1, one finite logit, logits that underflow, NaN / inf rows, strided rows; rows are independent of
 their batch-mates and of the thread count; the sampler's kernel path draws what its torch path draws."""
-import os
-import shutil
-
 import pytest
 import torch
 
+from kernel_check import c_kernels_expected
 from kernels.sampling import cpu, naive
 from specopd import sampling
 
 
-def _avx512() -> bool:
-    try:
-        return "avx512f" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
 def test_kernel_builds_where_it_can():
     """Where a C compiler and AVX-512 exist the kernel must build: a silent fallback would hide a broken kernel."""
-    if not (_avx512() and (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))):
+    if not c_kernels_expected():
         pytest.skip("no AVX-512 or no C compiler: the sampler keeps its torch path here")
     assert cpu.available(), cpu.unavailable_reason()
 

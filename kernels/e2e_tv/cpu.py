@@ -29,14 +29,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIB = Library(SOURCE, _declare)
 
 
-def available() -> bool:
-    """True when the kernel is built (or builds now) and loads; the reason it does not: ``unavailable_reason()``."""
-    return LIB.available()
-
-
-def unavailable_reason() -> Optional[str]:
-    LIB.available()
-    return LIB.error
+available = LIB.available  # True when the kernel is built (or builds now) and loads
+unavailable_reason = LIB.reason  # why not, or None
 
 
 def _rows(z: torch.Tensor, name: str):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
 
 import torch
 
@@ -26,14 +25,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIB = Library(SOURCE, _declare)
 
 
-def available() -> bool:
-    """True when the kernel is built (or builds now) and loads; the reason it does not: ``unavailable_reason()``."""
-    return LIB.available()
-
-
-def unavailable_reason() -> Optional[str]:
-    LIB.available()
-    return LIB.error
+available = LIB.available  # True when the kernel is built (or builds now) and loads
+unavailable_reason = LIB.reason  # why not, or None
 
 
 def draw(z: torch.Tensor, u: torch.Tensor, temperature: float, block: int = 1024) -> torch.Tensor:
