@@ -250,7 +250,7 @@ class TrainerConfig:
     sample and an all-reduce of about num_workers x the drafter's size: for checks and small runs."""
     loss_chunk_rows: Any = setting("auto", resume=FROM_HERE)
     """Rows of [rows, V] fp32 logits the fused loss and the branch sampling hold at once: an integer >= 1, or
-    auto (a budget of 2 GiB on CUDA / 512 MiB on the CPU, lowered to a quarter of the free GPU memory; see
+    auto (a budget of 2 GiB on CUDA / 1 GiB on the CPU, lowered to a quarter of the free GPU memory; see
     specopd.losses.auto_chunk_rows). Lower it if the loss phase runs out of memory."""
     # ---- metrics sinks (specopd.train.metrics)
     loggers: List[str] = setting(factory=lambda: ["jsonl"], resume=SAME_RUN)

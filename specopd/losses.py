@@ -18,9 +18,10 @@ from kernels.e2e_tv import cpu as tv_cpu
 # outputs; softmaxes are taken in place). The memory plan and ``auto_chunk_rows`` use it.
 CHUNK_WORKSET_FACTOR = 4
 # Budget of one chunk's working set when ``chunk_rows="auto"`` (bytes), by device type.
-# CPU: 512 MiB = 682 rows at V = 49,152, so the main job's 512 rows run as one chunk (oneDNN's bf16 lm_head
-# matmul: ~1,200 GFLOP/s at 341 rows, ~2,100 at 512; benchmarks/NOTES.md).
-CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 512 << 20}
+# CPU: 1 GiB = 1,365 rows at V = 49,152, so a step's rows run as one chunk at the main job's shapes (512) and at
+# 512-token trunks (1,024): oneDNN's bf16 lm_head matmul runs at ~1,200 GFLOP/s at 341 rows, ~2,100 from 384 on, and
+# one chunk lets the loss's backward read its logits back (benchmarks/NOTES.md).
+CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 1 << 30}
 # Rows per [rows, V] @ [V, D] matmul of the backward for bf16 on the CPU: oneDNN runs it at ~1,500 GFLOP/s up to
 # ~341 rows and ~900 from 384 rows on (measured with torch 2.13's oneDNN; benchmarks/NOTES.md).
 DX_ROWS_CPU_BF16 = 341
