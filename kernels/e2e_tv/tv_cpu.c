@@ -26,27 +26,12 @@ static inline __m512 exp_scaled(const float *x, __mmask16 k, __m512 m, __m512 in
     return exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x), m), inv_t));
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays a quiet NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
-}
-
-/* One row of logits -> fp32 x[V] (a copy for bf16; the row itself for fp32). */
-static const float *load_row(const void *z, int bf16, int64_t ld, int64_t row, int64_t V, float *buf) {
-    if (!bf16) return (const float *)z + row * ld;
-    const uint16_t *h = (const uint16_t *)z + row * ld;
-    for (int64_t v = 0; v < V; v++) buf[v] = bf16_to_f32(h[v]);
-    return buf;
 }
 
 /* max, and a NaN / inf probe (x * 0 is NaN for NaN and +-inf, else 0). */

@@ -24,17 +24,6 @@
 #include <immintrin.h>
 #include "simd.h"
 
-#define LOW -87.3365f /* exp16's clamp: below it e is set to 0 (fp32's exp would be denormal or 0) */
-
-static const float *load_row(const void *z, int bf16, int64_t ld, int64_t row, int64_t V, float *buf) {
-    if (!bf16) return (const float *)z + row * ld;
-    const uint16_t *h = (const uint16_t *)z + row * ld;
-    for (int64_t v = 0; v < V; v++) {
-        uint32_t u = (uint32_t)h[v] << 16;
-        memcpy(buf + v, &u, sizeof u);
-    }
-    return buf;
-}
 
 /* max, and whether the row holds a NaN or +inf */
 static float row_max(const float *x, int64_t V, int *bad) {
@@ -51,9 +40,9 @@ static float row_max(const float *x, int64_t V, int *bad) {
     return r;
 }
 
-/* e[v] = exp((x[v] - m) / T) (0 below LOW); bs[b] = the sum over block b (fp32 lanes, then fp64) */
+/* e[v] = exp((x[v] - m) / T) (0 below exp16's clamp EXP16_LOW); bs[b] = the sum over block b (fp32 lanes, then fp64) */
 static double row_exp(const float *x, int64_t V, int64_t block, float m, float inv_t, float *e, double *bs) {
-    __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t), low = _mm512_set1_ps(LOW);
+    __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t), low = _mm512_set1_ps(EXP16_LOW);
     double total = 0.0;
     for (int64_t b = 0, j = 0; b < V; b += block, j++) {
         int64_t end = b + block < V ? b + block : V;

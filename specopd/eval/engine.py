@@ -568,8 +568,9 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     if why:
         print(f"[specopd] no vLLM rows: {why}", flush=True)
         return []
-    dtype = "bfloat16" if resolve_dtype(eval_dtype(cfg)) == torch.bfloat16 else "float32"
-    target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu")
+    tdtype = resolve_dtype(eval_dtype(cfg))
+    dtype = "bfloat16" if tdtype == torch.bfloat16 else "float32"
+    target = load_target(target_dir, dtype=tdtype, device="cpu")
     prompts = [p.tolist() for p in heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)]
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     out = []
