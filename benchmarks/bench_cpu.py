@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import shlex
 import sys
 import time
@@ -105,6 +106,21 @@ class use_path:
             os.environ.pop("SPECOPD_LAYER_OPS", None)
         else:
             os.environ["SPECOPD_LAYER_OPS"] = env
+
+
+def cpu_name() -> str:
+    """The CPU's model name, torch's vector capability and whether bf16 matmuls are native here: the ratios of
+    this script mean nothing without it (an AVX2 CPU emulates bf16, ~30x slower than fp32)."""
+    from specopd.config import cpu_bf16_native
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return (f"{name}, torch {torch.backends.cpu.get_cpu_capability()}, bf16 matmuls "
+            f"{'native (AMX / AVX512-BF16)' if cpu_bf16_native() else 'emulated'}")
 
 
 def matmul_rates(reps: int = 5) -> dict:
@@ -562,7 +578,8 @@ def main(argv=None) -> int:
         args.target = default_model_dir()
     dtypes = args.dtypes.split(",")
     settings = [s for s in args.settings.split(",") if s]
-    out = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    out = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name()}
+    print(f"CPU: {out['cpu']}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         before = matmul_rates()
         paths = tuple(k for k in args.paths.split(",") if k)

@@ -51,6 +51,26 @@ def _check_range(section: str, key: str, value, lo=None, hi=None, lo_open=False)
         raise RecipeError(f"{section}.{key}={value!r} is out of range; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
 
 
+def cpu_bf16_native() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without either, torch's bf16 matmuls
+    are emulated: ~30x slower than fp32 on an AVX2 CPU (benchmarks/NOTES.md, "bf16 target on the CPU")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:  # not Linux: treated as emulated (float32 under auto)
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def auto_dtype(device: str) -> str:
+    """``model.dtype: auto`` on ``device`` (cpu | cuda | auto): "bfloat16" where bf16 matmuls are native (CUDA, or
+    a CPU with ``cpu_bf16_native``), else "float32"."""
+    import torch
+
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return "bfloat16" if cuda or cpu_bf16_native() else "float32"
+
+
 @dataclass
 class ModelConfig:
     target: str = setting("tiny:llama", resume=REFUSE)
@@ -58,7 +78,9 @@ class ModelConfig:
     (llama | qwen3_next | qwen4_exp) for a tiny random target built deterministically from ``tiny_seed``
     and written as a real safetensors folder under ``<output_dir>/tiny-target``."""
     dtype: str = setting("float32", resume=FROM_HERE)
-    """Target (and drafter) parameter dtype: float32 | bfloat16 | float16."""
+    """Target dtype: float32 | bfloat16 | float16 | auto (``auto_dtype``: bfloat16 on CUDA and on CPUs with native
+    bf16 matmuls, AMX-BF16 or AVX512-BF16, else float32; resolved when the recipe is read). The drafter keeps
+    fp32 master weights."""
     device: str = setting("cpu", resume=SAME_RUN)
     """cpu | cuda | auto (cuda when available)."""
     tiny_seed: int = setting(0, resume=REFUSE)
@@ -78,8 +100,10 @@ class ModelConfig:
     def __post_init__(self):
         if self.target.startswith(TINY_PREFIX):
             _check_choice("model", "target", self.target, [TINY_PREFIX + t for t in TINY_MODEL_TYPES] + ["<HF folder>"])
-        _check_choice("model", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        _check_choice("model", "dtype", self.dtype, ["float32", "bfloat16", "float16", "auto"])
         _check_choice("model", "device", self.device, ["cpu", "cuda", "auto"])
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.device)
         _check_range("model", "gdn_checkpoint_every", self.gdn_checkpoint_every, lo=1)
         _check_choice("model", "kernels", self.kernels, ["auto", "torch", "triton"])
 

@@ -17,6 +17,27 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The interpreter runs tl.dot as numpy's matmul (OpenBLAS). OpenBLAS's Haswell / Zen sgemm kernels give an element
+# bits that depend on its row's and column's place in the tile (measured on an AVX2 AMD EPYC, 2026-12-02: a block's
+# node keys moved from columns 0..7 to 12..19 change their scores' last bits), unlike a GPU's dot, where every
+# element is the same FMA chain. Packed scoring then differs from one-by-one in the last bit under the interpreter
+# only. The Sandybridge kernel (AVX, on every x86-64 machine these tests run on) has no such dependence.
+BLAS_CORE = "Sandybridge"
+
+
+def interpreter_env() -> dict:
+    """The environment of a process that runs Triton kernels interpreted on the CPU: TRITON_INTERPRET=1, one
+    thread, tests/ importable, and on x86-64 a position-independent OpenBLAS kernel for numpy's matmul
+    (``BLAS_CORE``; an OPENBLAS_CORETYPE already set is kept)."""
+    import platform
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
+    if platform.machine() in ("x86_64", "AMD64"):
+        env.setdefault("OPENBLAS_CORETYPE", BLAS_CORE)
+    return env
+
+
 def c_kernels_expected() -> bool:
     """AVX-512 and a C compiler: the CPU C kernels (kernels/e2e_tv, kernels/sampling, kernels/layer_ops) must build
     here; a silent fallback to torch would hide a broken kernel."""
@@ -65,10 +86,8 @@ def run(test_file: str, check: str, *args: str, timeout: int = 300) -> None:
         spec.loader.exec_module(mod)
         mod.CHECKS[check](*args)
         return
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, test_file, check, *args], env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run([sys.executable, test_file, check, *args], env=interpreter_env(), capture_output=True,
+                       text=True, timeout=timeout)
     assert r.returncode == 0 and f"{check} ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
 
 

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from kernel_check import interpreter_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FAST = [  # one instance per executor path and kind (~3 min on 2 cores)
@@ -39,10 +41,9 @@ SLOW = ["tests/test_executor_gqa.py", "tests/test_executor_gdn.py", "tests/test_
 
 def _interpreted_pytest(targets, timeout):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow",
-                        "-k", "triton", *targets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                        "-k", "triton", *targets], cwd=ROOT, env=interpreter_env(), capture_output=True, text=True,
+                       timeout=timeout)
     out = r.stdout + r.stderr
     m = re.search(r"(\d+) passed", out)
     assert r.returncode == 0 and m and int(m.group(1)) > 0, out[-6000:]

@@ -166,11 +166,10 @@ def _run_interpreted(what: str) -> None:
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), what], env=env, capture_output=True, text=True,
-                       timeout=300)
+    from kernel_check import interpreter_env
+
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), what], env=interpreter_env(), capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0 and f"{what} ok" in r.stdout, r.stdout + r.stderr
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from typing import Optional
 
 import torch
 
-from specopd.config import RecipeConfig, RecipeError
+from specopd.config import RecipeConfig, RecipeError, cpu_bf16_native
 from specopd.distributed.ray_backend import RayGroup
 from specopd.drafters.layout import check_folder
 from specopd.memory import check_memory
@@ -35,12 +36,19 @@ def make_group(cfg: RecipeConfig):
 
 def check_device(cfg: RecipeConfig) -> None:
     """model.device=cuda on a machine whose torch sees no CUDA device: a RecipeError (Ray clusters given by
-    runtime.address are not checked here: their workers may have GPUs the driver lacks)."""
-    if cfg.model.device == "cuda" and cfg.runtime.address is None:
-        if not torch.cuda.is_available():
-            raise RecipeError(f"model.device=cuda, but torch sees no CUDA device on this machine (torch "
-                              f"{torch.__version__}, torch.cuda.is_available() is False): use model.device=cpu, or "
-                              f"model.device=auto (cuda when available)")
+    runtime.address are not checked here: their workers may have GPUs the driver lacks). A bf16 target on a CPU
+    without native bf16 matmuls: a warning that names the fix."""
+    if cfg.runtime.address is not None:
+        return
+    if cfg.model.device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError(f"model.device=cuda, but torch sees no CUDA device on this machine (torch "
+                          f"{torch.__version__}, torch.cuda.is_available() is False): use model.device=cpu, or "
+                          f"model.device=auto (cuda when available)")
+    on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and cfg.model.dtype == "bfloat16" and not cpu_bf16_native():
+        warnings.warn(f"model.dtype=bfloat16 on a CPU without AMX-BF16 or AVX512-BF16 (torch sees "
+                      f"{torch.backends.cpu.get_cpu_capability()}): its bf16 matmuls are emulated, ~30x slower than "
+                      f"fp32; use model.dtype=auto (bfloat16 only where it is native) or float32", stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------------- train
