@@ -35,8 +35,9 @@ def build_dir() -> str:
     return os.path.join(root, "kernels")
 
 
-def build(source: str) -> ctypes.CDLL:
-    """Compile ``source`` (a .c path) unless a build for these flags and this CPU exists; load it.
+def build(source: str, defines: tuple = ()) -> ctypes.CDLL:
+    """Compile ``source`` (a .c path) with ``-D`` ``defines`` unless a build for these flags and this CPU exists;
+    load it.
 
     Raises:
         RuntimeError: no compiler, or it failed (its stderr in the message).
@@ -45,7 +46,8 @@ def build(source: str) -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc / $CC) on PATH")
     src = open(source, "rb").read() + open(HEADER, "rb").read()
-    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    flags = FLAGS + [f"-D{d}" for d in defines]
+    key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_key().encode()).hexdigest()[:16]
     name = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(build_dir(), f"{name}-{key}.so")
     if not os.path.exists(path):
@@ -53,7 +55,7 @@ def build(source: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir())
         os.close(fd)
         try:
-            cmd = [cc, *FLAGS, "-I", os.path.dirname(HEADER), source, "-o", tmp, "-lm"]
+            cmd = [cc, *flags, "-I", os.path.dirname(HEADER), source, "-o", tmp, "-lm"]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 raise RuntimeError(f"{cc} failed to build {source}:\n{out.stderr[-2000:]}")
@@ -67,8 +69,8 @@ def build(source: str) -> ctypes.CDLL:
 class Library:
     """A kernel library built and loaded once per process on first ``get()``; ``declare(lib)`` sets argtypes."""
 
-    def __init__(self, source: str, declare: Callable[[ctypes.CDLL], None]):
-        self.source, self._declare = source, declare
+    def __init__(self, source: str, declare: Callable[[ctypes.CDLL], None], defines: tuple = ()):
+        self.source, self._declare, self.defines = source, declare, tuple(defines)
         self._lock = threading.Lock()
         self._lib: Optional[ctypes.CDLL] = None
         self.error: Optional[str] = None
@@ -80,12 +82,17 @@ class Library:
         with self._lock:
             if self._lib is None and self.error is None:
                 try:
-                    lib = build(self.source)
+                    lib = build(self.source, self.defines)
                     self._declare(lib)
                     self._lib = lib
                 except (OSError, RuntimeError) as e:
                     self.error = str(e)
             return self._lib is not None
+
+    def variant(self, defines: tuple) -> "Library":
+        """The same source and declarations built with other ``-D`` defines (e.g. ``SPECOPD_SIMD_AVX2``: the
+        AVX2 form of kernels/simd.h on an AVX-512 CPU, for tests/test_kernels_simd.py)."""
+        return Library(self.source, self._declare, defines)
 
     def reason(self) -> Optional[str]:
         """Why the library is not available (it tries to build first), or None when it is."""

@@ -38,14 +38,22 @@ def interpreter_env() -> dict:
     return env
 
 
-def c_kernels_expected() -> bool:
-    """AVX-512 and a C compiler: the CPU C kernels (kernels/e2e_tv, kernels/sampling, kernels/layer_ops) must build
-    here; a silent fallback to torch would hide a broken kernel."""
+def cpu_flags() -> set:
+    """/proc/cpuinfo's flags (empty off Linux)."""
     try:
-        avx512 = "avx512f" in open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
     except OSError:
-        return False
-    return avx512 and bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+        return set()
+
+
+def c_kernels_expected() -> bool:
+    """AVX-512 F, or AVX2 + FMA, and a C compiler: the CPU C kernels of kernels/e2e_tv and kernels/sampling must
+    build here (kernels/simd.h); a silent fallback to torch would hide a broken kernel. (kernels/layer_ops, bf16
+    only, needs AVX-512 F / BW / VL, which every CPU with native bf16 has.)"""
+    flags = cpu_flags()
+    simd = "avx512f" in flags or {"avx2", "fma"} <= flags
+    return simd and bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 
 
 def device() -> str:

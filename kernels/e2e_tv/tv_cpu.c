@@ -14,16 +14,12 @@
 #include <string.h>
 #include <omp.h>
 
-#ifndef __AVX512F__
-#error "tv_cpu.c needs AVX-512 (-march=native on an AVX-512 CPU); without it specopd.losses keeps the torch path"
-#endif
-#include <immintrin.h>
-#include "simd.h"
+#include "simd.h" /* AVX-512 F or AVX2 + FMA (the same bits on either); without them the torch path is kept */
 
 #define BLOCK 1024 /* sums: fp32 vector lanes over BLOCK elements, the block sums in fp64 (~1e-7 for any V) */
 
-static inline __m512 exp_scaled(const float *x, __mmask16 k, __m512 m, __m512 inv_t) {
-    return exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x), m), inv_t));
+static inline vf exp_scaled(const float *x, vmask k, vf m, vf inv_t) {
+    return exp16(v_mul(v_sub(v_loadz(k, x), m), inv_t));
 }
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
@@ -36,58 +32,57 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 /* max, and a NaN / inf probe (x * 0 is NaN for NaN and +-inf, else 0). */
 static float row_max(const float *x, int64_t V, float *probe) {
-    __m512 m = _mm512_set1_ps(-INFINITY), s = _mm512_setzero_ps(), zero = _mm512_setzero_ps();
+    vf m = v_set1(-INFINITY), s = v_zero(), zero = v_zero();
     for (int64_t v = 0; v < V; v += VW) {
-        __mmask16 k = tail_mask(V - v);
-        __m512 a = _mm512_mask_loadu_ps(m, k, x + v);
-        m = _mm512_max_ps(m, a);
-        s = _mm512_add_ps(s, _mm512_maskz_mul_ps(k, a, zero));
+        vmask k = tail_mask(V - v);
+        vf a = v_load_or(m, k, x + v);
+        m = v_max(m, a);
+        s = v_add(s, v_movz(k, v_mul(a, zero)));
     }
-    *probe = _mm512_reduce_add_ps(s);
-    return _mm512_reduce_max_ps(m);
+    *probe = v_reduce_add(s);
+    return v_reduce_max(m);
 }
 
 /* e[v] = exp((x[v] - m) / T); returns sum e. */
 static float row_exp(const float *x, int64_t V, float m, float inv_t, float *e) {
-    __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t);
+    vf vm = v_set1(m), vt = v_set1(inv_t);
     double total = 0.0;
     for (int64_t b = 0; b < V; b += BLOCK) {
         int64_t end = b + BLOCK < V ? b + BLOCK : V;
-        __m512 s = _mm512_setzero_ps();
+        vf s = v_zero();
         for (int64_t v = b; v < end; v += VW) {
-            __mmask16 k = tail_mask(end - v);
-            __m512 y = _mm512_maskz_mov_ps(k, exp_scaled(x + v, k, vm, vt));
-            _mm512_mask_storeu_ps(e + v, k, y);
-            s = _mm512_add_ps(s, y);
+            vmask k = tail_mask(end - v);
+            vf y = v_movz(k, exp_scaled(x + v, k, vm, vt));
+            v_store(e + v, k, y);
+            s = v_add(s, y);
         }
-        total += _mm512_reduce_add_ps(s);
+        total += v_reduce_add(s);
     }
     return (float)total;
 }
 
 /* ind = 1[q < p] + 1/2 1[q == p] (torch.minimum's gradient rule) */
-static inline __m512 tie_rule(__m512 q, __m512 p) {
-    __m512 one = _mm512_set1_ps(1.0f);
-    __m512 ind = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(q, p, _CMP_LT_OQ), one);
-    return _mm512_mask_mov_ps(ind, _mm512_cmp_ps_mask(q, p, _CMP_EQ_OQ), _mm512_set1_ps(0.5f));
+static inline vf tie_rule(vf q, vf p) {
+    vf ind = v_movz(v_lt(q, p), v_set1(1.0f));
+    return v_mov(ind, v_eq(q, p), v_set1(0.5f));
 }
 
 /* alpha = sum min(q, p) and s = <q, ind> of a row from its exponentials and 1 / sums. */
 static void row_alpha(const float *eq, const float *ep, int64_t V, float ra, float rb, double *alpha, double *s) {
-    __m512 va = _mm512_set1_ps(ra), vb = _mm512_set1_ps(rb);
+    vf va = v_set1(ra), vb = v_set1(rb);
     double acc = 0.0, sacc = 0.0;
     for (int64_t b = 0; b < V; b += BLOCK) {
         int64_t end = b + BLOCK < V ? b + BLOCK : V;
-        __m512 a = _mm512_setzero_ps(), t = _mm512_setzero_ps();
+        vf a = v_zero(), t = v_zero();
         for (int64_t v = b; v < end; v += VW) {
-            __mmask16 k = tail_mask(end - v);
-            __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, eq + v), va);
-            __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, ep + v), vb);
-            a = _mm512_add_ps(a, _mm512_min_ps(q, p));
-            t = _mm512_fmadd_ps(q, tie_rule(q, p), t);
+            vmask k = tail_mask(end - v);
+            vf q = v_mul(v_loadz(k, eq + v), va);
+            vf p = v_mul(v_loadz(k, ep + v), vb);
+            a = v_add(a, v_min(q, p));
+            t = v_fmadd(q, tie_rule(q, p), t);
         }
-        acc += _mm512_reduce_add_ps(a);
-        sacc += _mm512_reduce_add_ps(t);
+        acc += v_reduce_add(a);
+        sacc += v_reduce_add(t);
     }
     *alpha = acc;
     *s = sacc;
@@ -98,16 +93,15 @@ static void row_alpha(const float *eq, const float *ep, int64_t V, float ra, flo
  * subtracts cn at the row's target. */
 static void row_grad(const float *a, const float *b, int64_t V, float ma, float mb, float ra, float rb, float s,
                      float c, float cn, float inv_t, float *out) {
-    __m512 vma = _mm512_set1_ps(ma), vmb = _mm512_set1_ps(mb), vt = _mm512_set1_ps(inv_t);
-    __m512 vra = _mm512_set1_ps(ra), vrb = _mm512_set1_ps(rb), vs = _mm512_set1_ps(s), vc = _mm512_set1_ps(c);
-    __m512 vcn = _mm512_set1_ps(cn);
+    vf vma = v_set1(ma), vmb = v_set1(mb), vt = v_set1(inv_t);
+    vf vra = v_set1(ra), vrb = v_set1(rb), vs = v_set1(s), vc = v_set1(c), vcn = v_set1(cn);
     for (int64_t v = 0; v < V; v += VW) {
-        __mmask16 k = tail_mask(V - v);
-        __m512 q = _mm512_mul_ps(exp_scaled(a + v, k, vma, vt), vra);
-        __m512 p = _mm512_mul_ps(exp_scaled(b + v, k, vmb, vt), vrb);
-        __m512 g = cn == 0.0f ? _mm512_mul_ps(vc, _mm512_mul_ps(q, _mm512_sub_ps(tie_rule(q, p), vs)))
-                              : _mm512_mul_ps(q, _mm512_fmadd_ps(vc, _mm512_sub_ps(tie_rule(q, p), vs), vcn));
-        _mm512_mask_storeu_ps(out + v, k, g);
+        vmask k = tail_mask(V - v);
+        vf q = v_mul(exp_scaled(a + v, k, vma, vt), vra);
+        vf p = v_mul(exp_scaled(b + v, k, vmb, vt), vrb);
+        vf g = cn == 0.0f ? v_mul(vc, v_mul(q, v_sub(tie_rule(q, p), vs)))
+                          : v_mul(q, v_fmadd(vc, v_sub(tie_rule(q, p), vs), vcn));
+        v_store(out + v, k, g);
     }
 }
 

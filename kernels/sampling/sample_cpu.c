@@ -18,44 +18,40 @@
 #include <string.h>
 #include <omp.h>
 
-#ifndef __AVX512F__
-#error "sample_cpu.c needs AVX-512 (-march=native on an AVX-512 CPU); without it specopd.sampling keeps the torch path"
-#endif
-#include <immintrin.h>
-#include "simd.h"
+#include "simd.h" /* AVX-512 F or AVX2 + FMA (the same bits on either); without them the torch path is kept */
 
 
 /* max, and whether the row holds a NaN or +inf */
 static float row_max(const float *x, int64_t V, int *bad) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
+    vf m = v_set1(-INFINITY);
+    vmask nan = m_none();
     for (int64_t v = 0; v < V; v += VW) {
-        __mmask16 k = tail_mask(V - v);
-        __m512 a = _mm512_mask_loadu_ps(m, k, x + v);
-        nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-        m = _mm512_max_ps(m, a);
+        vmask k = tail_mask(V - v);
+        vf a = v_load_or(m, k, x + v);
+        nan = m_or(nan, v_nan(a));
+        m = v_max(m, a);
     }
-    float r = _mm512_reduce_max_ps(m);
-    *bad = nan != 0 || r == INFINITY || r == -INFINITY;
+    float r = v_reduce_max(m);
+    *bad = m_any(nan) || r == INFINITY || r == -INFINITY;
     return r;
 }
 
 /* e[v] = exp((x[v] - m) / T) (0 below exp16's clamp EXP16_LOW); bs[b] = the sum over block b (fp32 lanes, then fp64) */
 static double row_exp(const float *x, int64_t V, int64_t block, float m, float inv_t, float *e, double *bs) {
-    __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t), low = _mm512_set1_ps(EXP16_LOW);
+    vf vm = v_set1(m), vt = v_set1(inv_t), low = v_set1(EXP16_LOW);
     double total = 0.0;
     for (int64_t b = 0, j = 0; b < V; b += block, j++) {
         int64_t end = b + block < V ? b + block : V;
-        __m512 s = _mm512_setzero_ps();
+        vf s = v_zero();
         for (int64_t v = b; v < end; v += VW) {
-            __mmask16 k = tail_mask(end - v);
-            __m512 y = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + v), vm), vt);
-            __mmask16 keep = k & _mm512_cmp_ps_mask(y, low, _CMP_GE_OQ);
-            y = _mm512_maskz_mov_ps(keep, exp16(y));
-            _mm512_mask_storeu_ps(e + v, k, y);
-            s = _mm512_add_ps(s, y);
+            vmask k = tail_mask(end - v);
+            vf y = v_mul(v_sub(v_loadz(k, x + v), vm), vt);
+            vmask keep = m_and(k, v_ge(y, low));
+            y = v_movz(keep, exp16(y));
+            v_store(e + v, k, y);
+            s = v_add(s, y);
         }
-        bs[j] = (double)_mm512_reduce_add_ps(s);
+        bs[j] = (double)v_reduce_add(s);
         total += bs[j];
     }
     return total;
