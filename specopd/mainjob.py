@@ -176,7 +176,15 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
     Returns:
         [{drafter, checkpoint, by_temperature: {T: numbers}}].
     """
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))  # the driver's evaluation: every core, then back
+    try:
+        return _evaluate_rows(cfg, target_dir, rows, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _evaluate_rows(cfg, target_dir: str, rows: list, progress: bool) -> list:
     target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu", kernels=cfg.model.kernels)
     prompts = heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))

@@ -52,5 +52,17 @@ def writes_only_to_temporary_folders():
     assert after[1] == before[1], f"tests wrote to the user's cache {_USER_CACHE}; use $SPECOPD_CACHE (tmp)"
 
 
+@pytest.fixture(autouse=True)
+def leaves_one_torch_thread():
+    """Every test starts with one torch thread (set above) and must leave it so: fp32 matmuls round differently at
+    2 threads on some CPUs (an AVX2 EPYC: [10, 64] @ [64, N] by ~2e-6, which a tiny GDN target grows to 2e-4), so a
+    leaked thread count changes the bits of every later test."""
+    yield
+    n = torch.get_num_threads()
+    if n != 1:
+        torch.set_num_threads(1)
+        pytest.fail(f"the test left torch at {n} threads: whatever set them must restore them")
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
