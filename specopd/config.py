@@ -51,15 +51,20 @@ def _check_range(section: str, key: str, value, lo=None, hi=None, lo_open=False)
         raise RecipeError(f"{section}.{key}={value!r} is out of range; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
 
 
-def cpu_bf16_native() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without either, torch's bf16 matmuls
-    are emulated: ~30x slower than fp32 on an AVX2 CPU (benchmarks/NOTES.md, "bf16 target on the CPU")."""
+def cpu_flags() -> set:
+    """The CPU's feature flags from /proc/cpuinfo (empty off Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:  # not Linux: treated as emulated (float32 under auto)
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def cpu_bf16_native() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without either (or off Linux: float32
+    under auto), torch's bf16 matmuls are emulated: ~30x slower than fp32 on an AVX2 CPU (benchmarks/NOTES.md,
+    "A CPU without native bf16")."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def auto_dtype(device: str) -> str:

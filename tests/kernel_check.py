@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from specopd.config import cpu_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,15 +38,6 @@ def interpreter_env() -> dict:
     if platform.machine() in ("x86_64", "AMD64"):
         env.setdefault("OPENBLAS_CORETYPE", BLAS_CORE)
     return env
-
-
-def cpu_flags() -> set:
-    """/proc/cpuinfo's flags (empty off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    except OSError:
-        return set()
 
 
 def c_kernels_expected() -> bool:
