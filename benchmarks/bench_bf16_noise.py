@@ -117,9 +117,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv))
     if args.target is None:
-        from specopd.data.smollm2 import default_model_dir
+        from specopd.data.smollm2 import prepare_smollm2
 
-        args.target = default_model_dir()
+        args.target = prepare_smollm2()  # converted once (~30 s), then found
     r = measure(args.target, args.prompts, args.new)
     pe = r["plain_err"]
     print(f"\n{r['prompts']} prompts, fp32 reference = the bf16 weights in fp32; torch threads {torch.get_num_threads()}")

@@ -48,19 +48,22 @@ SETTINGS = {  # seq_len, recipe overrides
 }
 SHAPES = ((2048, 576, 1536), (512, 576, 49152))
 PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each on its own worker)
-    # torch's ops everywhere: the fused loss in torch, eager norm / SiLU / RoPE, one attention call per query block
-    "torch": {"tv": "torch", "layer_ops": "torch", "group_keys": 0, "sample": "torch"},
+    # torch's ops everywhere: the fused loss in torch, eager norm / SiLU / RoPE, torch's attention kernels
+    "torch": {"tv": "torch", "layer_ops": "torch", "group_keys": 0, "sample": "torch", "attention": "torch"},
     # the fused loss's C kernel only (kernels/e2e_tv)
-    "tv": {"tv": "auto", "layer_ops": "torch", "group_keys": 0, "sample": "torch"},
+    "tv": {"tv": "auto", "layer_ops": "torch", "group_keys": 0, "sample": "torch", "attention": "torch"},
     # the default: + bf16 norm / SiLU / RoPE in C (kernels/layer_ops) with gate and up as one matmul, the
     # score's query blocks batched into groups (one fused attention call per group), the branch draws in C
-    # (kernels/sampling)
-    "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto"},
+    # (kernels/sampling), the bf16 prefill's causal attention in C where the CPU has no AMX (kernels/causal_attention)
+    "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto"},
+    # "auto" with torch's flash kernel for the prefill's attention (as before 2026-12-02 20:00 UTC)
+    "sdpa": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "torch"},
     # "auto" as it was before 2026-12-02 09:00 UTC: fresh [rows, V] chunk buffers on every call, 256 MiB chunks
     # cut 341 + 171 rows, the backward recomputing the logits, one dx matmul per chunk, draws in torch
-    "prev": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "torch", "chunks": "prev"},
+    "prev": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "torch", "chunks": "prev",
+             "attention": "torch"},
 }
-
+ENV = {"layer_ops": "SPECOPD_LAYER_OPS", "attention": "SPECOPD_ATTENTION"}  # PATHS keys set as environment
 
 class _FreshBuffers:
     """``ChunkBuffers.pooled`` as it was before the pool: fresh buffers on every call (the "prev" path)."""
@@ -75,7 +78,8 @@ class _FreshBuffers:
 
 class use_path:
     """Sets a ``PATHS`` entry for the block (``specopd.losses.TV_KERNEL``, ``SPECOPD_LAYER_OPS``,
-    ``executors.gqa.GROUP_KEYS``, ``specopd.sampling.SAMPLE_KERNEL``) and restores what it found."""
+    ``SPECOPD_ATTENTION``, ``executors.gqa.GROUP_KEYS``, ``specopd.sampling.SAMPLE_KERNEL``) and restores what it
+    found."""
 
     def __init__(self, name: str):
         self.p = PATHS[name]
@@ -84,7 +88,8 @@ class use_path:
         from executors import gqa
         from specopd import losses, sampling
 
-        self.kept = (losses.TV_KERNEL, os.environ.get("SPECOPD_LAYER_OPS"), gqa.GROUP_KEYS, sampling.SAMPLE_KERNEL)
+        self.kept = (losses.TV_KERNEL, {v: os.environ.get(v) for v in ENV.values()}, gqa.GROUP_KEYS,
+                     sampling.SAMPLE_KERNEL)
         self.chunks = (losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, losses.ChunkBuffers.__dict__["pooled"],
                        losses.even_chunk, sampling.even_chunk)
         losses.TV_KERNEL, gqa.GROUP_KEYS = self.p["tv"], self.p["group_keys"]
@@ -93,7 +98,8 @@ class use_path:
             losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16 = 256 << 20, 1 << 62
             losses.ChunkBuffers.pooled = _FreshBuffers.__dict__["pooled"]
             losses.even_chunk = sampling.even_chunk = lambda n, chunk: chunk
-        os.environ["SPECOPD_LAYER_OPS"] = self.p["layer_ops"]
+        for key, var in ENV.items():
+            os.environ[var] = self.p[key]
 
     def __exit__(self, *exc):
         from executors import gqa
@@ -102,10 +108,11 @@ class use_path:
         losses.TV_KERNEL, env, gqa.GROUP_KEYS, sampling.SAMPLE_KERNEL = self.kept
         losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, pooled, losses.even_chunk, sampling.even_chunk = self.chunks
         losses.ChunkBuffers.pooled = pooled
-        if env is None:
-            os.environ.pop("SPECOPD_LAYER_OPS", None)
-        else:
-            os.environ["SPECOPD_LAYER_OPS"] = env
+        for var, value in env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def cpu_name() -> str:
@@ -567,15 +574,15 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also the op tables (see the module doc)")
     ap.add_argument("--profile-dtype", default="bfloat16")
     ap.add_argument("--paths", default="auto",
-                    help="CPU code paths, side by side, comma-separated: torch | tv | auto | prev (PATHS)")
+                    help="CPU code paths, side by side, comma-separated: torch | tv | auto | sdpa | prev (PATHS)")
     ap.add_argument("--json")
     ap.add_argument("--figure", help="a PNG of the steps' phases per CPU path (one panel per setting)")
     args = ap.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), flush=True)
     if args.target is None:
-        from specopd.data.smollm2 import default_model_dir
+        from specopd.data.smollm2 import prepare_smollm2
 
-        args.target = default_model_dir()
+        args.target = prepare_smollm2()  # converted once (~30 s), then found
     dtypes = args.dtypes.split(",")
     settings = [s for s in args.settings.split(",") if s]
     out = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name()}

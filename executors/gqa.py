@@ -13,6 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 from executors.attention import masked_attention, sdpa_attention
 from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
 from executors.options import as_options
+from kernels.causal_attention import cpu as causal_cpu
 from kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked
 
 
@@ -100,6 +101,8 @@ def attend_causal(q, k, v, scaling, options=None):
     """
     tq, tk = q.shape[1], k.shape[1]
     if _backend(q, options) == "sdpa" and tq > 0:
+        if causal_cpu.enabled(q, k):  # bf16 on a CPU without AMX: our kernel (kernels/causal_attention)
+            return causal_cpu.causal_attention(q[0], k[0], v[0], [0, tq], [0, tk], scaling)[None]
         if q.device.type == "cpu" and (tq == tk or tq == 1):  # no mask object: the CPU flash kernel, GQA in place
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=tq > 1, scale=scaling, enable_gqa=True)
@@ -110,16 +113,23 @@ def attend_causal(q, k, v, scaling, options=None):
 
 
 # ---------------------------------------------------------------------------------------------- varlen
-def varlen_backend(q, options) -> str:
-    """Packed causal prefill: ``options.varlen_backend`` "auto" | "flash_attn" | "torch" | "loop".
-    "auto" = flash-attn's ``flash_attn_varlen_func`` when importable, else torch's ``varlen_attn`` (torch >=
-    2.9, CUDA, bf16 / fp16), else "loop" (per-sequence ``attend_causal``: exact, any device)."""
+def varlen_backend(q, k, options) -> str:
+    """Packed causal prefill: ``options.varlen_backend`` "auto" | "flash_attn" | "torch" | "cpu" | "loop".
+    "auto" = on CUDA flash-attn's ``flash_attn_varlen_func`` when importable, else torch's ``varlen_attn`` (torch >=
+    2.9, bf16 / fp16), else "loop"; on the CPU "cpu" (``kernels.causal_attention``: every trunk in one call) where
+    ``causal_cpu.enabled`` (bf16, AVX512-BF16 without AMX, ``SPECOPD_ATTENTION``), else "loop" (per-sequence
+    ``attend_causal``: exact, any device)."""
     backend = as_options(options).varlen_backend
-    if backend not in ("auto", "flash_attn", "torch", "loop"):
-        raise ValueError(f"unknown varlen_backend {backend!r}; use 'auto', 'flash_attn', 'torch' or 'loop'")
+    if backend not in ("auto", "flash_attn", "torch", "cpu", "loop"):
+        raise ValueError(f"unknown varlen_backend {backend!r}; use 'auto', 'flash_attn', 'torch', 'cpu' or 'loop'")
+    if backend == "cpu" and not (q.device.type == "cpu" and q.dtype == torch.bfloat16 and causal_cpu.LIB.available()):
+        raise ValueError(f"varlen_backend='cpu' runs bf16 on a CPU with AVX512-BF16 (kernels.causal_attention); got "
+                         f"{q.dtype} on {q.device}, kernel: {causal_cpu.LIB.reason() or 'available'}; use 'auto'")
     if backend != "auto":
         return backend
-    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+    if q.device.type == "cpu":
+        return "cpu" if causal_cpu.enabled(q, k) and _backend(q, options) == "sdpa" else "loop"
+    if q.dtype not in (torch.bfloat16, torch.float16):
         return "loop"
     try:
         import flash_attn  # noqa: F401  (optional gpu extra)
@@ -150,7 +160,10 @@ def attend_varlen(q, k, v, cu_seqlens, max_len: int, scaling, options=None):
     Returns:
         [N, H, hd].
     """
-    backend = varlen_backend(q, options)
+    backend = varlen_backend(q, k, options)
+    if backend == "cpu":
+        bounds = cu_seqlens.tolist()
+        return causal_cpu.causal_attention(q, k, v, bounds, bounds, scaling)
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func  # optional (gpu extra)
 

@@ -21,7 +21,7 @@ class ExecOptions:
     gdn_keep_checkpoints: bool = True  # GDN prefill: False (decoding) keeps only the final state
     gdn_prefill: str = "auto"  # GDN Triton prefill: "auto" | "chunk" | "fla" | "recurrent"
     gqa_backend: str = "auto"  # GQA attention: "auto" | "blocked" | "triton" | "dense" | "sdpa"
-    varlen_backend: str = "auto"  # GQA packed causal prefill: "auto" | "flash_attn" | "torch" | "loop"
+    varlen_backend: str = "auto"  # GQA packed causal prefill: "auto" | "flash_attn" | "torch" | "cpu" | "loop"
     qsa_prefill_chunk: int = 1024  # QSA prefill: queries per attention block
     qsa_score_bytes: int = DEFAULT_QSA_SCORE_BYTES  # QSA score: bytes per node chunk of the key stage
     qsa_record: Optional[dict] = None  # QSA (tests): receives {layer_idx: selected groups [Q, topk]} when a dict

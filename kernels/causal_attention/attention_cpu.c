@@ -1,0 +1,281 @@
+/* Causal GQA attention in bf16 on the CPU: vdpbf16ps (AVX512-BF16) dot products, fp32 softmax, one call for many
+ * sequences (the packed prefill's trunks, a decoding step's last rows).
+ *
+ * Why: torch's CPU flash-attention kernel runs bf16 at ~60 GFLOP/s on a CPU with AVX512-BF16 but no AMX (2 cores,
+ * [9 x 192 x 64] causal: benchmarks/NOTES.md, "Prefill attention in C"), a sixth of the matmul rate; one call per
+ * trunk and layer.
+ *
+ * The numerics follow torch's flash kernel for reduced precision (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
+ *  s = (q . k) * scale in fp32 (products of bf16 are exact in fp32; the sum in pairs, vdpbf16ps's order),
+ *  keys in chunks of KC with the online softmax: m = running max, e = exp(s - m) in fp32, l += sum(e) in fp32,
+ *  P = bf16(e) (round to nearest even), acc = acc * exp(m_old - m) + P . V in fp32, out = bf16(acc * (1 / l)).
+ * So the result is within bf16 noise of the fp32 softmax of the same inputs (tests/test_kernels_causal_attention.py
+ * bounds it by torch's own bf16 error), not bitwise torch's: the exp (Cephes, ~1 ulp), the sums' order and the key
+ * chunks differ. A row's result depends only on its own query, its sequence's keys and KC: not on the other rows,
+ * the query blocks or the thread count.
+ *
+ * Layout: q [Nq, H, D], k / v [Nk, Hkv, D], o [Nq, H, D] with any token and head strides and D contiguous; sequence
+ * s has queries cu_q[s] .. cu_q[s + 1] - 1 and keys cu_k[s] .. cu_k[s + 1] - 1, its query i at key position
+ * (Lk - Lq) + i (prefill: Lq = Lk; one decoding step: Lq = 1). D % 32 == 0, D <= 256.
+ * Built by kernels/cbuild.py (-O3 -march=native -fopenmp); needs AVX512-F / BW and AVX512-BF16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512BF16__)
+#error "attention_cpu.c needs AVX-512 F/BW and AVX512-BF16 (-march=native on such a CPU); without it torch's sdpa runs"
+#endif
+#include <immintrin.h>
+#include "simd.h"
+
+#ifndef KC
+#define KC 256     /* keys per online-softmax chunk */
+#endif
+#ifndef ROWS
+#define ROWS 96    /* (query, head) rows per work item, about (48-144 and KC 256-512: within 5% at 192-1000 keys) */
+#endif
+#define MAXD 256
+
+static inline __m512bh pair_bcast(const uint16_t *p) { /* two adjacent bf16 in every 32-bit lane */
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return (__m512bh)_mm512_set1_epi32((int)u);
+}
+
+static inline __m512bh load_bh(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+/* K of one (sequence, kv head) as blocks of 16 keys: kp[blk][d / 2][16] 32-bit pairs (k[j][d], k[j][d + 1]);
+ * keys past L are 0. */
+static void pack_k(const uint16_t *k, int64_t ks_t, int64_t L, int64_t D, uint32_t *kp) {
+    int64_t nb = (L + 15) / 16;
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t p = 0; p < D / 2; p++) {
+            uint32_t *dst = kp + (b * (D / 2) + p) * 16;
+            for (int64_t jj = 0; jj < 16; jj++) {
+                int64_t j = b * 16 + jj;
+                uint32_t u = 0;
+                if (j < L) memcpy(&u, k + j * ks_t + 2 * p, 4);
+                dst[jj] = u;
+            }
+        }
+}
+
+/* V of one (sequence, kv head) as pairs of keys: vp[j / 2][d] 32-bit pairs (v[j][d], v[j + 1][d]); past L: 0. */
+static void pack_v(const uint16_t *v, int64_t vs_t, int64_t L, int64_t D, uint32_t *vp) {
+    for (int64_t jp = 0; jp < (L + 1) / 2; jp++)
+        for (int64_t d = 0; d < D; d++) {
+            uint32_t lo = v[2 * jp * vs_t + d];
+            uint32_t hi = 2 * jp + 1 < L ? v[(2 * jp + 1) * vs_t + d] : 0;
+            vp[jp * D + d] = lo | (hi << 16);
+        }
+    if (L % 2 == 0) return;
+}
+
+static inline int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* S[r][0 .. nk) = scale * q_r . k_j for keys c0 + j of one block of rows; rows r of `qr` (pointers). */
+static void scores(const uint16_t *const *qr, int64_t R, const uint32_t *kp, int64_t c0, int64_t nk, int64_t D,
+                   float scale, float *S) {
+    const int64_t P = D / 2;
+    const vf sc = v_set1(scale);
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        int64_t nr = R - r0 < 4 ? R - r0 : 4;
+        const uint16_t *q0 = qr[r0], *q1 = qr[r0 + (nr > 1)], *q2 = qr[r0 + (nr > 2 ? 2 : 0)],
+                       *q3 = qr[r0 + (nr > 3 ? 3 : 0)];
+        for (int64_t j = 0; j < nk; j += 32) {
+            const uint32_t *b0 = kp + ((c0 + j) / 16) * P * 16;
+            const uint32_t *b1 = b0 + P * 16;
+            int two = j + 16 < nk;
+            vf a00 = v_zero(), a01 = v_zero(), a10 = v_zero(), a11 = v_zero();
+            vf a20 = v_zero(), a21 = v_zero(), a30 = v_zero(), a31 = v_zero();
+            if (two) {
+                for (int64_t p = 0; p < P; p++) {
+                    __m512bh k0 = load_bh(b0 + p * 16), k1 = load_bh(b1 + p * 16);
+                    __m512bh x;
+                    x = pair_bcast(q0 + 2 * p); a00 = _mm512_dpbf16_ps(a00, x, k0); a01 = _mm512_dpbf16_ps(a01, x, k1);
+                    x = pair_bcast(q1 + 2 * p); a10 = _mm512_dpbf16_ps(a10, x, k0); a11 = _mm512_dpbf16_ps(a11, x, k1);
+                    x = pair_bcast(q2 + 2 * p); a20 = _mm512_dpbf16_ps(a20, x, k0); a21 = _mm512_dpbf16_ps(a21, x, k1);
+                    x = pair_bcast(q3 + 2 * p); a30 = _mm512_dpbf16_ps(a30, x, k0); a31 = _mm512_dpbf16_ps(a31, x, k1);
+                }
+            } else {
+                for (int64_t p = 0; p < P; p++) {
+                    __m512bh k0 = load_bh(b0 + p * 16);
+                    a00 = _mm512_dpbf16_ps(a00, pair_bcast(q0 + 2 * p), k0);
+                    a10 = _mm512_dpbf16_ps(a10, pair_bcast(q1 + 2 * p), k0);
+                    a20 = _mm512_dpbf16_ps(a20, pair_bcast(q2 + 2 * p), k0);
+                    a30 = _mm512_dpbf16_ps(a30, pair_bcast(q3 + 2 * p), k0);
+                }
+            }
+            vf acc[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+            for (int64_t i = 0; i < nr; i++) {
+                float *s = S + (r0 + i) * KC + j;
+                v_store(s, tail_mask(nk - j), v_mul(acc[i][0], sc));
+                if (two) v_store(s + 16, tail_mask(nk - j - 16), v_mul(acc[i][1], sc));
+            }
+        }
+    }
+}
+
+/* acc[r][0 .. D) += sum_j P[r][j] v_j over pairs of keys jp = 0 .. npair (P: bf16 pairs, row stride KC / 2). */
+static void pv(const uint32_t *Pb, int64_t R, const uint32_t *vp, int64_t npair, int64_t D, float *acc) {
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        int64_t nr = R - r0 < 4 ? R - r0 : 4;
+        const uint32_t *p0 = Pb + r0 * (KC / 2), *p1 = Pb + (r0 + (nr > 1)) * (KC / 2),
+                       *p2 = Pb + (r0 + (nr > 2 ? 2 : 0)) * (KC / 2), *p3 = Pb + (r0 + (nr > 3 ? 3 : 0)) * (KC / 2);
+        for (int64_t d = 0; d < D; d += 32) {
+            float *c0 = acc + r0 * D + d;
+            vf a00 = _mm512_loadu_ps(c0), a01 = _mm512_loadu_ps(c0 + 16);
+            vf a10 = v_zero(), a11 = v_zero(), a20 = v_zero(), a21 = v_zero(), a30 = v_zero(), a31 = v_zero();
+            if (nr > 1) a10 = _mm512_loadu_ps(c0 + D), a11 = _mm512_loadu_ps(c0 + D + 16);
+            if (nr > 2) a20 = _mm512_loadu_ps(c0 + 2 * D), a21 = _mm512_loadu_ps(c0 + 2 * D + 16);
+            if (nr > 3) a30 = _mm512_loadu_ps(c0 + 3 * D), a31 = _mm512_loadu_ps(c0 + 3 * D + 16);
+            for (int64_t jp = 0; jp < npair; jp++) {
+                __m512bh v0 = load_bh(vp + jp * D + d), v1 = load_bh(vp + jp * D + d + 16);
+                __m512bh x;
+                x = (__m512bh)_mm512_set1_epi32((int)p0[jp]); a00 = _mm512_dpbf16_ps(a00, x, v0); a01 = _mm512_dpbf16_ps(a01, x, v1);
+                x = (__m512bh)_mm512_set1_epi32((int)p1[jp]); a10 = _mm512_dpbf16_ps(a10, x, v0); a11 = _mm512_dpbf16_ps(a11, x, v1);
+                x = (__m512bh)_mm512_set1_epi32((int)p2[jp]); a20 = _mm512_dpbf16_ps(a20, x, v0); a21 = _mm512_dpbf16_ps(a21, x, v1);
+                x = (__m512bh)_mm512_set1_epi32((int)p3[jp]); a30 = _mm512_dpbf16_ps(a30, x, v0); a31 = _mm512_dpbf16_ps(a31, x, v1);
+            }
+            _mm512_storeu_ps(c0, a00), _mm512_storeu_ps(c0 + 16, a01);
+            if (nr > 1) _mm512_storeu_ps(c0 + D, a10), _mm512_storeu_ps(c0 + D + 16, a11);
+            if (nr > 2) _mm512_storeu_ps(c0 + 2 * D, a20), _mm512_storeu_ps(c0 + 2 * D + 16, a21);
+            if (nr > 3) _mm512_storeu_ps(c0 + 3 * D, a30), _mm512_storeu_ps(c0 + 3 * D + 16, a31);
+        }
+    }
+}
+
+typedef struct {
+    int64_t s, g, i0, i1; /* sequence, kv head, query rows i0 .. i1 - 1 of the sequence */
+    int64_t cost;
+} Item;
+
+static int by_cost(const void *a, const void *b) {
+    int64_t x = ((const Item *)a)->cost, y = ((const Item *)b)->cost;
+    return (x < y) - (x > y); /* descending: long items first */
+}
+
+/* Returns 0, or -1 when out of memory (the caller raises). */
+int causal_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const uint16_t *k, int64_t ks_t,
+                          int64_t ks_h, const uint16_t *v, int64_t vs_t, int64_t vs_h, uint16_t *o, int64_t os_t,
+                          int64_t os_h, const int64_t *cu_q, const int64_t *cu_k, int64_t nseq, int64_t H,
+                          int64_t Hkv, int64_t D, float scale, int nthreads) {
+    const int64_t G = H / Hkv;
+    const int64_t bq = ROWS / G > 0 ? ROWS / G : 1; /* query positions per item */
+    int64_t *koff = malloc((size_t)(nseq + 1) * sizeof(int64_t));
+    if (!koff) return -1;
+    koff[0] = 0;
+    int64_t nitems = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        koff[s + 1] = koff[s] + ceil_to(cu_k[s + 1] - cu_k[s], 16); /* padded keys before sequence s + 1 */
+        nitems += Hkv * ((cu_q[s + 1] - cu_q[s] + bq - 1) / bq);
+    }
+    /* packed K and V: per (sequence, kv head) block of ceil16(L) keys x D pairs / values */
+    uint32_t *kp = aligned_alloc(64, (size_t)(koff[nseq] * Hkv * (D / 2) + 16) * 4);
+    uint32_t *vpk = aligned_alloc(64, (size_t)(koff[nseq] * Hkv * (D / 2) + 16) * 4);
+    Item *items = malloc((size_t)(nitems + 1) * sizeof(Item));
+    if (!kp || !vpk || !items) {
+        free(koff), free(kp), free(vpk), free(items);
+        return -1;
+    }
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        int64_t lq = cu_q[s + 1] - cu_q[s], off = (cu_k[s + 1] - cu_k[s]) - lq;
+        for (int64_t g = 0; g < Hkv; g++)
+            for (int64_t i0 = 0; i0 < lq; i0 += bq) {
+                int64_t i1 = i0 + bq < lq ? i0 + bq : lq;
+                items[n++] = (Item){s, g, i0, i1, (i1 - i0) * (off + i1)};
+            }
+    }
+    qsort(items, (size_t)n, sizeof(Item), by_cost);
+    int nt = nthreads > 0 ? nthreads : 1;
+    int64_t npack = nseq * Hkv;
+    int64_t work = koff[nseq] * Hkv * D;
+#pragma omp parallel for num_threads(work >= 16384 ? nt : 1) schedule(dynamic, 1)
+    for (int64_t t = 0; t < npack; t++) {
+        int64_t s = t / Hkv, g = t % Hkv, L = cu_k[s + 1] - cu_k[s];
+        size_t base = (size_t)(koff[s] * Hkv + g * ceil_to(L, 16)) * (D / 2);
+        pack_k(k + cu_k[s] * ks_t + g * ks_h, ks_t, L, D, kp + base);
+        pack_v(v + cu_k[s] * vs_t + g * vs_h, vs_t, L, D, vpk + base);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(n > 1 ? nt : 1)
+    {
+        const int64_t rmax = bq * G;
+        float *S = aligned_alloc(64, (size_t)rmax * KC * 4);
+        uint32_t *Pb = aligned_alloc(64, (size_t)rmax * (KC / 2) * 4);
+        float *acc = aligned_alloc(64, (size_t)rmax * D * 4);
+        float *m = malloc((size_t)rmax * 4), *l = malloc((size_t)rmax * 4);
+        const uint16_t **qr = malloc((size_t)rmax * sizeof(void *));
+        int ok = S && Pb && acc && m && l && qr;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n; it++) {
+            if (!ok) continue;
+            const Item w = items[it];
+            const int64_t L = cu_k[w.s + 1] - cu_k[w.s], lq = cu_q[w.s + 1] - cu_q[w.s], off = L - lq;
+            const size_t base = (size_t)(koff[w.s] * Hkv + w.g * ceil_to(L, 16)) * (D / 2);
+            const int64_t R = (w.i1 - w.i0) * G;
+            for (int64_t i = w.i0; i < w.i1; i++)
+                for (int64_t h = 0; h < G; h++)
+                    qr[(i - w.i0) * G + h] = q + (cu_q[w.s] + i) * qs_t + (w.g * G + h) * qs_h;
+            for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
+            memset(acc, 0, (size_t)R * D * 4);
+            const int64_t kend = off + w.i1; /* keys 0 .. kend - 1 reach some row of the item */
+            for (int64_t c0 = 0; c0 < kend; c0 += KC) {
+                const int64_t nk = kend - c0 < KC ? kend - c0 : KC;
+                scores(qr, R, kp + base, c0, nk, D, scale, S);
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t lim = off + w.i0 + r / G + 1 - c0; /* this row's keys in the chunk: [0, lim) */
+                    const int64_t nv = lim < nk ? lim : nk;
+                    float *s = S + r * KC;
+                    uint32_t *pr = Pb + r * (KC / 2);
+                    if (nv <= 0) { /* the row's keys ended before this chunk */
+                        memset(pr, 0, (size_t)((nk + 1) / 2) * 4);
+                        continue;
+                    }
+                    vf mx = v_set1(-INFINITY);
+                    for (int64_t j = 0; j < nv; j += VW) mx = v_max(mx, v_load_or(v_set1(-INFINITY), tail_mask(nv - j), s + j));
+                    float mnew = v_reduce_max(mx);
+                    mnew = mnew > m[r] ? mnew : m[r];
+                    const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+                    const vf mv = v_set1(mnew);
+                    vf sum = v_zero();
+                    uint16_t *ph = (uint16_t *)pr;
+                    for (int64_t j = 0; j < nk; j += VW) {
+                        vmask valid = j < nv ? tail_mask(nv - j) : 0;
+                        vf e = v_movz(valid, exp16(v_sub(v_loadz(valid, s + j), mv)));
+                        sum = v_add(sum, e);
+                        __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+                        _mm256_mask_storeu_epi16(ph + j, (__mmask16)tail_mask(nk - j), eb);
+                    }
+                    if (nk % 2) ph[nk] = 0; /* the last pair's second key */
+                    l[r] = l[r] * alpha + v_reduce_add(sum);
+                    m[r] = mnew;
+                    if (alpha != 1.0f) {
+                        const vf av = v_set1(alpha);
+                        for (int64_t d = 0; d < D; d += VW) _mm512_storeu_ps(acc + r * D + d, v_mul(_mm512_loadu_ps(acc + r * D + d), av));
+                    }
+                }
+                pv(Pb, R, vpk + base + (size_t)(c0 / 2) * D, (nk + 1) / 2, D, acc);
+            }
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t i = w.i0 + r / G, h = w.g * G + r % G;
+                uint16_t *dst = o + (cu_q[w.s] + i) * os_t + h * os_h;
+                const vf inv = v_set1(1.0f / l[r]);
+                for (int64_t d = 0; d < D; d += VW)
+                    _mm256_storeu_si256((__m256i *)(dst + d),
+                                        (__m256i)_mm512_cvtneps_pbh(v_mul(_mm512_loadu_ps(acc + r * D + d), inv)));
+            }
+        }
+        free(S), free(Pb), free(acc), free(m), free(l), free((void *)qr);
+    }
+    free(koff), free(kp), free(vpk), free(items);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,100 @@
+"""The bf16 causal attention kernel (``attention_cpu.c``), built on first use by ``kernels.cbuild`` and loaded with
+ctypes. It needs AVX512-BF16 (``LIB.reason()`` says why it is not available elsewhere).
+
+``SPECOPD_ATTENTION`` picks where ``executors.gqa`` uses it: ``auto`` (default) for bf16 on CPUs without AMX-BF16
+(there torch's flash kernel runs bf16 at a sixth of the matmul rate; with AMX torch's runs on AMX tiles and was
+not measured against this one), ``cpu`` on every CPU where it builds, ``torch`` nowhere.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Sequence
+
+import torch
+
+from kernels.cbuild import Library
+from specopd.config import cpu_flags
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cpu.c")
+MODES = ("auto", "cpu", "torch")
+MAX_HEAD_DIM = 256
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, f32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.causal_attention_bf16.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, p, p, i64, i64, i64,
+                                          i64, f32, i32]
+    lib.causal_attention_bf16.restype = i32
+
+
+LIB = Library(SOURCE, _declare)
+
+
+def mode() -> str:
+    m = os.environ.get("SPECOPD_ATTENTION", "auto")
+    if m not in MODES:
+        raise ValueError(f"SPECOPD_ATTENTION={m!r}: use one of {MODES}")
+    return m
+
+
+def enabled(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``executors.gqa`` should call the kernel for these tensors: bf16 on the CPU outside autograd, a head
+    dim the kernel takes, ``mode()`` allowing this CPU, and the library built (``LIB.reason()``)."""
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return False
+    d = q.shape[-1]
+    if d % 32 or d > MAX_HEAD_DIM:
+        return False
+    m = mode()
+    if m == "torch":
+        return False
+    if m == "auto" and "amx_bf16" in cpu_flags():
+        return False
+    return LIB.available()
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int],
+                     scale: float) -> torch.Tensor:
+    """``naive.causal_attention`` in bf16: fp32 scores and softmax, P rounded to bf16, fp32 accumulation
+    (``attention_cpu.c``'s header), all sequences and heads in one call.
+
+    Args:
+        q: [Nq, H, D] bf16; sequence s has rows cu_q[s] .. cu_q[s + 1] - 1 (D contiguous; any row / head stride).
+        k, v: [Nk, Hkv, D] bf16; sequence s has rows cu_k[s] .. cu_k[s + 1] - 1; H % Hkv == 0.
+        cu_q, cu_k: [n + 1] python ints; Lk >= Lq per sequence, query i at key position (Lk - Lq) + i.
+        scale: softmax scale.
+
+    Returns:
+        [Nq, H, D] bf16.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q [Nq, H, D], k / v [Nk, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    nq, h, d = q.shape
+    hkv = k.shape[1]
+    if h % hkv or d % 32 or d > MAX_HEAD_DIM:
+        raise ValueError(f"heads {h} must be a multiple of kv heads {hkv}; head dim {d} a multiple of 32 <= "
+                         f"{MAX_HEAD_DIM}")
+    cu_q, cu_k = [int(x) for x in cu_q], [int(x) for x in cu_k]
+    if len(cu_q) != len(cu_k) or cu_q[0] or cu_k[0] or cu_q[-1] != nq or cu_k[-1] != k.shape[0]:
+        raise ValueError(f"cu_q / cu_k must be offsets from 0 to Nq = {nq} / Nk = {k.shape[0]} with one entry per "
+                         f"sequence boundary; got {cu_q} / {cu_k}")
+    lens = [(cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]) for s in range(len(cu_q) - 1)]
+    if any(lq < 0 or lk < lq for lq, lk in lens):
+        raise ValueError(f"each sequence needs 0 <= Lq <= Lk; got (Lq, Lk) = {lens}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(2) != 1:
+            raise ValueError(f"{name} must be bf16 on the CPU with a contiguous last dim; got {t.dtype} on "
+                             f"{t.device}, strides {t.stride()}")
+    out = torch.empty(nq, h, d, dtype=torch.bfloat16)
+    cq = torch.tensor(cu_q, dtype=torch.int64)
+    ck = torch.tensor(cu_k, dtype=torch.int64)
+    rc = LIB.get().causal_attention_bf16(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+                                         k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(),
+                                         out.stride(0), out.stride(1), cq.data_ptr(), ck.data_ptr(), len(lens), h,
+                                         hkv, d, float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("causal_attention_bf16: out of memory for its packed K / V or scratch")
+    return out
