@@ -71,7 +71,6 @@ static void pack_v(const uint16_t *v, int64_t vs_t, int64_t L, int64_t D, uint32
             uint32_t hi = 2 * jp + 1 < L ? v[(2 * jp + 1) * vs_t + d] : 0;
             vp[jp * D + d] = lo | (hi << 16);
         }
-    if (L % 2 == 0) return;
 }
 
 static inline int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
