@@ -56,7 +56,12 @@ PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each 
     # score's query blocks batched into groups (one fused attention call per group), the branch draws in C
     # (kernels/sampling), the bf16 prefill's causal attention in C where the CPU has no AMX (kernels/causal_attention)
     "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto"},
-    # "auto" with torch's flash kernel for the prefill's attention (as before 2026-12-02 20:00 UTC)
+    # "auto" with the score's / verify's tree attention in torch (the blocked plan, one fused attention call per
+    # group of query blocks) instead of kernels/tree_attention/cpu.py (as before 2026-12-03 07:00 UTC)
+    "blocked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
+                "tree": "torch"},
+    # "auto" with torch's flash kernel for the prefill's attention (and the blocked tree path; as before
+    # 2026-12-02 20:00 UTC)
     "sdpa": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "torch"},
     # "auto" as it was before 2026-12-02 09:00 UTC: fresh [rows, V] chunk buffers on every call, 256 MiB chunks
     # cut 341 + 171 rows, the backward recomputing the logits, one dx matmul per chunk, draws in torch
@@ -78,8 +83,8 @@ class _FreshBuffers:
 
 class use_path:
     """Sets a ``PATHS`` entry for the block (``specopd.losses.TV_KERNEL``, ``SPECOPD_LAYER_OPS``,
-    ``SPECOPD_ATTENTION``, ``executors.gqa.GROUP_KEYS``, ``specopd.sampling.SAMPLE_KERNEL``) and restores what it
-    found."""
+    ``SPECOPD_ATTENTION``, ``executors.gqa.GROUP_KEYS`` / ``score_backend``, ``specopd.sampling.SAMPLE_KERNEL``)
+    and restores what it found."""
 
     def __init__(self, name: str):
         self.p = PATHS[name]
@@ -100,12 +105,16 @@ class use_path:
             losses.even_chunk = sampling.even_chunk = lambda n, chunk: chunk
         for key, var in ENV.items():
             os.environ[var] = self.p[key]
+        self.score_backend = gqa.score_backend
+        if self.p.get("tree") == "torch":  # the tree kernel off, the causal one on
+            gqa.score_backend = lambda *a, _f=self.score_backend: (lambda b: "blocked" if b == "cpu" else b)(_f(*a))
 
     def __exit__(self, *exc):
         from executors import gqa
         from specopd import losses, sampling
 
         losses.TV_KERNEL, env, gqa.GROUP_KEYS, sampling.SAMPLE_KERNEL = self.kept
+        gqa.score_backend = self.score_backend
         losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, pooled, losses.even_chunk, sampling.even_chunk = self.chunks
         losses.ChunkBuffers.pooled = pooled
         for var, value in env.items():

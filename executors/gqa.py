@@ -15,6 +15,7 @@ from executors.base import Executor, GrowingCache, register_executor, resolve_ke
 from executors.options import as_options
 from kernels.causal_attention import cpu as causal_cpu
 from kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked
+from kernels.tree_attention import cpu as tree_cpu
 
 
 @dataclass
@@ -37,7 +38,7 @@ class GQANodes:
 
 
 BACKENDS = {"dense": masked_attention, "sdpa": sdpa_attention}  # dense-mask attention (prefill; score baseline)
-SCORE_BACKENDS = ("blocked", "triton", "dense", "sdpa")
+SCORE_BACKENDS = ("blocked", "triton", "cpu", "dense", "sdpa")
 BLOCKED = dict(block_m=64, block_n=64)  # torch path: nodes x keys per block (fewer, larger blocks: fewer launches)
 GROUP_KEYS = 1 << 16  # torch path in bf16 / fp16: query blocks x keys gathered per fused-attention call
 
@@ -59,13 +60,21 @@ def _backend(q, options) -> str:
     return "dense" if q.device.type == "cpu" and q.dtype == torch.float32 else "sdpa"
 
 
-def score_backend(device, options) -> str:
-    """The score path: ``options.gqa_backend``, "auto" following ``options.kernels``."""
+def score_backend(device, options, q=None, k=None) -> str:
+    """The score path: ``options.gqa_backend``; "auto" = "triton" where ``options.kernels`` is, else "cpu"
+    (``kernels.tree_attention.cpu``) where ``causal_cpu.enabled(q, k)`` (bf16 on a CPU with AVX512-BF16 and no AMX,
+    ``SPECOPD_ATTENTION``), else "blocked"."""
     backend = _option(options)
     if backend == "auto":
-        return "triton" if resolve_kernels(options, device) == "triton" else "blocked"
+        if resolve_kernels(options, device) == "triton":
+            return "triton"
+        return "cpu" if q is not None and causal_cpu.enabled(q, k) else "blocked"
     if backend == "triton":
         resolve_kernels(replace(as_options(options), kernels="triton"), device)  # clear error off CUDA
+    if backend == "cpu" and not (q is None or (q.device.type == "cpu" and q.dtype == torch.bfloat16
+                                               and causal_cpu.LIB.available())):
+        raise ValueError(f"gqa_backend='cpu' scores bf16 on a CPU with AVX512-BF16 (kernels.tree_attention.cpu); got "
+                         f"{q.dtype} on {q.device}, kernel: {causal_cpu.LIB.reason() or 'available'}; use 'auto'")
     return backend
 
 
@@ -257,7 +266,7 @@ class GQAExecutor(Executor):
         tree_cached(tree, ("valid", lens), lambda: tree.validate(lens))  # once per tree, not per layer
         pos = tree_cached(tree, ("positions", str(dev)), lambda: tree.positions.to(dev).view(1, -1))
         q, k, v, extra = mixer.project(x, pos)  # one positions tensor per tree: RoPE tables once per pass
-        backend = score_backend(dev, options)
+        backend = score_backend(dev, options, q, k)
         if backend in BACKENDS:
             o = self._score_dense(mixer, q, k, v, tree, caches, options)
         else:
@@ -269,6 +278,10 @@ class GQAExecutor(Executor):
                 blocks = plan_blocks(q.shape[-1], q.shape[2], k.shape[2])
                 plan = _tree_plan(tree, lens, blocks, dev)
                 o = tree_attention(q[0], k[0], v[0], trunk_k, trunk_v, plan, mixer.scaling)[None]
+            elif backend == "cpu":  # bf16, AVX512-BF16: every trunk, node and head in one call
+                layout = tree_cached(tree, ("tree_cpu", lens),
+                                     lambda: tree_cpu.tree_layout(tree.anchor, tree.parent, tree.trunk_index, lens))
+                o = tree_cpu.tree_attention(q[0], k[0], v[0], trunk_k, trunk_v, layout, mixer.scaling)[None]
             else:
                 plan = _tree_plan(tree, lens, BLOCKED, None)
                 groups = None

@@ -20,7 +20,7 @@ class ExecOptions:
     gdn_checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # GDN prefill: an fp32 state checkpoint every C tokens
     gdn_keep_checkpoints: bool = True  # GDN prefill: False (decoding) keeps only the final state
     gdn_prefill: str = "auto"  # GDN Triton prefill: "auto" | "chunk" | "fla" | "recurrent"
-    gqa_backend: str = "auto"  # GQA attention: "auto" | "blocked" | "triton" | "dense" | "sdpa"
+    gqa_backend: str = "auto"  # GQA attention: "auto" | "blocked" | "triton" | "cpu" | "dense" | "sdpa"
     varlen_backend: str = "auto"  # GQA packed causal prefill: "auto" | "flash_attn" | "torch" | "cpu" | "loop"
     qsa_prefill_chunk: int = 1024  # QSA prefill: queries per attention block
     qsa_score_bytes: int = DEFAULT_QSA_SCORE_BYTES  # QSA score: bytes per node chunk of the key stage

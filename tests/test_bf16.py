@@ -23,12 +23,28 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).abs().amax(-1)
 
 
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory):
+@pytest.fixture(scope="module", params=["torch", "cpu"])
+def _models(request, tmp_path_factory):
+    """"torch": head dim 16, torch's attention everywhere; "cpu": head dim 32 with SPECOPD_ATTENTION=cpu, so that
+    prefill, score, verify and decoding run the C attention kernels (kernels/causal_attention,
+    kernels/tree_attention/cpu.py) where they build."""
+    if request.param == "cpu":
+        from kernels.causal_attention.cpu import LIB
+
+        if not LIB.available():
+            pytest.skip(f"attention kernels unavailable: {LIB.reason()}")
+    width = {"torch": {}, "cpu": {"hidden_size": 128}}[request.param]  # 4 heads: head dim 16 / 32
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("bf16"), vocab_size=V, num_hidden_layers=2,
-                                initializer_range=0.2)
+                                initializer_range=0.2, **width)
     t16 = load_target(path, dtype=torch.bfloat16)
     t32 = load_target(path, dtype=torch.bfloat16).float()  # the same rounded weights: only activations differ
+    return t16, t32, request.param
+
+
+@pytest.fixture
+def targets(_models, monkeypatch):
+    t16, t32, attention = _models
+    monkeypatch.setenv("SPECOPD_ATTENTION", attention)
     return t16, t32
 
 
@@ -80,6 +96,25 @@ def test_prefill_score_verify_ar_commit_within_bf16_noise(targets, seed):
     assert torch.equal(new.token_ids, ids[:35])
     nxt = t16.prefill(ids[35:36], cache=new, keep_logits=True).logits
     _within_noise(nxt, t16, t32, [ids[:36]], "the token after a commit")
+
+
+@torch.no_grad()
+def test_the_cpu_variant_runs_the_c_kernels(_models, targets, monkeypatch):
+    """The "cpu" targets really go through the C kernels (else the tests above would only repeat "torch")."""
+    import kernels.causal_attention.cpu as causal_cpu
+    import kernels.tree_attention.cpu as tree_cpu
+
+    t16, _ = targets
+    calls = {"causal": 0, "tree": 0}
+    for mod, fn, key in ((causal_cpu, "causal_attention", "causal"), (tree_cpu, "tree_attention", "tree")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _r=real, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1) or _r(*a, **kw))
+    ids = _ids(20, 9)
+    cache = t16.prefill(ids)
+    t16.score(ProposalTree.from_branches(torch.tensor([3, 19]), _ids(6, 10).view(2, 3)), cache)
+    layers = len(t16.model.layers)
+    expect = {"torch": {"causal": 0, "tree": 0}, "cpu": {"causal": layers, "tree": layers}}[_models[2]]
+    assert calls == expect
 
 
 @pytest.mark.parametrize("temperature", [0.0])

@@ -147,6 +147,39 @@ static void pv(const uint32_t *Pb, int64_t R, const uint32_t *vp, int64_t npair,
     }
 }
 
+/* The online softmax over one chunk of a row's scores s[0 .. nk), of which s[0 .. nv) are its keys (nv <= 0: none):
+ * m = running max, l += sum exp(s - m) in fp32, acc *= exp(m_old - m); P[0 .. nk) (bf16 pairs, past nv 0) =
+ * bf16(exp(s - m)) for pv(). */
+static void softmax_chunk(const float *s, int64_t nk, int64_t nv, uint32_t *pr, float *m, float *l, float *acc,
+                          int64_t D) {
+    if (nv <= 0) { /* the row's keys ended before this chunk */
+        memset(pr, 0, (size_t)((nk + 1) / 2) * 4);
+        return;
+    }
+    vf mx = v_set1(-INFINITY);
+    for (int64_t j = 0; j < nv; j += VW) mx = v_max(mx, v_load_or(v_set1(-INFINITY), tail_mask(nv - j), s + j));
+    float mnew = v_reduce_max(mx);
+    mnew = mnew > *m ? mnew : *m;
+    const float alpha = *m == -INFINITY ? 0.0f : expf(*m - mnew);
+    const vf mv = v_set1(mnew);
+    vf sum = v_zero();
+    uint16_t *ph = (uint16_t *)pr;
+    for (int64_t j = 0; j < nk; j += VW) {
+        vmask valid = j < nv ? tail_mask(nv - j) : 0;
+        vf e = v_movz(valid, exp16(v_sub(v_loadz(valid, s + j), mv)));
+        sum = v_add(sum, e);
+        __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_mask_storeu_epi16(ph + j, (__mmask16)tail_mask(nk - j), eb);
+    }
+    if (nk % 2) ph[nk] = 0; /* the last pair's second key */
+    *l = *l * alpha + v_reduce_add(sum);
+    *m = mnew;
+    if (alpha != 1.0f) {
+        const vf av = v_set1(alpha);
+        for (int64_t d = 0; d < D; d += VW) _mm512_storeu_ps(acc + d, v_mul(_mm512_loadu_ps(acc + d), av));
+    }
+}
+
 typedef struct {
     int64_t s, g, i0, i1; /* sequence, kv head, query rows i0 .. i1 - 1 of the sequence */
     int64_t cost;
@@ -232,35 +265,7 @@ int causal_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const u
                 scores(qr, R, kp + base, c0, nk, D, scale, S);
                 for (int64_t r = 0; r < R; r++) {
                     const int64_t lim = off + w.i0 + r / G + 1 - c0; /* this row's keys in the chunk: [0, lim) */
-                    const int64_t nv = lim < nk ? lim : nk;
-                    float *s = S + r * KC;
-                    uint32_t *pr = Pb + r * (KC / 2);
-                    if (nv <= 0) { /* the row's keys ended before this chunk */
-                        memset(pr, 0, (size_t)((nk + 1) / 2) * 4);
-                        continue;
-                    }
-                    vf mx = v_set1(-INFINITY);
-                    for (int64_t j = 0; j < nv; j += VW) mx = v_max(mx, v_load_or(v_set1(-INFINITY), tail_mask(nv - j), s + j));
-                    float mnew = v_reduce_max(mx);
-                    mnew = mnew > m[r] ? mnew : m[r];
-                    const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
-                    const vf mv = v_set1(mnew);
-                    vf sum = v_zero();
-                    uint16_t *ph = (uint16_t *)pr;
-                    for (int64_t j = 0; j < nk; j += VW) {
-                        vmask valid = j < nv ? tail_mask(nv - j) : 0;
-                        vf e = v_movz(valid, exp16(v_sub(v_loadz(valid, s + j), mv)));
-                        sum = v_add(sum, e);
-                        __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
-                        _mm256_mask_storeu_epi16(ph + j, (__mmask16)tail_mask(nk - j), eb);
-                    }
-                    if (nk % 2) ph[nk] = 0; /* the last pair's second key */
-                    l[r] = l[r] * alpha + v_reduce_add(sum);
-                    m[r] = mnew;
-                    if (alpha != 1.0f) {
-                        const vf av = v_set1(alpha);
-                        for (int64_t d = 0; d < D; d += VW) _mm512_storeu_ps(acc + r * D + d, v_mul(_mm512_loadu_ps(acc + r * D + d), av));
-                    }
+                    softmax_chunk(S + r * KC, nk, lim < nk ? lim : nk, Pb + r * (KC / 2), m + r, l + r, acc + r * D, D);
                 }
                 pv(Pb, R, vpk + base + (size_t)(c0 / 2) * D, (nk + 1) / 2, D, acc);
             }
@@ -276,5 +281,154 @@ int causal_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const u
         free(S), free(Pb), free(acc), free(m), free(l), free((void *)qr);
     }
     free(koff), free(kp), free(vpk), free(items);
+    return failed ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ tree attention
+ * Node u of a proposal tree (trunk s = tix[u], anchor a_u) attends to trunk s's keys 0 .. a_u (tk / tv rows
+ * cu_k[s] .. cu_k[s + 1] - 1), then to its ancestors and itself: nodes anc[u][0 .. A) (node indices into k / v,
+ * -1 after the last; kernels/tree_attention/naive.py's key order is root first). The trunk keys go through the
+ * causal path's chunks with a row limit a_u + 1 (a node is a query at position a_u there); the few tree keys are one
+ * more online-softmax step: s = scale * q . k (bf16 products, fp32 sum), P = bf16(exp(s - m)), acc += P v in fp32.
+ * Work items hold consecutive nodes of `order` (a permutation grouped by trunk; anchors ascending within a trunk
+ * keep an item's keys short) of one trunk and kv head. A row's result depends only on its query, its trunk's keys
+ * 0 .. a_u, its tree keys and KC. */
+
+static inline float round_bf16(float x) { /* round to nearest even, as _mm512_cvtneps_pbh (finite x) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t D) { /* D % 32 == 0 */
+    vf acc = v_zero();
+    for (int64_t d = 0; d < D; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
+    return v_reduce_add(acc);
+}
+
+static inline vf load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Returns 0, or -1 when out of memory (the caller raises). */
+int tree_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const uint16_t *k, int64_t ks_t,
+                        int64_t ks_h, const uint16_t *v, int64_t vs_t, int64_t vs_h, const uint16_t *tk,
+                        int64_t tks_t, int64_t tks_h, const uint16_t *tv, int64_t tvs_t, int64_t tvs_h, uint16_t *o,
+                        int64_t os_t, int64_t os_h, const int64_t *cu_k, int64_t ntrunk, const int64_t *order,
+                        const int64_t *anchor, const int64_t *tix, const int64_t *anc, int64_t A, int64_t M,
+                        int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
+    const int64_t G = H / Hkv;
+    const int64_t bq = ROWS / G > 0 ? ROWS / G : 1; /* nodes per item */
+    int64_t *len = calloc((size_t)ntrunk, sizeof(int64_t)), *koff = malloc((size_t)(ntrunk + 1) * sizeof(int64_t));
+    Item *items = malloc((size_t)(Hkv * (M + 1)) * sizeof(Item)); /* at most one item per node and kv head */
+    if (!len || !koff || !items) {
+        free(len), free(koff), free(items);
+        return -1;
+    }
+    for (int64_t u = 0; u < M; u++) /* keys to pack per trunk: 0 .. its largest anchor */
+        if (anchor[u] + 1 > len[tix[u]]) len[tix[u]] = anchor[u] + 1;
+    koff[0] = 0;
+    for (int64_t s = 0; s < ntrunk; s++) koff[s + 1] = koff[s] + ceil_to(len[s], 16);
+    int64_t n = 0;
+    for (int64_t i0 = 0; i0 < M;) { /* runs of one trunk in `order`, cut into items of bq nodes */
+        const int64_t s = tix[order[i0]];
+        int64_t i1 = i0, kmax = 0;
+        while (i1 < M && i1 - i0 < bq && tix[order[i1]] == s) {
+            if (anchor[order[i1]] + 1 > kmax) kmax = anchor[order[i1]] + 1;
+            i1++;
+        }
+        for (int64_t g = 0; g < Hkv; g++) items[n++] = (Item){s, g, i0, i1, (i1 - i0) * (kmax + A)};
+        i0 = i1;
+    }
+    uint32_t *kp = aligned_alloc(64, (size_t)(koff[ntrunk] * Hkv * (D / 2) + 16) * 4);
+    uint32_t *vpk = aligned_alloc(64, (size_t)(koff[ntrunk] * Hkv * (D / 2) + 16) * 4);
+    if (!kp || !vpk) {
+        free(len), free(koff), free(items), free(kp), free(vpk);
+        return -1;
+    }
+    qsort(items, (size_t)n, sizeof(Item), by_cost);
+    int nt = nthreads > 0 ? nthreads : 1;
+    int64_t npack = ntrunk * Hkv;
+#pragma omp parallel for num_threads(koff[ntrunk] * Hkv * D >= 16384 ? nt : 1) schedule(dynamic, 1)
+    for (int64_t t = 0; t < npack; t++) {
+        int64_t s = t / Hkv, g = t % Hkv, L = len[s];
+        size_t base = (size_t)(koff[s] * Hkv + g * ceil_to(L, 16)) * (D / 2);
+        pack_k(tk + cu_k[s] * tks_t + g * tks_h, tks_t, L, D, kp + base);
+        pack_v(tv + cu_k[s] * tvs_t + g * tvs_h, tvs_t, L, D, vpk + base);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(n > 1 ? nt : 1)
+    {
+        const int64_t rmax = bq * G;
+        float *S = aligned_alloc(64, (size_t)rmax * KC * 4);
+        uint32_t *Pb = aligned_alloc(64, (size_t)rmax * (KC / 2) * 4);
+        float *acc = aligned_alloc(64, (size_t)rmax * D * 4);
+        float *m = malloc((size_t)rmax * 4), *l = malloc((size_t)rmax * 4), *sa = malloc((size_t)(A + 1) * 4);
+        const uint16_t **qr = malloc((size_t)rmax * sizeof(void *));
+        int ok = S && Pb && acc && m && l && sa && qr;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n; it++) {
+            if (!ok) continue;
+            const Item w = items[it];
+            const size_t base = (size_t)(koff[w.s] * Hkv + w.g * ceil_to(len[w.s], 16)) * (D / 2);
+            const int64_t R = (w.i1 - w.i0) * G;
+            int64_t kend = 0;
+            for (int64_t i = w.i0; i < w.i1; i++) {
+                if (anchor[order[i]] + 1 > kend) kend = anchor[order[i]] + 1;
+                for (int64_t h = 0; h < G; h++)
+                    qr[(i - w.i0) * G + h] = q + order[i] * qs_t + (w.g * G + h) * qs_h;
+            }
+            for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
+            memset(acc, 0, (size_t)R * D * 4);
+            for (int64_t c0 = 0; c0 < kend; c0 += KC) { /* the trunk keys */
+                const int64_t nk = kend - c0 < KC ? kend - c0 : KC;
+                scores(qr, R, kp + base, c0, nk, D, scale, S);
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t lim = anchor[order[w.i0 + r / G]] + 1 - c0;
+                    softmax_chunk(S + r * KC, nk, lim < nk ? lim : nk, Pb + r * (KC / 2), m + r, l + r, acc + r * D, D);
+                }
+                pv(Pb, R, vpk + base + (size_t)(c0 / 2) * D, (nk + 1) / 2, D, acc);
+            }
+            for (int64_t r = 0; r < R; r++) { /* the tree keys, then the output */
+                const int64_t u = order[w.i0 + r / G], h = w.g * G + r % G;
+                const int64_t *au = anc + u * A;
+                int64_t na = 0;
+                float mnew = m[r];
+                for (; na < A && au[na] >= 0; na++) {
+                    sa[na] = dot_bf16(qr[r], k + au[na] * ks_t + w.g * ks_h, D) * scale;
+                    mnew = sa[na] > mnew ? sa[na] : mnew;
+                }
+                float *ar = acc + r * D;
+                if (na > 0) {
+                    const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+                    float sum = 0.0f;
+                    for (int64_t d = 0; d < D; d += VW) _mm512_storeu_ps(ar + d, v_mul(_mm512_loadu_ps(ar + d), v_set1(alpha)));
+                    for (int64_t j = 0; j < na; j++) {
+                        const float e = expf(sa[j] - mnew);
+                        sum += e;
+                        const vf pe = v_set1(round_bf16(e));
+                        const uint16_t *vr = v + au[j] * vs_t + w.g * vs_h;
+                        for (int64_t d = 0; d < D; d += VW)
+                            _mm512_storeu_ps(ar + d, v_fmadd(pe, load_bf16x16(vr + d), _mm512_loadu_ps(ar + d)));
+                    }
+                    l[r] = l[r] * alpha + sum;
+                }
+                uint16_t *dst = o + u * os_t + h * os_h;
+                const vf inv = v_set1(1.0f / l[r]);
+                for (int64_t d = 0; d < D; d += VW)
+                    _mm256_storeu_si256((__m256i *)(dst + d),
+                                        (__m256i)_mm512_cvtneps_pbh(v_mul(_mm512_loadu_ps(ar + d), inv)));
+            }
+        }
+        free(S), free(Pb), free(acc), free(m), free(l), free(sa), free((void *)qr);
+    }
+    free(len), free(koff), free(items), free(kp), free(vpk);
     return failed ? -1 : 0;
 }

@@ -26,6 +26,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.causal_attention_bf16.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, p, p, i64, i64, i64,
                                           i64, f32, i32]
     lib.causal_attention_bf16.restype = i32
+    lib.tree_attention_bf16.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64,
+                                        p, i64, p, p, p, p, i64, i64, i64, i64, i64, f32, i32]
+    lib.tree_attention_bf16.restype = i32
 
 
 LIB = Library(SOURCE, _declare)
