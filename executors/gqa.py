@@ -63,7 +63,17 @@ def _backend(q, options) -> str:
 def score_backend(device, options, q=None, k=None) -> str:
     """The score path: ``options.gqa_backend``; "auto" = "triton" where ``options.kernels`` is, else "cpu"
     (``kernels.tree_attention.cpu``) where ``causal_cpu.enabled(q, k)`` (bf16 on a CPU with AVX512-BF16 and no AMX,
-    ``SPECOPD_ATTENTION``), else "blocked"."""
+    ``SPECOPD_ATTENTION``), else "blocked".
+
+    Args:
+        device: where the pass runs.
+        options: run options (``gqa_backend``, ``kernels``).
+        q, k: [..., H, hd] / [..., Hkv, hd] the layer's queries and keys (their dtype and head dim decide "cpu");
+            None: "cpu" is never picked.
+
+    Returns:
+        "blocked" | "triton" | "cpu" | "dense" | "sdpa".
+    """
     backend = _option(options)
     if backend == "auto":
         if resolve_kernels(options, device) == "triton":

@@ -3,7 +3,8 @@
 The system C compiler (``$CC``, else ``cc`` / ``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``; no
 fast-math) into ``$SPECOPD_CACHE/kernels`` (default ``~/.cache/specopd/kernels``): one file per source, flags and
 CPU, written atomically (parallel workers may build at once). OpenMP threads come from the runtime torch has
-already loaded.
+already loaded. Also what the kernels' switches share: ``env_mode`` (a kernel's environment variable) and
+``bf16_cpu_inference`` (the tensors a CPU kernel takes).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import subprocess
 import tempfile
 import threading
 from typing import Callable, Optional
+
+import torch
 
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "simd.h")  # shared helpers, in every key
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -64,6 +67,22 @@ def build(source: str, defines: tuple = ()) -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.remove(tmp)
     return ctypes.CDLL(path)
+
+
+def env_mode(var: str, modes: tuple) -> str:
+    """Environment variable ``var`` (a kernel's switch, e.g. ``SPECOPD_ATTENTION``): one of ``modes``, "auto" when
+    unset; anything else is a ValueError naming the choices."""
+    m = os.environ.get(var, "auto")
+    if m not in modes:
+        raise ValueError(f"{var}={m!r}: use one of {modes}")
+    return m
+
+
+def bf16_cpu_inference(*tensors) -> bool:
+    """All ``tensors`` bf16 on the CPU and none needing a gradient: what the CPU kernels take."""
+    if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 class Library:

@@ -1,5 +1,6 @@
 /* Causal GQA attention in bf16 on the CPU: vdpbf16ps (AVX512-BF16) dot products, fp32 softmax, one call for many
- * sequences (the packed prefill's trunks, a decoding step's last rows).
+ * sequences (the packed prefill's trunks, a decoding step's last rows); and tree attention (score / verify) on the
+ * same chunks, at the end of this file.
  *
  * Why: torch's CPU flash-attention kernel runs bf16 at ~60 GFLOP/s on a CPU with AVX512-BF16 but no AMX (2 cores,
  * [9 x 192 x 64] causal: benchmarks/NOTES.md, "Prefill attention in C"), a sixth of the matmul rate; one call per

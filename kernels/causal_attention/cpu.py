@@ -1,5 +1,6 @@
 """The bf16 causal attention kernel (``attention_cpu.c``), built on first use by ``kernels.cbuild`` and loaded with
-ctypes. It needs AVX512-BF16 (``LIB.reason()`` says why it is not available elsewhere).
+ctypes. It needs AVX512-BF16 (``LIB.reason()`` says why it is not available elsewhere). The same library holds the
+tree kernel (``kernels.tree_attention.cpu``), which ``enabled`` and ``SPECOPD_ATTENTION`` govern alike.
 
 ``SPECOPD_ATTENTION`` picks where ``executors.gqa`` uses it: ``auto`` (default) for bf16 on CPUs without AMX-BF16
 (there torch's flash kernel runs bf16 at a sixth of the matmul rate; with AMX torch's runs on AMX tiles and was
@@ -13,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.cbuild import Library
+from kernels.cbuild import Library, bf16_cpu_inference, env_mode
 from specopd.config import cpu_flags
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cpu.c")
@@ -35,26 +36,17 @@ LIB = Library(SOURCE, _declare)
 
 
 def mode() -> str:
-    m = os.environ.get("SPECOPD_ATTENTION", "auto")
-    if m not in MODES:
-        raise ValueError(f"SPECOPD_ATTENTION={m!r}: use one of {MODES}")
-    return m
+    return env_mode("SPECOPD_ATTENTION", MODES)
 
 
 def enabled(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``executors.gqa`` should call the kernel for these tensors: bf16 on the CPU outside autograd, a head
-    dim the kernel takes, ``mode()`` allowing this CPU, and the library built (``LIB.reason()``)."""
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.device.type != "cpu":
-        return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return False
+    """Whether ``executors.gqa`` should call the kernels for these tensors: bf16 on the CPU outside autograd, a head
+    dim the kernels take, ``mode()`` allowing this CPU, and the library built (``LIB.reason()``)."""
     d = q.shape[-1]
-    if d % 32 or d > MAX_HEAD_DIM:
+    if not bf16_cpu_inference(q, k) or d % 32 or d > MAX_HEAD_DIM:
         return False
     m = mode()
-    if m == "torch":
-        return False
-    if m == "auto" and "amx_bf16" in cpu_flags():
+    if m == "torch" or (m == "auto" and "amx_bf16" in cpu_flags()):
         return False
     return LIB.available()
 

@@ -11,7 +11,7 @@ import ctypes
 import os
 import torch
 
-from kernels.cbuild import Library
+from kernels.cbuild import Library, bf16_cpu_inference, env_mode
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_ops_cpu.c")
 MODES = ("auto", "torch")
@@ -30,20 +30,13 @@ LIB = Library(SOURCE, _declare)
 
 
 def mode() -> str:
-    m = os.environ.get("SPECOPD_LAYER_OPS", "auto")
-    if m not in MODES:
-        raise ValueError(f"SPECOPD_LAYER_OPS={m!r}: use one of {MODES}")
-    return m
+    return env_mode("SPECOPD_LAYER_OPS", MODES)
 
 
 def enabled(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: all bf16 on the CPU, none needing a gradient, mode "auto", and
     the library available (``LIB.error`` says why not)."""
-    if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return mode() == "auto" and LIB.available()
+    return bf16_cpu_inference(*tensors) and mode() == "auto" and LIB.available()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
