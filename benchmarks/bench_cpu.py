@@ -57,7 +57,7 @@ PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each 
     # (kernels/sampling), the bf16 prefill's causal attention in C where the CPU has no AMX (kernels/causal_attention)
     "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto"},
     # "auto" with the score's / verify's tree attention in torch (the blocked plan, one fused attention call per
-    # group of query blocks) instead of kernels/tree_attention/cpu.py (as before 2026-12-03 07:00 UTC)
+    # group of query blocks) instead of kernels/tree_attention/cpu.py (as before 2026-12-03 06:05 UTC)
     "blocked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
                 "tree": "torch"},
     # "auto" with torch's flash kernel for the prefill's attention (and the blocked tree path; as before
