@@ -151,3 +151,25 @@ def test_the_executor_scores_and_verifies_with_it(monkeypatch):
     assert score_backend(q.device, None, q[0], k[0]) == "blocked"
     with pytest.raises(ValueError, match="gqa_backend='cpu' scores bf16"):
         score_backend(q.device, ExecOptions(gqa_backend="cpu"), q[0].float(), k[0].float())
+
+
+def test_no_node_sees_a_later_node_or_another_branch():
+    """Changing a node's key / value (or a trunk key past an anchor) moves only the rows that may attend to it:
+    the node itself and its descendants, bitwise."""
+    lens = [64]
+    tree = _chains(lens, [[10, 10, 40]], 4)  # two branches on one anchor, one further on
+    q, k, v, tk, tv = _inputs(tree, lens, 9, 3, 64, seed=11)
+    lay = cpu.tree_layout(tree.anchor, tree.parent, tree.trunk_index, lens)
+    base = cpu.tree_attention(q, k, v, tk[0], tv[0], lay, 0.125)
+    for node in range(12):
+        k2, v2 = k.clone(), v.clone()
+        k2[node] += 1
+        v2[node] -= 1
+        out = cpu.tree_attention(q, k2, v2, tk[0], tv[0], lay, 0.125)
+        moved = {int(u) for u in torch.nonzero((out != base).flatten(1).any(1)).flatten()}
+        assert moved == set(range(node, node // 4 * 4 + 4)), (node, moved)  # itself and the rest of its branch
+    tk2, tv2 = tk[0].clone(), tv[0].clone()
+    tk2[11:] += 1  # past the first two branches' anchor (10)
+    tv2[11:] -= 1
+    out = cpu.tree_attention(q, k, v, tk2, tv2, lay, 0.125)
+    assert torch.equal(out[:8], base[:8]) and not torch.equal(out[8:], base[8:])
