@@ -56,6 +56,9 @@ PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each 
     # score's query blocks batched into groups (one fused attention call per group), the branch draws in C
     # (kernels/sampling), the bf16 prefill's causal attention in C where the CPU has no AMX (kernels/causal_attention)
     "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto"},
+    # "auto" with the C attention kernels on every CPU where they build (SPECOPD_ATTENTION=cpu): on an AMX CPU,
+    # where "auto" keeps torch's kernels, `--paths auto,cattn` measures ours against them (never measured yet)
+    "cattn": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "cpu"},
     # "auto" with the score's / verify's tree attention in torch (the blocked plan, one fused attention call per
     # group of query blocks) instead of kernels/tree_attention/cpu.py (as before 2026-12-03 06:05 UTC)
     "blocked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
