@@ -182,13 +182,101 @@ static void softmax_chunk(const float *s, int64_t nk, int64_t nv, uint32_t *pr, 
 }
 
 typedef struct {
-    int64_t s, g, i0, i1; /* sequence, kv head, query rows i0 .. i1 - 1 of the sequence */
+    int64_t s, g, i0, i1; /* sequence (trunk), kv head, rows i0 .. i1 - 1 (of the sequence / of the tree's order) */
     int64_t cost;
 } Item;
 
 static int by_cost(const void *a, const void *b) {
     int64_t x = ((const Item *)a)->cost, y = ((const Item *)b)->cost;
     return (x < y) - (x > y); /* descending: long items first */
+}
+
+/* K and V of every (sequence, kv head) packed once per call: sequence s's keys are rows start[s] .. start[s] +
+ * len[s] - 1 of k / v, packed as a block of ceil16(len[s]) keys (pack_k / pack_v) at base(). */
+typedef struct {
+    int64_t *koff; /* [nseq + 1] padded keys before sequence s */
+    uint32_t *k, *v;
+    const int64_t *len;
+    int64_t Hkv, D;
+} Packed;
+
+static void packed_free(Packed *p) { free(p->koff), free(p->k), free(p->v); }
+
+static inline size_t packed_base(const Packed *p, int64_t s, int64_t g) {
+    return (size_t)(p->koff[s] * p->Hkv + g * ceil_to(p->len[s], 16)) * (p->D / 2);
+}
+
+/* Returns 0, or -1 when out of memory (nothing left allocated). */
+static int pack_all(Packed *p, const uint16_t *k, int64_t ks_t, int64_t ks_h, const uint16_t *v, int64_t vs_t,
+                    int64_t vs_h, const int64_t *start, const int64_t *len, int64_t nseq, int64_t Hkv, int64_t D,
+                    int nt) {
+    p->len = len, p->Hkv = Hkv, p->D = D, p->k = p->v = NULL;
+    p->koff = malloc((size_t)(nseq + 1) * sizeof(int64_t));
+    if (!p->koff) return -1;
+    p->koff[0] = 0;
+    for (int64_t s = 0; s < nseq; s++) p->koff[s + 1] = p->koff[s] + ceil_to(len[s], 16);
+    p->k = aligned_alloc(64, (size_t)(p->koff[nseq] * Hkv * (D / 2) + 16) * 4);
+    p->v = aligned_alloc(64, (size_t)(p->koff[nseq] * Hkv * (D / 2) + 16) * 4);
+    if (!p->k || !p->v) {
+        packed_free(p);
+        return -1;
+    }
+#pragma omp parallel for num_threads(p->koff[nseq] * Hkv * D >= 16384 ? nt : 1) schedule(dynamic, 1)
+    for (int64_t t = 0; t < nseq * Hkv; t++) {
+        int64_t s = t / Hkv, g = t % Hkv;
+        pack_k(k + start[s] * ks_t + g * ks_h, ks_t, len[s], D, p->k + packed_base(p, s, g));
+        pack_v(v + start[s] * vs_t + g * vs_h, vs_t, len[s], D, p->v + packed_base(p, s, g));
+    }
+    return 0;
+}
+
+/* One thread's scratch for work items of up to rmax rows (and up to A tree keys a row). */
+typedef struct {
+    float *S, *acc, *m, *l, *sa;
+    uint32_t *Pb;
+    int64_t *lim;
+    const uint16_t **qr;
+} Scratch;
+
+static void scratch_free(Scratch *w) {
+    free(w->S), free(w->acc), free(w->m), free(w->l), free(w->sa), free(w->Pb), free(w->lim), free((void *)w->qr);
+}
+
+static int scratch_alloc(Scratch *w, int64_t rmax, int64_t D, int64_t A) { /* 1 when all of it was allocated */
+    w->S = aligned_alloc(64, (size_t)rmax * KC * 4);
+    w->Pb = aligned_alloc(64, (size_t)rmax * (KC / 2) * 4);
+    w->acc = aligned_alloc(64, (size_t)rmax * D * 4);
+    w->m = malloc((size_t)rmax * 4), w->l = malloc((size_t)rmax * 4), w->sa = malloc((size_t)(A + 1) * 4);
+    w->lim = malloc((size_t)rmax * sizeof(int64_t));
+    w->qr = malloc((size_t)rmax * sizeof(void *));
+    return w->S && w->Pb && w->acc && w->m && w->l && w->sa && w->lim && w->qr;
+}
+
+/* Rows w->qr[0 .. R) over one packed (sequence, kv head) block (kp / vp), row r seeing keys [0, w->lim[r]): the
+ * online softmax from scratch over chunks of KC keys, leaving m, l and the unnormalised acc in w. */
+static void attend_packed(Scratch *w, int64_t R, const uint32_t *kp, const uint32_t *vp, int64_t D, float scale) {
+    int64_t kend = 0; /* keys 0 .. kend - 1 reach some row */
+    for (int64_t r = 0; r < R; r++) {
+        w->m[r] = -INFINITY, w->l[r] = 0.0f;
+        kend = w->lim[r] > kend ? w->lim[r] : kend;
+    }
+    memset(w->acc, 0, (size_t)R * D * 4);
+    for (int64_t c0 = 0; c0 < kend; c0 += KC) {
+        const int64_t nk = kend - c0 < KC ? kend - c0 : KC;
+        scores(w->qr, R, kp, c0, nk, D, scale, w->S);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t lim = w->lim[r] - c0; /* this row's keys in the chunk: [0, lim) */
+            softmax_chunk(w->S + r * KC, nk, lim < nk ? lim : nk, w->Pb + r * (KC / 2), w->m + r, w->l + r,
+                          w->acc + r * D, D);
+        }
+        pv(w->Pb, R, vp + (size_t)(c0 / 2) * D, (nk + 1) / 2, D, w->acc);
+    }
+}
+
+static void store_row(uint16_t *dst, const float *acc, float l, int64_t D) { /* bf16(acc / l) */
+    const vf inv = v_set1(1.0f / l);
+    for (int64_t d = 0; d < D; d += VW)
+        _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(v_mul(_mm512_loadu_ps(acc + d), inv)));
 }
 
 /* Returns 0, or -1 when out of memory (the caller raises). */
@@ -198,25 +286,22 @@ int causal_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const u
                           int64_t Hkv, int64_t D, float scale, int nthreads) {
     const int64_t G = H / Hkv;
     const int64_t bq = ROWS / G > 0 ? ROWS / G : 1; /* query positions per item */
-    int64_t *koff = malloc((size_t)(nseq + 1) * sizeof(int64_t));
-    if (!koff) return -1;
-    koff[0] = 0;
-    int64_t nitems = 0;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    int64_t *len = malloc((size_t)(nseq + 1) * sizeof(int64_t)), nitems = 0;
+    if (!len) return -1;
     for (int64_t s = 0; s < nseq; s++) {
-        koff[s + 1] = koff[s] + ceil_to(cu_k[s + 1] - cu_k[s], 16); /* padded keys before sequence s + 1 */
+        len[s] = cu_k[s + 1] - cu_k[s];
         nitems += Hkv * ((cu_q[s + 1] - cu_q[s] + bq - 1) / bq);
     }
-    /* packed K and V: per (sequence, kv head) block of ceil16(L) keys x D pairs / values */
-    uint32_t *kp = aligned_alloc(64, (size_t)(koff[nseq] * Hkv * (D / 2) + 16) * 4);
-    uint32_t *vpk = aligned_alloc(64, (size_t)(koff[nseq] * Hkv * (D / 2) + 16) * 4);
     Item *items = malloc((size_t)(nitems + 1) * sizeof(Item));
-    if (!kp || !vpk || !items) {
-        free(koff), free(kp), free(vpk), free(items);
+    Packed pk;
+    if (!items || pack_all(&pk, k, ks_t, ks_h, v, vs_t, vs_h, cu_k, len, nseq, Hkv, D, nt)) {
+        free(len), free(items);
         return -1;
     }
     int64_t n = 0;
     for (int64_t s = 0; s < nseq; s++) {
-        int64_t lq = cu_q[s + 1] - cu_q[s], off = (cu_k[s + 1] - cu_k[s]) - lq;
+        int64_t lq = cu_q[s + 1] - cu_q[s], off = len[s] - lq;
         for (int64_t g = 0; g < Hkv; g++)
             for (int64_t i0 = 0; i0 < lq; i0 += bq) {
                 int64_t i1 = i0 + bq < lq ? i0 + bq : lq;
@@ -224,26 +309,11 @@ int causal_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const u
             }
     }
     qsort(items, (size_t)n, sizeof(Item), by_cost);
-    int nt = nthreads > 0 ? nthreads : 1;
-    int64_t npack = nseq * Hkv;
-    int64_t work = koff[nseq] * Hkv * D;
-#pragma omp parallel for num_threads(work >= 16384 ? nt : 1) schedule(dynamic, 1)
-    for (int64_t t = 0; t < npack; t++) {
-        int64_t s = t / Hkv, g = t % Hkv, L = cu_k[s + 1] - cu_k[s];
-        size_t base = (size_t)(koff[s] * Hkv + g * ceil_to(L, 16)) * (D / 2);
-        pack_k(k + cu_k[s] * ks_t + g * ks_h, ks_t, L, D, kp + base);
-        pack_v(v + cu_k[s] * vs_t + g * vs_h, vs_t, L, D, vpk + base);
-    }
     int failed = 0;
 #pragma omp parallel num_threads(n > 1 ? nt : 1)
     {
-        const int64_t rmax = bq * G;
-        float *S = aligned_alloc(64, (size_t)rmax * KC * 4);
-        uint32_t *Pb = aligned_alloc(64, (size_t)rmax * (KC / 2) * 4);
-        float *acc = aligned_alloc(64, (size_t)rmax * D * 4);
-        float *m = malloc((size_t)rmax * 4), *l = malloc((size_t)rmax * 4);
-        const uint16_t **qr = malloc((size_t)rmax * sizeof(void *));
-        int ok = S && Pb && acc && m && l && qr;
+        Scratch sc;
+        const int ok = scratch_alloc(&sc, bq * G, D, 0);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -252,36 +322,20 @@ int causal_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const u
         for (int64_t it = 0; it < n; it++) {
             if (!ok) continue;
             const Item w = items[it];
-            const int64_t L = cu_k[w.s + 1] - cu_k[w.s], lq = cu_q[w.s + 1] - cu_q[w.s], off = L - lq;
-            const size_t base = (size_t)(koff[w.s] * Hkv + w.g * ceil_to(L, 16)) * (D / 2);
-            const int64_t R = (w.i1 - w.i0) * G;
+            const int64_t off = len[w.s] - (cu_q[w.s + 1] - cu_q[w.s]), R = (w.i1 - w.i0) * G;
             for (int64_t i = w.i0; i < w.i1; i++)
-                for (int64_t h = 0; h < G; h++)
-                    qr[(i - w.i0) * G + h] = q + (cu_q[w.s] + i) * qs_t + (w.g * G + h) * qs_h;
-            for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
-            memset(acc, 0, (size_t)R * D * 4);
-            const int64_t kend = off + w.i1; /* keys 0 .. kend - 1 reach some row of the item */
-            for (int64_t c0 = 0; c0 < kend; c0 += KC) {
-                const int64_t nk = kend - c0 < KC ? kend - c0 : KC;
-                scores(qr, R, kp + base, c0, nk, D, scale, S);
-                for (int64_t r = 0; r < R; r++) {
-                    const int64_t lim = off + w.i0 + r / G + 1 - c0; /* this row's keys in the chunk: [0, lim) */
-                    softmax_chunk(S + r * KC, nk, lim < nk ? lim : nk, Pb + r * (KC / 2), m + r, l + r, acc + r * D, D);
+                for (int64_t h = 0; h < G; h++) {
+                    sc.qr[(i - w.i0) * G + h] = q + (cu_q[w.s] + i) * qs_t + (w.g * G + h) * qs_h;
+                    sc.lim[(i - w.i0) * G + h] = off + i + 1; /* query i sits at key position off + i */
                 }
-                pv(Pb, R, vpk + base + (size_t)(c0 / 2) * D, (nk + 1) / 2, D, acc);
-            }
-            for (int64_t r = 0; r < R; r++) {
-                const int64_t i = w.i0 + r / G, h = w.g * G + r % G;
-                uint16_t *dst = o + (cu_q[w.s] + i) * os_t + h * os_h;
-                const vf inv = v_set1(1.0f / l[r]);
-                for (int64_t d = 0; d < D; d += VW)
-                    _mm256_storeu_si256((__m256i *)(dst + d),
-                                        (__m256i)_mm512_cvtneps_pbh(v_mul(_mm512_loadu_ps(acc + r * D + d), inv)));
-            }
+            attend_packed(&sc, R, pk.k + packed_base(&pk, w.s, w.g), pk.v + packed_base(&pk, w.s, w.g), D, scale);
+            for (int64_t r = 0; r < R; r++)
+                store_row(o + (cu_q[w.s] + w.i0 + r / G) * os_t + (w.g * G + r % G) * os_h, sc.acc + r * D, sc.l[r], D);
         }
-        free(S), free(Pb), free(acc), free(m), free(l), free((void *)qr);
+        scratch_free(&sc);
     }
-    free(koff), free(kp), free(vpk), free(items);
+    packed_free(&pk);
+    free(len), free(items);
     return failed ? -1 : 0;
 }
 
@@ -323,16 +377,15 @@ int tree_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const uin
                         int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
     const int64_t G = H / Hkv;
     const int64_t bq = ROWS / G > 0 ? ROWS / G : 1; /* nodes per item */
-    int64_t *len = calloc((size_t)ntrunk, sizeof(int64_t)), *koff = malloc((size_t)(ntrunk + 1) * sizeof(int64_t));
+    const int nt = nthreads > 0 ? nthreads : 1;
+    int64_t *len = calloc((size_t)ntrunk + 1, sizeof(int64_t));
     Item *items = malloc((size_t)(Hkv * (M + 1)) * sizeof(Item)); /* at most one item per node and kv head */
-    if (!len || !koff || !items) {
-        free(len), free(koff), free(items);
+    if (!len || !items) {
+        free(len), free(items);
         return -1;
     }
     for (int64_t u = 0; u < M; u++) /* keys to pack per trunk: 0 .. its largest anchor */
         if (anchor[u] + 1 > len[tix[u]]) len[tix[u]] = anchor[u] + 1;
-    koff[0] = 0;
-    for (int64_t s = 0; s < ntrunk; s++) koff[s + 1] = koff[s] + ceil_to(len[s], 16);
     int64_t n = 0;
     for (int64_t i0 = 0; i0 < M;) { /* runs of one trunk in `order`, cut into items of bq nodes */
         const int64_t s = tix[order[i0]];
@@ -344,32 +397,17 @@ int tree_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const uin
         for (int64_t g = 0; g < Hkv; g++) items[n++] = (Item){s, g, i0, i1, (i1 - i0) * (kmax + A)};
         i0 = i1;
     }
-    uint32_t *kp = aligned_alloc(64, (size_t)(koff[ntrunk] * Hkv * (D / 2) + 16) * 4);
-    uint32_t *vpk = aligned_alloc(64, (size_t)(koff[ntrunk] * Hkv * (D / 2) + 16) * 4);
-    if (!kp || !vpk) {
-        free(len), free(koff), free(items), free(kp), free(vpk);
+    Packed pk;
+    if (pack_all(&pk, tk, tks_t, tks_h, tv, tvs_t, tvs_h, cu_k, len, ntrunk, Hkv, D, nt)) {
+        free(len), free(items);
         return -1;
     }
     qsort(items, (size_t)n, sizeof(Item), by_cost);
-    int nt = nthreads > 0 ? nthreads : 1;
-    int64_t npack = ntrunk * Hkv;
-#pragma omp parallel for num_threads(koff[ntrunk] * Hkv * D >= 16384 ? nt : 1) schedule(dynamic, 1)
-    for (int64_t t = 0; t < npack; t++) {
-        int64_t s = t / Hkv, g = t % Hkv, L = len[s];
-        size_t base = (size_t)(koff[s] * Hkv + g * ceil_to(L, 16)) * (D / 2);
-        pack_k(tk + cu_k[s] * tks_t + g * tks_h, tks_t, L, D, kp + base);
-        pack_v(tv + cu_k[s] * tvs_t + g * tvs_h, tvs_t, L, D, vpk + base);
-    }
     int failed = 0;
 #pragma omp parallel num_threads(n > 1 ? nt : 1)
     {
-        const int64_t rmax = bq * G;
-        float *S = aligned_alloc(64, (size_t)rmax * KC * 4);
-        uint32_t *Pb = aligned_alloc(64, (size_t)rmax * (KC / 2) * 4);
-        float *acc = aligned_alloc(64, (size_t)rmax * D * 4);
-        float *m = malloc((size_t)rmax * 4), *l = malloc((size_t)rmax * 4), *sa = malloc((size_t)(A + 1) * 4);
-        const uint16_t **qr = malloc((size_t)rmax * sizeof(void *));
-        int ok = S && Pb && acc && m && l && sa && qr;
+        Scratch sc;
+        const int ok = scratch_alloc(&sc, bq * G, D, A);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -378,37 +416,25 @@ int tree_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const uin
         for (int64_t it = 0; it < n; it++) {
             if (!ok) continue;
             const Item w = items[it];
-            const size_t base = (size_t)(koff[w.s] * Hkv + w.g * ceil_to(len[w.s], 16)) * (D / 2);
             const int64_t R = (w.i1 - w.i0) * G;
-            int64_t kend = 0;
-            for (int64_t i = w.i0; i < w.i1; i++) {
-                if (anchor[order[i]] + 1 > kend) kend = anchor[order[i]] + 1;
-                for (int64_t h = 0; h < G; h++)
-                    qr[(i - w.i0) * G + h] = q + order[i] * qs_t + (w.g * G + h) * qs_h;
-            }
-            for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
-            memset(acc, 0, (size_t)R * D * 4);
-            for (int64_t c0 = 0; c0 < kend; c0 += KC) { /* the trunk keys */
-                const int64_t nk = kend - c0 < KC ? kend - c0 : KC;
-                scores(qr, R, kp + base, c0, nk, D, scale, S);
-                for (int64_t r = 0; r < R; r++) {
-                    const int64_t lim = anchor[order[w.i0 + r / G]] + 1 - c0;
-                    softmax_chunk(S + r * KC, nk, lim < nk ? lim : nk, Pb + r * (KC / 2), m + r, l + r, acc + r * D, D);
+            for (int64_t i = w.i0; i < w.i1; i++)
+                for (int64_t h = 0; h < G; h++) {
+                    sc.qr[(i - w.i0) * G + h] = q + order[i] * qs_t + (w.g * G + h) * qs_h;
+                    sc.lim[(i - w.i0) * G + h] = anchor[order[i]] + 1; /* the trunk keys */
                 }
-                pv(Pb, R, vpk + base + (size_t)(c0 / 2) * D, (nk + 1) / 2, D, acc);
-            }
+            attend_packed(&sc, R, pk.k + packed_base(&pk, w.s, w.g), pk.v + packed_base(&pk, w.s, w.g), D, scale);
             for (int64_t r = 0; r < R; r++) { /* the tree keys, then the output */
                 const int64_t u = order[w.i0 + r / G], h = w.g * G + r % G;
                 const int64_t *au = anc + u * A;
+                float *ar = sc.acc + r * D, *sa = sc.sa;
                 int64_t na = 0;
-                float mnew = m[r];
+                float mnew = sc.m[r];
                 for (; na < A && au[na] >= 0; na++) {
-                    sa[na] = dot_bf16(qr[r], k + au[na] * ks_t + w.g * ks_h, D) * scale;
+                    sa[na] = dot_bf16(sc.qr[r], k + au[na] * ks_t + w.g * ks_h, D) * scale;
                     mnew = sa[na] > mnew ? sa[na] : mnew;
                 }
-                float *ar = acc + r * D;
                 if (na > 0) {
-                    const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+                    const float alpha = sc.m[r] == -INFINITY ? 0.0f : expf(sc.m[r] - mnew);
                     float sum = 0.0f;
                     for (int64_t d = 0; d < D; d += VW) _mm512_storeu_ps(ar + d, v_mul(_mm512_loadu_ps(ar + d), v_set1(alpha)));
                     for (int64_t j = 0; j < na; j++) {
@@ -419,17 +445,14 @@ int tree_attention_bf16(const uint16_t *q, int64_t qs_t, int64_t qs_h, const uin
                         for (int64_t d = 0; d < D; d += VW)
                             _mm512_storeu_ps(ar + d, v_fmadd(pe, load_bf16x16(vr + d), _mm512_loadu_ps(ar + d)));
                     }
-                    l[r] = l[r] * alpha + sum;
+                    sc.l[r] = sc.l[r] * alpha + sum;
                 }
-                uint16_t *dst = o + u * os_t + h * os_h;
-                const vf inv = v_set1(1.0f / l[r]);
-                for (int64_t d = 0; d < D; d += VW)
-                    _mm256_storeu_si256((__m256i *)(dst + d),
-                                        (__m256i)_mm512_cvtneps_pbh(v_mul(_mm512_loadu_ps(ar + d), inv)));
+                store_row(o + u * os_t + h * os_h, ar, sc.l[r], D);
             }
         }
-        free(S), free(Pb), free(acc), free(m), free(l), free(sa), free((void *)qr);
+        scratch_free(&sc);
     }
-    free(len), free(koff), free(items), free(kp), free(vpk);
+    packed_free(&pk);
+    free(len), free(items);
     return failed ? -1 : 0;
 }
