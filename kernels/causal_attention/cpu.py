@@ -51,6 +51,19 @@ def enabled(q: torch.Tensor, k: torch.Tensor) -> bool:
     return LIB.available()
 
 
+def check_inputs(h: int, hkv: int, d: int, **tensors: torch.Tensor) -> None:
+    """What the kernels take (``causal_attention`` and ``kernels.tree_attention.cpu.tree_attention``): H a multiple
+    of Hkv, D a multiple of 32 up to ``MAX_HEAD_DIM``, each tensor [rows, heads, D] bf16 on the CPU with D
+    contiguous; else a ValueError naming the tensor."""
+    if h % hkv or d % 32 or d > MAX_HEAD_DIM:
+        raise ValueError(f"heads {h} must be a multiple of kv heads {hkv}; head dim {d} a multiple of 32 <= "
+                         f"{MAX_HEAD_DIM}")
+    for name, t in tensors.items():
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(2) != 1:
+            raise ValueError(f"{name} must be bf16 on the CPU with a contiguous last dim; got {t.dtype} on "
+                             f"{t.device}, strides {t.stride()}")
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int],
                      scale: float) -> torch.Tensor:
     """``naive.causal_attention`` in bf16: fp32 scores and softmax, P rounded to bf16, fp32 accumulation
@@ -69,9 +82,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Se
         raise ValueError(f"q [Nq, H, D], k / v [Nk, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     nq, h, d = q.shape
     hkv = k.shape[1]
-    if h % hkv or d % 32 or d > MAX_HEAD_DIM:
-        raise ValueError(f"heads {h} must be a multiple of kv heads {hkv}; head dim {d} a multiple of 32 <= "
-                         f"{MAX_HEAD_DIM}")
+    check_inputs(h, hkv, d, q=q, k=k, v=v)
     cu_q, cu_k = [int(x) for x in cu_q], [int(x) for x in cu_k]
     if len(cu_q) != len(cu_k) or cu_q[0] or cu_k[0] or cu_q[-1] != nq or cu_k[-1] != k.shape[0]:
         raise ValueError(f"cu_q / cu_k must be offsets from 0 to Nq = {nq} / Nk = {k.shape[0]} with one entry per "
@@ -79,10 +90,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Se
     lens = [(cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]) for s in range(len(cu_q) - 1)]
     if any(lq < 0 or lk < lq for lq, lk in lens):
         raise ValueError(f"each sequence needs 0 <= Lq <= Lk; got (Lq, Lk) = {lens}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(2) != 1:
-            raise ValueError(f"{name} must be bf16 on the CPU with a contiguous last dim; got {t.dtype} on "
-                             f"{t.device}, strides {t.stride()}")
     out = torch.empty(nq, h, d, dtype=torch.bfloat16)
     cq = torch.tensor(cu_q, dtype=torch.int64)
     ck = torch.tensor(cu_k, dtype=torch.int64)

@@ -7,12 +7,14 @@ the matmul rate there (benchmarks/NOTES.md, "Tree attention in C"). Reference: `
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from kernels.causal_attention.cpu import LIB, MAX_HEAD_DIM
+from kernels.causal_attention.cpu import LIB, check_inputs
+from kernels.tree_attention.plan import node_order
 from specopd.tree import check_tree
 
 
@@ -44,8 +46,7 @@ def tree_layout(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: torch.T
     lens = [int(x) for x in trunk_lens]
     check_tree(anchor, parent, trunk_index, lens)
     m = anchor.numel()
-    key = trunk_index * (int(anchor.max()) + 2) + anchor
-    order = torch.sort(key, stable=True).indices
+    order = node_order(anchor, trunk_index)
     cols = [torch.arange(m)]  # self, parent, grandparent, ... (pointer chasing; paths are short)
     while bool((cols[-1] >= 0).any()):
         cur = cols[-1]
@@ -54,7 +55,7 @@ def tree_layout(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: torch.T
     depth = (up >= 0).sum(1, keepdim=True)  # path length incl. self
     j = torch.arange(up.shape[1])[None]
     ancestors = torch.where(j < depth, up.gather(1, (depth - 1 - j).clamp(min=0)), torch.full_like(up, -1))
-    cu = torch.tensor([0, *torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long)
     return TreeLayout(order.contiguous(), anchor, trunk_index, ancestors.contiguous(), cu)
 
 
@@ -79,16 +80,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: t
         raise ValueError(f"q [M, H, D], k / v [M, Hkv, D], trunk_k / trunk_v [T, Hkv, D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(trunk_k.shape)}, {tuple(trunk_v.shape)}")
     hkv = k.shape[1]
-    if h % hkv or d % 32 or d > MAX_HEAD_DIM:
-        raise ValueError(f"heads {h} must be a multiple of kv heads {hkv}; head dim {d} a multiple of 32 <= "
-                         f"{MAX_HEAD_DIM}")
     if layout.order.numel() != m or int(layout.cu_k[-1]) != trunk_k.shape[0]:
         raise ValueError(f"layout is for {layout.order.numel()} nodes and {int(layout.cu_k[-1])} trunk keys; got "
                          f"{m} and {trunk_k.shape[0]}: build it with tree_layout for this tree and these caches")
-    for name, t in (("q", q), ("k", k), ("v", v), ("trunk_k", trunk_k), ("trunk_v", trunk_v)):
-        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(2) != 1:
-            raise ValueError(f"{name} must be bf16 on the CPU with a contiguous last dim; got {t.dtype} on "
-                             f"{t.device}, strides {t.stride()}")
+    check_inputs(h, hkv, d, q=q, k=k, v=v, trunk_k=trunk_k, trunk_v=trunk_v)
     out = torch.empty(m, h, d, dtype=torch.bfloat16)
     lay = layout
     rc = LIB.get().tree_attention_bf16(

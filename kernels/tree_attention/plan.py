@@ -84,6 +84,13 @@ def _depth(parent: torch.Tensor) -> torch.Tensor:
     return d
 
 
+def node_order(anchor: torch.Tensor, trunk_index: torch.Tensor) -> torch.Tensor:
+    """[M] node ids sorted by (trunk, anchor); stable, so parents stay before their children (same key, earlier
+    index). The block plan's and the CPU kernel's (``kernels.tree_attention.cpu``) query order."""
+    key = trunk_index * (int(anchor.max()) + 2) + anchor
+    return torch.sort(key, stable=True).indices
+
+
 def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: torch.Tensor,
                     trunk_lens: Sequence[int], block_m: int, block_n: int) -> TreeAttentionPlan:
     """The block plan of one tree (built once per tree and block size; the same for every layer).
@@ -110,9 +117,7 @@ def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: tor
     check_tree(anchor, parent, trunk_index, lens)
     has_p = parent >= 0
     pp = parent.clamp(min=0)
-    # sort by (trunk, anchor); stable keeps parents before children (same key, earlier index)
-    key = trunk_index * (int(anchor.max()) + 2) + anchor
-    order = torch.sort(key, stable=True).indices
+    order = node_order(anchor, trunk_index)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(m)
     par_s = torch.where(has_p[order], rank[pp[order]], torch.full_like(order, -1))  # parent in sorted space
