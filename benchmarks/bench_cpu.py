@@ -9,8 +9,9 @@ that load changes on the shared machine hit all four alike. The first ``--warmup
 
 Roofline: the matmul FLOPs of one step of each method (``torch.utils.flop_counter.FlopCounterMode``: mm / bmm /
 addmm / attention; elementwise work is not counted), at the best matmul rate measured in this run for that dtype
-(``[2048x576] @ [576x1536]`` and ``[512x576] @ [576x49152]``, the target's MLP and the vocabulary projection;
-measured before and after the steps, the larger taken): roofline tokens/s = rate / (FLOPs per supervised token);
+(``[2048x576] @ [576x1536]`` and ``[512x576] @ [576x49152]``, the target's MLP and the vocabulary projection,
+each as ``a @ b`` and through oneDNN with the weight packed once, the faster; measured before and after the steps,
+the larger taken): roofline tokens/s = rate / (FLOPs per supervised token);
 share = measured tokens/s / roofline tokens/s.
 
 Decoding (``--decode``): our and vLLM's autoregressive and speculative decoding (T = 0, the shipped drafter) on
@@ -54,24 +55,30 @@ PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each 
     "tv": {"tv": "auto", "layer_ops": "torch", "group_keys": 0, "sample": "torch", "attention": "torch"},
     # the default: + bf16 norm / SiLU / RoPE in C (kernels/layer_ops) with gate and up as one matmul, the
     # score's query blocks batched into groups (one fused attention call per group), the branch draws in C
-    # (kernels/sampling), the bf16 prefill's causal attention in C where the CPU has no AMX (kernels/causal_attention)
+    # (kernels/sampling), the bf16 prefill's causal attention in C where the CPU has no AMX (kernels/causal_attention),
+    # the bf16 linear layers through weights packed once for oneDNN (kernels/layer_ops: PackedWeight)
     "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto"},
+    # "auto" with the bf16 linear layers through F.linear (the weight reordered per call; before 2026-12-03 09:00)
+    "unpacked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
+                 "linear": "torch"},
     # "auto" with the C attention kernels on every CPU where they build (SPECOPD_ATTENTION=cpu): on an AMX CPU,
     # where "auto" keeps torch's kernels, `--paths auto,cattn` measures ours against them (never measured yet)
     "cattn": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "cpu"},
     # "auto" with the score's / verify's tree attention in torch (the blocked plan, one fused attention call per
     # group of query blocks) instead of kernels/tree_attention/cpu.py (as before 2026-12-03 06:05 UTC)
     "blocked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
-                "tree": "torch"},
+                "tree": "torch", "linear": "torch"},
     # "auto" with torch's flash kernel for the prefill's attention (and the blocked tree path; as before
     # 2026-12-02 20:00 UTC)
-    "sdpa": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "torch"},
+    "sdpa": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "torch",
+             "linear": "torch"},
     # "auto" as it was before 2026-12-02 09:00 UTC: fresh [rows, V] chunk buffers on every call, 256 MiB chunks
     # cut 341 + 171 rows, the backward recomputing the logits, one dx matmul per chunk, draws in torch
     "prev": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "torch", "chunks": "prev",
-             "attention": "torch"},
+             "attention": "torch", "linear": "torch"},
 }
-ENV = {"layer_ops": "SPECOPD_LAYER_OPS", "attention": "SPECOPD_ATTENTION"}  # PATHS keys set as environment
+ENV = {"layer_ops": "SPECOPD_LAYER_OPS", "attention": "SPECOPD_ATTENTION",  # PATHS keys set as environment
+       "linear": "SPECOPD_LINEAR"}
 
 class _FreshBuffers:
     """``ChunkBuffers.pooled`` as it was before the pool: fresh buffers on every call (the "prev" path)."""
@@ -107,7 +114,7 @@ class use_path:
             losses.ChunkBuffers.pooled = _FreshBuffers.__dict__["pooled"]
             losses.even_chunk = sampling.even_chunk = lambda n, chunk: chunk
         for key, var in ENV.items():
-            os.environ[var] = self.p[key]
+            os.environ[var] = self.p.get(key, "auto")
         self.score_backend = gqa.score_backend
         if self.p.get("tree") == "torch":  # the tree kernel off, the causal one on
             gqa.score_backend = lambda *a, _f=self.score_backend: (lambda b: "blocked" if b == "cpu" else b)(_f(*a))
@@ -143,18 +150,28 @@ def cpu_name() -> str:
 
 
 def matmul_rates(reps: int = 5) -> dict:
-    """{dtype name: {"MxKxN": GFLOP/s}} best of ``reps`` per shape, fp32 and bf16 alternating."""
+    """{dtype name: {"MxKxN": GFLOP/s}} best of ``reps`` per shape over torch's ways to run it (``a @ b``, and
+    oneDNN with the weight packed once where torch has it: on an AMD CPU MKL's fp32 ``a @ b`` may not be the
+    fastest), fp32 and bf16 alternating."""
+    from kernels.layer_ops import cpu as layer_ops
+
     out = {"float32": {}, "bfloat16": {}}
     for m, k, n in SHAPES:
-        a32, b32 = torch.randn(m, k), torch.randn(k, n)
-        ops = {"float32": (a32, b32), "bfloat16": (a32.bfloat16(), b32.bfloat16())}
+        a32, w32 = torch.randn(m, k), torch.randn(n, k)
+        ops = {}
+        for d, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            a, w = a32.to(dt), w32.to(dt)
+            ops[d] = [lambda a=a, b=w.t(): a @ b]
+            if layer_ops.packing_available():
+                ops[d].append(lambda a=a, p=layer_ops.PackedWeight().get(w): layer_ops.linear(a, p))
         best = {d: float("inf") for d in ops}
         for _ in range(reps):
-            for d, (a, b) in ops.items():
-                a @ b
-                t0 = time.perf_counter()
-                a @ b
-                best[d] = min(best[d], time.perf_counter() - t0)
+            for d, fs in ops.items():
+                for f in fs:
+                    f()
+                    t0 = time.perf_counter()
+                    f()
+                    best[d] = min(best[d], time.perf_counter() - t0)
         for d in ops:
             out[d][f"{m}x{k}x{n}"] = 2 * m * k * n / best[d] / 1e9
     return out
@@ -586,7 +603,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also the op tables (see the module doc)")
     ap.add_argument("--profile-dtype", default="bfloat16")
     ap.add_argument("--paths", default="auto",
-                    help="CPU code paths, side by side, comma-separated: torch | tv | auto | sdpa | prev (PATHS)")
+                    help=f"CPU code paths, side by side, comma-separated: {' | '.join(PATHS)} (PATHS)")
     ap.add_argument("--json")
     ap.add_argument("--figure", help="a PNG of the steps' phases per CPU path (one panel per setting)")
     args = ap.parse_args(argv)

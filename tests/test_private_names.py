@@ -16,6 +16,11 @@ PACKAGES = ("specopd", "executors", "kernels")
 ALLOWED = {
     # torch's own: Tensor._version, the in-place version counter (no public accessor)
     ("specopd/models/common.py", "_version"),
+    ("kernels/layer_ops/cpu.py", "_version"),
+    # torch's own oneDNN ops for a weight packed once (what torch.compile's CPU freezing pass calls; no public API)
+    ("kernels/layer_ops/cpu.py", "_is_mkldnn_bf16_supported"),
+    ("kernels/layer_ops/cpu.py", "_reorder_linear_weight"),
+    ("kernels/layer_ops/cpu.py", "_linear_pointwise"),
     # Ray's own: RayActorError._actor_init_failed (the actor's __init__ raised)
     ("specopd/distributed/ray_backend.py", "_actor_init_failed"),
     # torch's own: LRScheduler._last_lr, what get_last_lr() returns (no public setter; a resume that changes the

@@ -1,5 +1,6 @@
-"""The plain forms of a decoder layer's elementwise ops: torch's eager code, exactly as the models run it in fp32
-and on every device (``specopd.models.common``). ``layer_ops_cpu.c`` is tested against these in bf16."""
+"""The plain forms of a decoder layer's elementwise ops and its linear layers: torch's eager code, exactly as the models run it in fp32
+and on every device (``specopd.models.common``). ``layer_ops_cpu.c`` and the packed
+linear (``cpu.linear``) are tested against these in bf16."""
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     if unit_offset:
         return (h * (1.0 + weight.float())).to(dtype)
     return weight * h.to(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N]: torch's ``F.linear``, as ``nn.Linear`` runs it."""
+    return F.linear(x, weight, bias)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -158,6 +158,24 @@ class Rotary:
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+# ----------------------------------------------------------------------------------------- Linear
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters and state dict). bf16 on the CPU outside autograd it multiplies by a
+    weight packed once for oneDNN (``kernels.layer_ops.linear``): the same bits as ``F.linear``, which reorders
+    the weight on every call. x [..., in] -> [..., out]."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed = layer_ops.PackedWeight()  # a cache, not state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if layer_ops.linear_enabled(x, self.weight, self.bias):
+            return layer_ops.linear(x, self.packed.get(self.weight), self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 # ----------------------------------------------------------------------------------------- MLP / MoE
 
 _ACTS = {
@@ -180,19 +198,29 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.gate_up_packed = layer_ops.PackedWeight()  # cat(gate, up) packed for oneDNN: a cache, not state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act is F.silu and layer_ops.enabled(x, self.gate_proj.weight, self.up_proj.weight):
             # bf16 on the CPU outside autograd: gate and up as one matmul (the same bits, measured: oneDNN's
             # [N = 2I] blocking there runs faster than two [N = I] calls), silu * up in one pass in C
-            gu = F.linear(x, *self._gate_up())
+            gu = self.gate_up(x)
             i = self.gate_proj.out_features
             return self.down_proj(layer_ops.silu_mul(gu[..., :i], gu[..., i:]))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> [..., 2I] = cat(gate(x), up(x)) as one matmul, through the packed weight where
+        ``layer_ops.linear_enabled`` (bf16 oneDNN), else ``F.linear`` on the concatenated weight."""
+        g, u = self.gate_proj, self.up_proj
+        if layer_ops.linear_enabled(x, g.weight, u.weight):
+            b = None if g.bias is None else torch.cat((g.bias, u.bias)).detach()
+            return layer_ops.linear(x, self.gate_up_packed.get(g.weight, u.weight), b)
+        return F.linear(x, *self._gate_up())
 
     def _gate_up(self) -> tuple:
         """(weight [2I, D], bias [2I] or None) = cat(gate, up), rebuilt when a weight or bias changes (attributes,
@@ -263,7 +291,7 @@ class MoE(nn.Module):
         self.experts = Experts(hidden, moe_intermediate, num_experts, act)
         if shared_intermediate:
             self.shared_expert = MLP(hidden, shared_intermediate, act)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
         else:
             self.shared_expert = None
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from specopd.models.base import DecoderLayer as BaseDecoderLayer
 from specopd.models.base import TargetModel
-from specopd.models.common import MLP, RMSNorm, Rotary, causal_mask, masked_attention
+from specopd.models.common import MLP, Linear, RMSNorm, Rotary, causal_mask, masked_attention
 from specopd.models.registry import register_model
 
 
@@ -25,10 +25,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.get("head_dim") or d // self.num_heads
         self.scaling = self.head_dim ** -0.5
         bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_proj = Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, d, bias=bias)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -96,7 +96,7 @@ class LlamaTarget(TargetModel):
                                       f"not supported; use a checkpoint with full attention in every layer")
         self.config = SimpleNamespace(**cfg)
         self.model = _Backbone(cfg, self.qk_norm)
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.layer_kinds = ["gqa"] * cfg["num_hidden_layers"]
         tie = cfg.get("tie_word_embeddings", False)
         self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}

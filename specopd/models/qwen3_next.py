@@ -15,7 +15,7 @@ from torch import nn
 from kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule
 from specopd.models.base import DecoderLayer as BaseDecoderLayer
 from specopd.models.base import TargetModel
-from specopd.models.common import MLP, MoE, RMSNorm, Rotary, activation, causal_mask, masked_attention
+from specopd.models.common import MLP, Linear, MoE, RMSNorm, Rotary, activation, causal_mask, masked_attention
 from specopd.models.registry import register_model
 
 
@@ -78,18 +78,18 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size, bias=False,
                                 groups=self.conv_dim, padding=self.conv_kernel_size - 1)
         if fused_qkvz:
-            self.in_proj_qkvz = nn.Linear(d, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(d, 2 * self.num_v_heads, bias=False)
+            self.in_proj_qkvz = Linear(d, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = Linear(d, 2 * self.num_v_heads, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(d, self.num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(d, self.num_v_heads, bias=False)
+            self.in_proj_qkv = Linear(d, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(d, self.value_dim, bias=False)
+            self.in_proj_b = Linear(d, self.num_v_heads, bias=False)
+            self.in_proj_a = Linear(d, self.num_v_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         gate_act = _get(cfg, "output_gate_type", None) or _get(cfg, "hidden_act", "silu") or "silu"
         self.norm = GatedRMSNorm(self.head_v_dim, _get(cfg, "rms_norm_eps", 1e-6), gate_act)
-        self.out_proj = nn.Linear(self.value_dim, d, bias=False)
+        self.out_proj = Linear(self.value_dim, d, bias=False)
 
     # ---------------------------------------------------------------- pieces (the executor uses these)
     def project(self, x: torch.Tensor):
@@ -178,10 +178,10 @@ class GatedAttention(nn.Module):
         self.head_dim = cfg.get("head_dim") or d // self.num_heads
         self.scaling = self.head_dim ** -0.5
         bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_proj = Linear(d, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, d, bias=bias)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True)
@@ -298,7 +298,7 @@ class Qwen3NextTarget(TargetModel):
             moe = [False] * n
         self.config = SimpleNamespace(**cfg)
         self.model = _Backbone(cfg, [DecoderLayer(cfg, i, types[i], moe[i], fused) for i in range(n)])
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.layer_kinds = ["gdn" if t == "linear_attention" else "gqa" for t in types]
         tie = cfg.get("tie_word_embeddings", False)
         self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}

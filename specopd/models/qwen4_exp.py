@@ -13,7 +13,7 @@ from torch import nn
 
 from specopd.models.base import DecoderLayer as BaseDecoderLayer
 from specopd.models.base import TargetModel
-from specopd.models.common import MoE, RMSNorm, masked_attention, rope_cos_sin
+from specopd.models.common import Linear, MoE, RMSNorm, masked_attention, rope_cos_sin
 from specopd.models.context import RunContext
 from specopd.models.qwen3_next import GatedAttention, GatedDeltaNet, stack_expert_tensors
 from specopd.models.registry import register_model
@@ -79,7 +79,7 @@ class QSAIndexer(nn.Module):
         self.n_heads, self.head_dim = int(cfg["indexer_n_heads"]), int(cfg["indexer_head_dim"])
         if int(cfg.get("indexer_kv_heads") or 1) != 1:
             raise ValueError("qwen4_exp QSA needs indexer_kv_heads = 1 (as transformers requires)")
-        self.index_qk_proj = nn.Linear(cfg["hidden_size"], (self.n_heads + 1) * self.head_dim, bias=False)
+        self.index_qk_proj = Linear(cfg["hidden_size"], (self.n_heads + 1) * self.head_dim, bias=False)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_layernorm = RMSNorm(self.head_dim, eps, unit_offset=True)
         self.k_layernorm = RMSNorm(self.head_dim, eps, unit_offset=True)
@@ -190,9 +190,9 @@ class GatedResidual(nn.Module):
         self.hc, self.d = int(cfg["hc_count"]), int(cfg["hidden_size"])
         n = self.hc * self.d
         self.hc_norm = GroupRMSNorm(n, self.d, cfg.get("rms_norm_eps", 1e-6))
-        self.input_mix_weight_down = nn.Linear(n, int(cfg["hc_lowrank"]), bias=False)
-        self.input_mix_weight_up = nn.Linear(int(cfg["hc_lowrank"]), n, bias=False)
-        self.block_inject_weight = nn.Linear(n, self.hc, bias=False) if combine else None
+        self.input_mix_weight_down = Linear(n, int(cfg["hc_lowrank"]), bias=False)
+        self.input_mix_weight_up = Linear(int(cfg["hc_lowrank"]), n, bias=False)
+        self.block_inject_weight = Linear(n, self.hc, bias=False) if combine else None
 
     def forward(self, streams: torch.Tensor):
         normed = self.hc_norm(streams)
@@ -345,8 +345,8 @@ class PLELayer(nn.Module):
         self.hc, self.d = int(cfg["hc_count"]), int(cfg["hidden_size"])
         e, n, eps = int(cfg.get("ple_embed_dim") or self.d), self.hc * self.d, cfg.get("rms_norm_eps", 1e-6)
         self.ple_embedding = NGramEmbedding(cfg, ple_index)
-        self.key_proj = nn.Linear(e, n, bias=False)
-        self.value_proj = nn.Linear(e, self.d, bias=False)
+        self.key_proj = Linear(e, n, bias=False)
+        self.value_proj = Linear(e, self.d, bias=False)
         self.norm_key = GroupRMSNorm(n, self.d, eps)
         self.norm_query = GroupRMSNorm(n, self.d, eps)
         self.norm_conv = GroupRMSNorm(n, self.d, eps)
@@ -430,7 +430,7 @@ class Qwen4ExpTarget(TargetModel):
         ple_index = {lid - 1: k for k, lid in enumerate(ple_ids)}
         self.config = SimpleNamespace(**cfg)
         self.model = _Backbone(cfg, [DecoderLayer(cfg, i, types[i], ple_index.get(i)) for i in range(n)])
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.layer_kinds = ["gdn" if t == "linear_attention" else "qsa" for t in types]
         self.hc = int(cfg["hc_count"])
         tie = cfg.get("tie_word_embeddings", False)

@@ -1,0 +1,121 @@
+"""The bf16 linear layers through a weight packed once for oneDNN (kernels/layer_ops/cpu.py ``PackedWeight`` /
+``linear``) against ``F.linear`` (naive.py): bit for bit, for every row count, with and without bias, on strided
+and 3-D inputs; the pack follows weight changes; copies of a model do not carry it.
+"""
+import copy
+import pickle
+
+import pytest
+import torch
+
+from kernels.layer_ops import cpu, naive
+
+pytestmark = pytest.mark.skipif(not cpu.packing_available(), reason="torch's oneDNN has no native bf16 on this CPU")
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k,n", [(64, 1), (64, 200), (576, 192), (1536, 576), (33, 4097)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 33, 341])
+def test_packed_linear_is_f_linear_bit_for_bit(rows, k, n, bias):
+    w, b = _bf16(n, k, seed=1), (_bf16(n, seed=2) if bias else None)
+    packed = cpu.PackedWeight().get(w)
+    x = _bf16(rows, k, seed=3)
+    assert torch.equal(cpu.linear(x, packed, b), naive.linear(x, w, b))
+    x3 = _bf16(2, rows, k, seed=4)
+    assert torch.equal(cpu.linear(x3, packed, b), naive.linear(x3, w, b))
+    xs = _bf16(rows, 2 * k, seed=5)[:, ::2]  # strided rows and columns
+    assert torch.equal(cpu.linear(xs, packed, b), naive.linear(xs, w, b))
+
+
+def test_rows_do_not_depend_on_batch_mates_or_threads():
+    w = _bf16(640, 576, seed=1)
+    packed = cpu.PackedWeight().get(w)
+    x = _bf16(64, 576, seed=2)
+    full = cpu.linear(x, packed)
+    assert torch.equal(torch.cat([cpu.linear(x[i:i + 1], packed) for i in range(64)]), full)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu.linear(x, packed), full)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_stacked_weights_pack_as_their_concatenation():
+    g, u = _bf16(96, 64, seed=1), _bf16(96, 64, seed=2)
+    x = _bf16(7, 64, seed=3)
+    assert torch.equal(cpu.linear(x, cpu.PackedWeight().get(g, u)), naive.linear(x, torch.cat((g, u))))
+
+
+def test_the_pack_follows_in_place_changes_and_loads():
+    from specopd.models.common import Linear
+
+    lin = Linear(64, 32, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = _bf16(5, 64, seed=1)
+    before = lin(x)
+    assert torch.equal(before, naive.linear(x, lin.weight, lin.bias))
+    with torch.no_grad():
+        lin.weight.mul_(2)  # in place: the version counter changes
+    assert torch.equal(lin(x), naive.linear(x, lin.weight, lin.bias)) and not torch.equal(lin(x), before)
+    sd = {k: v * 3 for k, v in lin.state_dict().items()}
+    assert set(sd) == {"weight", "bias"}  # the pack is not state
+    lin.load_state_dict(sd)
+    assert torch.equal(lin(x), naive.linear(x, sd["weight"], sd["bias"]))
+    lin.weight = torch.nn.Parameter(_bf16(32, 64, seed=9), requires_grad=False)  # a new tensor
+    assert torch.equal(lin(x), naive.linear(x, lin.weight, lin.bias))
+
+
+def test_copies_and_pickles_start_without_a_pack():
+    from specopd.models.common import MLP
+
+    mlp = MLP(64, 160).to(torch.bfloat16).requires_grad_(False)
+    x = _bf16(3, 64, seed=1)
+    with torch.no_grad():
+        y = mlp(x)  # packs every weight (opaque oneDNN tensors: no storage to copy)
+        for other in (copy.deepcopy(mlp), pickle.loads(pickle.dumps(mlp))):
+            assert torch.equal(other(x), y)
+
+
+def test_enabled_only_for_bf16_cpu_tensors_outside_autograd(monkeypatch):
+    x, w = torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert cpu.linear_enabled(x, w) and cpu.linear_enabled(x, w, None)
+    assert not cpu.linear_enabled(x[0], w)  # 1-D input: F.linear
+    assert not cpu.linear_enabled(x, w.float())
+    assert not cpu.linear_enabled(x, w, torch.zeros(3))
+    assert not cpu.linear_enabled(x, w.clone().requires_grad_())
+    with torch.no_grad():
+        assert cpu.linear_enabled(x, w.clone().requires_grad_())
+    monkeypatch.setenv("SPECOPD_LINEAR", "torch")
+    assert not cpu.linear_enabled(x, w) and cpu.enabled(x, w)  # the C layer ops stay on
+    monkeypatch.setenv("SPECOPD_LINEAR", "auto")
+    monkeypatch.setenv("SPECOPD_LAYER_OPS", "torch")
+    assert not cpu.linear_enabled(x, w)
+    monkeypatch.setenv("SPECOPD_LAYER_OPS", "auto")
+    monkeypatch.setenv("SPECOPD_LINEAR", "packed")
+    with pytest.raises(ValueError, match="SPECOPD_LINEAR"):
+        cpu.linear_enabled(x, w)
+
+
+def test_a_bf16_target_runs_every_linear_through_the_pack_with_the_same_logits(tmp_path, monkeypatch):
+    """A tiny bf16 llama: every projection, the fused gate + up, down and lm_head run packed (6 calls a layer + 1),
+    and the logits equal those of the same forward with ``F.linear`` bit for bit."""
+    from specopd.models.loading import load_target
+    from specopd.train.tiny import build_tiny_target
+
+    path = build_tiny_target("llama", str(tmp_path / "t"), overrides={"vocab_size": 256, "num_hidden_layers": 2})
+    target = load_target(path, dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = cpu.linear
+    monkeypatch.setattr(cpu, "linear", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        fast = target(ids)
+        assert len(calls) == 2 * 6 + 1
+        monkeypatch.setenv("SPECOPD_LINEAR", "torch")
+        plain = target(ids)
+    assert len(calls) == 2 * 6 + 1
+    assert torch.equal(fast, plain)
