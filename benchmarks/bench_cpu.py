@@ -61,6 +61,10 @@ PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each 
     # "auto" with the bf16 linear layers through F.linear (the weight reordered per call; before 2026-12-03 09:00)
     "unpacked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
                  "linear": "torch"},
+    # "auto" with the fp32 linear layers through oneDNN too (SPECOPD_LINEAR=all: not F.linear's bits): fp32 at
+    # this CPU's best matmul rate where MKL's fp32 is not (an AMD CPU with AVX-512); bf16 rows as "auto"
+    "fp32dnn": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
+                "linear": "all"},
     # "auto" with the C attention kernels on every CPU where they build (SPECOPD_ATTENTION=cpu): on an AMX CPU,
     # where "auto" keeps torch's kernels, `--paths auto,cattn` measures ours against them (never measured yet)
     "cattn": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "cpu"},
@@ -195,10 +199,12 @@ def chat_data(target_dir: str, vocab: int, seq_len: int, path: str, exact: bool,
 
 
 def count_flops(fn) -> tuple:
-    """(result, matmul FLOPs) of fn() under FlopCounterMode."""
+    """(result, matmul FLOPs) of fn() under FlopCounterMode (with the packed linears' formula)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as fc:
+    from kernels.layer_ops import cpu as layer_ops
+
+    with FlopCounterMode(display=False, custom_mapping=layer_ops.FLOP_FORMULAS) as fc:
         r = fn()
     return r, int(fc.get_total_flops())
 

@@ -31,6 +31,19 @@ def test_packed_linear_is_f_linear_bit_for_bit(rows, k, n, bias):
     assert torch.equal(cpu.linear(xs, packed, b), naive.linear(xs, w, b))
 
 
+def test_flop_counter_counts_a_packed_linear_as_f_linear():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = _bf16(2, 7, 64, seed=1), _bf16(40, 64, seed=2)
+    packed = cpu.PackedWeight().get(w)
+    counts = []
+    for f in (lambda: naive.linear(x, w), lambda: cpu.linear(x, packed)):
+        with FlopCounterMode(display=False, custom_mapping=cpu.FLOP_FORMULAS) as fc:
+            f()
+        counts.append(fc.get_total_flops())
+    assert counts == [2 * 14 * 64 * 40] * 2
+
+
 def test_rows_do_not_depend_on_batch_mates_or_threads():
     w = _bf16(640, 576, seed=1)
     packed = cpu.PackedWeight().get(w)
@@ -78,6 +91,30 @@ def test_copies_and_pickles_start_without_a_pack():
         y = mlp(x)  # packs every weight (opaque oneDNN tensors: no storage to copy)
         for other in (copy.deepcopy(mlp), pickle.loads(pickle.dumps(mlp))):
             assert torch.equal(other(x), y)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 341])
+def test_fp32_packing_is_opt_in_and_within_fp32_rounding(rows, monkeypatch):
+    """``SPECOPD_LINEAR=all``: fp32 through oneDNN's kernel, within fp32 rounding of the float64 product (as
+    ``F.linear`` is), not necessarily its bits; by default fp32 keeps ``F.linear``."""
+    x, w, b = torch.randn(rows, 576), torch.randn(300, 576), torch.randn(300)
+    assert not cpu.linear_enabled(x, w, b)
+    monkeypatch.setenv("SPECOPD_LINEAR", "all")
+    assert cpu.linear_enabled(x, w, b) and cpu.linear_enabled(x.bfloat16(), w.bfloat16())
+    assert not cpu.linear_enabled(x, w.bfloat16()) and not cpu.linear_enabled(x, w.requires_grad_())
+    w.requires_grad_(False)
+    exact = naive.linear(x.double(), w.double(), b.double())
+    bound = 576 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T + b.double().abs())  # K * eps * sum |terms|
+    for got in (cpu.linear(x, cpu.PackedWeight().get(w), b), naive.linear(x, w, b)):
+        assert bool(((got.double() - exact).abs() <= bound).all())
+    from specopd.models.common import Linear
+
+    lin = Linear(576, 300).requires_grad_(False)
+    calls = []
+    real = cpu.linear
+    monkeypatch.setattr(cpu, "linear", lambda *a: calls.append(1) or real(*a))
+    lin(x)
+    assert calls == [1]
 
 
 def test_enabled_only_for_bf16_cpu_tensors_outside_autograd(monkeypatch):

@@ -4,7 +4,10 @@
 The bf16 linear layers run through oneDNN with their weight reordered once (``PackedWeight`` / ``linear``) instead
 of per call as ``F.linear`` does: the same bits (tested), 1.1x at training rows, ~2x for a decoded token.
 ``linear_enabled(x, weight)`` says whether to use it (no C library needed: torch's own oneDNN ops);
-``SPECOPD_LINEAR=torch`` keeps ``F.linear`` (so does ``SPECOPD_LAYER_OPS=torch``).
+``SPECOPD_LINEAR=torch`` keeps ``F.linear`` (so does ``SPECOPD_LAYER_OPS=torch``). ``SPECOPD_LINEAR=all`` packs fp32
+weights too: oneDNN's fp32 kernel instead of MKL's (1.4-1.6x on an AMD CPU with AVX-512, where MKL does not run
+its AVX-512 code), within fp32 rounding of ``F.linear`` but not its bits, so fp32 no longer matches transformers
+bit for bit; off by default.
 
 ``SPECOPD_LAYER_OPS=auto`` (default) uses them for bf16 CPU tensors outside autograd where the library builds;
 ``torch`` keeps torch's eager ops (``naive.py``) everywhere. Exactness: ``layer_ops_cpu.c``'s header and
@@ -59,12 +62,23 @@ def packing_available() -> bool:
         return False
 
 
+LINEAR_MODES = ("auto", "torch", "all")
+
+
 def linear_enabled(x: torch.Tensor, *weights: torch.Tensor | None) -> bool:
-    """Whether ``linear`` takes x [..., K] and these weights / biases (None ones skipped): all bf16 on the CPU
-    outside autograd, x at least 2-D, ``SPECOPD_LAYER_OPS`` and ``SPECOPD_LINEAR`` "auto", and oneDNN bf16 here."""
+    """Whether ``linear`` takes x [..., K] and these weights / biases (None ones skipped): all bf16 (with
+    ``SPECOPD_LINEAR=all`` also all fp32) on the CPU outside autograd, x at least 2-D, ``SPECOPD_LAYER_OPS`` "auto",
+    ``SPECOPD_LINEAR`` not "torch", and oneDNN bf16 here."""
     ws = [w for w in weights if w is not None]
-    return (x.dim() >= 2 and bf16_cpu_inference(x, *ws) and mode() == "auto"
-            and env_mode("SPECOPD_LINEAR", MODES) == "auto" and packing_available())
+    if x.dim() < 2 or mode() != "auto":
+        return False
+    which = env_mode("SPECOPD_LINEAR", LINEAR_MODES)
+    if which == "torch" or not packing_available():
+        return False
+    if which == "all" and all(t.dtype == torch.float32 for t in (x, *ws)):
+        return all(t.device.type == "cpu" for t in (x, *ws)) and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (x, *ws)))
+    return bf16_cpu_inference(x, *ws)
 
 
 class PackedWeight:
@@ -108,6 +122,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
         [..., N] bf16.
     """
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of one ``linear`` call: 2 * rows * K * N (what ``FlopCounterMode`` counts for ``F.linear``)."""
+    rows = 1
+    for d in x_shape[:-1]:
+        rows *= d
+    return 2 * rows * int(w_shape[1]) * int(w_shape[0])
+
+
+# FlopCounterMode(custom_mapping=FLOP_FORMULAS) counts packed linears as it counts F.linear's matmuls
+FLOP_FORMULAS = {torch.ops.mkldnn._linear_pointwise: linear_flops}  # keyed by the op packet, as the counter looks up
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
