@@ -4,7 +4,7 @@ The system C compiler (``$CC``, else ``cc`` / ``gcc``) with ``-O3 -march=native 
 fast-math) into ``$SPECOPD_CACHE/kernels`` (default ``~/.cache/specopd/kernels``): one file per source, flags and
 CPU, written atomically (parallel workers may build at once). OpenMP threads come from the runtime torch has
 already loaded. Also what the kernels' switches share: ``env_mode`` (a kernel's environment variable) and
-``bf16_cpu_inference`` (the tensors a CPU kernel takes).
+``bf16_cpu_inference`` / ``cpu_inference`` (the tensors a CPU kernel takes).
 """
 from __future__ import annotations
 
@@ -78,11 +78,16 @@ def env_mode(var: str, modes: tuple) -> str:
     return m
 
 
-def bf16_cpu_inference(*tensors) -> bool:
-    """All ``tensors`` bf16 on the CPU and none needing a gradient: what the CPU kernels take."""
-    if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
+def cpu_inference(dtype: torch.dtype, *tensors) -> bool:
+    """All ``tensors`` of ``dtype`` on the CPU and none needing a gradient."""
+    if not all(t.dtype == dtype and t.device.type == "cpu" for t in tensors):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def bf16_cpu_inference(*tensors) -> bool:
+    """All ``tensors`` bf16 on the CPU and none needing a gradient: what the CPU kernels take."""
+    return cpu_inference(torch.bfloat16, *tensors)
 
 
 class Library:

@@ -5,8 +5,8 @@ The bf16 linear layers run through oneDNN with their weight reordered once (``Pa
 of per call as ``F.linear`` does: the same bits (tested), 1.1x at training rows, ~2x for a decoded token.
 ``linear_enabled(x, weight)`` says whether to use it (no C library needed: torch's own oneDNN ops);
 ``SPECOPD_LINEAR=torch`` keeps ``F.linear`` (so does ``SPECOPD_LAYER_OPS=torch``). ``SPECOPD_LINEAR=all`` packs fp32
-weights too: oneDNN's fp32 kernel instead of MKL's (1.4-1.6x on an AMD CPU with AVX-512, where MKL does not run
-its AVX-512 code), within fp32 rounding of ``F.linear`` but not its bits, so fp32 no longer matches transformers
+weights too: oneDNN's fp32 kernel instead of MKL's (1.1-1.3x at training rows on an AMD CPU with AVX-512, more at
+a few rows), within fp32 rounding of ``F.linear`` but not its bits, so fp32 no longer matches transformers
 bit for bit; off by default.
 
 ``SPECOPD_LAYER_OPS=auto`` (default) uses them for bf16 CPU tensors outside autograd where the library builds;
@@ -20,7 +20,7 @@ import functools
 import os
 import torch
 
-from kernels.cbuild import Library, bf16_cpu_inference, env_mode
+from kernels.cbuild import Library, bf16_cpu_inference, cpu_inference, env_mode
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_ops_cpu.c")
 MODES = ("auto", "torch")
@@ -75,10 +75,7 @@ def linear_enabled(x: torch.Tensor, *weights: torch.Tensor | None) -> bool:
     which = env_mode("SPECOPD_LINEAR", LINEAR_MODES)
     if which == "torch" or not packing_available():
         return False
-    if which == "all" and all(t.dtype == torch.float32 for t in (x, *ws)):
-        return all(t.device.type == "cpu" for t in (x, *ws)) and not (
-            torch.is_grad_enabled() and any(t.requires_grad for t in (x, *ws)))
-    return bf16_cpu_inference(x, *ws)
+    return bf16_cpu_inference(x, *ws) or (which == "all" and cpu_inference(torch.float32, x, *ws))
 
 
 class PackedWeight:
