@@ -121,7 +121,8 @@ class ModelConfig:
 class DrafterRecipeConfig:
     """The recipe's drafter: section (the drafter's architecture itself is ``specopd.drafters.DrafterConfig``)."""
     kind: str = setting("dflash", resume=REFUSE)
-    """dflash (parallel block drafter) | dspark (DFlash + Markov head + confidence head)."""
+    """dflash (parallel block drafter) | dspark (DFlash + Markov head + confidence head) | dflash2 (DFlash V2 as vLLM
+    serves it: convolutions along the block, a top-K candidate selector drafted slot by slot)."""
     num_layers: int = setting(1, resume=REFUSE)
     """Number of drafter decoder layers."""
     block_size: int = setting(5, resume=REFUSE)
@@ -135,13 +136,13 @@ class DrafterRecipeConfig:
     tokenizer leaves unused (Qwen3: 151669, as released), else (no spare id) a learned mask vector; -1: always
     a learned vector (exported as mask_embedding.pt)."""
     init_from: Optional[str] = setting(None, resume=SAME_RUN)
-    """A drafter folder to start from: ours (a checkpoint step folder) or a released DFlash / DSpark folder
+    """A drafter folder to start from: ours (a checkpoint step folder) or a released DFlash / DSpark / DFlash V2 folder
     (config.json with dflash_config + safetensors, e.g. z-lab/Qwen3-8B-DFlash-b16)."""
     confidence_weight: float = setting(0.1, resume=FROM_HERE)
     """DSpark: weight of the confidence-head loss (ignored for dflash)."""
 
     def __post_init__(self):
-        _check_choice("drafter", "kind", self.kind, ["dflash", "dspark"])
+        _check_choice("drafter", "kind", self.kind, ["dflash", "dspark", "dflash2"])
         _check_range("drafter", "num_layers", self.num_layers, lo=1)
         if self.block_size < 2:
             raise RecipeError(f"drafter.block_size={self.block_size!r} is out of range: it counts the anchor, as "

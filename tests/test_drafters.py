@@ -55,11 +55,15 @@ def _drafter(target, kind="dflash", seed=0, **kw):
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)
         if kind == "dspark":
             d.markov_head.markov_w2.weight.normal_(0, 0.5, generator=g)
+        if kind == "dflash2":  # its convolutions start at identity and its selector at zero
+            for name, p in d.named_parameters():
+                if "base_kernel" in name or "kernel_projection" in name or "candidate_selector" in name:
+                    p.normal_(0, 0.3, generator=g)
     return d
 
 
 def _prev(kind, atok, n):
-    return shift_tokens(atok, (torch.arange(n * W).view(n, W) * 7) % 128) if kind == "dspark" else None
+    return shift_tokens(atok, (torch.arange(n * W).view(n, W) * 7) % 128) if kind in ("dspark", "dflash2") else None
 
 
 # ------------------------------------------------------------------ values: the released model, independently
@@ -209,7 +213,7 @@ def test_flex_compile_failure_on_cuda_falls_back_with_one_warning(monkeypatch):
     assert A.resolve_backend("auto", torch.device("cuda")) == "chunked"
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_drafter_values_and_gradients_match_per_branch(ckpt, batch, kind):
     target = load_target(ckpt, dtype=torch.float64)
     feats, anchors, tix, atok = batch
@@ -314,7 +318,7 @@ def test_dspark_sample_matches_forward(target, batch):
             d(feats, anchors, tix, atok)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_sampling_greedy_seeded_and_per_row_generators(target, batch, kind):
     feats, anchors, tix, atok = batch
     d = _drafter(target, kind)
@@ -337,7 +341,7 @@ def test_sampling_greedy_seeded_and_per_row_generators(target, batch, kind):
 # ------------------------------------------------------------------ decoding cache
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_decoding_cache_equals_recomputation(target, kind):
     d = _drafter(target, kind)
     ids = torch.randint(0, 128, (22,), generator=torch.Generator().manual_seed(4))
@@ -388,7 +392,7 @@ def test_cached_attention_matches_per_branch():
         cached_branch_attention(q, kb, vb, kc[:2], vc[:2], 0.3)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_draft_batch_equals_recomputation_over_rounds(target, kind):
     """Four sequences decoded together over many rounds (1-token prompt, commits of the bonus token alone, of a
     whole block, none): every round's tokens and q logits from the context caches equal a recomputation from
@@ -471,7 +475,7 @@ def test_mask_token_choice(ckpt, target, tmp_path):
 # ------------------------------------------------------------------ save / load, errors, frozen target
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_save_load_roundtrip(target, batch, kind, tmp_path):
     feats, anchors, tix, atok = batch
     d = _drafter(target, kind, seed=3)
@@ -537,7 +541,7 @@ def test_build_errors_and_seeded_init(target):
     assert build_drafter("dflash", target, num_layers=3).feature_layers == default_target_layer_ids(4, 3)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_target_frozen_and_not_in_state(target, batch, kind):
     feats, anchors, tix, atok = batch
     d = _drafter(target, kind)

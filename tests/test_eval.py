@@ -212,17 +212,21 @@ class Recording:
         return toks, logits
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_decoder_drafts_equal_recomputation_every_round(small, kind):
     """The decoder's drafter context cache: every round's drafted tokens and q logits equal the drafter run on
     all features of the committed sequence (plain target forward), with the same generator draws at T > 0;
     one projection pass per round over the newly committed rows only (the bonus token alone in many rounds)."""
     from specopd.drafters import build_drafter
 
-    d = build_drafter(kind, small, num_layers=1, block_size=4, seed=5)
+    d = build_drafter(kind, small, num_layers=1, block_size=4, seed=5, **({"selector_top_k": 3} if kind == "dflash2"
+                                                                         else {}))
     if kind == "dspark":
         with torch.no_grad():
             d.markov_head.markov_w2.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    if kind == "dflash2":  # q on 3 of 8 tokens, depending on the previous draft
+        with torch.no_grad():
+            d.candidate_selector.successor_codebook.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
     steps = set()
     for prompt, temp, seed in ((PROMPT, 0.0, 0), (PROMPT, 1.0, 1), (torch.tensor([4]), 1.0, 2)):
         rec = Recording(d)
@@ -325,7 +329,7 @@ def test_each_attention_kind_decodes_identically_at_t0(kind, tmp_path):
     assert passes[0] == sampled.rounds + 1 and sum(sampled.accept_lengths) == sampled.tokens.numel()
     from specopd.drafters import build_drafter
 
-    for drafter_kind in ("dflash", "dspark"):  # real drafters through their context caches
+    for drafter_kind in ("dflash", "dspark", "dflash2"):  # real drafters through their context caches
         d = build_drafter(drafter_kind, target, num_layers=1, block_size=4, seed=0)
         with count_target_passes(target) as passes:
             res = SpeculativeDecoder(target, d, temperature=0.0, gdn_checkpoint_every=c).generate(prompt, n)

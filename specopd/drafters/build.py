@@ -1,4 +1,4 @@
-"""``build_drafter``: a fresh DFlash / DSpark drafter for a target (``DRAFTERS``: kind -> class), and
+"""``build_drafter``: a fresh DFlash / DSpark / DFlash V2 drafter for a target (``DRAFTERS``: kind -> class), and
 ``shift_tokens`` (DSpark's teacher-forced previous tokens). Re-exported by ``specopd.drafters``."""
 from __future__ import annotations
 
@@ -6,18 +6,19 @@ from typing import Optional, Sequence
 
 import torch
 
-from specopd.drafters.dflash import (DFlashDrafter, DrafterConfig, choose_mask, default_target_layer_ids,
+from specopd.drafters.dflash import (DFlashDrafter, choose_mask, default_target_layer_ids,
                                      target_config, target_identity, target_rope_theta)
+from specopd.drafters.dflash2 import V2_KEYS, DFlash2Drafter
 from specopd.drafters.dspark import DSparkDrafter
 
-DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}
+DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter, "dflash2": DFlash2Drafter}
 Drafter = DFlashDrafter  # the base class of every kind
 
 _OVERRIDES = {"num_heads": "num_heads", "num_attention_heads": "num_heads", "num_kv_heads": "num_kv_heads",
               "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
               "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "hidden_act": "hidden_act",
               "markov_rank": "markov_rank", "confidence_head": "confidence_head",
-              "confidence_with_markov": "confidence_with_markov"}
+              "confidence_with_markov": "confidence_with_markov", **{k: k for k in V2_KEYS}}
 
 
 def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, seed: int = 0,
@@ -26,7 +27,7 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
     """A freshly initialised drafter for ``target`` (weights deterministic in ``seed``).
 
     Args:
-        kind: "dflash" | "dspark".
+        kind: "dflash" | "dspark" | "dflash2" (DFlash V2).
         target: the TargetModel it drafts for (its embedding and lm_head are shared, frozen).
         num_layers: draft layers.
         block_size: counts the anchor (released: 16 drafts 15 tokens; DSpark's release uses 7).
@@ -36,14 +37,19 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
             as Qwen3's 151669, else a learned vector); an id = that token's frozen embedding; -1 = a learned vector.
         target_dir: the target's folder (its tokenizer, for the automatic mask).
         **overrides: num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta, hidden_act,
-            markov_rank (DSpark's r, default 256), confidence_head, confidence_with_markov (default: the target's).
+            markov_rank (DSpark's r, default 256), confidence_head, confidence_with_markov (default: the target's);
+            DFlash V2: conv_kernel_size, conv_group_size (default: 16, or the largest divisor of hidden_size below
+            it), selector_rank, selector_top_k (default 8, at most vocab_size), input_embedding_scale,
+            output_multiplier, final_logit_softcapping (``DFlash2Config``).
 
     Returns:
-        DFlashDrafter or DSparkDrafter.
+        DFlashDrafter, DSparkDrafter or DFlash2Drafter.
     """
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS)}")
     bad = sorted(set(overrides) - set(_OVERRIDES))
+    if kind != "dflash2":
+        bad += sorted(set(overrides) & set(V2_KEYS))
     if bad:
         raise ValueError(f"unknown drafter override(s) {bad}; allowed: {sorted(_OVERRIDES)} "
                          f"(hidden_size always equals the target's)")
@@ -57,8 +63,11 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
         sizes[_OVERRIDES[k]] = v
     if feature_layers is None:
         feature_layers = default_target_layer_ids(target.num_layers, num_layers)
+    if kind == "dflash2":
+        sizes.setdefault("conv_group_size", max(g for g in range(1, 17) if d % g == 0))
+        sizes.setdefault("selector_top_k", min(8, int(target.vocab_size)))
     mask_id, learned = choose_mask(target, mask_token_id, target_dir)
-    cfg = DrafterConfig(kind=kind, num_layers=int(num_layers), block_size=int(block_size),
+    cfg = DRAFTERS[kind].config_class(kind=kind, num_layers=int(num_layers), block_size=int(block_size),
                         feature_layers=tuple(int(i) for i in feature_layers), hidden_size=d,
                         mask_token_id=mask_id, learned_mask=learned, target=target_identity(target), **sizes)
     return DRAFTERS[kind](target, cfg, seed=seed)

@@ -240,6 +240,8 @@ class DFlashDrafter(nn.Module):
 
     kind = "dflash"
     has_confidence = False
+    config_class = DrafterConfig  # the config dataclass of this kind (DFlash V2 adds fields)
+    layer_class = DraftLayer  # one draft decoder layer (DFlash V2 adds its convolutions)
 
     def __init__(self, target, config: DrafterConfig, seed: int = 0):
         super().__init__()
@@ -262,7 +264,7 @@ class DFlashDrafter(nn.Module):
         if c.mask_token_id is not None and not 0 <= int(c.mask_token_id) < ident["vocab_size"]:
             raise ValueError(f"mask_token_id {c.mask_token_id} is outside the target's vocab [0, {ident['vocab_size']})")
         d = c.hidden_size
-        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(d, c.rms_norm_eps)
         self.fc = nn.Linear(len(c.feature_layers) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps)

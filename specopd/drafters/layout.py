@@ -1,5 +1,5 @@
-"""Drafter folders: our checkpoints and the released layout (z-lab DFlash / SpecForge DSpark) that vLLM and
-SGLang load. Both layouts: docs/architecture.md ("Drafter folders").
+"""Drafter folders: our checkpoints and the released layout (z-lab DFlash / SpecForge DSpark / vLLM's DFlash V2)
+that vLLM and SGLang load. Both layouts: docs/architecture.md ("Drafter folders").
 """
 from __future__ import annotations
 
@@ -17,21 +17,24 @@ from safetensors import SafetensorError
 
 from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
+from specopd.drafters.dflash2 import V2_KEYS
 from specopd.errors import DamagedFolderError, FolderNotEmptyError, make_dir, read_text
 
-ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
 KINDS = tuple(ARCH)
 KIND_OF_ARCH = {v: k for k, v in ARCH.items()}
-AUTO_MAP = {"dflash": "dflash.DFlashDraftModel", "dspark": "dspark.DSparkDraftModel"}
+AUTO_MAP = {"dflash": "dflash.DFlashDraftModel", "dspark": "dspark.DSparkDraftModel"}  # V2 ships no HF code
+V2_REQUIRED = V2_KEYS[:4]  # vLLM reads these with dflash_config[key]: a V2 folder without them does not load
 MASK_FILE = "mask_embedding.pt"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
 DRAFTER_FOLDER = ("a drafter folder holds config.json + safetensors weights, either SpecOPD's (config.json with "
-                  "\"kind\": \"dflash\" | \"dspark\" and the drafter's sizes, model.safetensors; written by "
+                  "\"kind\": \"dflash\" | \"dspark\" | \"dflash2\" and the drafter's sizes, model.safetensors; written by "
                   "drafter.save(dir) or a run's <output_dir>/checkpoints/step-N) or the released DFlash / DSpark "
                   "layout "
-                  "(config.json with architectures [\"DFlashDraftModel\"] or [\"DSparkDraftModel\"] and dflash_config, "
+                  "(config.json with architectures [\"DFlashDraftModel\"], [\"DSparkDraftModel\"] or [\"DFlash2DraftModel\"] "
+                  "and dflash_config, "
                   "model.safetensors or shards + index, optional mask_embedding.pt)")
 
 
@@ -221,7 +224,8 @@ def config_from_released(raw: dict, path: str, target_layers: Optional[int] = No
     archs = raw.get("architectures") or []
     kinds = [KIND_OF_ARCH[a] for a in archs if a in KIND_OF_ARCH]
     if not kinds:
-        raise ValueError(f"{path}/config.json: architectures {archs} is not DFlashDraftModel / DSparkDraftModel")
+        raise ValueError(f"{path}/config.json: architectures {archs} is not DFlashDraftModel / DSparkDraftModel / "
+                         f"DFlash2DraftModel")
     kind = kinds[0]
     if raw.get("model_type") not in ("qwen3", "dspark"):
         raise ValueError(f"{path}/config.json: model_type {raw.get('model_type')!r}: released DFlash / DSpark drafters "
@@ -233,11 +237,17 @@ def config_from_released(raw: dict, path: str, target_layers: Optional[int] = No
         unsupported.append("sliding_attention layers")
     if raw.get("is_causal") or _get(raw, "causal"):
         unsupported.append("causal draft attention")
-    for name in ("input_embedding_scale", "output_multiplier"):
-        if float(_get(raw, name, 1.0) or 1.0) != 1.0:
-            unsupported.append(f"{name}={_get(raw, name)}")
-    if _get(raw, "final_logit_softcapping"):
-        unsupported.append("final_logit_softcapping")
+    if kind != "dflash2":  # V2's own keys (vLLM reads them for DFlash2DraftModel only)
+        for name in ("input_embedding_scale", "output_multiplier"):
+            if float(_get(raw, name, 1.0) or 1.0) != 1.0:
+                unsupported.append(f"{name}={_get(raw, name)}")
+        if _get(raw, "final_logit_softcapping"):
+            unsupported.append("final_logit_softcapping")
+    else:
+        missing = [k for k in V2_REQUIRED if _get(raw, k) is None]
+        if missing:
+            raise ValueError(f"{path}/config.json: a DFlash2DraftModel needs dflash_config {missing} (vLLM reads "
+                             f"them without defaults)")
     if kind == "dspark" and str(_get(raw, "markov_head_type", "vanilla")).lower() != "vanilla":
         unsupported.append(f"markov_head_type={_get(raw, 'markov_head_type')!r}")
     if _get(raw, "use_aux_hidden_state", True) is False:
@@ -263,7 +273,14 @@ def config_from_released(raw: dict, path: str, target_layers: Optional[int] = No
     rope_scaling = raw.get("rope_scaling")
     spec = raw.get("specopd") or {}
     mask_id = _get(raw, "mask_token_id")
-    return DrafterConfig(
+    v2 = {}
+    if kind == "dflash2":
+        v2 = dict(conv_kernel_size=int(_get(raw, "conv_kernel_size")), conv_group_size=int(_get(raw, "conv_group_size")),
+                  selector_rank=int(_get(raw, "selector_rank")), selector_top_k=int(_get(raw, "selector_top_k")),
+                  input_embedding_scale=float(_get(raw, "input_embedding_scale", 1.0) or 1.0),
+                  output_multiplier=float(_get(raw, "output_multiplier", 1.0) or 1.0),
+                  final_logit_softcapping=float(_get(raw, "final_logit_softcapping", 0.0) or 0.0))
+    return DRAFTERS[kind].config_class(**v2,
         kind=kind, num_layers=n, block_size=int(_get(raw, "block_size", 16)),
         feature_layers=tuple(int(i) for i in ids), hidden_size=int(raw["hidden_size"]), num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -285,12 +302,13 @@ def config_from_ours(raw: dict, path: str) -> DrafterConfig:
         raise ValueError(f"{path}/config.json was written by SpecOPD v0.1 (block_size counted drafted tokens only, "
                          f"learned mask vector, the target's final norm before lm_head): that drafter computes "
                          f"something else and cannot be loaded; train it again")
-    fields = dataclasses.fields(DrafterConfig)
+    cls = DRAFTERS[raw["kind"]].config_class
+    fields = dataclasses.fields(cls)
     missing = [fl.name for fl in fields if fl.name not in raw and fl.default is dataclasses.MISSING
                and fl.default_factory is dataclasses.MISSING]
     if missing:
         raise NotADrafterError(path, f"its config.json has \"kind\": {raw.get('kind')!r} but lacks {missing}")
-    cfg = DrafterConfig(**{k: v for k, v in raw.items() if k in {fl.name for fl in fields}})
+    cfg = cls(**{k: v for k, v in raw.items() if k in {fl.name for fl in fields}})
     cfg.feature_layers = tuple(int(i) for i in cfg.feature_layers)
     return cfg
 
@@ -362,7 +380,8 @@ def check_against_target(cfg: DrafterConfig, target, path: str, sd: Optional[dic
     if fc is not None and tuple(fc.shape) != (cfg.hidden_size, want):
         raise ValueError(f"{path}: fc width mismatch: fc.weight is {list(fc.shape)}, but {len(cfg.feature_layers)} "
                          f"target_layer_ids x target hidden {have['hidden_size']} needs [{cfg.hidden_size}, {want}]")
-    for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"):
+    for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+                 "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
         t = sd.get(name)
         if t is not None and have["vocab_size"] not in t.shape:
             raise ValueError(f"{path}: vocab mismatch: {name} is {list(t.shape)}, the target's vocab_size is "
@@ -425,8 +444,11 @@ def released_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
                       projector_type="dspark", markov_rank=int(cfg.markov_rank), markov_head_type="vanilla",
                       enable_confidence_head=bool(cfg.confidence_head),
                       confidence_head_with_markov=bool(cfg.confidence_with_markov))
+    if cfg.kind == "dflash2":
+        dflash.update({k: getattr(cfg, k) for k in V2_KEYS})
     out = {
-        "architectures": [ARCH[cfg.kind]], "auto_map": {"AutoModel": AUTO_MAP[cfg.kind]}, "model_type": "qwen3",
+        "architectures": [ARCH[cfg.kind]], **({"auto_map": {"AutoModel": AUTO_MAP[cfg.kind]}} if cfg.kind in AUTO_MAP
+                                              else {}), "model_type": "qwen3",
         "block_size": int(cfg.block_size), "dflash_config": dflash,
         "num_target_layers": t.get("num_hidden_layers"),
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -592,6 +614,10 @@ def describe_export(src: str, out_dir: str, cfg: DrafterConfig, target_path: Opt
     if cfg.kind == "dspark":
         lines.append("note: DSpark's Markov / confidence heads need an engine that implements DSparkDraftModel; "
                      "the commands below are the DFlash ones")
+    if cfg.kind == "dflash2":
+        lines.append(f"note: vLLM drafts with DFlash2DraftModel only in its GPU model runner (not the CPU build); its "
+                     f"convolution's block is 1 + num_speculative_tokens, so serve it with num_speculative_tokens "
+                     f"{cfg.draft_len} (the block it was trained on)")
     vllm, sglang = serving_commands(out_dir, cfg, target_path)
     lines += ["", "serve it with vLLM:", "  " + vllm, "or SGLang:", "  " + sglang]
     return "\n".join(lines)

@@ -1,0 +1,323 @@
+"""DFlash V2 (vLLM 0.32 DFlash2DraftModel): our drafter against an independent transcription of vLLM's forward and
+drafting walk (tests/dflash2_reference.py) on random tiny targets, in fp32 to 1e-5: block logits, top-K candidates,
+selector scores [N, W, K, K], the walk at T = 0 and with given Gumbel noise, the realized draft logits; the
+convolution's edge cases (block row 0, rows < taps, taps > block); top_k 1 and top_k = vocab; the released layout
+(vLLM's weight names, config keys) and bit-exact export / load / save round trips; gradients; speculative decoding
+with a V2 drafter lossless at T = 0 (the greedy target output) and T = 1 (the first two tokens' distribution)."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from specopd.drafters import build_drafter, export_drafter, load_drafter, shift_tokens
+from specopd.drafters.dflash2 import V2_KEYS, GroupedConv, top_candidates
+from specopd.eval import SpeculativeDecoder, autoregressive
+from specopd.models import load_target
+from tests.dflash2_reference import DFlash2Reference, grouped_conv
+from tests.oracle import make_tiny_checkpoint
+from tests.test_eval import PROMPT, chi2, chi2_threshold, empirical_two_tokens, exact_two_tokens
+
+BS = 4
+W = BS - 1
+V = 128
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("dflash2"), num_hidden_layers=4,
+                                            vocab_size=V, hidden_size=32, intermediate_size=48))
+
+
+@pytest.fixture(scope="module")
+def batch(target):
+    """Two trunks (7 and 5 rows); 6 branches: anchors at 0, at T (the bonus token), repeated, both trunks."""
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, V, (7,), generator=g), torch.randint(0, V, (5,), generator=g)]
+    layers = [1, 2]
+    feats = [target.hidden_states(i.view(1, -1), layers)[0] for i in ids]
+    anchors = torch.tensor([3, 0, 7, 5, 2, 3])
+    tix = torch.tensor([0, 0, 0, 1, 1, 0])
+    atok = torch.tensor([int(ids[t][a]) if a < len(ids[t]) else 17 for a, t in zip(anchors, tix)])
+    return feats, anchors, tix, atok, layers
+
+
+def _v2(target, seed=0, block_size=BS, layers=(1, 2), **kw):
+    """A V2 drafter whose every part matters: norms, convolutions (base taps and kernel_projection) and the
+    selector's successor codebook made non-trivial (they start at identity / zero)."""
+    d = build_drafter("dflash2", target, num_layers=2, block_size=block_size, seed=seed, feature_layers=list(layers),
+                      **kw)
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+            elif "base_kernel" in name or "kernel_projection" in name:
+                p.normal_(0, 0.3, generator=g)
+            elif "candidate_selector" in name:
+                p.normal_(0, 0.3, generator=g)
+    return d
+
+
+def _gumbel(n, w, k, seed):
+    u = torch.rand(n, w, k, generator=torch.Generator().manual_seed(seed)).clamp_min(1e-12)
+    return -torch.log(-torch.log(u))
+
+
+CASES = {
+    "default": {},
+    "taps>block": dict(conv_kernel_size=6),  # every row has fewer than taps rows above it
+    "one_tap": dict(conv_kernel_size=1),
+    "group1": dict(conv_group_size=1),
+    "one_group": dict(conv_group_size=32),
+    "top1": dict(selector_top_k=1),
+    "top_vocab": dict(selector_top_k=V),
+    "scaled_capped": dict(input_embedding_scale=1.7, output_multiplier=0.6, final_logit_softcapping=1.5),
+    "learned_mask": dict(mask_token_id=-1, selector_rank=5),
+}
+
+
+# ------------------------------------------------------------------ against vLLM's forward and walk
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_vllm_transcription(target, batch, case, tmp_path):
+    feats, anchors, tix, atok, layers = batch
+    d = _v2(target, **CASES[case])
+    export_drafter(d, str(tmp_path / "out"))
+    ref = DFlash2Reference(str(tmp_path / "out"), target.model.embed_tokens.weight, target.lm_head.weight)
+    n, k = len(anchors), d.top_k
+    tol = dict(rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        h = d.hidden(feats, anchors, tix, atok)
+        rh = ref.hidden([feats[int(t)] for t in tix], anchors, atok)
+        torch.testing.assert_close(h, rh, **tol)
+        # block logits: the candidate logits over the vocabulary
+        out = d(feats, anchors, tix, atok)
+        assert out.shape == (n, W, V) and out.dtype == torch.float32
+        torch.testing.assert_close(out, ref.block_logits(rh), **tol)
+        # top-K candidates and the selector's scores
+        cands = d.candidates(h, chunk_rows=5)
+        rids, runary = ref.candidates(rh)
+        assert torch.equal(cands.ids, rids)
+        torch.testing.assert_close(cands.unary, runary, **tol)
+        scores = d.selector_scores(cands, atok)
+        rscores = ref.scores(rh, rids, runary, atok)
+        assert scores.shape == (n, W, k, k)
+        torch.testing.assert_close(scores, rscores, **tol)
+        # the walk: argmax at T = 0, Gumbel-max with the same noise at T > 0
+        for temp, seed in ((0.0, 0), (1.0, 1), (0.6, 2)):
+            noise = _gumbel(n, W, k, seed)
+            draw = None if temp == 0 else (lambda slot, z, t=temp, g=noise: (z / t + g[:, slot]).argmax(-1))
+            toks, idx, real = d.walk(cands, atok, temp, draw=draw)
+            rt, rreal, rlogits = ref.walk(rscores, rids, temp, noise)
+            assert torch.equal(toks, rt), (case, temp)
+            assert torch.equal(cands.ids.gather(-1, idx[..., None])[..., 0], toks)
+            torch.testing.assert_close(real, rreal, **tol)
+            # teacher forcing the walk's own tokens gives its realized draft logits (-inf off the candidates)
+            q = d(feats, anchors, tix, atok, shift_tokens(atok, toks))
+            assert torch.equal(torch.isfinite(q), torch.isfinite(rlogits))
+            torch.testing.assert_close(q[torch.isfinite(q)], rlogits[torch.isfinite(rlogits)], **tol)
+            assert (torch.isfinite(q).sum(-1) == k).all()
+        # the greedy draft through the drafter's own sampler
+        t0, l0 = d.sample(feats, anchors, tix, atok, temperature=0.0)
+        assert torch.equal(t0, ref.walk(rscores, rids, 0.0)[0]) and torch.equal(t0, l0.argmax(-1))
+
+
+def test_selector_reads_the_previous_token(target, batch):
+    feats, anchors, tix, atok, _ = batch
+    d = _v2(target)
+    with torch.no_grad():
+        toks, _ = d.sample(feats, anchors, tix, atok, temperature=1.0, generator=torch.Generator().manual_seed(3))
+        a = d(feats, anchors, tix, atok, shift_tokens(atok, toks))
+        b = d(feats, anchors, tix, atok, shift_tokens(atok, (toks + 1) % V))
+        fin = torch.isfinite(a)
+        assert torch.equal(fin, torch.isfinite(b))  # the candidates do not depend on the previous token
+        assert (a[:, 1:][fin[:, 1:]] - b[:, 1:][fin[:, 1:]]).abs().max() > 1e-3  # their scores do
+        assert torch.equal(a[:, 0], b[:, 0])  # slot 0 follows the anchor token in both
+    with pytest.raises(ValueError, match="prev_tokens"):
+        d(feats, anchors, tix, atok, shift_tokens(atok + 1, toks))
+
+
+@pytest.mark.parametrize("taps,rows", [(4, 4), (6, 4), (1, 3), (3, 1), (2, 5)])
+def test_grouped_conv_rows(taps, rows):
+    """Our convolution = vLLM's CPU ``_grouped_conv`` on flattened blocks; row r reads rows r - t of its own block
+    only (t < taps, t <= r): block row 0 is a pointwise product, rows < taps see only the rows above them."""
+    g = torch.Generator().manual_seed(taps * 10 + rows)
+    d, gs, n = 12, 4, 3
+    conv = GroupedConv(d, taps, gs)
+    with torch.no_grad():
+        conv.base_kernel.normal_(generator=g)
+        conv.kernel_projection.weight.normal_(generator=g)
+    x = torch.randn(n, rows, d, generator=g)
+    c = conv.coefficients(x)
+    for side in (0, 1):
+        out = conv.convolve(x, c[:, :, side], side)
+        ref = grouped_conv(x.reshape(-1, d), c[:, :, side].reshape(n * rows, taps, d // gs), conv.base_kernel[side],
+                           rows, d // gs, gs, taps)
+        torch.testing.assert_close(out.reshape(-1, d), ref, rtol=1e-6, atol=1e-6)
+        # row r depends on rows <= r of its block only
+        for r in range(rows):
+            y = x.clone()
+            y[:, r + 1:] += 5.0
+            y[0] += 3.0  # another block
+            out2 = conv.convolve(y, c[:, :, side], side)
+            assert torch.equal(out2[1:, r], out[1:, r])
+        x0 = x.clone()
+        x0[:, 1:] = 0
+        torch.testing.assert_close(conv.convolve(x0, c[:, :, side], side)[:, 0],
+                                   (conv.base_kernel[side, 0] + c[:, 0, side, 0].repeat_interleave(gs, -1)) * x[:, 0])
+
+
+# ------------------------------------------------------------------ layout, round trips
+
+
+def test_released_layout_names_and_config(target, tmp_path):
+    d = _v2(target, selector_rank=6, conv_kernel_size=3, output_multiplier=0.5, final_logit_softcapping=20.0)
+    export_drafter(d, str(tmp_path / "out"))
+    cfg = json.load(open(tmp_path / "out" / "config.json"))
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3" and "auto_map" not in cfg
+    dc = cfg["dflash_config"]
+    assert {k: dc[k] for k in V2_KEYS} == dict(conv_kernel_size=3, conv_group_size=16, selector_rank=6,
+                                               selector_top_k=8, input_embedding_scale=1.0, output_multiplier=0.5,
+                                               final_logit_softcapping=20.0)
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "out" / "model.safetensors")))
+    # the names vLLM's DFlash2Qwen3ForCausalLM.load_weights maps to model.<name>
+    v2 = {f"layers.{i}.{c}.{p}" for i in range(2) for c in ("attention_conv", "mlp_conv")
+          for p in ("base_kernel", "kernel_projection.weight")}
+    v2 |= {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+           "candidate_selector.hidden_projection.weight"}
+    assert v2 <= names and not any(n.startswith(("model.", "lm_head", "embed")) for n in names)
+    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sd["layers.0.attention_conv.base_kernel"].shape == (2, 3, 32)
+    assert sd["layers.0.mlp_conv.kernel_projection.weight"].shape == (2 * 3 * 2, 32)
+    assert sd["candidate_selector.successor_codebook"].shape == (V, 6)
+    assert sd["candidate_selector.hidden_projection.weight"].shape == (6, 32)
+    # vLLM reads the first four keys without defaults: a V2 folder without them is refused, naming them
+    del dc["selector_top_k"]
+    json.dump(cfg, open(tmp_path / "out" / "config.json", "w"))
+    with pytest.raises(ValueError, match="selector_top_k"):
+        load_drafter(str(tmp_path / "out"), target)
+
+
+def _v2_config(d) -> dict:
+    """The drafter's config without the DSpark-only fields (markov_rank, confidence_*), which V2 does not use."""
+    return {k: v for k, v in dataclasses.asdict(d.config).items() if not k.startswith(("markov", "confidence"))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_load_save_roundtrips_are_bit_exact(target, batch, tmp_path, dtype):
+    feats, anchors, tix, atok, _ = batch
+    d = _v2(target, seed=3, output_multiplier=1.3, final_logit_softcapping=7.0, input_embedding_scale=0.9)
+    export_drafter(d, str(tmp_path / "a"), dtype=dtype)
+    e = load_drafter(str(tmp_path / "a"), target)
+    assert type(e) is type(d) and _v2_config(e) == _v2_config(d)
+    sd, se = d.state_dict(), e.state_dict()
+    assert sd.keys() == se.keys() and all(torch.equal(sd[k].to(dtype).float(), se[k]) for k in sd)
+    export_drafter(e, str(tmp_path / "b"), dtype=dtype)  # load -> export gives the same files
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    e.save(str(tmp_path / "ours"))  # our checkpoint layout
+    cfg = json.load(open(tmp_path / "ours" / "config.json"))
+    assert cfg["kind"] == "dflash2" and all(cfg[k] == getattr(d.config, k) for k in V2_KEYS)
+    f = load_drafter(str(tmp_path / "ours"), target)
+    assert _v2_config(f) == _v2_config(e) and all(torch.equal(se[k], v) for k, v in f.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(e(feats, anchors, tix, atok), f(feats, anchors, tix, atok))
+
+
+def test_build_checks(target):
+    with pytest.raises(ValueError, match="conv_group_size=5"):
+        build_drafter("dflash2", target, conv_group_size=5)
+    with pytest.raises(ValueError, match="selector_top_k=129"):
+        build_drafter("dflash2", target, selector_top_k=V + 1)
+    with pytest.raises(ValueError, match="output_multiplier"):
+        build_drafter("dflash2", target, output_multiplier=-1.0)
+    with pytest.raises(ValueError, match="unknown drafter override"):
+        build_drafter("dflash", target, selector_top_k=4)
+    d = build_drafter("dflash2", target)
+    assert d.top_k == 8 and d.config.conv_group_size == 16
+    # a fresh V2 drafter starts as DFlash restricted to its top K: identity convolutions, no selector term
+    f = build_drafter("dflash", target, seed=0)
+    assert all(float(layer.attention_conv.kernel_projection.weight.detach().abs().sum()) == 0 for layer in d.layers)
+    assert float(d.candidate_selector.successor_codebook.detach().abs().sum()) == 0 and f.kind == "dflash"
+
+
+# ------------------------------------------------------------------ gradients
+
+
+def test_gradients_reach_every_part(target, batch):
+    feats, anchors, tix, atok, _ = batch
+    d = _v2(target)
+    toks, _ = d.sample(feats, anchors, tix, atok, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    h = d.hidden(feats, anchors, tix, atok)
+    r = d.realized(h, shift_tokens(atok, toks.detach()), extra=toks.detach(), chunk_rows=4)
+    loss = torch.log_softmax(r.scores, -1).mean() + r.extra.mean()
+    loss.backward()
+    assert all(p.grad is None for p in target.parameters())
+    for name, p in d.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_top_candidates_backward_equals_full_logits():
+    """The chunked top-K's gradient (dh = g @ W[ids], row chunks) = autograd through the full logits' gather."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 16, generator=g, requires_grad=True)
+    w = torch.randn(40, 16, generator=g)
+    extra = torch.randint(0, 40, (2, 5), generator=g)
+    c = torch.randn(2, 5, 7, generator=g)
+    raw, ids = top_candidates(h, w, 6, extra, chunk_rows=3)
+    full = h @ w.T
+    v, i = torch.topk(full, 6, -1)
+    assert torch.equal(ids[..., :6], i) and torch.equal(ids[..., 6], extra)
+    torch.testing.assert_close(raw, full.gather(-1, ids), rtol=1e-6, atol=1e-6)
+    (gh,) = torch.autograd.grad((raw * c).sum(), h)
+    (rh,) = torch.autograd.grad((full.gather(-1, ids) * c).sum(), h)
+    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ speculative decoding
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """1-layer llama, vocab 8 (as tests/test_eval.py's)."""
+    return load_target(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("eval2"), vocab_size=8,
+                                            num_hidden_layers=1, initializer_range=0.5))
+
+
+def _small_v2(small, seed=3, top_k=3):
+    d = build_drafter("dflash2", small, num_layers=1, block_size=3, seed=seed, selector_top_k=top_k,
+                      feature_layers=[0])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        d.candidate_selector.successor_codebook.normal_(0, 1.0, generator=g)
+        d.candidate_selector.predecessor_codebook.normal_(0, 1.0, generator=g)
+        d.candidate_selector.hidden_projection.weight.normal_(0, 1.0, generator=g)
+        for layer in d.layers:
+            layer.attention_conv.kernel_projection.weight.normal_(0, 0.3, generator=g)
+    return d
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_greedy_decoding_is_the_targets_greedy_output(small, top_k):
+    n = 24
+    ar = autoregressive(small, PROMPT, n, temperature=0.0)
+    res = SpeculativeDecoder(small, _small_v2(small, top_k=top_k), temperature=0.0).generate(PROMPT, n)
+    assert res.tokens[:n].tolist() == ar.tokens.tolist()
+    assert sum(res.accept_lengths) == res.tokens.numel()
+
+
+def test_lossless_at_t1_with_a_v2_drafter(small):
+    """q is supported on 3 of 8 tokens and depends on the previous draft: the committed tokens are still the
+    target's (chi-square and TV of the first two tokens' joint distribution, as DFlash's test)."""
+    dec = SpeculativeDecoder(small, _small_v2(small), temperature=1.0)
+    exact = exact_two_tokens(small, PROMPT, 1.0).flatten()
+    counts = empirical_two_tokens(dec, PROMPT, 800)
+    stat, df = chi2(counts, exact)
+    assert stat < chi2_threshold(df), f"chi2 {stat:.1f} (df {df})"
+    tv = 0.5 * float((counts / counts.sum() - exact).abs().sum())
+    bound = 0.5 * float((exact * (1 - exact) / counts.sum()).sqrt().sum())
+    assert tv < 1.5 * bound, f"TV {tv:.4f} vs expected-TV bound {bound:.4f}"
