@@ -665,6 +665,145 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
     return FusedOut(loss, None if alpha is None else alpha.detach(), nll.detach())
 
 
+# ================================================================================ q on candidates (DFlash V2)
+@torch.no_grad()
+def candidate_p(hp: torch.Tensor, ids: torch.Tensor, p_weight: torch.Tensor, temperature: float = 1.0,
+                mask: Optional[torch.Tensor] = None, chunk_rows="auto") -> torch.Tensor:
+    """The target's p at each slot's candidates, from its hidden states one [chunk, V] chunk at a time.
+
+    Args:
+        hp: [N, W, D] the target's hidden state before lm_head at the scored positions (slot-aligned).
+        ids: [N, W, K] candidate tokens per slot.
+        p_weight: [V, D] the target's lm_head.
+        temperature: T > 0: softmax(hp @ p_weight^T / T)[ids]; 0: 1[ids == argmax p] (greedy acceptance).
+        mask: [N, W] bool: rows to compute (others stay 0); None: all.
+        chunk_rows: rows of [rows, V] logits per chunk, or "auto".
+
+    Returns:
+        [N, W, K] fp32, no grad.
+    """
+    n, w, k = ids.shape
+    if tuple(hp.shape[:2]) != (n, w) or hp.shape[-1] != p_weight.shape[1]:
+        raise ValueError(f"hp must be [N, W, D] = [{n}, {w}, {p_weight.shape[1]}]; got {tuple(hp.shape)}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be > 0, or 0 for greedy acceptance; got {temperature}")
+    hpf, idf = hp.detach().reshape(n * w, -1), ids.reshape(n * w, k)
+    rows = torch.nonzero(_mask(mask, (n, w), hp.device).reshape(-1)).flatten()
+    out = torch.zeros(n * w, k, dtype=torch.float32, device=hp.device)
+    chunk = resolve_chunk_rows(chunk_rows, p_weight.shape[0], hp.device)
+    with torch.autocast(hp.device.type, enabled=False), \
+            ChunkBuffers.pooled(min(chunk, max(1, rows.numel())), p_weight.shape[0], hp.device) as bufs:
+        for s in range(0, rows.numel(), chunk):
+            r = rows[s: s + chunk]
+            z = chunk_logits((hpf,), (p_weight.detach(),), r, bufs)  # [R, V] fp32
+            if temperature == GREEDY:
+                out[r] = (idf[r] == z.argmax(-1, keepdim=True)).float()
+            else:
+                p, _ = softmax_(z.div_(float(temperature)))
+                out[r] = p.gather(1, idf[r])
+            del z
+    return out.view(n, w, k)
+
+
+def candidate_alpha(scores: torch.Tensor, p_c: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """alpha [N, W] of q = softmax(scores / T) on the candidates (0 elsewhere) against p at them (``candidate_p``):
+    sum_c min(q, p) (the mass off the candidates adds nothing: q is 0 there); T = 0: q(argmax p) at T = 1, 0
+    when argmax p is not a candidate (``tv_alpha``'s greedy form). Grad through scores only."""
+    if temperature == GREEDY:
+        return (torch.softmax(scores.float(), -1) * p_c.detach()).sum(-1)
+    return torch.minimum(torch.softmax(scores.float() / float(temperature), -1), p_c.detach()).sum(-1)
+
+
+def candidate_nll(ids: torch.Tensor, scores: torch.Tensor, targets: torch.Tensor,
+                  target_scores: torch.Tensor) -> torch.Tensor:
+    """[N, W] -log of the target token's probability over its slot's candidates joined by the target itself:
+    exactly -log q(target) when the target is a candidate; finite (the target's own score, ``target_scores``
+    [N, W], in the softmax) when top-K missed it, where -log q would be infinite.
+
+    Args:
+        ids: [N, W, K] candidates.
+        scores: [N, W, K] their scores (with grad).
+        targets: [N, W] reference tokens.
+        target_scores: [N, W] the same score of each target token (with grad).
+
+    Returns:
+        [N, W] fp32.
+    """
+    hit = ids == targets.to(ids.device)[..., None]  # [N, W, K], at most one per slot
+    inside = hit.any(-1)
+    z = scores.float()
+    zt = torch.where(inside, z.masked_fill(~hit, float("-inf")).amax(-1), target_scores.float())
+    joined = torch.cat([z, torch.where(inside, float("-inf"), target_scores.float())[..., None]], -1)
+    return torch.logsumexp(joined, -1) - zt
+
+
+def candidate_e2e_tv(ids: torch.Tensor, scores: torch.Tensor, hp: torch.Tensor, *, p_weight: torch.Tensor,
+                     mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0, chunk_rows="auto",
+                     ce_targets: Optional[torch.Tensor] = None, ce_scores: Optional[torch.Tensor] = None,
+                     ce_weight: float = 0.0) -> FusedOut:
+    """E2E-TV of a draft distribution on candidates (DFlash V2's q = softmax(scores / T) on ids, 0 elsewhere), equal
+    to ``e2e_tv_loss`` on its [N, W, V] logits (-inf off the candidates) without building them; with ``ce_weight``
+    > 0, plus ``ce_weight`` x the mean ``candidate_nll`` of ``ce_targets``.
+
+    Args:
+        ids: [N, W, K] candidates; scores: [N, W, K] fp32 with grad.
+        hp: [N, W, D] the target's hidden state at the scored positions; p_weight: [V, D] its lm_head.
+        mask: [N, W] bool; False ends the branch.
+        denom: as in ``e2e_tv_loss``.
+        temperature: T > 0, or 0 (greedy: alpha = q(argmax p)).
+        chunk_rows: rows of [rows, V] logits per chunk for p, or "auto".
+        ce_targets: [N, W] reference tokens; ce_scores: [N, W] their scores (``Realized.extra``).
+        ce_weight: the CE term's weight; 0: none.
+
+    Returns:
+        ``FusedOut(loss, alpha [N, W] detached (0 past a branch's valid prefix), nll or None)``.
+    """
+    n, w, _ = ids.shape
+    valid = torch.cumprod(_mask(mask, (n, w), ids.device).long(), dim=1).bool()
+    if ce_weight < 0:
+        raise ValueError(f"ce_weight must be >= 0; got {ce_weight}")
+    if ce_weight > 0 and (ce_targets is None or ce_scores is None):
+        raise ValueError("ce_weight > 0 needs ce_targets [N, W] and their scores ce_scores [N, W]")
+    p_c = candidate_p(hp, ids, p_weight, temperature, valid, chunk_rows)
+    alpha = torch.where(valid, candidate_alpha(scores, p_c, temperature), 0.0)
+    loss = e2e_tv_from_alpha(alpha, valid, denom)
+    nll = None
+    if ce_weight > 0:
+        nll = candidate_nll(ids, scores, ce_targets, ce_scores)
+        loss = loss + ce_weight * _masked_branch_mean(nll, valid, denom)
+    return FusedOut(loss, alpha.detach(), None if nll is None else nll.detach())
+
+
+def candidate_ce(ids: torch.Tensor, scores: torch.Tensor, targets: torch.Tensor, target_scores: torch.Tensor, *,
+                 mask: Optional[torch.Tensor] = None, denom=None, weights=None, hp: Optional[torch.Tensor] = None,
+                 p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto") -> FusedOut:
+    """Off-policy CE of a draft distribution on candidates: the per-branch mean of ``candidate_nll`` (q at T = 1).
+
+    Args:
+        ids, scores: [N, W, K] candidates and their scores (with grad).
+        targets: [N, W] reference tokens; target_scores: [N, W] their scores.
+        mask: [N, W] bool; False positions are skipped.
+        denom: as in ``e2e_tv_loss``.
+        weights: None | "dflash" | [W] (``position_weights``).
+        hp, p_weight: the target side, as in ``candidate_e2e_tv``: then alpha too (no gradient).
+        temperature: T of alpha.
+        chunk_rows: rows per chunk, or "auto".
+
+    Returns:
+        ``FusedOut(loss, alpha or None, nll [N, W])``.
+    """
+    n, w, _ = ids.shape
+    m = _mask(mask, (n, w), ids.device)
+    nll = candidate_nll(ids, scores, targets, target_scores)
+    loss = _masked_branch_mean(nll, m, denom, position_weights(weights, w, ids.device))
+    alpha = None
+    if hp is not None:
+        with torch.no_grad():
+            alpha = torch.where(m, candidate_alpha(scores, candidate_p(hp, ids, p_weight, temperature, m, chunk_rows),
+                                                   temperature), 0.0)
+    return FusedOut(loss, alpha, nll.detach())
+
+
 @torch.no_grad()
 def logits_at(h: torch.Tensor, weight: torch.Tensor, index: Optional[torch.Tensor] = None, *,
               temperature: float = 1.0) -> torch.Tensor:

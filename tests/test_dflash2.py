@@ -321,3 +321,210 @@ def test_lossless_at_t1_with_a_v2_drafter(small):
     tv = 0.5 * float((counts / counts.sum() - exact).abs().sum())
     bound = 0.5 * float((exact * (1 - exact) / counts.sum()).sqrt().sum())
     assert tv < 1.5 * bound, f"TV {tv:.4f} vs expected-TV bound {bound:.4f}"
+
+
+# ------------------------------------------------------------------ training
+
+
+def _full_logit_reference(w, prop, denom):
+    """The step on full logits: a second drafter forward, q [N, W, V] = the realized draft logits (-inf off the
+    candidates) teacher-forced on the branch's tokens, p [N, W, V] from plain target forwards, ``e2e_tv_loss`` /
+    the CE over the candidates joined by the reference token (built here from the full candidate logits)."""
+    from specopd.losses import e2e_tv_loss, tv_alpha
+
+    t, d = w.cfg.trainer, w.drafter
+    prev = shift_tokens(prop.anchor_tokens, prop.tokens)
+    h = d.hidden(prop.features, prop.anchors, prop.trunk_index, prop.anchor_tokens)
+    q = d.logits_from_hidden(h, prev)
+    with torch.no_grad():
+        p = []
+        for b in range(q.shape[0]):
+            trunk = w.sample(prop.sample_ids[int(prop.trunk_index[b])])["input_ids"]
+            a = int(prop.anchors[b])
+            seq = torch.cat([trunk[: a + 1], prop.tokens[b, : w.W - 1]]) if not prop.reference else trunk
+            p.append(w.target(seq[None])[0, a: a + w.W])
+        p = torch.stack(p)
+
+    def nll(targets):
+        sel = d.candidate_selector
+        zt = d.logits_from_hidden(h).gather(-1, targets[..., None])[..., 0] + (
+            sel.predecessor_codebook[prev] * sel.hidden_projection(h) * sel.successor_codebook[targets]).sum(-1)
+        qt = q.gather(-1, targets[..., None])[..., 0]
+        inside = torch.isfinite(qt)
+        joined = torch.cat([q, torch.where(inside, float("-inf"), zt)[..., None]], -1)
+        return torch.logsumexp(joined, -1) - torch.where(inside, qt, zt)
+
+    ref = torch.stack([w.sample(prop.sample_ids[int(prop.trunk_index[b])])["input_ids"][
+        int(prop.anchors[b]) + 1: int(prop.anchors[b]) + 1 + w.W] for b in range(q.shape[0])])
+    if t.method == "offpolicy_ce":
+        loss = nll(prop.tokens).mean(1).sum() / denom
+    else:
+        loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
+    if t.ce_weight > 0 and t.method != "offpolicy_ce":
+        loss = loss + t.ce_weight * nll(ref).mean(1).sum() / denom
+    return loss, tv_alpha(q.detach(), p, temperature=t.temperature)
+
+
+@pytest.mark.parametrize("method,temp", [("specopd", 0.8), ("specopd", 0.0), ("offpolicy_e2e_tv", 0.8),
+                                         ("offpolicy_ce", 0.8), ("specopd+ce", 0.8), ("offpolicy_e2e_tv+ce", 0.0)])
+def test_one_forward_step_equals_full_logit_reference(tmp_path, method, temp):
+    """The step's one drafter forward (branches walked from its detached hidden state; the loss on candidates,
+    chunked, never [N, W, V]) gives the loss, alpha and gradients of the full-logit step; top K = 6 of vocab 256,
+    so references miss the candidates often (the CE's joined token); off-policy CE and T = 0: K = 64, so that the
+    references (the target's argmax) are candidates in some slots and not in others (where the argmax is in none,
+    greedy alpha and its gradient are 0)."""
+    from specopd.train.tiny import tiny_recipe
+    from specopd.train.worker import Worker
+
+    method, ce = method.split("+")[0], 0.4 if method.endswith("+ce") else 0.0
+    cfg = tiny_recipe(str(tmp_path), ["drafter.kind=dflash2", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
+                                      f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}"])
+    w = Worker(cfg)
+    with torch.no_grad():  # a drafter whose convolutions and selector matter, with a top K of 6
+        w.drafter.config.selector_top_k = 64 if temp == 0 or method == "offpolicy_ce" else 6
+        g = torch.Generator().manual_seed(1)
+        for name, p in w.drafter.named_parameters():
+            if "base_kernel" in name or "kernel_projection" in name or "candidate_selector" in name:
+                p.normal_(0, 0.3, generator=g)
+    ids = w.train_ids[:2]
+    caches = w.prefill(ids)
+    prop = w.propose(caches, ids, step=1, reference=method.startswith("offpolicy"))
+    assert prop.hidden.requires_grad
+    if method == "specopd":  # the branches are the walk the decoding-style sampler draws from the same forward
+        rows = [torch.nonzero(prop.trunk_index == i).flatten() for i in range(len(ids))]
+        gens = [w.generator("branch", 1, int(s)) for s in ids]
+        with torch.no_grad():
+            toks, _ = w.drafter.sample(prop.features, prop.anchors, prop.trunk_index, prop.anchor_tokens,
+                                       temp, gens, rows=rows)
+        assert torch.equal(toks, prop.tokens)
+    hp = w.score(prop, caches)
+    denom = 3 * prop.tokens.shape[0]
+    ref_loss, ref_alpha = _full_logit_reference(w, prop, denom)
+    assert torch.isfinite(ref_loss)
+    ref_loss.backward()
+    ref_grads = [p.grad.clone() for p in w.params]
+    w.optimizer.zero_grad(set_to_none=True)
+    m = w.loss_backward(prop, hp, denom)
+    assert prop.hidden is None
+    assert m["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(torch.tensor(m["alpha_sum"]), ref_alpha.sum(0), rtol=1e-5, atol=1e-6)
+    for (name, p), g in zip(w.drafter.named_parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6 * float(g.abs().max()) + 1e-9, msg=name)
+        assert float(g.abs().sum()) > 0 or name == "mask_embedding", name  # through unary, convs and selector
+    assert 0 < sum(m["alpha_sum"])
+    if method == "offpolicy_ce":  # some references are outside their slot's top K, some inside
+        r = w.drafter.realized(w.drafter.hidden(prop.features, prop.anchors, prop.trunk_index, prop.anchor_tokens),
+                               shift_tokens(prop.anchor_tokens, prop.tokens))
+        inside = (r.ids == prop.tokens[..., None]).any(-1)
+        assert inside.any() and not inside.all()
+
+
+@pytest.mark.parametrize("method", ["specopd", "draft_opd", "offpolicy_ce"])
+def test_step_never_holds_branch_logits(tmp_path, method):
+    """No op of a V2 training step or of the held-out evaluation outputs a vocabulary-sized tensor (other than
+    weights: the codebooks [V, r] and their gradients) larger than one [chunk, V] chunk (tests/test_train.py's
+    check, with the same shapes)."""
+    from specopd.train.tiny import tiny_recipe
+    from specopd.train.worker import Worker
+    from tests.test_train import _MaxVocabTensor
+
+    v, chunk = 997, 4
+    cfg = tiny_recipe(str(tmp_path), ["drafter.kind=dflash2", f"trainer.method={method}",
+                                      f"trainer.loss_chunk_rows={chunk}", f"model.tiny.vocab_size={v}",
+                                      "drafter.block_size=8", "trainer.anchors_per_seq=8", "data.batch_size=4"])
+    w = Worker(cfg)
+    ids = w.train_ids[:4]
+    shapes = [p.shape for p in list(w.target.parameters()) + list(w.drafter.parameters()) if v in p.shape]
+    with _MaxVocabTensor(v, shapes) as rec:
+        m = w.train_step(ids, 0, None)
+        w.evaluate(w.heldout_ids[:2])
+    limit = chunk * v
+    if method == "draft_opd":  # its rollout's p and q logits of one round: [sequences, W + 1, V] (small)
+        limit = len(ids) * (w.W + 1) * v
+        assert m["branches"] * w.W * v > 2 * limit
+    else:
+        assert min(m["branches"], cfg.data.seq_len) * v > limit
+    assert rec.max_numel <= limit, (rec.max_numel, rec.op, m["branches"], w.W, v)
+
+
+@pytest.mark.parametrize("method", ["specopd", "offpolicy_ce", "offpolicy_e2e_tv", "draft_opd"])
+def test_cli_trains_resumes_exports_and_inits_from(tmp_path, method, capsys):
+    """``specopd train recipes/tiny.yaml drafter.kind=dflash2`` with each method: 3 steps; a run resumed from its
+    step-2 checkpoint ends bit for bit where the straight run does; ``specopd export`` writes the V2 layout, and
+    ``drafter.init_from`` that export starts a worker from exactly its weights."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from specopd.cli import main
+    from specopd.train.tiny import tiny_recipe
+    from specopd.train.worker import Worker
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny.yaml")
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = ["train", recipe, "drafter.kind=dflash2", f"trainer.method={method}", "trainer.max_steps=3",
+            "trainer.save_every=1", "trainer.keep_last=3", "trainer.eval_heldout=false", "data.num_samples=24",
+            "trainer.anchors_per_seq=4"]
+    assert main(args + [f"trainer.output_dir={a}"]) == 0
+    lines = [json.loads(x) for x in open(a / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [1, 2, 3] and all(torch.isfinite(torch.tensor(m["loss"])) for m in lines)
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step-3")
+    shutil.rmtree(b / "checkpoints" / "step-1")
+    assert main(args + [f"trainer.output_dir={b}"]) == 0  # trainer.resume=auto: from step-2
+    assert not (b / "checkpoints" / "step-1").exists()  # it resumed (a fresh run would write step-1 again)
+    wa, wb = (load_file(str(r / "checkpoints" / "step-3" / "model.safetensors")) for r in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not torch.equal(wa["candidate_selector.successor_codebook"],
+                           load_file(str(a / "checkpoints" / "step-1" / "model.safetensors"))[
+                               "candidate_selector.successor_codebook"])  # the selector trains
+    capsys.readouterr()
+    assert main(["export", str(a), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "GPU model runner" in out and "num_speculative_tokens 4" in out
+    assert json.load(open(tmp_path / "out" / "config.json"))["architectures"] == ["DFlash2DraftModel"]
+    w = Worker(tiny_recipe(str(tmp_path / "c"), [f"drafter.init_from={tmp_path / 'out'}", "drafter.kind=dflash2",
+                                                 "drafter.block_size=5", "trainer.eval_heldout=false"]))
+    assert w.drafter.kind == "dflash2"
+    assert all(torch.equal(v, wa[k]) for k, v in w.drafter.state_dict().items())
+
+
+@pytest.mark.parametrize("temp", [1.0, 0.7, 0.0])
+def test_candidate_losses_equal_the_full_logit_forms(temp):
+    """candidate_e2e_tv / candidate_ce on [N, W, K] = e2e_tv_loss / ce_loss on the [N, W, V] logits that are -inf off
+    the candidates (values and gradients; a mask ending branches early); the CE stays finite where the target is
+    not a candidate."""
+    from specopd.losses import candidate_ce, candidate_e2e_tv, ce_loss, e2e_tv_loss, tv_alpha
+
+    g = torch.Generator().manual_seed(int(temp * 10))
+    n, w, k, v, d = 5, 4, 6, 40, 8
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n * w)]).view(n, w, k)
+    scores = torch.randn(n, w, k, generator=g, requires_grad=True)
+    hp, wp = torch.randn(n, w, d, generator=g), torch.randn(v, d, generator=g)
+    if temp == 0:  # make the target's argmax a candidate in some slots
+        wp[ids[:2, :, 0].reshape(-1)] += 3 * hp[:2].reshape(-1, d)
+    mask = torch.ones(n, w, dtype=torch.bool)
+    mask[1, 2:] = False
+    full = torch.full((n, w, v), float("-inf")).scatter(-1, ids, scores)
+    out = candidate_e2e_tv(ids, scores, hp, p_weight=wp, mask=mask, denom=7, temperature=temp, chunk_rows=3)
+    ref = e2e_tv_loss(full, hp @ wp.T, mask=mask, denom=7, temperature=temp)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-6, atol=1e-7)
+    valid = torch.cumprod(mask.long(), 1).bool()
+    torch.testing.assert_close(out.alpha, torch.where(valid, tv_alpha(full.detach(), hp @ wp.T, temp), 0.0))
+    (ga,) = torch.autograd.grad(out.loss, scores)
+    (gr,) = torch.autograd.grad(ref, scores)
+    torch.testing.assert_close(ga, gr, rtol=1e-5, atol=1e-7)
+    targets = torch.where(torch.rand(n, w, generator=g) < 0.5, ids[..., 1], (ids[..., 0] + 1) % v)
+    inside = (ids == targets[..., None]).any(-1)
+    assert inside.any() and not inside.all()
+    tscores = torch.randn(n, w, generator=g, requires_grad=True)
+    ce = candidate_ce(ids, scores, targets, tscores, denom=3)
+    assert torch.isfinite(ce.loss)
+    # where the target is a candidate, exactly -log q(target); elsewhere -log over the candidates and the target
+    torch.testing.assert_close(ce.nll[inside], -torch.log_softmax(full, -1).gather(-1, targets[..., None])[..., 0][inside])
+    joined = torch.cat([scores, tscores[..., None]], -1)
+    torch.testing.assert_close(ce.nll[~inside], (torch.logsumexp(joined, -1) - tscores)[~inside])
+    with torch.no_grad():
+        inf_ce = ce_loss(full, targets, denom=3)
+    assert not torch.isfinite(inf_ce)  # why the CE joins the target

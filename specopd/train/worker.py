@@ -18,7 +18,8 @@ import torch
 
 from specopd.drafters import build_drafter, load_drafter, shift_tokens
 from specopd.errors import BadInputError
-from specopd.losses import confidence_loss, fused_ce, fused_e2e_tv, prefix_survival
+from specopd.losses import (candidate_ce, candidate_e2e_tv, confidence_loss, fused_ce, fused_e2e_tv,
+                            prefix_survival)
 from specopd.models import load_target
 from specopd.models.loading import resolve_dtype
 from specopd.profiling import Profiler
@@ -275,6 +276,23 @@ class Worker:
         markov = None if head is None else (self.drafter.markov_features(prev), head.markov_w2.weight)
         return self.target.lm_head.weight, markov, prev
 
+    def _selector_loss(self, proposals: Proposals, h: torch.Tensor, hp: torch.Tensor, denom, method: str):
+        """DFlash V2's loss (``FusedOut``): q = the realized candidate scores given each slot's previous token (the
+        branch's own sampled tokens, or the reference's off-policy), alpha over the candidates, the CE over the
+        candidates joined by the reference token (specopd/drafters/DFLASH2.md); no [N, W, V]. method "eval":
+        alpha only (no CE term)."""
+        t = self.cfg.trainer
+        prev = shift_tokens(proposals.anchor_tokens, proposals.tokens)
+        ce, ce_weight = method == "offpolicy_ce", t.ce_weight if method != "eval" else 0.0
+        extra = proposals.tokens if ce else (proposals.reference_tokens if ce_weight > 0 else None)
+        with self.autocast():
+            r = self.drafter.realized(h, prev, extra, chunk_rows=t.loss_chunk_rows)
+        kw = dict(p_weight=self.target.lm_head.weight, denom=denom, temperature=t.temperature,
+                  chunk_rows=t.loss_chunk_rows)
+        if ce:
+            return candidate_ce(r.ids, r.scores, proposals.tokens, r.extra, hp=hp, **kw)
+        return candidate_e2e_tv(r.ids, r.scores, hp, ce_targets=extra, ce_scores=r.extra, ce_weight=ce_weight, **kw)
+
     def loss_backward(self, proposals: Proposals, hp: torch.Tensor, denom) -> dict:
         """Fused chunked loss on the proposals' drafter forward (``proposals.hidden``, taken: this backward
         consumes its graph; Draft-OPD's proposals have none: one forward with grad here) against the target side
@@ -291,7 +309,9 @@ class Worker:
             weight, markov, prev = self._head_terms(proposals)
             kw = dict(markov=markov, denom=denom, temperature=t.temperature, chunk_rows=t.loss_chunk_rows)
             hp = hp.to(h.device)
-            if method == "offpolicy_ce":
+            if getattr(self.drafter, "has_selector", False):  # DFlash V2: q lives on each slot's top K
+                out = self._selector_loss(proposals, h, hp, denom, method)
+            elif method == "offpolicy_ce":
                 out = fused_ce(h, weight, tokens, hp=hp, **kw)
             else:
                 out = fused_e2e_tv(h, weight, hp, ce_targets=proposals.reference_tokens, ce_weight=t.ce_weight, **kw)
@@ -447,9 +467,12 @@ class Worker:
     @torch.no_grad()
     def _eval_sums(self, prop: Proposals, hp: torch.Tensor) -> dict:
         """alpha of the proposals' own drafter forward (``prop.hidden``, eval mode) from one fused pass."""
-        weight, markov, _ = self._head_terms(prop)
-        alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov, temperature=self.cfg.trainer.temperature,
-                             chunk_rows=self.cfg.trainer.loss_chunk_rows).alpha
+        if getattr(self.drafter, "has_selector", False):
+            alpha = self._selector_loss(prop, prop.hidden, hp, None, "eval").alpha
+        else:
+            weight, markov, _ = self._head_terms(prop)
+            alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov, temperature=self.cfg.trainer.temperature,
+                                 chunk_rows=self.cfg.trainer.loss_chunk_rows).alpha
         return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
                 "surv_sum": prefix_survival(alpha).sum(0).tolist()}
 
