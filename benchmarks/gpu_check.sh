@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_check.sh [--out DIR]               # on the GPU machine (CUDA)
 #   bash benchmarks/gpu_check.sh --cpu-smoke [--out DIR]   # here: every step at toy sizes on the CPU
+#   bash benchmarks/gpu_check.sh --vllm-v2 [--out DIR]     # on the GPU machine: the vllm_dflash2 step alone
 #
 # Steps (each under its own time limit, together 550 s on the GPU; a failing step does not stop the others; the
 # exit code is non-zero if any failed). Limits from compile times measured on the CPU (no GPU run yet): our Triton
@@ -19,6 +20,11 @@
 #   bench_kernels   benchmarks/bench_kernels.py at the 8B / 27B / qwen4_exp shapes (TFLOP/s, GB/s) -> JSON
 #   bench_executors benchmarks/bench_executors.py: whole-target prefill + score, kernels torch vs triton -> JSON
 #   train           3 SpecOPD steps of recipes/tiny.yaml on the GPU, in-process (runtime.backend=local: no Ray)
+#   vllm_dflash2    (--vllm-v2 only, its own command: <= 300 s, beyond the 550 s above) NOT RUN YET on a GPU:
+#                   benchmarks/vllm_v2_check.py trains a tiny DFlash V2 drafter, exports it, serves it in vLLM on the
+#                   first GPU ($SPECOPD_VLLM_PYTHON: a GPU build of vLLM >= 0.32; model runner V2, the only one with
+#                   the DFlash2 speculator) and compares vLLM's counters with ours (specopd serve-check's judge);
+#                   rc 3 = skipped (no vLLM there). The CPU's vLLM cannot draft with V2: no CPU-smoke form.
 # OUT (--out, default $OUT if set, else /tmp/specopd-gpu-check) receives three files (the device tool brings back
 # at most 8): gpu_check.log (everything printed), tests.xml (pytest's JUnit report) and summary.json (each step's
 # exit code and seconds, the env report and both benchmarks' JSON rows). Step logs, benchmark JSON and the
@@ -30,9 +36,10 @@ DEST="${OUT:-/tmp/specopd-gpu-check}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-smoke) MODE=cpu ;;
+    --vllm-v2) MODE=vllm_v2 ;;
     --out) DEST="$2"; shift ;;
-    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
-    *) echo "unknown argument $1 (use --cpu-smoke, --out DIR)" >&2; exit 2 ;;
+    -h|--help) sed -n 2,26p "$0"; exit 0 ;;
+    *) echo "unknown argument $1 (use --cpu-smoke, --vllm-v2, --out DIR)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -72,6 +79,9 @@ else
   echo "no .whl/*.whl: fla-core / omegaconf come from the environment, if at all"
 fi
 
+if [ "$MODE" = vllm_v2 ]; then  # the V2 serving check alone (one device command; see the header)
+  step vllm_dflash2 300 "$PY" benchmarks/vllm_v2_check.py --work "$WORK/vllm_v2" --json "$WORK/vllm_dflash2.json"
+else
 step env 90 "$PY" - <<'EOF'
 import importlib.util, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
@@ -110,6 +120,7 @@ else
   step train 300 "$PY" -m specopd.cli train recipes/tiny.yaml trainer.max_steps=2 trainer.save_every=0 \
     "trainer.output_dir=$WORK/train" trainer.resume=none
 fi
+fi
 
 "$PY" - "$DEST" "$WORK" "$MODE" "$(( $(date +%s) - T_START ))" <<'EOF'
 import json, os, sys
@@ -118,12 +129,15 @@ steps = [dict(zip(("step", "rc", "seconds"), line.split())) for line in open(os.
 out = {"mode": mode, "wall_s": wall, "steps": steps}
 if os.path.exists(os.path.join(work, "env.log")):
     out["env"] = open(os.path.join(work, "env.log")).read().splitlines()
-for name in ("bench_kernels", "bench_executors"):
+for name in ("bench_kernels", "bench_executors", "vllm_dflash2"):
     p = os.path.join(work, name + ".json")
     if os.path.exists(p):
         out[name] = json.load(open(p))
 json.dump(out, open(os.path.join(dest, "summary.json"), "w"), indent=1)
 print(f"gpu_check ({mode}) done in {wall} s:", ", ".join(f"{s['step']} rc={s['rc']} ({s['seconds']} s)" for s in steps))
 print("summary:", os.path.join(dest, "summary.json"))
-sys.exit(1 if any(s["rc"] != "0" for s in steps) else 0)
+skipped = [s["step"] for s in steps if s["step"] == "vllm_dflash2" and s["rc"] == "3"]  # no vLLM on that machine
+if skipped:
+    print("skipped (no vLLM there):", ", ".join(skipped))
+sys.exit(1 if any(s["rc"] != "0" and s["step"] not in skipped for s in steps) else 0)
 EOF

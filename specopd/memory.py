@@ -336,6 +336,31 @@ def drafter_activation_bytes(drafter, n: int, w: int, ctx_rows: int, act: int) -
     return c.num_layers * per_layer + once + markov, per_layer
 
 
+def selector_bytes(drafter, n: int, w: int, chunk: int, act: int) -> int:
+    """DFlash V2's candidate selector in one step (0 for other drafters), n branches of w slots, K = selector_top_k,
+    r = selector_rank: per slot the candidates' ids (8 B), raw / unary / score / softmax values and p at them (5 fp32)
+    and their successor rows [K, r] (saved for backward), the hidden projection, the predecessor row and their
+    product (3 r); the chunked top K's backward gathers [chunk, K, D] lm_head rows. vLLM's [N, W, K, K] pair scores
+    are never built here: the walk takes one [N, K] row per slot (the row of the token drawn before) and the loss
+    the row of each slot's given previous token.
+
+    Args:
+        drafter: the drafter (built on the meta device; its ``config`` gives K, r and D).
+        n: branches N.
+        w: drafted tokens per branch W.
+        chunk: rows per loss chunk.
+        act: bytes per activation element.
+
+    Returns:
+        bytes (0 for a drafter without a selector).
+    """
+    c = drafter.config
+    if not getattr(drafter, "has_selector", False):
+        return 0
+    k, r = int(c.selector_top_k), int(c.selector_rank)
+    return n * w * (k * (8 + 5 * 4 + r * act) + 3 * r * act) + min(chunk, n * w) * k * c.hidden_size * 4
+
+
 # ---------------------------------------------------------------------------------------------- the plan
 def _num_sequences(cfg) -> Optional[int]:
     """Training sequences of the recipe's data (an upper bound: held-out ones included); None when unknown
@@ -437,6 +462,12 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
              f"+ the hidden state hq [N, W, D]: from the one forward at propose to the backward"),
         Term("drafter backward", dlayer + n * w * hid * act, ("loss_backward",), "trainer.anchors_per_seq",
              "one layer's activation gradients + the hq gradient [N, W, D]"),
+        *([Term("candidate selector (dflash2)", selector_bytes(drafter, n, w, chunk, act), ("propose", "loss_backward"),
+                "trainer.anchors_per_seq",
+                f"[N, W, K] candidates (K = {drafter.config.selector_top_k}) + their [N, W, K, r] successor rows "
+                f"(r = {drafter.config.selector_rank}) + [chunk, K, D] in the top K's backward; the [N, W, K, K] "
+                f"pair scores are not built (one [N, K] row per slot)")]
+          if getattr(drafter, "has_selector", False) else []),
         Term("drafter gradients (fp32)", dparams * dbytes, ("loss_backward", "optimizer"), "drafter.num_layers",
              "one per trainable weight"),
         Term("optimizer temporaries", 2 * dparams * dbytes, ("optimizer",), "drafter.num_layers",
@@ -468,6 +499,8 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     sizes = {"sequences_per_gpu": s, "seq_len": tt, "anchors_per_seq": b, "branches": n, "W": w, "vocab": v,
              "hidden": hid, "chunk_rows": chunk, "drafter_params": dparams, "target_params": info.params,
              "feature_layers": feats, "activation_bytes": act}
+    if getattr(drafter, "has_selector", False):
+        sizes.update(selector_top_k=int(drafter.config.selector_top_k), selector_rank=int(drafter.config.selector_rank))
     return MemoryPlan(terms, dev_b, dev_src, source, sizes, r.roles, notes)
 
 

@@ -522,9 +522,138 @@ def test_candidate_losses_equal_the_full_logit_forms(temp):
     ce = candidate_ce(ids, scores, targets, tscores, denom=3)
     assert torch.isfinite(ce.loss)
     # where the target is a candidate, exactly -log q(target); elsewhere -log over the candidates and the target
-    torch.testing.assert_close(ce.nll[inside], -torch.log_softmax(full, -1).gather(-1, targets[..., None])[..., 0][inside])
+    exact = -torch.log_softmax(full, -1).gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(ce.nll[inside], exact[inside])
     joined = torch.cat([scores, tscores[..., None]], -1)
     torch.testing.assert_close(ce.nll[~inside], (torch.logsumexp(joined, -1) - tscores)[~inside])
     with torch.no_grad():
         inf_ce = ce_loss(full, targets, denom=3)
     assert not torch.isfinite(inf_ce)  # why the CE joins the target
+
+
+def test_memory_plan_counts_the_selector(tmp_path, capsys):
+    """``--dry-run`` plans V2's candidate selector (by hand here) next to the loss chunk; the 8-GPU Qwen3-8B recipe
+    with drafter.kind=dflash2 still fits 80 GB and names the term."""
+    import os
+
+    from specopd.cli import main
+    from specopd.config import load_recipe
+    from specopd.memory import memory_plan
+
+    cfg = load_recipe(None, ["model.target=tiny:llama", f"trainer.output_dir={tmp_path}", "drafter.kind=dflash2",
+                             "data.batch_size=6", "trainer.anchors_per_seq=5", "drafter.block_size=4",
+                             "trainer.loss_chunk_rows=7"])
+    p = memory_plan(cfg, device_bytes=10**9)
+    N, W, K, R, D, act = 30, 3, 8, 64, 64, 4  # tiny llama: D = 64, V = 256; the CPU's fp32 activations
+    want = N * W * (K * (8 + 20 + R * act) + 3 * R * act) + 7 * K * D * 4
+    term = next(t for t in p.terms if t.name == "candidate selector (dflash2)")
+    assert term.bytes == want and p.sizes["selector_top_k"] == K and p.sizes["selector_rank"] == R
+    assert "candidate selector" not in [t.name for t in memory_plan(load_recipe(None, [
+        "model.target=tiny:llama", f"trainer.output_dir={tmp_path}"]), device_bytes=10**9).terms]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rc = main(["train", os.path.join(root, "recipes", "qwen3-8b-dflash-8gpu.yaml"), "--dry-run",
+               "drafter.kind=dflash2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "candidate selector (dflash2)" in out and "DOES NOT FIT" not in out
+
+
+# ------------------------------------------------------------------ vLLM's own code (its venv, when there is one)
+
+_VLLM_PARTS = r"""
+import json, sys, tempfile, torch
+from safetensors.torch import load_file
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models import qwen3_dflash2 as m
+folder, inp, outp = sys.argv[1:4]
+cfg = json.load(open(folder + "/config.json")); dc = cfg["dflash_config"]
+w, data, out, used = load_file(folder + "/model.safetensors"), torch.load(inp), {}, set()
+def ready(module):  # what vLLM's loader runs after loading (the CPU linears' packed weights)
+    for mod in module.modules():
+        qm = getattr(mod, "quant_method", None)
+        if qm is not None and hasattr(qm, "process_weights_after_loading"):
+            qm.process_weights_after_loading(mod)
+def load(module, prefix):
+    for n, p in module.named_parameters():  # a KeyError here: a name vLLM's loader would not find
+        p.data.copy_(w[prefix + "." + n]); used.add(prefix + "." + n)
+    ready(module)
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method="file://" + tempfile.mktemp())
+    initialize_model_parallel(1, 1)
+    for i in range(cfg["num_hidden_layers"]):
+        for name in ("attention_conv", "mlp_conv"):
+            prefix = f"layers.{i}.{name}"
+            conv = m.DFlashGroupedConv(hidden_size=cfg["hidden_size"], taps=dc["conv_kernel_size"],
+                                       group_size=dc["conv_group_size"], block_size=cfg["block_size"],
+                                       params_dtype=torch.float32, prefix=prefix)
+            load(conv, prefix)
+            x, y = data[prefix]
+            a, coef = conv.prepare(x)
+            out[prefix] = (a, conv.finish(y, coef))
+    sel = m.CandidateSelector(hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], rank=dc["selector_rank"],
+                              top_k=dc["selector_top_k"], params_dtype=torch.float32, prefix="candidate_selector")
+    load(sel, "candidate_selector")
+    head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], prefix="lm_head")
+    head.weight.data.copy_(data["lm_head"])
+    ready(head)
+    cap = float(dc.get("final_logit_softcapping") or 0.0)
+    lp = LogitsProcessor(cfg["vocab_size"], scale=float(dc.get("output_multiplier", 1.0)),
+                         soft_cap=cap if cap > 0 else None)
+    h = data["h"]
+    n, s, d = h.shape
+    ids, unary = lp.get_top_k_tokens(head, h.reshape(-1, d), dc["selector_top_k"])
+    ids, unary = ids.view(n, s, -1), unary.view(n, s, -1)
+    hidden = sel.hidden_projection(h.reshape(-1, d)).view(n, s, -1)
+    out["candidates"] = (ids, unary)
+    out["scores"] = m._score_edges(sel.predecessor_codebook, sel.successor_codebook, ids, unary, hidden,
+                                   data["atok"], dc["selector_top_k"])
+out["unused"] = sorted(k for k in w if ("_conv." in k or k.startswith("candidate_selector.")) and k not in used)
+torch.save(out, outp)
+print("ok")
+"""
+
+
+def test_against_vllms_own_modules(target, batch, tmp_path):
+    """vLLM's own DFlashGroupedConv (prepare / finish: the CPU branch of _grouped_conv), CandidateSelector with
+    _score_edges and LogitsProcessor.get_top_k_tokens, run in vLLM's venv on our export's weights (loaded by the
+    names vLLM's modules have): the same convolutions, candidates and [N, W, K, K] scores as ours to 1e-5."""
+    import subprocess
+
+    from specopd.engines import vllm_env, vllm_missing_reason, vllm_python
+
+    why = vllm_missing_reason()
+    if why:
+        pytest.skip(f"no vLLM: {why}")
+    feats, anchors, tix, atok, _ = batch
+    d = _v2(target, output_multiplier=0.7, final_logit_softcapping=2.0, conv_kernel_size=3)
+    export_drafter(d, str(tmp_path / "out"))
+    g = torch.Generator().manual_seed(5)
+    data, ours = {}, {}
+    with torch.no_grad():
+        for i, layer in enumerate(d.layers):
+            for name in ("attention_conv", "mlp_conv"):
+                conv = getattr(layer, name)
+                x, y = torch.randn(2, 5, BS, 32, generator=g)
+                c = conv.coefficients(x)
+                data[f"layers.{i}.{name}"] = (x.reshape(-1, 32), y.reshape(-1, 32))
+                ours[f"layers.{i}.{name}"] = (conv.convolve(x, c[:, :, 0], 0).reshape(-1, 32),
+                                              conv.convolve(y, c[:, :, 1], 1).reshape(-1, 32))
+        h = d.hidden(feats, anchors, tix, atok)
+        cands = d.candidates(h)
+        scores = d.selector_scores(cands, atok)
+    data.update(h=h, atok=atok, lm_head=target.lm_head.weight.detach())
+    torch.save(data, tmp_path / "in.pt")
+    p = subprocess.run([vllm_python(), "-c", _VLLM_PARTS, str(tmp_path / "out"), str(tmp_path / "in.pt"),
+                        str(tmp_path / "res.pt")], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = torch.load(tmp_path / "res.pt")
+    assert res["unused"] == []  # every V2 tensor of the export is one of vLLM's parameters
+    for k, (a, b) in ours.items():
+        torch.testing.assert_close(res[k][0], a, rtol=1e-5, atol=1e-5, msg=k)
+        torch.testing.assert_close(res[k][1], b, rtol=1e-5, atol=1e-5, msg=k)
+    assert torch.equal(res["candidates"][0], cands.ids)
+    torch.testing.assert_close(res["candidates"][1], cands.unary, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(res["scores"], scores, rtol=1e-5, atol=1e-5)

@@ -177,8 +177,8 @@ def test_imports_flow_down_the_layers(graph):
 
 def test_public_names_stay_where_they_are():
     """The public API (docs/architecture.md) and the names other areas import from the package roots."""
-    from specopd.drafters import (DRAFTERS, DFlashDrafter, DraftContext, DrafterConfig, Drafter, DSparkDrafter,
-                                  build_drafter, choose_mask, default_target_layer_ids, export_drafter,
+    from specopd.drafters import (DRAFTERS, DFlash2Drafter, DFlashDrafter, DraftContext, DrafterConfig, Drafter,
+                                  DSparkDrafter, build_drafter, choose_mask, default_target_layer_ids, export_drafter,
                                   export_folder, load_drafter, pick_tokens, serving_commands, shift_tokens)
     from specopd.eval import SpeculativeDecoder
     from specopd.losses import e2e_tv_loss
@@ -187,8 +187,9 @@ def test_public_names_stay_where_they_are():
     from specopd.models.common import causal_mask, masked_attention, sdpa_attention
     from specopd.tree import ProposalTree
 
-    assert sorted(DRAFTERS) == ["dflash", "dspark"] and Drafter is DFlashDrafter
+    assert sorted(DRAFTERS) == ["dflash", "dflash2", "dspark"] and Drafter is DFlashDrafter
     assert DRAFTERS["dspark"] is DSparkDrafter and issubclass(DSparkDrafter, DFlashDrafter)
+    assert DRAFTERS["dflash2"] is DFlash2Drafter and issubclass(DFlash2Drafter, DFlashDrafter)
     assert {"llama", "qwen3", "qwen3_next", "qwen3_5", "qwen4_exp"} <= set(MODEL_TYPES)
     assert all(issubclass(c, TargetModel) for c in MODEL_TYPES.values())
     assert all(isinstance(c, type) for c in (DraftContext, DrafterConfig, SpeculativeDecoder, RunContext, TargetCache,

@@ -30,12 +30,11 @@ INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
 DRAFTER_FOLDER = ("a drafter folder holds config.json + safetensors weights, either SpecOPD's (config.json with "
-                  "\"kind\": \"dflash\" | \"dspark\" | \"dflash2\" and the drafter's sizes, model.safetensors; written by "
-                  "drafter.save(dir) or a run's <output_dir>/checkpoints/step-N) or the released DFlash / DSpark "
-                  "layout "
-                  "(config.json with architectures [\"DFlashDraftModel\"], [\"DSparkDraftModel\"] or [\"DFlash2DraftModel\"] "
-                  "and dflash_config, "
-                  "model.safetensors or shards + index, optional mask_embedding.pt)")
+                  "\"kind\": \"dflash\" | \"dspark\" | \"dflash2\" and the drafter's sizes, model.safetensors; "
+                  "written by drafter.save(dir) or a run's <output_dir>/checkpoints/step-N) or the released DFlash / "
+                  "DSpark / DFlash V2 layout (config.json with architectures [\"DFlashDraftModel\"], "
+                  "[\"DSparkDraftModel\"] or [\"DFlash2DraftModel\"] and dflash_config, model.safetensors or "
+                  "shards + index, optional mask_embedding.pt)")
 
 
 class NotADrafterError(ValueError):
@@ -275,7 +274,8 @@ def config_from_released(raw: dict, path: str, target_layers: Optional[int] = No
     mask_id = _get(raw, "mask_token_id")
     v2 = {}
     if kind == "dflash2":
-        v2 = dict(conv_kernel_size=int(_get(raw, "conv_kernel_size")), conv_group_size=int(_get(raw, "conv_group_size")),
+        v2 = dict(conv_kernel_size=int(_get(raw, "conv_kernel_size")),
+                  conv_group_size=int(_get(raw, "conv_group_size")),
                   selector_rank=int(_get(raw, "selector_rank")), selector_top_k=int(_get(raw, "selector_top_k")),
                   input_embedding_scale=float(_get(raw, "input_embedding_scale", 1.0) or 1.0),
                   output_multiplier=float(_get(raw, "output_multiplier", 1.0) or 1.0),
