@@ -140,6 +140,12 @@ class DrafterRecipeConfig:
     (config.json with dflash_config + safetensors, e.g. z-lab/Qwen3-8B-DFlash-b16)."""
     confidence_weight: float = setting(0.1, resume=FROM_HERE)
     """DSpark: weight of the confidence-head loss (ignored for dflash)."""
+    architecture: Dict[str, Any] = setting(factory=dict, resume=REFUSE)
+    """More architecture settings of a fresh drafter, as ``build_drafter`` takes them (ignored with init_from, whose
+    folder has its own): DSpark's markov_rank, confidence_head, confidence_with_markov; DFlash V2's conv_kernel_size,
+    conv_group_size, selector_rank, selector_top_k, input_embedding_scale, output_multiplier,
+    final_logit_softcapping (e.g. drafter.architecture.selector_top_k=32); also num_heads, num_kv_heads, head_dim,
+    intermediate_size (default: the target's). An unknown key is an error naming the allowed ones."""
 
     def __post_init__(self):
         _check_choice("drafter", "kind", self.kind, ["dflash", "dspark", "dflash2"])

@@ -193,7 +193,7 @@ def _evaluate_rows(cfg, target_dir: str, rows: list, progress: bool) -> list:
         d = load_drafter(path, target) if path else build_drafter(
             cfg.drafter.kind, target, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
             seed=cfg.seed, feature_layers=cfg.drafter.feature_layers, mask_token_id=cfg.drafter.mask_token_id,
-            target_dir=target_dir)
+            target_dir=target_dir, **dict(cfg.drafter.architecture))
         res = {}
         for t in cfg.pipeline.eval_temperatures:
             if float(t) == 0:  # exact: equal to real greedy decoding, round by round (tests/test_replay.py)

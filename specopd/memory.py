@@ -306,7 +306,7 @@ def build_meta_drafter(cfg, info: TargetInfo):
     d = cfg.drafter
     with torch.device("meta"):
         return build_drafter(d.kind, info.model, num_layers=d.num_layers, block_size=d.block_size,
-                             feature_layers=d.feature_layers)
+                             feature_layers=d.feature_layers, **dict(d.architecture))
 
 
 def drafter_activation_bytes(drafter, n: int, w: int, ctx_rows: int, act: int) -> Tuple[int, int]:

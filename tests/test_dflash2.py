@@ -657,3 +657,24 @@ def test_against_vllms_own_modules(target, batch, tmp_path):
     assert torch.equal(res["candidates"][0], cands.ids)
     torch.testing.assert_close(res["candidates"][1], cands.unary, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(res["scores"], scores, rtol=1e-5, atol=1e-5)
+
+
+def test_recipe_architecture_settings(tmp_path):
+    """drafter.architecture passes V2's settings to a fresh drafter (and to the memory plan); an unknown or
+    another kind's key is an error naming the allowed ones."""
+    from specopd.memory import memory_plan
+    from specopd.train.tiny import tiny_recipe
+    from specopd.train.worker import Worker
+
+    over = ["drafter.kind=dflash2", "drafter.architecture.selector_top_k=32", "drafter.architecture.selector_rank=4",
+            "drafter.architecture.final_logit_softcapping=30.0", "trainer.eval_heldout=false"]
+    w = Worker(tiny_recipe(str(tmp_path / "a"), over))
+    c = w.drafter.config
+    assert (c.selector_top_k, c.selector_rank, c.final_logit_softcapping) == (32, 4, 30.0)
+    assert w.drafter.candidate_selector.successor_codebook.shape == (256, 4)
+    p = memory_plan(tiny_recipe(str(tmp_path / "a"), over), device_bytes=10**9)
+    assert (p.sizes["selector_top_k"], p.sizes["selector_rank"]) == (32, 4)
+    with pytest.raises(ValueError, match="unknown drafter override"):
+        Worker(tiny_recipe(str(tmp_path / "b"), ["drafter.architecture.selector_top_k=4"]))  # a dflash drafter
+    with pytest.raises(ValueError, match="unknown drafter override"):
+        Worker(tiny_recipe(str(tmp_path / "c"), ["drafter.kind=dflash2", "drafter.architecture.top_k=4"]))

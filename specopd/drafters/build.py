@@ -47,12 +47,11 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
     """
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS)}")
-    bad = sorted(set(overrides) - set(_OVERRIDES))
-    if kind != "dflash2":
-        bad += sorted(set(overrides) & set(V2_KEYS))
+    allowed = sorted(k for k in _OVERRIDES if kind == "dflash2" or k not in V2_KEYS)
+    bad = sorted(set(overrides) - set(allowed))
     if bad:
-        raise ValueError(f"unknown drafter override(s) {bad}; allowed: {sorted(_OVERRIDES)} "
-                         f"(hidden_size always equals the target's)")
+        raise ValueError(f"unknown drafter override(s) {bad} for a {kind} drafter; allowed: {allowed} "
+                         f"(hidden_size always equals the target's; {', '.join(V2_KEYS)}: DFlash V2 only)")
     d = int(target.hidden_size)
     heads = int(target_config(target, "num_attention_heads", max(1, d // 64)))
     sizes = dict(num_heads=heads, num_kv_heads=int(target_config(target, "num_key_value_heads", heads)),

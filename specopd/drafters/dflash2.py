@@ -6,6 +6,7 @@ Design, maths and what differs from the issue's wording: specopd/drafters/DFLASH
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -154,16 +155,20 @@ class Realized(NamedTuple):
 class _TopCandidates(torch.autograd.Function):
     """(ids [M, K], raw logits [M, K] = h @ W[ids]^T) of the top K of h @ W^T per row, ``chunk`` rows at a time
     (memory: one [chunk, V]); with ``extra`` [M] the raw logit of that token too (column K). The values are the
-    chunk matmul's; the backward is dh = g @ W[ids] row by row (the top-K choice is not differentiable)."""
+    chunk matmul's; the backward is dh = g @ W[ids] row by row (the top-K choice is not differentiable). ``pool``:
+    the chunk buffers are this thread's pooled set (``ChunkBuffers.pooled``: training), else fresh ones (decoding,
+    whose row count would otherwise stay in the pool)."""
 
     @staticmethod
-    def forward(ctx, h, weight, k, extra, chunk):
+    def forward(ctx, h, weight, k, extra, chunk, pool):
         m = h.shape[0]
         kk = k + (extra is not None)
         ids = torch.empty(m, kk, dtype=torch.long, device=h.device)
         vals = torch.empty(m, kk, dtype=torch.float32, device=h.device)
         if m:
-            with ChunkBuffers.pooled(min(chunk, m), weight.shape[0], h.device) as bufs:
+            rows, v = min(chunk, m), weight.shape[0]
+            with (ChunkBuffers.pooled(rows, v, h.device) if pool else contextlib.nullcontext(
+                    ChunkBuffers(rows, v, h.device))) as bufs:
                 for s in range(0, m, chunk):
                     r = torch.arange(s, min(s + chunk, m), device=h.device)
                     z = chunk_logits((h,), (weight,), r, bufs)  # [R, V] fp32
@@ -191,11 +196,11 @@ class _TopCandidates(torch.autograd.Function):
             dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             dw.index_add_(0, ids.reshape(-1), (g_vals[..., None] * h.float()[:, None, :]).reshape(-1, h.shape[1]))
             dw = dw.to(weight.dtype)
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def top_candidates(h: torch.Tensor, weight: torch.Tensor, k: int, extra: Optional[torch.Tensor] = None,
-                   chunk_rows="auto") -> tuple:
+                   chunk_rows="auto", pool: bool = True) -> tuple:
     """Top-k of the raw logits h @ weight^T without [N, W, V] (``_TopCandidates``).
 
     Args:
@@ -204,6 +209,7 @@ def top_candidates(h: torch.Tensor, weight: torch.Tensor, k: int, extra: Optiona
         k: candidates per row.
         extra: [...] a token per row whose raw logit is appended as column k, or None.
         chunk_rows: rows of [rows, V] logits per chunk, or "auto".
+        pool: reuse this thread's pooled chunk buffers (training); False: fresh ones (decoding).
 
     Returns:
         (raw [..., k (+1)] fp32, ids [..., k (+1)] long).
@@ -211,7 +217,7 @@ def top_candidates(h: torch.Tensor, weight: torch.Tensor, k: int, extra: Optiona
     lead = h.shape[:-1]
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
     ex = None if extra is None else extra.reshape(-1).to(device=h.device, dtype=torch.long)
-    vals, ids = _TopCandidates.apply(h.reshape(-1, h.shape[-1]), weight, int(k), ex, chunk)
+    vals, ids = _TopCandidates.apply(h.reshape(-1, h.shape[-1]), weight, int(k), ex, chunk, bool(pool))
     kk = vals.shape[-1]
     return vals.view(*lead, kk), ids.view(*lead, kk)
 
@@ -276,9 +282,10 @@ class DFlash2Drafter(DFlashDrafter):
             return self.unary_from_raw(super().logits_from_hidden(h))
         return self.draft_logits(self.realized(h, prev_tokens))
 
-    def candidates(self, h: torch.Tensor, chunk_rows="auto") -> Candidates:
-        """h [N, W, D] -> ``Candidates``; the raw logits are built ``chunk_rows`` rows at a time (never [N, W, V])."""
-        raw, ids = top_candidates(h, self.target.lm_head.weight, self.top_k, chunk_rows=chunk_rows)
+    def candidates(self, h: torch.Tensor, chunk_rows="auto", pool: bool = True) -> Candidates:
+        """h [N, W, D] -> ``Candidates``; the raw logits are built ``chunk_rows`` rows at a time (never [N, W, V]);
+        ``pool`` as ``top_candidates``."""
+        raw, ids = top_candidates(h, self.target.lm_head.weight, self.top_k, chunk_rows=chunk_rows, pool=pool)
         return Candidates(ids, self.unary_from_raw(raw), self.candidate_selector.hidden_projection(h))
 
     def selector_scores(self, cands: Candidates, anchor_tokens: torch.Tensor) -> torch.Tensor:
@@ -388,7 +395,8 @@ class DFlash2Drafter(DFlashDrafter):
         top-K candidates (without ``return_logits`` nothing [N, W, V] is built)."""
         if return_confidence:
             raise ValueError("DFlash V2 has no confidence head")
-        cands = self.candidates(h if return_logits else h.detach(), chunk_rows)
+        # with return_logits (decoding, sample): fresh chunk buffers, not the training steps' pooled set
+        cands = self.candidates(h if return_logits else h.detach(), chunk_rows, pool=not return_logits)
         tokens, _, real = self.walk(cands, anchor_tokens, temperature, generator, rows)
         if not return_logits:
             return tokens, None

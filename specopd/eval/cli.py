@@ -173,7 +173,8 @@ def load_eval_drafter(cfg, target):
         fl = list(d.feature_layers) if d.feature_layers is not None else None
         return build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size, seed=cfg.seed,
                              feature_layers=fl, mask_token_id=d.mask_token_id,
-                             target_dir=None if cfg.model.is_tiny else cfg.model.target), "untrained"
+                             target_dir=None if cfg.model.is_tiny else cfg.model.target,
+                             **dict(d.architecture)), "untrained"
     if ck == "latest":
         path = latest_checkpoint(cfg.trainer.output_dir)
         if path is None:

@@ -82,7 +82,8 @@ class Worker:
             self.drafter = build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size,
                                          seed=cfg.seed, feature_layers=d.feature_layers,
                                          mask_token_id=d.mask_token_id,  # the target's tokenizer picks MASK
-                                         target_dir=None if cfg.model.is_tiny else cfg.model.target)
+                                         target_dir=None if cfg.model.is_tiny else cfg.model.target,
+                                         **dict(d.architecture))
         self.drafter.train()
         self.W = int(self.drafter.draft_len)
         self.data_stats: dict = {}  # what the data reading read, dropped, cut, skipped (-> train_summary.json)
