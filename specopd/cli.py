@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from specopd import mainjob
 from specopd.config import RecipeError, load_recipe
+from specopd.data.packaged import conversations_file
 from specopd.data.prepare import main as main_prepare
 from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError, extend_plan
 from specopd.drafters.layout import DTYPES, describe_export, export_folder
@@ -89,11 +90,13 @@ def plan(cfg, device_bytes=None) -> dict:
     if d.source == "prepared" and not os.path.exists(d.path):
         notes.append(f"data.path={d.path!r} is written by the main job on first use (stage 2: references)" if pipeline
                      else f"data.path={d.path!r} does not exist yet (run `specopd prepare data ...` before training)")
-    if d.source == "conversations" and not os.path.isfile(d.path):
+    if d.source == "conversations" and not os.path.isfile(conversations_file(d.path)):
         notes.append(f"data.path={d.path!r} does not exist (a .jsonl / .json / .parquet file of conversations)")
     if pipeline:
-        notes.append("pipeline: the main job (specopd.mainjob) prepares the target and the references when missing, "
-                     "warms the drafter up, trains and evaluates; no separate `specopd prepare` step is needed")
+        refs = ("trains on data.path's conversations as they are (nothing decoded)" if d.source == "conversations"
+                else "prepares the references when missing")
+        notes.append(f"pipeline: the main job (specopd.mainjob) prepares the target, {refs}, warms the drafter up "
+                     f"when asked, trains and evaluates ({cfg.eval.bench}); no separate `specopd prepare` step is needed")
     mem = memory_plan(cfg, device_bytes) if shape is not None else None
     target = {"model_type": None if shape is None else shape.get("model_type"), "source": where,
               "pending": "prepared by the main job on first use" if pipeline and shape is None else None}
@@ -301,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                     help="vllm: serve the drafter in vLLM (its own venv, `make vllm`) and report its counters next to "
                          "ours (specopd.eval.engine)")
+    ev.add_argument("--bench", default=None, choices=["mt-bench"],
+                    help="mt-bench: MT-Bench's 80 questions, AL per category too (instead of held-out prompts)")
+    ev.add_argument("--turn", type=int, default=1, choices=[1, 2],
+                    help="with --bench: 2 = second turns, after the target's own greedy first answer")
     ev.set_defaults(fn=cmd_eval)
     sc = sub.add_parser("serve-check", help="serve an exported drafter in vLLM and check it against ours")
     sc.add_argument("export", help="a `specopd export` folder (or a checkpoint folder: exported first)")

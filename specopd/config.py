@@ -386,9 +386,13 @@ class EvalConfig:
     dtype: str = setting("auto", resume=SAME_RUN)
     """The target's dtype when decoding and judging: auto (= model.dtype) | float32 | bfloat16 | float16. float32
     keeps the judge's exact checks (T = 0 token equality with vLLM) for a drafter trained on a bf16 target."""
+    bench: str = setting("chat", resume=SAME_RUN)
+    """The main job's before / after prompts: chat (held-out chitchat first turns, eval.prompts of them) | mt-bench
+    (MT-Bench's 80 first turns in vLLM; ours on eval.prompts of them, the same number from each category)."""
 
     def __post_init__(self):
         _check_choice("eval", "dtype", self.dtype, ["auto", "float32", "bfloat16", "float16"])
+        _check_choice("eval", "bench", self.bench, ["chat", "mt-bench"])
         _check_range("eval", "prompts", self.prompts, lo=1)
         _check_range("eval", "max_new_tokens", self.max_new_tokens, lo=1)
         _check_range("eval", "temperature", self.temperature, lo=0)

@@ -13,13 +13,15 @@ import time
 import torch
 
 from specopd.config import CE_TERM_METHODS, auto_dtype, eval_dtype
-from specopd.data.conversations import heldout_prompt_ids, pretrain_chat_prompts, train_chat_prompts
+from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
+from specopd.data.packaged import conversations_file
 from specopd.data.prepare import MODELS, load_tokenizer, prepare_data, stop_token_ids
 from specopd.data.references import DATA_FILE, read_records
 from specopd.data.smollm2 import cache_root
 from specopd.drafters import build_drafter, load_drafter
 from specopd.drafters.layout import describe_export, export_folder
 from specopd.engines import auto_engine
+from specopd.eval.bench import by_category, format_categories, provenance_line, run_prompts
 from specopd.eval.cli import acceptance_cells, evaluate_al
 from specopd.eval.engine import judge_rows
 from specopd.eval.replay import greedy_continuations, replay_greedy_al
@@ -133,12 +135,18 @@ def prepare(cfg, progress: bool = True) -> dict:
     target_dir = _target_dir(cfg.model.target)
     times["target"] = time.perf_counter() - t0
 
-    t0 = _stage(f"2/5 references: {pl.data_num} chat prompts x <= {pl.data_max_new_tokens} tokens answered by the "
-                f"target (T={pl.data_temperature:g})")
-    ref_dir, recs = _references(cfg, target_dir)
-    _write_train_data(recs, cfg.data.path)
-    n_tok = sum(len(r["input_ids"]) - int(r.get("response_start", r["prompt_len"])) for r in recs)
-    print(f"[specopd] {len(recs)} references ({n_tok} response tokens) -> {cfg.data.path}")
+    if cfg.data.source == "conversations":  # trunks as the file has them: the target scores, nothing is decoded
+        t0 = _stage(f"2/5 trunks: the conversations of data.path={cfg.data.path} as they are (no regeneration)")
+        ref_dir, recs, n_tok = conversations_file(cfg.data.path), [], None
+        print(f"[specopd] {ref_dir}: the target's chat template, the loss on assistant turns (data.source: "
+              f"conversations)")
+    else:
+        t0 = _stage(f"2/5 references: {pl.data_num} chat prompts x <= {pl.data_max_new_tokens} tokens answered by "
+                    f"the target (T={pl.data_temperature:g})")
+        ref_dir, recs = _references(cfg, target_dir)
+        _write_train_data(recs, cfg.data.path)
+        n_tok = sum(len(r["input_ids"]) - int(r.get("response_start", r["prompt_len"])) for r in recs)
+        print(f"[specopd] {len(recs)} references ({n_tok} response tokens) -> {cfg.data.path}")
     times["references"] = time.perf_counter() - t0
 
     warm = None
@@ -186,7 +194,7 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
 
 def _evaluate_rows(cfg, target_dir: str, rows: list, progress: bool) -> list:
     target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu", kernels=cfg.model.kernels)
-    prompts = heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)
+    prompts, meta, _ = run_prompts(cfg, target_dir, target.vocab_size)
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     out, greedy = [], None  # greedy: the target's greedy continuations, shared by every drafter's T=0 replay
     for label, path in rows:
@@ -207,6 +215,8 @@ def _evaluate_rows(cfg, target_dir: str, rows: list, progress: bool) -> list:
                                      stop_token_ids=stops, progress=progress), how="decode")
             res[f"{float(t):g}"] = {k: r[k] for k in ("mean_al", "rounds", "new_tokens", "accepted_at", "reached_at",
                                                       "per_position_acceptance", "spec_tokens_per_s", "times", "how")}
+            if meta is not None:
+                res[f"{float(t):g}"]["by_category"] = by_category(r["accept_lengths"], meta)
         out.append({"drafter": label, "checkpoint": path, "by_temperature": res})
     return out
 
@@ -231,6 +241,11 @@ def format_al_table(results: list, temps, w: int, title: str) -> str:
     for k in keys:
         for r in results:
             lines.append(f"  T={k:<4}{r['drafter'][:44]:<46}" + "  ".join(acceptance_cells(r['by_temperature'][k])))
+    for k in keys:
+        cats = [(r["drafter"], r["by_temperature"][k]["by_category"]) for r in results
+                if r["by_temperature"][k].get("by_category")]
+        if cats:
+            lines.append(f"T={k} " + format_categories(cats))
     return "\n".join(lines)
 
 
@@ -255,8 +270,9 @@ def _run(cfg, progress: bool) -> dict:
     times["train"] = time.perf_counter() - t0
 
     temps = list(cfg.pipeline.eval_temperatures)
-    t0 = _stage(f"5/5 held-out speculative decoding ({cfg.eval.prompts} prompts x {cfg.eval.max_new_tokens} tokens, "
-                f"T={', '.join(f'{float(t):g}' for t in temps)})")
+    where = "MT-Bench first turns" if cfg.eval.bench == "mt-bench" else "held-out chat prompts"
+    t0 = _stage(f"5/5 speculative decoding of {where} ({cfg.eval.prompts} prompts for ours x "
+                f"{cfg.eval.max_new_tokens} tokens, T={', '.join(f'{float(t):g}' for t in temps)})")
     if warm and cfg.pipeline.warmup_steps == 0:
         before = (f"before: {os.path.basename(os.path.normpath(warm))} (drafter.init_from)", warm)
     elif warm:
@@ -271,11 +287,14 @@ def _run(cfg, progress: bool) -> dict:
     times["total"] = time.perf_counter() - t_all
 
     w = cfg.drafter.block_size - 1  # W drafted tokens
-    title = (f"\nHeld-out acceptance length (AL = tokens committed per target verification round, incl. the bonus "
-             f"token; max {w + 1})\n{cfg.eval.prompts} chat prompts of held-out conversations, {cfg.eval.max_new_tokens}"
-             f" new tokens each, speculative decoding (T=0: greedy, exact match, replayed exactly on the target's "
-             f"greedy continuation; T>0: decoded), {cfg.drafter.kind} W={w}, target "
-             f"{os.path.basename(prep['target_dir'])}")
+    judged = next((r["num_prompts"] for r in results if r.get("num_prompts")), None)
+    what = (f"MT-Bench first turns: ours on {cfg.eval.prompts} (the same number per category)"
+            + (f", vLLM on all {judged}" if judged else "") if cfg.eval.bench == "mt-bench" else
+            f"{cfg.eval.prompts} chat prompts of held-out conversations")
+    title = (f"\nAcceptance length (AL = tokens committed per target verification round, incl. the bonus token; max "
+             f"{w + 1})\n{provenance_line()}\n{what}, {cfg.eval.max_new_tokens} new tokens each, speculative decoding "
+             f"(T=0: greedy, exact match, replayed exactly on the target's greedy continuation; T>0: decoded), "
+             f"{cfg.drafter.kind} W={w}, target {os.path.basename(prep['target_dir'])}")
     print(format_al_table(results, temps, w, title))
     print(f"\nwarm-up drafter: {warm}\nfinal drafter:   {final}")
     export = _export_final(final, out, prep["target_dir"])

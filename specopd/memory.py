@@ -15,6 +15,7 @@ from torch import nn
 from executors.gqa import BLOCKED
 from executors.qsa import SCORE_BYTES as QSA_SCORE_BYTES
 from specopd.data.formats import count_records
+from specopd.data.packaged import conversations_file
 from specopd.data.smollm2 import MODEL_NAME, default_model_dir, is_prepared
 from specopd.drafters import build_drafter
 from specopd.losses import CHUNK_BUDGET, CHUNK_WORKSET_FACTOR, auto_chunk_rows
@@ -367,7 +368,7 @@ def _num_sequences(cfg) -> Optional[int]:
     (a prepared file that does not exist yet)."""
     d = cfg.data
     if d.source == "conversations":
-        return count_records(d.path)
+        return count_records(conversations_file(d.path))
     if d.source != "prepared":
         return int(d.num_samples)
     path = d.path if os.path.isfile(d.path) else os.path.join(d.path, "data.jsonl")

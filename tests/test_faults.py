@@ -446,7 +446,7 @@ def test_finished_run_started_again_says_it_is_complete(straight, tmp_path, caps
 
 def test_dry_run_notes_of_the_main_job_agree(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECOPD_CACHE", str(tmp_path / "empty"))
-    recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "smollm2-135m-dflash.yaml")
+    recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "smollm2-135m-dflash-chitchat.yaml")
     # data.path in the run folder: the recipe's own (runs/...) exists once `make demo` has run in this checkout
     assert main(["train", recipe, f"trainer.output_dir={tmp_path / 'run'}",
                  f"data.path={tmp_path / 'run' / 'data' / 'train.jsonl'}", "--dry-run"]) == 0

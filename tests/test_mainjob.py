@@ -28,7 +28,7 @@ def test_main_job_writes_warm_and_final_checkpoints_and_both_temperatures(tmp_pa
         "trainer.max_steps=2", "trainer.save_every=0", "trainer.anchors_per_seq=2", "eval.prompts=2",
         "eval.max_new_tokens=4", "drafter.block_size=3", "drafter.feature_layers=[0]",
         "pipeline.data_engine=builtin"]  # the pipeline's logic; vLLM's references are tests/test_vllm.py's
-    cfg = load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"), cfg_overrides)
+    cfg = load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash-chitchat.yaml"), cfg_overrides)
     res = run(cfg, progress=False)
     assert os.path.isfile(out / "warmup" / "checkpoints" / "step-2" / "model.safetensors")
     assert os.path.isfile(out / "checkpoints" / "step-2" / "model.safetensors")
@@ -71,7 +71,7 @@ def test_main_job_writes_warm_and_final_checkpoints_and_both_temperatures(tmp_pa
     assert res2["export"] == res["export"] and sorted(os.listdir(out / "export")) == sorted(os.listdir(res["export"]))
     assert not [n for n in os.listdir(out) if n.startswith("export.")]  # no tmp or moved-aside folders
     # a longer run ends with another drafter: the old export is moved aside (kept), the new one is written
-    res3 = run(load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"),
+    res3 = run(load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash-chitchat.yaml"),
                            cfg_overrides + ["trainer.max_steps=3"]), progress=False)
     aside = [n for n in os.listdir(out) if n.startswith("export.before-")]
     assert len(aside) == 1 and "previous export (another drafter) moved aside" in capsys.readouterr().out
@@ -88,7 +88,7 @@ def test_specopd_train_runs_the_main_job_for_a_pipeline_recipe(tmp_path, monkeyp
 
     seen = []
     monkeypatch.setattr(specopd.mainjob, "run", lambda cfg: seen.append(cfg) or {"ok": True})
-    rc = main(["train", os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"), f"trainer.output_dir={tmp_path}",
+    rc = main(["train", os.path.join(ROOT, "recipes", "smollm2-135m-dflash-chitchat.yaml"), f"trainer.output_dir={tmp_path}",
                "--json", str(tmp_path / "s.json")])
     assert rc == 0 and len(seen) == 1 and seen[0].pipeline.enabled
     assert json.loads(open(tmp_path / "s.json").read()) == {"ok": True}
@@ -112,10 +112,50 @@ def test_evaluation_loads_the_target_in_eval_dtype(monkeypatch):
         raise Loaded
 
     monkeypatch.setattr(specopd.mainjob, "load_target", fake_load_target)
-    recipe = os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml")
+    recipe = os.path.join(ROOT, "recipes", "smollm2-135m-dflash-chitchat.yaml")
     for over, want in ((["model.dtype=bfloat16", "eval.dtype=float32"], torch.float32),
                        (["model.dtype=bfloat16", "eval.dtype=auto"], torch.bfloat16),
                        (["model.dtype=float32", "eval.dtype=auto"], torch.float32)):
         with pytest.raises(Loaded):
             specopd.mainjob.evaluate_rows(load_recipe(recipe, over), "unused", [], progress=False)
         assert seen.pop() == want
+
+
+def test_main_job_on_conversations_scores_mtbench_per_category(tmp_path, monkeypatch, capsys):
+    """The shipped main job's shape: trunks are a ShareGPT file as it is (nothing decoded), the before / after table
+    is MT-Bench's (here 8 stand-in questions, one per category), with AL per category and the provenance line."""
+    import shutil
+
+    import specopd.eval.bench as bench
+    from specopd.config import load_recipe
+    from specopd.data.packaged import MTBENCH_CATEGORIES
+    from specopd.mainjob import run
+
+    monkeypatch.setenv("SPECOPD_CACHE", str(tmp_path / "cache"))
+    qs = [{"id": str(81 + i), "category": c, "turns": [f"say {c}", "again"]} for i, c in enumerate(MTBENCH_CATEGORIES)]
+    monkeypatch.setattr(bench, "mtbench_questions", lambda path="": qs)
+    target_dir = make_tiny_checkpoint("llama", tmp_path / "t", vocab_size=128, num_hidden_layers=1,
+                                      max_position_embeddings=256, eos_token_id=2)
+    write_char_tokenizer(target_dir)
+    data = tmp_path / "sg.json"
+    shutil.copy(os.path.join(ROOT, "tests", "fixtures", "conversations", "sharegpt_multiturn.json"), data)
+    out = tmp_path / "run"
+    cfg = load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"), [
+        f"model.target={target_dir}", f"trainer.output_dir={out}", f"data.path={data}", "data.heldout=0.0",
+        "data.seq_len=200", "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
+        "data.batch_size=2", "drafter.init_from=null", "pipeline.warmup_steps=2", "trainer.max_steps=2",
+        "trainer.save_every=0", "trainer.anchors_per_seq=2", "trainer.eval_heldout=false", "trainer.eval_every=0",
+        "eval.prompts=4",
+        "eval.max_new_tokens=4", "drafter.block_size=3", "drafter.feature_layers=[0]"])
+    assert cfg.data.source == "conversations" and cfg.eval.bench == "mt-bench"
+    res = run(cfg, progress=False)
+    text = capsys.readouterr().out
+    assert "2/5 trunks: the conversations of data.path" in text and "references" not in res["references"]
+    assert not os.path.exists(out / "data" / "train.jsonl")  # nothing regenerated or written as references
+    for r in res["table"]:
+        for t in ("0", "1"):
+            bc = r["by_temperature"][t]["by_category"]
+            assert sum(c["prompts"] for c in bc.values()) == 4 and list(bc) == [c for c in MTBENCH_CATEGORIES
+                                                                               if c in bc]
+            assert all(c["al"] is None or c["al"] >= 1.0 for c in bc.values())
+    assert "MT-Bench first turns: ours on 4" in text and "AL per category" in text and "measured " in text

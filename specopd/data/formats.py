@@ -24,8 +24,8 @@ FIX = "fix or remove it, or set data.bad_lines=skip to skip bad records and coun
 class DataError(ValueError):
     """A bad record in a conversations file; the message names the file, the line (or row) and the fix."""
 
-    def __init__(self, where: str, reason: str, msg: str):
-        super().__init__(f"{where}: {msg}; {FIX}")
+    def __init__(self, where: str, reason: str, msg: str, fix: str = FIX):
+        super().__init__(f"{where}: {msg}; {fix}")
         self.where, self.reason, self.msg = where, reason, msg
 
 
@@ -94,16 +94,35 @@ def _json_array_records(path: str, raw: bytes) -> list:
         try:
             rec, j = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}", "not_json", f"not valid JSON ({e.msg} at column {e.colno})") from None
+            if not _cut_off(text, e):
+                raise DataError(f"{path}:{e.lineno}", "not_json",
+                                f"not valid JSON ({e.msg} at column {e.colno})") from None
+            # the file ends inside a record (a partial download or copy): the records before it are whole
+            byte = len(text[:i].encode("utf-8"))
+            out.append((f"{path}:{_line_of(text, i)} (byte {byte})",
+                        _Bad("truncated", f"the file ends inside a record of the JSON array ({len(raw) - byte} bytes "
+                                          f"after its start, no closing ']'): {len(out)} complete records come "
+                                          f"before it")))
+            return out
         out.append((f"{path}:{_line_of(text, i)}", rec))
         i = j
         while i < len(text) and text[i] in ws:
             i += 1
         if text[i:i + 1] == ",":
             i += 1
+        elif i >= len(text):
+            out.append((f"{path}:{_line_of(text, i)} (byte {len(raw)})",
+                        _Bad("truncated", f"the file ends after record {len(out)} of the JSON array, without its "
+                                          f"closing ']': {len(out)} complete records come before it")))
+            return out
         elif text[i:i + 1] != "]":
             raise DataError(f"{path}:{_line_of(text, i)}", "not_json", "not valid JSON (expected ',' or ']' after a "
                                                                      "record of the array)")
+
+
+def _cut_off(text: str, e: json.JSONDecodeError) -> bool:
+    """Whether a decoding error is the end of the text arriving inside a value (a truncated file), not bad JSON."""
+    return e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip())
 
 
 def _parquet_records(path: str) -> list:
@@ -209,6 +228,7 @@ def _bad(st: dict, where: str, reason: str, msg: str, bad_lines: str) -> None:
     ex = st.setdefault("bad_examples", [])
     if len(ex) < 5:
         ex.append(f"{where}: {msg}")
+    st.setdefault("first_bad", {}).setdefault(reason, f"{where}: {msg}")  # one example of every kind
 
 
 def conversation_prompts(path: str, bad_lines: str = "error", stats: Optional[dict] = None) -> list:
@@ -226,8 +246,9 @@ def conversation_prompts(path: str, bad_lines: str = "error", stats: Optional[di
                                              "to answer)", bad_lines)
             continue
         if rid in seen:
-            raise DataError(where, "duplicate_id", f"id {rid!r} repeats an earlier record's (prepare data resumes "
-                                                   f"by id, so ids must be unique)")
+            _bad(st, where, "duplicate_id", f"id {rid!r} repeats an earlier record's (prepare data resumes by id, "
+                                            f"so ids must be unique)", bad_lines)
+            continue
         seen.add(rid)
         st["later_turns_dropped"] += int(k + 1 < len(msgs))
         out.append((rid, msgs[:k]))

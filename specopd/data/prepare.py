@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from specopd.data.formats import conversation_prompts
+from specopd.data.formats import DataError, conversation_prompts
+from specopd.data.packaged import conversations_file
 from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts, read_records,
                                      repair_tail, split_of)
 from specopd.data.smollm2 import MODEL_NAME, cache_root, default_model_dir, is_prepared, prepare_smollm2
@@ -359,7 +360,10 @@ def _parser() -> argparse.ArgumentParser:
                                                    "(default: chitchat-dataset first user turns)")
     d.add_argument("--from", dest="from_file", default=None,
                    help="a conversations file (SpecForge / ShareGPT / OpenAI; .jsonl, .json or .parquet): keep each "
-                        "conversation's prompt (system + user turns before its first answer), regenerate the answer")
+                        "conversation's prompt (system + user turns before its first answer), regenerate the answer; "
+                        "'sharegpt' names the packaged ShareGPT file")
+    d.add_argument("--bad-lines", default="error", choices=["error", "skip"],
+                   help="--from: a bad record stops the run (error) or is skipped and counted (skip)")
     d.add_argument("--target", default=None, help="target HF folder (default: the prepared smollm2-135m)")
     d.add_argument("--out", default=None, help="output folder (default <cache>/data/<prompts>-<target>)")
     d.add_argument("--cache-dir", default=None)
@@ -393,7 +397,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.from_file:  # conversations as users have them -> (id, prompt messages)
         if args.prompts:
             raise SystemExit("give --prompts or --from, not both")
-        prompts, label = conversation_prompts(args.from_file), os.path.abspath(args.from_file)
+        args.from_file = conversations_file(args.from_file)
+        st: dict = {}
+        try:
+            prompts = conversation_prompts(args.from_file, args.bad_lines, st)
+        except DataError as e:
+            raise DataError(e.where, e.reason, e.msg, fix="fix or remove it, or pass --bad-lines skip to skip bad "
+                                                          "records and count them") from None
+        label = os.path.abspath(args.from_file)
+        if st.get("bad") or st.get("later_turns_dropped"):
+            print(f"[specopd] --from {args.from_file}: {len(prompts)} prompts; skipped " + (", ".join(
+                f"{n} {r}" for r, n in sorted(st.get("bad", {}).items())) or "none") + f"; "
+                  f"{st.get('later_turns_dropped', 0)} conversations had later turns (not kept: they answer the "
+                  f"original reply)", flush=True)
     if args.out is None:
         named = args.prompts or args.from_file
         src = os.path.splitext(os.path.basename(named))[0] if named else "chitchat"

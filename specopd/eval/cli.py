@@ -20,6 +20,8 @@ from specopd.data.prepare import MODELS, encode_prompt, load_tokenizer
 from specopd.data.references import read_prompts
 from specopd.drafters import build_drafter, load_drafter
 from specopd.errors import DamagedFolderError
+from specopd.eval.bench import (BENCHES, by_category, first_answer_texts, format_categories, mtbench_prompts,
+                                 provenance, provenance_line)
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
 from specopd.models import load_target
 from specopd.train.data import load_dataset, split_dataset
@@ -236,10 +238,15 @@ def _parse_args(args) -> argparse.Namespace:
     p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: eval.temperature)")
     p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
                    help="vllm: also serve the drafter in vLLM and put its counters next to ours")
+    p.add_argument("--bench", default=None, choices=list(BENCHES),
+                   help="mt-bench: MT-Bench's 80 questions (AL per category too), instead of held-out prompts")
+    p.add_argument("--turn", type=int, default=1, choices=[1, 2],
+                   help="with --bench mt-bench: 2 = second turns, after the target's own greedy first answer")
     ns, rest = p.parse_known_args(list(args or []))
     if rest:
         raise SystemExit(f"specopd eval: unknown arguments {rest}; options: --json PATH, --no-baseline, "
-                         f"--block-size K, --prompts FILE, --temperatures 0,1, --engine builtin|vllm (recipe keys go as section.key=value)")
+                         f"--block-size K, --prompts FILE, --temperatures 0,1, --engine builtin|vllm, --bench mt-bench, "
+                         f"--turn 1|2 (recipe keys go as section.key=value)")
     return ns
 
 
@@ -275,24 +282,30 @@ def main_eval(cfg, args=None, judge=None) -> dict:
                                     f"name ({sorted(MODELS)})")
         path = MODELS[path]()
     prompts_file = getattr(ns, "prompts", None)
+    if prompts_file and getattr(ns, "bench", None):
+        raise ValueError("specopd eval: give --bench or --prompts, not both")
     if prompts_file and not os.path.isfile(prompts_file):
         raise FileNotFoundError(f"--prompts {prompts_file!r} " + ("is a folder" if os.path.isdir(prompts_file) else
                                                                 "does not exist") + " (give a JSONL or text file)")
     target = load_target(path, dtype=eval_dtype(cfg), device=_device(cfg.model.device), kernels=cfg.model.kernels)
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)
-    if prompts_file:
+    stops = () if cfg.model.is_tiny else _eos_ids(target)
+    meta = None  # per prompt {"id", "category"}: a benchmark's prompts
+    if getattr(ns, "bench", None):
+        prompts, meta, where = bench_prompt_ids(ns, cfg, path, target, stops)
+    elif prompts_file:
         prompts, where = file_prompt_ids(prompts_file, path, target.vocab_size), prompts_file
     elif getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job's own held-out prompts
         prompts, where = heldout_prompt_ids(path, target.vocab_size, cfg.eval.prompts), "held-out chat prompts"
     else:
         prompts, where = sample_prompt_ids(cfg, target, cfg.eval.prompts), "held-out samples"
-    stops = () if cfg.model.is_tiny else _eos_ids(target)
     if getattr(ns, "engine", "builtin") == "vllm":  # vLLM judges: its counters next to ours (specopd.eval.engine)
         if judge is None:
             raise ValueError("--engine vllm: main_eval needs judge=specopd.eval.engine.eval_with_vllm (the `specopd "
                              "eval` command passes it)")
-        return judge(cfg, path, target, drafter, source, prompts, stops, temps, ns)
+        return judge(cfg, path, target, drafter, source, prompts, stops, temps, ns, meta=meta)
+    print(provenance_line())
     runs = []
     for temp in temps:
         r = evaluate_al(target, drafter, prompts, cfg.eval.max_new_tokens, temp, cfg.eval.seed,
@@ -303,16 +316,37 @@ def main_eval(cfg, args=None, judge=None) -> dict:
                  prompts=where)
         print(format_table(r, f"specopd eval: target {path} | drafter {source} | {len(prompts)} prompts ({where}) x "
                               f"{cfg.eval.max_new_tokens} new tokens | T={temp:g}"))
+        if meta is not None:
+            r["by_category"] = by_category(r["accept_lengths"], meta)
+            print(format_categories([(f"ours T={temp:g}", r["by_category"])]))
         runs.append(r)
     if len(runs) > 1:
         print("mean AL (incl. bonus): " + ", ".join(f"T={r['temperature']:g} {r['mean_al']:.3f}" for r in runs))
-    out = dict(runs[0], by_temperature={f"{r['temperature']:g}": r for r in runs})
+    out = dict(runs[0], by_temperature={f"{r['temperature']:g}": r for r in runs}, provenance=provenance())
     if getattr(ns, "json", None):
         os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
         with open(ns.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {ns.json}")
     return out
+
+
+def bench_prompt_ids(ns, cfg, target_dir: str, target, stops) -> tuple:
+    """``--bench mt-bench`` -> (prompt ids, per prompt {"id", "category"}, a label).
+
+    Args:
+        ns: the CLI's arguments (``--turn``: 1 = first turns; 2 = second turns after the target's own greedy
+            first answer of at most ``eval.max_new_tokens`` tokens).
+        cfg: the recipe; target_dir, target: the target's folder and model; stops: stop token ids.
+    """
+    first, meta = mtbench_prompts(target_dir, target.vocab_size)
+    if ns.turn == 1:
+        return first, meta, f"MT-Bench first turns ({len(first)})"
+    print(f"[eval] the target answers MT-Bench's {len(first)} first turns (greedy, <= {cfg.eval.max_new_tokens} "
+          f"tokens): the context of the second turns", flush=True)
+    answers = first_answer_texts(target, target_dir, first, cfg.eval.max_new_tokens, stops)
+    second, meta = mtbench_prompts(target_dir, target.vocab_size, turn=2, first_answers=answers)
+    return second, meta, f"MT-Bench second turns ({len(second)}) after the target's own first answers"
 
 
 def _eos_ids(target) -> tuple:

@@ -18,6 +18,7 @@ from specopd.data.prepare import load_tokenizer, stop_token_ids
 from specopd.drafters import export_drafter, load_drafter
 from specopd.drafters.layout import export_folder, is_released, read_json, read_weights
 from specopd.engines import EngineUnavailable, run_vllm, vllm_missing_reason
+from specopd.eval.bench import by_category, format_categories, provenance, provenance_line, run_prompts
 from specopd.eval.cli import acceptance_cells, evaluate_al, file_prompt_ids, parse_temperatures
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
 from specopd.eval.replay import greedy_continuations, replay_greedy_al
@@ -284,7 +285,7 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
           temperatures: Sequence[float] = (0.0, 1.0), stop_token_ids: Sequence[int] = (), dtype: str = "float32",
           seed: int = 0, plain: bool = False, checkpoint: Optional[str] = None, work_dir: Optional[str] = None,
           target=None, own: bool = True, vllm_default: bool = False, progress: bool = False,
-          patch_vllm: bool = True) -> dict:
+          patch_vllm: bool = True, meta: Optional[Sequence[dict]] = None) -> dict:
     """Serve ``drafter_path`` (a checkpoint, exported here, or an export) with ``target_dir`` in vLLM and put
     its counters next to ours on the same prompts, max tokens and stops, at each temperature.
 
@@ -295,9 +296,10 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         own: also our decoder on its own schedule (``evaluate_al``: what ``specopd eval`` reports).
         vllm_default: also vLLM with its default ``draft_sample_method: greedy`` at T > 0 (what a plain
             ``vllm serve`` does: argmax drafts as one-hot proposals; reported, not compared: another algorithm).
+        meta: per prompt {"id", "category"} (a benchmark's prompts): AL per category for each side too.
     Returns:
         {by_temperature: {T: {vllm, ours_vllm_schedule, ours (our own schedule, ``evaluate_al``),
-        disagreements}}, checks: {name: (ok, detail)}, problems: [...], export, num_speculative_tokens,
+        disagreements, accept_lengths: {side: tokens per round per prompt}, by_category (with meta)}}, checks: {name: (ok, detail)}, problems: [...], export, num_speculative_tokens,
         vllm_patched (the fixes the runner applied), tokens_per_s: {vllm_spec: {T: tok/s}, vllm_plain}};
         ``problems`` empty = every check passed.
     """
@@ -310,7 +312,7 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     problems = [f"export: {p}" for p in check_export(export, target, ck)]
     report = dict(export=export, checkpoint=ck, target=target_dir, dtype=dtype, max_new_tokens=int(max_new_tokens),
                   num_prompts=len(prompts), stop_token_ids=[int(t) for t in stop_token_ids], checks={},
-                  problems=problems, by_temperature={}, tokens_per_s={})
+                  problems=problems, by_temperature={}, tokens_per_s={}, provenance=provenance())
     if problems:
         return report
     drafter = load_drafter(ck or export, target).eval()
@@ -379,6 +381,15 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
                                                                              "reached_at", "per_position_acceptance")}
                                                   if mine else None,
                                                   disagreements=dis)
+        lengths = {"vllm": [[a + 1 for a in o["steps"]["accepted"]] if o.get("steps") else None
+                            for o in run["outputs"]],
+                   "ours_vllm_schedule": ov["accept_lengths"]}
+        if mine:
+            lengths["ours"] = mine["accept_lengths"]
+        report["by_temperature"][f"{t:g}"]["accept_lengths"] = lengths
+        if meta is not None:
+            report["by_temperature"][f"{t:g}"]["by_category"] = {
+                side: by_category(x, meta) for side, x in lengths.items() if all(v is not None for v in x)}
         report["checks"][f"T={t:g} acceptance: vLLM == ours on vLLM's schedule"] = (not dis, "; ".join(dis))
         problems += dis
     hot = [t for t in temps if t > 0]
@@ -521,6 +532,8 @@ def _diff_text(bad: list, a: list, b: list) -> str:
 def format_judge(report: dict, title: str = "") -> str:
     """The judge's numbers as a table: per temperature vLLM, ours on vLLM's schedule, ours on our own."""
     lines = [title] if title else []
+    if report.get("provenance"):
+        lines.append(provenance_line(report["provenance"]))
     lines.append(f"export {report['export']} | target {report['target']} | {report['dtype']} | {report['num_prompts']} "
                  f"prompts x {report['max_new_tokens']} new tokens | vLLM num_speculative_tokens "
                  f"{report.get('num_speculative_tokens')} | AL incl. bonus = 1 + accepted / drafts | T>0: vLLM with "
@@ -535,6 +548,9 @@ def format_judge(report: dict, title: str = "") -> str:
                 continue
             lines.append(f"  {name:<28} AL {x['mean_al']:.3f}  drafts {x['rounds']:>6}  accepted/reached "
                          + "  ".join(acceptance_cells(x)))
+        if r.get("by_category"):
+            lines.append("  " + format_categories([(side, bc) for side, bc in r["by_category"].items()])
+                         .replace("\n", "\n  "))
     for name, (ok, detail) in report["checks"].items():
         lines.append(f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail and not ok else ""))
     for p in report["problems"]:
@@ -571,7 +587,8 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     tdtype = resolve_dtype(eval_dtype(cfg))
     dtype = "bfloat16" if tdtype == torch.bfloat16 else "float32"
     target = load_target(target_dir, dtype=tdtype, device="cpu")
-    prompts = [p.tolist() for p in heldout_prompt_ids(target_dir, target.vocab_size, cfg.eval.prompts)]
+    ids, meta, _ = run_prompts(cfg, target_dir, target.vocab_size, judge=True)
+    prompts = [p.tolist() for p in ids]
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     out = []
     for label, path in rows:
@@ -579,18 +596,21 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
             continue
         try:
             rep = judge(target_dir, path, prompts, cfg.eval.max_new_tokens, cfg.pipeline.eval_temperatures, stops,
-                        dtype, seed=cfg.eval.seed, target=target, own=False, progress=progress,
+                        dtype, seed=cfg.eval.seed, target=target, own=False, progress=progress, meta=meta,
                         work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)))
         except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
             print(f"[specopd] vLLM judge of {path} failed: {e}", flush=True)
             continue
         print(format_judge(rep, f"vLLM judge: {label}"), flush=True)
         by = rep["by_temperature"]
+        cat = {t: r.get("by_category") or {} for t, r in by.items()}
         out.append({"drafter": f"{label} | vLLM", "checkpoint": path, "engine": "vllm",
-                    "by_temperature": {t: dict(r["vllm"], how="vllm") for t, r in by.items()},
-                    "problems": rep["problems"]})
+                    "by_temperature": {t: dict(r["vllm"], how="vllm", by_category=cat[t].get("vllm"))
+                                       for t, r in by.items()},
+                    "problems": rep["problems"], "num_prompts": len(prompts)})
         out.append({"drafter": f"{label} | ours, vLLM's schedule", "checkpoint": path, "engine": "ours",
-                    "by_temperature": {t: dict(r["ours_vllm_schedule"]) for t, r in by.items()}})
+                    "by_temperature": {t: dict(r["ours_vllm_schedule"], by_category=cat[t].get("ours_vllm_schedule"))
+                                       for t, r in by.items()}, "num_prompts": len(prompts)})
     return out
 
 
@@ -632,7 +652,8 @@ def main_serve_check(args) -> int:
     return 0
 
 
-def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: list, stops, temps, ns) -> dict:
+def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: list, stops, temps, ns,
+                   meta: Optional[Sequence[dict]] = None) -> dict:
     """``specopd eval --engine vllm``: the judge on the eval prompts (the drafter exported first; an untrained one is
     exported from memory). Prints the table.
 
@@ -646,6 +667,7 @@ def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: 
         stops: stop token ids.
         temps: the temperatures.
         ns: the CLI's argparse namespace (``--json``).
+        meta: per prompt {"id", "category"} (``--bench``): AL per category on each side.
 
     Returns:
         the judge's report (``judge``).
@@ -660,7 +682,7 @@ def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: 
         path = export_drafter(drafter, os.path.join(work, "untrained-export"))
     dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
     rep = judge(target_dir, path, [p.tolist() for p in prompts], cfg.eval.max_new_tokens, temps, stops, dtype,
-                seed=cfg.eval.seed, target=target, work_dir=work, vllm_default=True, progress=True)
+                seed=cfg.eval.seed, target=target, work_dir=work, vllm_default=True, progress=True, meta=meta)
     print(format_judge(rep, f"specopd eval --engine vllm: drafter {source}"))
     json_path = getattr(ns, "json", None)
     if json_path:

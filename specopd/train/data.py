@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from specopd.config import RecipeError
 from specopd.data.formats import build_cache, conversation_samples, stats_note
+from specopd.data.packaged import conversations_file
 from specopd.data.prepare import load_tokenizer
 from specopd.errors import BadInputError, read_text_lines
 from specopd.train.tiny import TINY_VERSION
@@ -179,7 +180,7 @@ def load_conversations(cfg, target, stats: dict) -> list:
                           f"its tokenizer files (e.g. `specopd prepare model smollm2-135m`)")
     tok = load_tokenizer(cfg.model.target, target.vocab_size)
     d = cfg.data
-    return conversation_samples(d.path, tok, cfg.model.target, cfg.trainer.output_dir, d.seq_len,
+    return conversation_samples(conversations_file(d.path), tok, cfg.model.target, cfg.trainer.output_dir, d.seq_len,
                                 target_context(target), overlong=d.overlong, bad_lines=d.bad_lines, seed=d.seed,
                                 heldout=d.heldout, stats=stats)
 
@@ -194,7 +195,7 @@ def warm_conversation_cache(cfg) -> Optional[dict]:
         conf = json.load(f)
     vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
     tok = load_tokenizer(cfg.model.target, int(vocab))
-    return build_cache(cfg.data.path, tok, cfg.model.target, cfg.trainer.output_dir)
+    return build_cache(conversations_file(cfg.data.path), tok, cfg.model.target, cfg.trainer.output_dir)
 
 
 def load_dataset(cfg, target, progress: bool = True, stats: Optional[dict] = None) -> list:
