@@ -48,12 +48,13 @@ test: setup tt36
 	RAY_USAGE_STATS_ENABLED=0 SPECOPD_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider -m slow
 	$(MAKE) dry-run
 
+# test-fast, test-kernels and dry-run need no vLLM venv (its tests skip without it); `make test` builds it.
 # Every executor test again with kernels="triton" under the Triton interpreter (~20 min on 2 cores; not in CI).
-test-kernels: setup
+test-kernels: $(VENV)/.installed
 	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -p no:cacheprovider -m interpret_full
 
-test-fast: setup
+test-fast: $(VENV)/.installed
 	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -p no:cacheprovider
 
-dry-run: setup
+dry-run: $(VENV)/.installed
 	for r in recipes/*.yaml; do echo "== $$r"; $(VENV)/bin/specopd train $$r --dry-run || exit 1; done
