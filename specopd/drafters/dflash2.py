@@ -2,7 +2,7 @@
 the block around each layer's attention and MLP, a scaled input embedding, soft-capped candidate logits and a
 low-rank candidate selector that makes slot l's draft distribution depend on the token drafted at slot l - 1.
 Shapes: N branches, S = block_size, W = S - 1, D hidden, V vocab, K = selector_top_k, r = selector_rank.
-Design, maths and what differs from the issue's wording: specopd/drafters/DFLASH2.md.
+Design, maths and the order of scale and soft cap: specopd/drafters/DFLASH2.md.
 """
 from __future__ import annotations
 
