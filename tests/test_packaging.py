@@ -27,3 +27,16 @@ def test_the_wheel_holds_every_c_source_and_header(tmp_path):
     want = sorted(os.path.relpath(p, ROOT) for ext in ("c", "h")
                   for p in glob.glob(os.path.join(ROOT, "kernels", "**", f"*.{ext}"), recursive=True))
     assert want and [w for w in want if w not in names] == []
+
+
+def test_no_other_distribution_installs_our_top_level_names():
+    """transformers 5.25 requires Hugging Face's `kernels` distribution, whose import name is our kernels/ package's:
+    with both installed, transformers imports ours and every model load fails. pyproject pins transformers below 5.25;
+    this names the clash if an environment brings such a distribution in anyway."""
+    import importlib.metadata as md
+    owners = md.packages_distributions()
+    clashes = {name: sorted(set(owners.get(name, [])) - {"specopd"}) for name in ("specopd", "executors", "kernels")}
+    clashes = {k: v for k, v in clashes.items() if v}
+    assert clashes == {}, (f"installed distributions also provide {clashes}; uninstall them "
+                           f"(`pip uninstall {' '.join(sorted({d for v in clashes.values() for d in v}))}`) or keep "
+                           f"transformers <5.25 as pyproject.toml pins it")
