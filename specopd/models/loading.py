@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from executors.base import check_kernels
 from specopd.models.registry import MODEL_TYPES
+from specopd.models.tensor_parallel import shard_target
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -74,7 +75,7 @@ def read_state_dict(path: str) -> dict:
 
 
 def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: Optional[dict] = None,
-                kernels: str = "auto"):
+                kernels: str = "auto", tensor_parallel=None):
     """Build our implementation of the checkpoint's ``model_type`` and load every weight.
 
     Args:
@@ -125,6 +126,9 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s) our {mt} model needs, e.g. "
                          f"{missing[:5]}; refusing to initialise them at random")
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        plan = shard_target(model, tensor_parallel)
+        sd = {k: tensor_parallel.shard(v, *plan[k]) if k in plan else v for k, v in sd.items()}
     sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and not _keep_fp32(model, k) else v.dtype)
           for k, v in sd.items()}
     model.load_state_dict(sd, strict=True, assign=True)
