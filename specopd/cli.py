@@ -110,6 +110,7 @@ def plan(cfg, device_bytes=None) -> dict:
         "drafter": {"kind": cfg.drafter.kind, "num_layers": cfg.drafter.num_layers,
                     "block_size": cfg.drafter.block_size},
         "workers": r.num_workers, "backend": r.backend, "roles": r.roles, "placement": _placement(r, m.device),
+        "tensor_parallel": r.tensor_parallel,
         "per_step": {"sequences": d.batch_size, "sequences_per_worker": per_worker,
                      "branches": d.batch_size * t.anchors_per_seq,
                      "supervised_tokens": d.batch_size * t.anchors_per_seq * (cfg.drafter.block_size - 1)},
@@ -140,7 +141,9 @@ def _print_plan(p: dict) -> None:
     if p["roles"] == "split":
         print(f"workers  {p['workers']} target + {p['workers']} drafter x {p['backend']} (roles split)")
     else:
-        print(f"workers  {p['workers']} x {p['backend']} ({p['roles']})")
+        tp = p.get("tensor_parallel", 1)
+        print(f"workers  {p['workers']} x {p['backend']} ({p['roles']})"
+              + (f", each target sharded over tensor_parallel={tp} ranks" if tp > 1 else ""))
     for pl in p["placement"]:
         print(f"  worker {pl['worker']} ({pl.get('role', 'all phases')}): device={pl['device']} cpus={pl['cpus']} "
               f"gpus={pl['gpus']}")

@@ -352,6 +352,9 @@ class RuntimeConfig:
     num_workers: int = setting(1, resume=SAME_RUN)
     """Data-parallel workers; each global batch is split by sample across them. With roles=split this
     counts target workers, and each one is paired with its own drafter worker (2 x num_workers in all)."""
+    tensor_parallel: int = setting(1, resume=SAME_RUN)
+    """Ranks that shard each data-parallel replica's target (Ray actors on one node; attention and GDN heads, MLPs,
+    MoE experts; see specopd/models/tensor_parallel.py). 1: every worker holds the whole target."""
     address: Optional[str] = setting(None, resume=SAME_RUN)
     """Ray cluster address (null: start a local Ray instance)."""
     cpus_per_worker: float = setting(1.0, resume=SAME_RUN)
@@ -369,6 +372,13 @@ class RuntimeConfig:
         _check_range("runtime", "cpus_per_worker", self.cpus_per_worker, lo=0)
         _check_range("runtime", "gpus_per_worker", self.gpus_per_worker, lo=0)
         _check_choice("runtime", "roles", self.roles, ["colocated", "split"])
+        _check_range("runtime", "tensor_parallel", self.tensor_parallel, lo=1)
+        if self.tensor_parallel > 1 and self.backend != "ray":
+            raise RecipeError(f"runtime.tensor_parallel={self.tensor_parallel} needs runtime.backend=ray (one "
+                              f"actor per rank); set it, or runtime.tensor_parallel=1")
+        if self.tensor_parallel > 1 and self.roles != "colocated":
+            raise RecipeError("runtime.tensor_parallel > 1 runs with runtime.roles=colocated only; set it, or "
+                              "runtime.tensor_parallel=1")
 
 
 @dataclass

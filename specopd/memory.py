@@ -21,6 +21,7 @@ from specopd.drafters import build_drafter
 from specopd.losses import CHUNK_BUDGET, CHUNK_WORKSET_FACTOR, auto_chunk_rows
 from specopd.models import MODEL_TYPES
 from specopd.models.loading import read_config
+from specopd.models.tensor_parallel import TensorParallel, shard_target
 from specopd.profiling import PHASES
 from specopd.train.tiny import tiny_config
 
@@ -176,9 +177,10 @@ class TargetInfo:
     model: nn.Module
 
 
-def analyse_target(shape: dict, dtype: str) -> TargetInfo:
+def analyse_target(shape: dict, dtype: str, tensor_parallel: int = 1) -> TargetInfo:
     """Build our model class for ``shape`` on the meta device: exact weights (fp32 where the model keeps them,
-    tied weights once), the token mixers and the MLP width."""
+    tied weights once), the token mixers and the MLP width; with ``tensor_parallel`` > 1, of one rank's shard
+    (local heads, experts and MLP columns: its caches follow)."""
     mt = shape.get("model_type")
     if mt not in MODEL_TYPES:
         raise ValueError(f"model_type {mt!r} of the target shape is not supported; supported: {sorted(MODEL_TYPES)}")
@@ -188,6 +190,8 @@ def analyse_target(shape: dict, dtype: str) -> TargetInfo:
     except (KeyError, TypeError) as e:
         raise ValueError(f"the target shape lacks an entry our {mt} model needs: {e} (give the config.json "
                          f"entries under model.shape)") from None
+    if tensor_parallel > 1:
+        shard_target(model, TensorParallel.planned(tensor_parallel))
     bpe = _BYTES[dtype]
     tied = set(getattr(model, "tied_params", {}))
     fp32 = tuple(getattr(model, "fp32_params", ()))
@@ -385,7 +389,7 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     if shape is None:
         return None
     m, t, d, r = cfg.model, cfg.trainer, cfg.data, cfg.runtime
-    info = analyse_target(shape, m.dtype)
+    info = analyse_target(shape, m.dtype, r.tensor_parallel)
     drafter = build_meta_drafter(cfg, info)
     bpe = _BYTES[m.dtype]
     on_gpu = m.device != "cpu"
@@ -420,7 +424,8 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     all_, upto_score = MEMORY_PHASES, ("prefill", "propose", "score")
     terms = [
         Term("target weights", info.weight_bytes, all_, None,
-             f"{info.params / 1e9:.3f}B params in {m.dtype} (fp32 where the model keeps them)"),
+             f"{info.params / 1e9:.3f}B params in {m.dtype} (fp32 where the model keeps them)"
+             + (f", one rank's shard of runtime.tensor_parallel={r.tensor_parallel}" if r.tensor_parallel > 1 else "")),
         Term("drafter weights (fp32)", dparams * dbytes, all_, "drafter.num_layers",
              f"{dparams / 1e6:.1f}M params x 4 B"),
         Term("drafter AdamW state", dparams * 2 * dbytes, all_, "drafter.num_layers", "exp_avg + exp_avg_sq, fp32"),

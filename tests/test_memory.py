@@ -73,15 +73,37 @@ def test_cache_terms_equal_real_prefill_caches(tmp_path, target):
     assert kinds == {"llama": {"gqa"}, "qwen3_next": {"gdn", "gqa"}, "qwen4_exp": {"gdn", "qsa", "conv"}}[target[5:]]
 
 
+H200_BYTES = 141 * 10**9
+# the GPU each 8-GPU recipe is planned for: qwen4_exp's 512 experts need two H200s per target
+DEVICE_OF = {"qwen4-exp-dflash-8gpu.yaml": H200_BYTES}
+
+
 @pytest.mark.parametrize("recipe", RECIPES_8GPU)
-def test_8gpu_recipes_fit_80gb(recipe):
+def test_8gpu_recipes_fit_their_gpu(recipe):
     cfg = load_recipe(os.path.join(ROOT, "recipes", recipe))
-    p = check_memory(cfg, device_bytes=DEFAULT_DEVICE_BYTES)
-    assert p is not None and p.fits and p.peak <= DEFAULT_DEVICE_BYTES
+    dev = DEVICE_OF.get(recipe, DEFAULT_DEVICE_BYTES)
+    p = check_memory(cfg, device_bytes=dev)
+    assert p is not None and p.fits and p.peak <= dev
     assert p.shape_source.startswith("recipe model.shape")
-    assert p.sizes["vocab"] in (151_936, 248_320) and p.device_bytes == 80 * 10**9
+    assert p.sizes["vocab"] in (151_936, 248_320) and p.device_bytes == dev
     assert set(p.phase_bytes()) == set(MEMORY_PHASES)
     assert p.sizes["branches"] >= 256  # paper scale: hundreds of branches per GPU
+
+
+def test_tensor_parallel_plans_one_ranks_shard():
+    """runtime.tensor_parallel=2 halves the sharded weights (attention, GDN, MLP and expert blocks; embeddings,
+    lm_head, norms and the indexer stay whole) and the per-layer caches, and refuses a count that does not
+    divide the key/value heads."""
+    path = os.path.join(ROOT, "recipes", "qwen4-exp-dflash-8gpu.yaml")
+    one = check_memory(load_recipe(path, ["runtime.tensor_parallel=1"]), device_bytes=10**15)
+    two = check_memory(load_recipe(path), device_bytes=10**15)
+    w1, w2 = one.terms[0].bytes, two.terms[0].bytes
+    assert one.terms[0].name == two.terms[0].name == "target weights"
+    assert 0.5 * w1 < w2 < 0.55 * w1
+    c1, c2 = [sum(t.bytes for t in plan.terms if t.name == "trunk caches") for plan in (one, two)]
+    assert c2 < 0.6 * c1
+    with pytest.raises(ValueError, match="num_key_value_heads = 2 does not divide over runtime.tensor_parallel = 4"):
+        check_memory(load_recipe(path, ["runtime.tensor_parallel=4"]), device_bytes=10**15)
 
 
 def test_plan_larger_than_device_is_a_clear_error():

@@ -158,3 +158,36 @@ def test_dry_run_every_recipe(capsys):
         assert main(["train", r, "--dry-run"]) == 0, r
         text = capsys.readouterr().out
         assert "workers" in text, r
+
+
+@pytest.mark.slow
+def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_path):
+    """runtime.tensor_parallel=2: one data-parallel worker whose target is sharded over 2 Ray actors (gloo, a
+    (dp, tp) DeviceMesh) ends with the drafter of 1 unsharded in-process worker, up to fp32 rounding of the
+    row-parallel sums (the tolerance of the data-parallel test above). Resuming its checkpoint unsharded (and
+    the other way round) continues the run."""
+    from specopd.train.loop import train
+
+    tp2 = "runtime.tensor_parallel=2"
+    with RayGroup(_cfg(tmp_path / "g", tp2, workers=1)) as g:
+        shards = [ray.get(a.run.remote("target_shard", (), {})) for a in g.actors]
+    from specopd.models import load_target
+
+    (path,) = glob.glob(str(tmp_path / "g" / "tiny-target-*"))
+    full = sum(p.numel() for p in load_target(path).parameters())
+    assert [(s["tp_rank"], s["tp_size"]) for s in shards] == [(0, 2), (1, 2)]
+    assert all(s["params"] == shards[0]["params"] < full for s in shards)
+    train(_cfg(tmp_path / "local", backend="local", workers=1), progress=False)
+    train(_cfg(tmp_path / "tp", tp2, workers=1), progress=False)
+    ref, got = _weights(tmp_path / "local"), _weights(tmp_path / "tp")
+    assert set(ref) == set(got)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=2e-5, rtol=0)
+    # resume across tensor_parallel: the sharded run's checkpoint unsharded, the unsharded one sharded
+    train(_cfg(tmp_path / "tp", "trainer.max_steps=5", "trainer.resume=auto", backend="local", workers=1),
+          progress=False)
+    train(_cfg(tmp_path / "local", "trainer.max_steps=5", "trainer.resume=auto", tp2, workers=1), progress=False)
+    ref, got = _weights(tmp_path / "local"), _weights(tmp_path / "tp")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=2e-5, rtol=0)
+    assert live_groups() == []

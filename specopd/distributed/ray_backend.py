@@ -79,19 +79,30 @@ def last_checkpoint(output_dir) -> Optional[str]:
 class _WorkerHost:
     """Runs in the actor process: hosts one Worker and its share of the process group."""
 
-    def __init__(self, worker_cls, cfg, rank: int, world_size: int, num_threads: int, role: Optional[str] = None):
+    def __init__(self, worker_cls, cfg, rank: int, world_size: int, num_threads: int, role: Optional[str] = None,
+                 tp_rank: int = 0, tp_size: int = 1):
         torch.set_num_threads(max(1, num_threads))
         apply_deterministic(bool(_get(cfg, "trainer.deterministic", False)))  # before any CUDA work
-        self.rank, self.world_size = rank, world_size
-        kw = {"role": role} if role else {}  # colocated: the plain constructor (custom worker classes too)
-        self.init_error = None
+        self.rank, self.world_size = rank, world_size  # data-parallel
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.worker_cls, self.cfg, self.role = worker_cls, cfg, role
+        self.init_error, self.worker, self.dp_group = None, None, None
+        self.sampler, self.gpu_note = None, None
+        if tp_size == 1:  # a sharded target needs the process group first: built in init_dist
+            self._build(None)
+
+    def _build(self, tensor_parallel) -> None:
+        kw = {"role": self.role} if self.role else {}  # colocated: the plain constructor (custom worker classes too)
+        if tensor_parallel is not None:
+            kw["tensor_parallel"] = tensor_parallel
         try:
-            self.worker = _resolve(worker_cls)(cfg, rank, world_size, **kw)
+            self.worker = _resolve(self.worker_cls)(self.cfg, self.rank, self.world_size, **kw)
         except UserError as e:  # a user's mistake (bad data, ...): raised by info() with its own type, so the
             self.init_error = e  # driver reports it as such (an actor that fails in __init__ loses the type)
-            self.sampler, self.gpu_note = None, None
             return
-        self.sampler, self.gpu_note = start_gpu_sampler(cfg, f"{'target' if role == 'target' else 'worker'}{rank}")
+        who = f"{'target' if self.role == 'target' else 'worker'}{self.rank}"
+        self.sampler, self.gpu_note = start_gpu_sampler(self.cfg, who + (f".tp{self.tp_rank}" if self.tp_size > 1
+                                                                         else ""))
 
     def info(self) -> dict:
         import ray  # ray: slow to import; only in a Ray run
@@ -112,11 +123,26 @@ class _WorkerHost:
         return ray.util.get_node_ip_address(), port
 
     def init_dist(self, addr: str, port: int, backend: str, timeout_s: float):
+        """Join the process group of every actor (data-parallel rank x tensor_parallel + tp rank); with
+        tensor_parallel > 1 build the (dp, tp) mesh and then the worker, its target sharded over "tp"."""
         if "nccl" in backend:
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
-        self.worker.set_allreduce(self._allreduce)
+        n, tp = self.world_size, self.tp_size
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank * tp + self.tp_rank,
+                                world_size=n * tp, timeout=timedelta(seconds=timeout_s))
+        self.dp_group = None
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from specopd.models.tensor_parallel import TensorParallel
+
+            mesh = init_device_mesh("cuda" if "nccl" in backend else "cpu", (n, tp), mesh_dim_names=("dp", "tp"))
+            self.dp_group = mesh["dp"].get_group()
+            self._build(TensorParallel(mesh["tp"], shard_vocab=False))
+            if self.init_error is not None:
+                raise self.init_error
+        if n > 1:
+            self.worker.set_allreduce(self._allreduce)
         return True
 
     def _allreduce(self, grads: Sequence) -> None:
@@ -128,7 +154,7 @@ class _WorkerHost:
         if not ts:
             return
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in ts])  # fp32 sum even for bf16
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)  # tp ranks hold equal gradients
         off = 0
         for t in ts:
             n = t.numel()
@@ -204,7 +230,8 @@ class RayGroup(WorkerCalls):
         if n < 1:
             raise ValueError(f"runtime.num_workers must be >= 1, got {n}")
         self.split = roles == "split"
-        total_actors = 2 * n if self.split else n  # split: n drafter actors, then n target actors
+        self.tp = tp = int(_get(cfg, "runtime.tensor_parallel", 1))  # actors per data-parallel worker, one node
+        total_actors = 2 * n if self.split else n * tp  # split: n drafter actors, then n target actors
         self.output_dir = _get(cfg, "trainer.output_dir", ".")
         self.actors: list = []
         self.pgs: list = []
@@ -221,7 +248,7 @@ class RayGroup(WorkerCalls):
         plan, left = [], total_actors
         caps = _node_capacity(ray.nodes(), cpus, gpus)
         for node_id, ip, cap in caps:
-            k = min(cap, left)
+            k = min(cap - cap % tp, left)  # whole tensor-parallel groups per node
             if k > 0:
                 plan.append((node_id, ip, k))
                 left -= k
@@ -234,7 +261,8 @@ class RayGroup(WorkerCalls):
                 f"{total_actors * gpus:g} GPU, "
                 f"but the Ray cluster{' at ' + address if address else ' (local)'} has {have_cpu:g} CPU, "
                 f"{have_gpu:g} GPU on {len(caps)} node(s), and whole workers fit for only {total_actors - left} "
-                f"(largest node: {biggest}). Lower runtime.num_workers / runtime.cpus_per_worker / "
+                f"(largest node: {biggest})" + (f", in whole groups of runtime.tensor_parallel={tp} on one node"
+                                                if tp > 1 else "") + ". Lower runtime.num_workers / runtime.cpus_per_worker / "
                 f"runtime.gpus_per_worker, or add nodes (ray start --address=...).")
 
         bundle = {"CPU": cpus}
@@ -259,17 +287,19 @@ class RayGroup(WorkerCalls):
                     self.infos.append({"rank": rank, "ip": ip, "node_id": node_id})  # until info() answers
                     strat = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b)
                     role = (None if not self.split else "drafter" if rank < n else "target")
+                    dp, t = (rank // tp, rank % tp) if not self.split else (rank % n, 0)
                     self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strat)
-                                       .remote(worker_cls, cfg, rank % n, n, nthreads, role))
+                                       .remote(worker_cls, cfg, dp, n, nthreads, role, t, tp))
                     rank += 1
             _LIVE_GROUPS.append(self)
             self.infos = self._wait([a.info.remote() for a in self.actors], "__init__")
-            if n > 1:
+            if n * tp > 1:
                 # nccl for CUDA tensors (one GPU per rank), gloo for CPU tensors
                 backend = "cpu:gloo,cuda:nccl" if gpus >= 1 else "gloo"
                 addr, port = ray.get(self.actors[0].master_endpoint.remote())
                 timeout = float(_get(cfg, "runtime.dist_timeout_s", 1800))
-                self._wait([a.init_dist.remote(addr, port, backend, timeout) for a in self.actors[:n]], "init_dist")
+                self._wait([a.init_dist.remote(addr, port, backend, timeout) for a in self.actors[:n * tp]],
+                           "init_dist")
         except BaseException:
             self.shutdown()
             raise
@@ -291,6 +321,9 @@ class RayGroup(WorkerCalls):
     def call_role(self, role: str, method: str, per_worker_args: Sequence) -> list:
         """``method`` on the drafter actors (colocated: all actors) or, split, on the target actors."""
         self._check_open()
+        if self.tp > 1:  # every rank of a group runs the same call; its first rank answers for the group
+            refs = [a.run.remote(method, tuple(per_worker_args[i // self.tp]), {}) for i, a in enumerate(self.actors)]
+            return self._wait(refs, method)[::self.tp]
         base = self.world_size if role == "target" else 0
         refs = [a.run.remote(method, tuple(args), {})
                 for a, args in zip(self.actors[base: base + self.world_size], per_worker_args)]
@@ -298,6 +331,8 @@ class RayGroup(WorkerCalls):
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
         self._check_open()
+        if self.tp > 1:
+            return self._wait([a.run.remote(method, args, kwargs) for a in self.actors], method)[::self.tp]
         return self._wait([a.run.remote(method, args, kwargs) for a in self.actors[:self.world_size]], method)
 
     def profile_take(self):
@@ -453,6 +488,8 @@ def extend_plan(cfg, p: dict) -> dict:
     pairs = n
     if r.roles == "split":  # n drafter actors + n target actors
         n = 2 * pairs
+    tp = int(r.tensor_parallel)
+    n *= tp  # colocated: a group of tp actors on one node per data-parallel worker
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
     notes = p.setdefault("notes", [])
     p["ray"] = {"address": r.address or "local (ray.init on this machine)", "bundle": bundle,
@@ -461,6 +498,9 @@ def extend_plan(cfg, p: dict) -> dict:
                 "process_group": "nccl (CUDA) + gloo (CPU)" if gpus >= 1 else "gloo", "roles": r.roles}
     notes.append(f"ray: {n} actors x {bundle} = {n * cpus:g} CPU, {n * gpus:g} GPU "
                  f"({p['ray']['strategy']}; drafter gradients summed with {p['ray']['process_group']})")
+    if tp > 1:
+        notes.append(f"tensor parallel: each of the {pairs} worker(s) shards its target over {tp} actors on one node "
+                     f"(a (dp, tp) device mesh); the memory plan below is one rank's")
     if r.roles == "split":
         notes.append(f"roles split: {pairs} drafter actor(s) (propose, loss, all-reduced optimizer step) + {pairs} "
                      f"target actor(s) (prefill, trunk caches, packed scoring); per step the controller moves "

@@ -27,12 +27,20 @@ from specopd.models.common import MLP, Experts, Linear
 
 class TensorParallel:
     """One tensor-parallel group: a 1-D ``DeviceMesh`` over the ranks that shard one target. ``size`` 1 is the
-    unsharded target (no mesh needed)."""
+    unsharded target (no mesh needed). ``shard_vocab=False`` keeps ``lm_head`` whole on every rank (training: the
+    drafter's sampling and fused loss read its full weight)."""
 
-    def __init__(self, mesh=None):
-        self.mesh = mesh
+    def __init__(self, mesh=None, shard_vocab: bool = True):
+        self.mesh, self.shard_vocab = mesh, bool(shard_vocab)
         self.size = 1 if mesh is None else int(mesh.size())
         self.rank = 0 if mesh is None else int(mesh.get_local_rank())
+
+    @classmethod
+    def planned(cls, size: int, shard_vocab: bool = False) -> "TensorParallel":
+        """Rank 0 of a group of ``size`` without a process group: for shapes only (the memory plan on meta)."""
+        tp = cls(None, shard_vocab)
+        tp.size = int(size)
+        return tp
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's ``t`` (a row-parallel partial result), on every rank."""
@@ -132,6 +140,9 @@ def shard_target(model: nn.Module, tp: TensorParallel) -> dict:
     for mod in model.modules():
         if isinstance(mod, RowParallelLinear):
             mod.tp = tp
+    model.tensor_parallel = tp
+    if not tp.shard_vocab:
+        return plan
     head = model.lm_head
     v = head.out_features
     head.__class__ = VocabParallelHead
@@ -141,7 +152,6 @@ def shard_target(model: nn.Module, tp: TensorParallel) -> dict:
     _resize(head, "weight", 0, local_v)
     head.out_features = local_v
     plan["lm_head.weight"] = (0, None)
-    model.tensor_parallel = tp
     return plan
 
 

@@ -58,17 +58,20 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callabl
 class Worker:
     """Hosts the target, a drafter replica, AdamW and the LR schedule. See the module docstring."""
 
-    def __init__(self, cfg, rank: int = 0, world_size: int = 1, target=None, role: str = "both"):
+    def __init__(self, cfg, rank: int = 0, world_size: int = 1, target=None, role: str = "both",
+                 tensor_parallel=None):
         """role: "both" (colocated) | "target" | "drafter" (split roles; both still build the target and a
         drafter: the drafter worker needs the frozen embeddings / lm_head, the target worker the drafter's
-        feature layers)."""
+        feature layers). tensor_parallel: this rank's ``TensorParallel`` group (runtime.tensor_parallel > 1):
+        the target is its shard; ``rank`` / ``world_size`` stay the data-parallel ones."""
         if role not in ("both", "target", "drafter"):
             raise ValueError(f"Worker role must be both | target | drafter, got {role!r}")
         self.cfg, self.rank, self.world_size, self.role = cfg, int(rank), int(world_size), role
         self.device = resolve_device(cfg.model.device)
         if target is None:
             path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
-            target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device, kernels=cfg.model.kernels)
+            target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device, kernels=cfg.model.kernels,
+                                 tensor_parallel=tensor_parallel)
         self.target = target
         d = cfg.drafter
         if d.init_from:  # ours or a released DFlash / DSpark folder
@@ -152,6 +155,12 @@ class Worker:
                 "train_ids": list(self.train_ids), "heldout_ids": list(self.heldout_ids),
                 "draft_len": self.W, "vocab_size": self.target.vocab_size,
                 "anchor_counts": [int(a.numel()) for a in self._anchor_pos], "data_stats": dict(self.data_stats)}
+
+    def target_shard(self) -> dict:
+        """What this worker holds of the target: its parameters and tensor-parallel rank / size."""
+        tp = getattr(self.target, "tensor_parallel", None)
+        return {"params": sum(p.numel() for p in self.target.parameters()),
+                "tp_rank": 0 if tp is None else tp.rank, "tp_size": 1 if tp is None else tp.size}
 
     def set_allreduce(self, fn: Optional[Callable]) -> None:
         """fn(list_of_grads) sums gradients across workers in place (None = single worker, no-op)."""
