@@ -130,8 +130,10 @@ def _placement(r, device: str) -> list:
 def _print_plan(p: dict) -> None:
     tg = p["target"]
     if tg.get("params") is not None:
-        print(f"target   {tg['model_type']} ({tg['source']}): {tg['params'] / 1e6:.2f}M params, "
-              f"{tg['layers']} layers, hidden {tg['hidden_size']}, vocab {tg['vocab']}")
+        tp = p.get("tensor_parallel", 1)
+        print(f"target   {tg['model_type']} ({tg['source']}): {tg['params'] / 1e6:.2f}M params"
+              + (f" per rank (tensor_parallel={tp})" if tp > 1 else "")
+              + f", {tg['layers']} layers, hidden {tg['hidden_size']}, vocab {tg['vocab']}")
     else:
         print(f"target   {tg['source']} ({tg.get('pending') or 'config.json not readable here'})")
     dr = p["drafter"]

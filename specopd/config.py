@@ -101,8 +101,13 @@ class ModelConfig:
     shape: Dict[str, Any] = setting(factory=dict, resume=FROM_HERE)
     """config.json entries of the target (model_type, hidden_size, vocab_size, ...) for the memory plan of
     ``specopd train --dry-run`` when the target folder is not on this machine; its config.json wins when it is."""
+    gpu_memory_gb: Optional[float] = setting(None, resume=SAME_RUN)
+    """The GPU the memory plan checks against, in GB (10^9 bytes), when no CUDA device is visible (the plan of a
+    recipe for another machine); null: 80. A visible GPU's own memory wins."""
 
     def __post_init__(self):
+        if self.gpu_memory_gb is not None:
+            _check_range("model", "gpu_memory_gb", self.gpu_memory_gb, lo=1)
         if self.target.startswith(TINY_PREFIX):
             _check_choice("model", "target", self.target, [TINY_PREFIX + t for t in TINY_MODEL_TYPES] + ["<HF folder>"])
         _check_choice("model", "dtype", self.dtype, ["float32", "bfloat16", "float16", "auto"])

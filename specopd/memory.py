@@ -156,6 +156,8 @@ def device_memory(cfg) -> Tuple[int, str]:
     if torch.cuda.is_available():
         prop = torch.cuda.get_device_properties(0)
         return int(prop.total_memory), f"cuda:0 ({prop.name})"
+    if cfg.model.gpu_memory_gb is not None:
+        return int(cfg.model.gpu_memory_gb * 10**9), "recipe model.gpu_memory_gb (no CUDA device visible here)"
     return DEFAULT_DEVICE_BYTES, "default 80 GB (no CUDA device visible here)"
 
 

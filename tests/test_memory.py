@@ -14,7 +14,8 @@ from specopd.memory import (DEFAULT_DEVICE_BYTES, MEMORY_PHASES, MemoryPlanError
                             memory_plan, target_shape, trunk_cache_bytes)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES_8GPU = ["qwen3-8b-dflash-8gpu.yaml", "qwen3.5-27b-dflash-8gpu.yaml", "qwen4-exp-dflash-8gpu.yaml"]
+RECIPES_8GPU = ["qwen3-8b-dflash-8gpu.yaml", "qwen3.5-27b-dflash-8gpu.yaml", "qwen4-exp-dflash-8gpu.yaml",
+                "qsa-gdn-125b-dflash2-8gpu.yaml"]
 
 
 def _tiny(tmp_path, *overrides, target="tiny:llama"):
@@ -75,7 +76,7 @@ def test_cache_terms_equal_real_prefill_caches(tmp_path, target):
 
 H200_BYTES = 141 * 10**9
 # the GPU each 8-GPU recipe is planned for: qwen4_exp's 512 experts need two H200s per target
-DEVICE_OF = {"qwen4-exp-dflash-8gpu.yaml": H200_BYTES}
+DEVICE_OF = {"qwen4-exp-dflash-8gpu.yaml": H200_BYTES, "qsa-gdn-125b-dflash2-8gpu.yaml": H200_BYTES}
 
 
 @pytest.mark.parametrize("recipe", RECIPES_8GPU)

@@ -57,20 +57,24 @@ def compare(full, shard) -> dict:
     return err
 
 
-def run(rank: int, world: int, init_file: str, cases: list, out: str) -> None:
+def run(rank: int, world: int, init_file: str, cases: list, out: str, device: str = "cpu") -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from specopd.models import load_target
     from specopd.models.tensor_parallel import TensorParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if device == "cuda":  # one GPU per rank, NCCL
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     try:
-        tp = TensorParallel(init_device_mesh("cpu", (world,)))
+        tp = TensorParallel(init_device_mesh(device, (world,)))
         res = {}
         for name, path in cases:
-            full = load_target(path)
-            shard = load_target(path, tensor_parallel=tp)
+            full = load_target(path, device=dev)
+            shard = load_target(path, device=dev, tensor_parallel=tp)
             n_full = sum(p.numel() for p in full.parameters())
             n_shard = sum(p.numel() for p in shard.parameters())
             res[name] = {"err": compare(full, shard), "params": [n_full, n_shard]}
