@@ -19,6 +19,7 @@ from specopd.data.packaged import conversations_file
 from specopd.data.prepare import main as main_prepare
 from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError, extend_plan
 from specopd.drafters.layout import DTYPES, describe_export, export_folder
+from specopd.engines import EngineUnavailable
 from specopd.errors import (BadInputError, DamagedFolderError, MissingInputError, UserError, dir_problem,
                             output_file_problem)
 from specopd.eval.cli import main_eval
@@ -358,7 +359,8 @@ def main(argv=None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return int(args.fn(args) or 0)
-    except UserError as e:  # a user's mistake (specopd.errors): the message names the cause and the fix
+    except (UserError, EngineUnavailable) as e:  # a user's mistake (specopd.errors), an engine that cannot run
+        # here (no vLLM venv, no server listening): the message names the cause and the fix
         if os.environ.get("SPECOPD_DEBUG"):
             raise
         return _fail(str(e))
