@@ -73,8 +73,9 @@ def _http(url: str, body: Optional[dict], timeout: float) -> dict:
         raise RequestFailed(f"HTTP {e.code} from {url}: {detail}", e.code in RETRY_HTTP) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out, DNS,
         # a body cut short (IncompleteRead), a closed connection (RemoteDisconnected)
-        why = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
-        raise RequestFailed(f"{url}: {why}", True) from None
+        why = getattr(e, "reason", None) or e
+        raise RequestFailed(f"{url}: {type(why).__name__ + ': ' if isinstance(why, BaseException) else ''}{why}",
+                            True) from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
