@@ -47,15 +47,20 @@ def _line_of(text: str, pos: int) -> int:
     return text.count("\n", 0, pos) + 1
 
 
-def _raw_records(path: str) -> list:
-    """path -> [(where "file:line" | "file:row N", record | _Bad)] in file order. A UTF-8 byte-order mark is
-    read as nothing; a .jsonl file that holds one (pretty-printed) JSON array is read as that array, with a note."""
+def check_conversations_file(path: str) -> None:
+    """A ``MissingInputError`` naming the fix when ``path`` is a folder or is not there."""
     if os.path.isdir(path):
         raise MissingInputError(f"conversations file {path!r} is a folder; give a .jsonl, .json or .parquet file of "
                                 f"conversations (data.path, or prepare data --from)")
     if not os.path.isfile(path):
         raise MissingInputError(f"conversations file {path!r} does not exist (data.path, or prepare data --from): "
                                 f"give a .jsonl, .json or .parquet file of conversations")
+
+
+def _raw_records(path: str) -> list:
+    """path -> [(where "file:line" | "file:row N", record | _Bad)] in file order. A UTF-8 byte-order mark is
+    read as nothing; a .jsonl file that holds one (pretty-printed) JSON array is read as that array, with a note."""
+    check_conversations_file(path)
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         return _parquet_records(path)
@@ -434,6 +439,7 @@ def cache_items_ok(data) -> bool:
 
 
 def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict) -> dict:
+    check_conversations_file(path)
     key = hashlib.sha256(f"v{CACHE_VERSION}:{sha256_file(path)}:{tokenizer_hash(target_dir)}".encode()).hexdigest()
     places = _cache_paths(path, key, output_dir)
     for p in places:
