@@ -80,6 +80,11 @@ def test_a_pretty_printed_array_in_a_jsonl_file_is_read_and_named(tmp_path, caps
     got = F.read_conversations(str(p))
     assert [r[1] for r in got] == ["c0", "c1", "c2", "c3"]
     assert "pretty.jsonl holds one JSON array" in capsys.readouterr().err
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text(json.dumps([{"id": "a", "prompt": "hi"}, {"prompt": "there"}], indent=2))
+    assert read_prompts(str(pf)) == [("a", [{"role": "user", "content": "hi"}]),
+                                     ("line2", [{"role": "user", "content": "there"}])]
+    assert "prompts.jsonl holds one JSON array" in capsys.readouterr().err
     q = _jsonl(tmp_path / "arrays.jsonl", [[1, 2], [3]])  # one array a line: JSONL whose records are not objects
     with pytest.raises(F.DataError, match="arrays.jsonl:1: expected a JSON object"):
         F.read_conversations(q)
