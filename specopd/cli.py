@@ -20,7 +20,7 @@ from specopd.data.packaged import conversations_file
 from specopd.data.prepare import main as main_prepare
 from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError, extend_plan
 from specopd.drafters.layout import DTYPES, describe_export, export_folder
-from specopd.engines import EngineUnavailable
+from specopd.engines import EngineFailed, EngineUnavailable
 from specopd.errors import (BadInputError, DamagedFolderError, MissingInputError, UserError, dir_problem,
                             output_file_problem)
 from specopd.eval.cli import main_eval
@@ -184,7 +184,8 @@ def cmd_train(args) -> int:
             summary = mainjob.run(cfg)
         else:
             summary = train(cfg)
-    except (CheckpointError, NonFiniteError, RecipeChangeError, WorkerLostError, ClusterTooSmallError) as e:
+    except (CheckpointError, NonFiniteError, RecipeChangeError, WorkerLostError, ClusterTooSmallError,
+            EngineFailed) as e:
         if os.environ.get("SPECOPD_DEBUG"):
             raise
         return _fail(str(e), 1)  # the message names the cause, the checkpoint and the fix
