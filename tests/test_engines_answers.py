@@ -27,7 +27,7 @@ from test_data import write_char_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS, VOCAB, MAX = 2, 128, 4  # the char tokenizer's <|im_end|>, the target's vocabulary, max_new_tokens
-HANG_S = 30.0  # the longest a "hang" request is held (the test releases it sooner)
+HANG_S = 60.0  # the longest a "hang" request is held (the test releases it sooner)
 
 
 def good(prompt: list, n: int) -> list:
@@ -310,7 +310,7 @@ def test_a_vllm_run_that_fails_or_answers_badly_fails_those_prompts(target_dir, 
     assert [r["id"] for r in R.read_records(os.path.join(out, R.DATA_FILE))] == ["good"]
 
 
-CTRL_C_WAIT_S = 15.0
+CTRL_C_WAIT_S = 40.0
 
 
 def test_ctrl_c_ends_the_run_at_once_whatever_the_server_does(target_dir, server, tmp_path):
@@ -342,6 +342,6 @@ def test_ctrl_c_ends_the_run_at_once_whatever_the_server_does(target_dir, server
             p.kill()
             p.wait()
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, (p.returncode, err[-2000:])
-    assert took < HANG_S / 3, took  # the server holds the request for HANG_S: the client did not wait for it
+    assert took < HANG_S / 3, took  # the server holds the request for HANG_S (and --timeout is 60): not waited for
     text = (out / R.DATA_FILE).read_text()
     assert text.endswith("\n") and [json.loads(x)["id"] for x in text.splitlines()] == ["p0"]
