@@ -15,10 +15,12 @@ from omegaconf import OmegaConf
 
 from specopd import mainjob
 from specopd.config import RecipeError, load_recipe
+from specopd.data.formats import check_conversations_file
 from specopd.data.packaged import conversations_file
 from specopd.data.prepare import main as main_prepare
 from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError, extend_plan
 from specopd.drafters.layout import DTYPES, describe_export, export_folder
+from specopd.engines import EngineFailed, EngineUnavailable
 from specopd.errors import (BadInputError, DamagedFolderError, MissingInputError, UserError, dir_problem,
                             output_file_problem)
 from specopd.eval.cli import main_eval
@@ -29,6 +31,7 @@ from specopd.train.checkpoint import MARKER, CheckpointError, find_latest, newes
 from specopd.train.lock import busy
 from specopd.train.checkpointer import RecipeChangeError
 from specopd.train.loop import train
+from specopd.train.metrics import check_loggers
 from specopd.train.step import NonFiniteError
 
 
@@ -87,11 +90,15 @@ def plan(cfg, device_bytes=None) -> dict:
             notes.append(f"resume: {found} (step {k}): " + (
                 "the run is complete; raise trainer.max_steps to train further" if k >= t.max_steps
                 else f"{t.max_steps - k} steps left"))
+    if (d.source == "prepared" and not pipeline and os.path.isdir(d.path)
+            and not os.path.isfile(os.path.join(d.path, "data.jsonl"))):  # the run refuses it too
+        raise MissingInputError(f"data.path={d.path!r} is a folder without data.jsonl; give a .jsonl file or the "
+                                f"--out folder of `specopd prepare data`")
     if d.source == "prepared" and not os.path.exists(d.path):
         notes.append(f"data.path={d.path!r} is written by the main job on first use (stage 2: references)" if pipeline
                      else f"data.path={d.path!r} does not exist yet (run `specopd prepare data ...` before training)")
     if d.source == "conversations" and not os.path.isfile(conversations_file(d.path)):
-        notes.append(f"data.path={d.path!r} does not exist (a .jsonl / .json / .parquet file of conversations)")
+        check_conversations_file(conversations_file(d.path))  # a folder or a missing file: refused, as the run does
     if pipeline:
         refs = ("trains on data.path's conversations as they are (nothing decoded)" if d.source == "conversations"
                 else "prepares the references when missing")
@@ -163,6 +170,7 @@ def cmd_train(args) -> int:
     cfg = _load(args.recipe, args.overrides)
     _check_json(args)
     if args.dry_run:
+        check_loggers(cfg.trainer.loggers)  # as the run does first: a missing package names its extra
         try:
             p = plan(cfg)
         except (FileNotFoundError, ValueError, KeyError) as e:
@@ -181,7 +189,8 @@ def cmd_train(args) -> int:
             summary = mainjob.run(cfg)
         else:
             summary = train(cfg)
-    except (CheckpointError, NonFiniteError, RecipeChangeError, WorkerLostError, ClusterTooSmallError) as e:
+    except (CheckpointError, NonFiniteError, RecipeChangeError, WorkerLostError, ClusterTooSmallError,
+            EngineFailed) as e:
         if os.environ.get("SPECOPD_DEBUG"):
             raise
         return _fail(str(e), 1)  # the message names the cause, the checkpoint and the fix
@@ -363,7 +372,8 @@ def main(argv=None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return int(args.fn(args) or 0)
-    except UserError as e:  # a user's mistake (specopd.errors): the message names the cause and the fix
+    except (UserError, EngineUnavailable) as e:  # a user's mistake (specopd.errors), an engine that cannot run
+        # here (no vLLM venv, no server listening): the message names the cause and the fix
         if os.environ.get("SPECOPD_DEBUG"):
             raise
         return _fail(str(e))

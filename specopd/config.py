@@ -605,7 +605,10 @@ def load_recipe(path: Optional[str], overrides=None) -> RecipeConfig:
             loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         except Exception as e:  # noqa: BLE001
             raise RecipeError(f"recipe {path!r} is not valid YAML: {e}") from None
-        data = loaded or {}
+        if not loaded:  # an empty file (or only comments) would train the defaults without a word
+            raise RecipeError(f"recipe {path!r} is empty (no keys); give the settings of a run (start from a "
+                              f"recipe in recipes/, e.g. recipes/tiny.yaml)")
+        data = loaded
         _check_keys(data, RecipeConfig, "", f"recipe {path}")
     ovs = _parse_overrides(overrides)
     _check_keys(ovs, RecipeConfig, "", "override")

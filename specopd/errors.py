@@ -9,6 +9,8 @@ import math
 import os
 from typing import Optional
 
+UTF8_BOM = b"\xef\xbb\xbf"  # what some editors put at the start of a UTF-8 file; read as nothing
+
 
 class UserError(Exception):
     """A mistake in what the user gave; the message names the cause and the fix (CLI: exit 2, no traceback)."""
@@ -97,10 +99,12 @@ def output_file_problem(path: str) -> Optional[str]:
 
 
 def read_text_lines(path: str, what: str):
-    """(line number, text) of a UTF-8 text file; a ``BadInputError`` naming ``what``, the file and the line of
-    the first byte that is not UTF-8."""
+    """(line number, text) of a UTF-8 text file (a byte-order mark at its start is dropped); a ``BadInputError``
+    naming ``what``, the file and the line of the first byte that is not UTF-8."""
     with open(path, "rb") as f:
         for ln, raw in enumerate(f, 1):
+            if ln == 1 and raw.startswith(UTF8_BOM):
+                raw = raw[len(UTF8_BOM):]
             try:
                 yield ln, raw.decode("utf-8")
             except UnicodeDecodeError as e:

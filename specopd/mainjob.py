@@ -15,12 +15,12 @@ import torch
 from specopd.config import CE_TERM_METHODS, auto_dtype, eval_dtype
 from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
 from specopd.data.packaged import conversations_file
-from specopd.data.prepare import MODELS, load_tokenizer, prepare_data, stop_token_ids
+from specopd.data.prepare import ERRORS_FILE, MODELS, load_tokenizer, prepare_data, stop_token_ids
 from specopd.data.references import DATA_FILE, read_records
 from specopd.data.smollm2 import cache_root
 from specopd.drafters import build_drafter, load_drafter
 from specopd.drafters.layout import describe_export, export_folder
-from specopd.engines import auto_engine
+from specopd.engines import EngineFailed, auto_engine
 from specopd.eval.bench import by_category, format_categories, provenance_line, run_prompts
 from specopd.eval.cli import acceptance_cells, evaluate_al
 from specopd.eval.engine import judge_rows
@@ -77,10 +77,14 @@ def _references(cfg, target_dir: str) -> tuple:
               f"cached in {ref_dir}, an interrupted run resumes", flush=True)
         dev = "cpu" if cfg.model.device == "auto" else cfg.model.device
         label = {"first_turns": "chitchat-train-distinct", "all_turns": "chitchat-train-turns"}[pl.data_prompts]
-        prepare_data(target_dir, ref_dir, prompts=prompts, prompts_label=label,
-                     max_new_tokens=pl.data_max_new_tokens, temperature=pl.data_temperature, top_p=1.0, seed=0,
-                     heldout_fraction=0.0, device=dev, dtype=ref_dtype,
-                     batch_size=pl.data_batch_size, engine=engine)
+        counts = prepare_data(target_dir, ref_dir, prompts=prompts, prompts_label=label,
+                              max_new_tokens=pl.data_max_new_tokens, temperature=pl.data_temperature, top_p=1.0,
+                              seed=0, heldout_fraction=0.0, device=dev, dtype=ref_dtype,
+                              batch_size=pl.data_batch_size, engine=engine)
+        if counts["failed"]:  # training on part of the prompts would be another run than the recipe asks for
+            raise EngineFailed(f"the {engine} engine failed on {counts['failed']} of {len(want)} prompts (listed in "
+                               f"{os.path.join(ref_dir, ERRORS_FILE)}); rerun the same command to retry them (the "
+                               f"answered ones are kept), or set pipeline.data_engine=builtin")
     else:
         print(f"[specopd] references cached in {ref_dir} ({len(want)} prompts)")
     recs = [r for r in read_records(os.path.join(ref_dir, DATA_FILE)) if r["id"] in want]

@@ -7,26 +7,33 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from typing import Optional
 
 import torch
 
 from specopd.data.references import split_of
 from specopd.drafters.layout import sha256_file
+from specopd.errors import UTF8_BOM, BadInputError, MissingInputError
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecForge / OpenAI
          "human": "user", "gpt": "assistant"}                           # ShareGPT
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a record's unknown "split" is bad data (1 re-split it by id)
 BAD_LINES = ("error", "skip")
+SPLITS = ("train", "heldout")
 FIX = "fix or remove it, or set data.bad_lines=skip to skip bad records and count them"
+WHOLE_FILE_FIX = "fix the file (a .json file is one document: skipping bad records cannot read past this)"
 
 
-class DataError(ValueError):
-    """A bad record in a conversations file; the message names the file, the line (or row) and the fix."""
+class DataError(BadInputError):
+    """A bad record in a conversations file; the message names the file, the line (or row) and the fix.
+    ``skippable``: whether skipping bad records (``data.bad_lines=skip``, ``--bad-lines skip``) would get past it
+    (False for a .json document that cannot be read on)."""
 
-    def __init__(self, where: str, reason: str, msg: str, fix: str = FIX):
+    def __init__(self, where: str, reason: str, msg: str, fix: Optional[str] = None, skippable: bool = True):
+        fix = fix or (FIX if skippable else WHOLE_FILE_FIX)
         super().__init__(f"{where}: {msg}; {fix}")
-        self.where, self.reason, self.msg = where, reason, msg
+        self.where, self.reason, self.msg, self.skippable = where, reason, msg, skippable
 
 
 class _Bad(Exception):
@@ -40,15 +47,31 @@ def _line_of(text: str, pos: int) -> int:
     return text.count("\n", 0, pos) + 1
 
 
-def _raw_records(path: str) -> list:
-    """path -> [(where "file:line" | "file:row N", record | _Bad)] in file order."""
+def check_conversations_file(path: str) -> None:
+    """A ``MissingInputError`` naming the fix when ``path`` is a folder or is not there."""
+    if os.path.isdir(path):
+        raise MissingInputError(f"conversations file {path!r} is a folder; give a .jsonl, .json or .parquet file of "
+                                f"conversations (data.path, or prepare data --from)")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"conversations file {path!r} does not exist (data.path)")
+        raise MissingInputError(f"conversations file {path!r} does not exist (data.path, or prepare data --from): "
+                                f"give a .jsonl, .json or .parquet file of conversations")
+
+
+def _raw_records(path: str) -> list:
+    """path -> [(where "file:line" | "file:row N", record | _Bad)] in file order. A UTF-8 byte-order mark is
+    read as nothing; a .jsonl file that holds one (pretty-printed) JSON array is read as that array, with a note."""
+    check_conversations_file(path)
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         return _parquet_records(path)
     with open(path, "rb") as f:
         raw = f.read()
+    if raw.startswith(UTF8_BOM):
+        raw = raw[len(UTF8_BOM):]
+    if ext == ".jsonl" and _one_json_array(raw):
+        print(f"[data] {path} holds one JSON array (a .json document, e.g. pretty-printed), not one record a line: "
+              f"read as a JSON array (name it .json to say so)", file=sys.stderr, flush=True)
+        return _json_array_records(path, raw)
     if ext == ".json" or (ext != ".jsonl" and raw.lstrip()[:1] == b"["):
         return _json_array_records(path, raw)
     out = []
@@ -69,6 +92,18 @@ def _raw_records(path: str) -> list:
     return out
 
 
+def _one_json_array(raw: bytes) -> bool:
+    """Whether a .jsonl file's text is one JSON array spread over lines (its first line alone is not JSON)."""
+    if raw.lstrip()[:1] != b"[":
+        return False
+    first = raw.lstrip().split(b"\n", 1)[0]
+    try:
+        json.loads(first)
+        return False  # a whole array on the first line: JSONL (whose records are then not objects)
+    except ValueError:
+        return True
+
+
 def _json_array_records(path: str, raw: bytes) -> list:
     try:
         text = raw.decode("utf-8")
@@ -76,15 +111,16 @@ def _json_array_records(path: str, raw: bytes) -> list:
         line = raw.count(b"\n", 0, e.start) + 1
         raise DataError(f"{path}:{line}", "not_utf8",
                         f"bytes that are not UTF-8 ({raw[e.start:e.start + 4]!r}); a .json file is one "
-                        f"document, so it cannot be read past them (JSONL can skip a bad line)") from None
+                        f"document, so it cannot be read past them (JSONL can skip a bad line)",
+                        fix="save the file as UTF-8", skippable=False) from None
     dec, i = json.JSONDecoder(), 0
     ws = " \t\r\n"
     while i < len(text) and text[i] in ws:
         i += 1
     if text[i:i + 1] != "[":
         raise DataError(f"{path}:{_line_of(text, i)}", "not_json",
-                        "a .json conversations file must hold a JSON array of records ([{...}, {...}]); for one "
-                        "record a line, name the file .jsonl")
+                        "a .json conversations file must hold a JSON array of records ([{...}, {...}])",
+                        fix="for one record a line, name the file .jsonl", skippable=False)
     out, i = [], i + 1
     while True:
         while i < len(text) and text[i] in ws:
@@ -95,8 +131,8 @@ def _json_array_records(path: str, raw: bytes) -> list:
             rec, j = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
             if not _cut_off(text, e):
-                raise DataError(f"{path}:{e.lineno}", "not_json",
-                                f"not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{path}:{e.lineno}", "not_json", f"not valid JSON ({e.msg} at column {e.colno})",
+                                skippable=False) from None
             # the file ends inside a record (a partial download or copy): the records before it are whole
             byte = len(text[:i].encode("utf-8"))
             out.append((f"{path}:{_line_of(text, i)} (byte {byte})",
@@ -117,7 +153,7 @@ def _json_array_records(path: str, raw: bytes) -> list:
             return out
         elif text[i:i + 1] != "]":
             raise DataError(f"{path}:{_line_of(text, i)}", "not_json", "not valid JSON (expected ',' or ']' after a "
-                                                                     "record of the array)")
+                                                                     "record of the array)", skippable=False)
 
 
 def _cut_off(text: str, e: json.JSONDecodeError) -> bool:
@@ -198,7 +234,10 @@ def normalise(rec) -> tuple:
     if not any(m["role"] == "assistant" for m in msgs):
         raise _Bad("no_assistant_turn", "the conversation has no assistant turn (nothing to train on)")
     rid = rec.get("id")
-    split = rec.get("split") if rec.get("split") in ("train", "heldout") else None
+    split = rec.get("split")
+    if split is not None and split not in SPLITS:
+        raise _Bad("unknown_split", f"'split' is {split!r}; records may say 'train' or 'heldout' (or leave 'split' "
+                                    f"out: the split is then by id, data.heldout)")
     return (None if rid is None else str(rid)), msgs, split
 
 
@@ -381,17 +420,37 @@ def _cache_paths(path: str, key: str, output_dir: str) -> list:
             os.path.join(output_dir, "data", f"conversations-{name}")]
 
 
+def cache_items_ok(data) -> bool:
+    """Whether a loaded tokenisation cache has ``tokenise_file``'s structure: a list of ``(where, "ok", id,
+    split, ids, mask)`` and ``(where, "bad", reason, message)`` tuples."""
+    if not isinstance(data, list):
+        return False
+    for item in data:
+        if not isinstance(item, (tuple, list)) or len(item) < 2 or not isinstance(item[0], str):
+            return False
+        if item[1] == "ok":
+            if len(item) != 6 or not (isinstance(item[4], torch.Tensor) and isinstance(item[5], torch.Tensor)):
+                return False
+            if item[4].shape != item[5].shape or item[3] not in (None, *SPLITS):
+                return False
+        elif item[1] != "bad" or len(item) != 4:
+            return False
+    return True
+
+
 def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict) -> dict:
+    check_conversations_file(path)
     key = hashlib.sha256(f"v{CACHE_VERSION}:{sha256_file(path)}:{tokenizer_hash(target_dir)}".encode()).hexdigest()
     places = _cache_paths(path, key, output_dir)
     for p in places:
         if os.path.isfile(p):
             try:
                 data = torch.load(p)
+            except Exception:  # noqa: BLE001  (a damaged cache is rebuilt)
+                continue
+            if cache_items_ok(data):  # a file of another structure (another version, a stray file) is rebuilt
                 st["cache"] = {"path": p, "hit": True}
                 return data
-            except Exception:  # noqa: BLE001  (a damaged cache is rebuilt)
-                pass
     data = tokenise_file(path, tok)
     st["cache"] = {"path": None, "hit": False}  # unless a place below takes it
     for p in places:  # beside the data; the run folder when that is not writable

@@ -24,8 +24,8 @@ from specopd.data.packaged import conversations_file
 from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts, read_records,
                                      repair_tail, split_of)
 from specopd.data.smollm2 import MODEL_NAME, cache_root, default_model_dir, is_prepared, prepare_smollm2
-from specopd.engines import check_engine, run_vllm
-from specopd.engines.openai_api import generate_openai
+from specopd.engines import EngineFailed, check_engine, run_vllm
+from specopd.engines.openai_api import RequestFailed, check_ids, generate_openai
 from specopd.models import load_target
 from specopd.models.loading import read_config
 from specopd.train.lock import run_lock
@@ -166,7 +166,7 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
                  heldout_fraction: float = 0.1, device: str = "cpu", dtype: str = "float32",
                  progress: bool = True, batch_size: int = 4, prompts: Optional[list] = None,
                  prompts_label: Optional[str] = None, engine: str = "builtin", servers: Optional[str] = None,
-                 concurrency: int = 8) -> dict:
+                 concurrency: int = 8, timeout_s: Optional[float] = None, retry_time_s: Optional[float] = None) -> dict:
     """Regenerate responses for the first ``num`` prompts (resumable: records are appended as they finish; a
     rerun skips finished ids). Holds the lock of ``out_dir`` (``specopd.train.lock``): a second writer there is
     refused.
@@ -176,12 +176,17 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
             ``prompts_file``, else chitchat's first user turns.
         engine: ``builtin`` (our decoder, ``batch_size`` streams in one packed pass a step), ``vllm`` (offline
             generation in the vLLM venv, `specopd.engines`), ``openai`` (``servers``: OpenAI-compatible URLs,
-            ``concurrency`` requests in flight).
+            ``concurrency`` requests in flight, each with ``timeout_s``, a prompt's attempts within
+            ``retry_time_s``; defaults in ``specopd.engines.openai_api``).
     Returns:
         counts {written, skipped_done, skipped_too_long, failed, total_records}; written + skipped_done +
         skipped_too_long + failed = the number of prompts. Skipped and failed prompts are listed in
-        <out>/skipped.jsonl and <out>/errors.jsonl.
+        <out>/skipped.jsonl and <out>/errors.jsonl. An engine's answer is checked before it is written (ids in the
+        target's vocabulary, at most ``max_new_tokens``, a finish that matches the length); a bad one is a failed
+        prompt.
     """
+    if num is not None and num < 1:
+        raise ValueError(f"--num must be >= 1 (the first N prompts); got {num}. Leave it out to use all prompts")
     if max_new_tokens < 1 or batch_size < 1 or concurrency < 1:
         raise ValueError(f"--max-new-tokens, --batch-size and --concurrency must be >= 1; got {max_new_tokens}, "
                          f"{batch_size}, {concurrency}")
@@ -189,15 +194,19 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         raise ValueError(f"need --temperature >= 0 and 0 < --top-p <= 1; got {temperature}, {top_p}")
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"--heldout-fraction must be in [0, 1); got {heldout_fraction}")
+    for name, v in (("--timeout", timeout_s), ("--retry-time", retry_time_s)):
+        if v is not None and not 0 < v < float("inf"):
+            raise ValueError(f"{name} must be a number of seconds > 0; got {v}")
     engine = check_engine(engine, servers)
     with run_lock(out_dir, "prepare data --out"):  # one writer per data folder, for the whole run
         return _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed,
                              heldout_fraction, device, dtype, progress, batch_size, prompts, prompts_label, engine,
-                             servers, concurrency)
+                             servers, concurrency, timeout_s, retry_time_s)
 
 
 def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed, heldout_fraction,
-                  device, dtype, progress, batch_size, prompts, prompts_label, engine, servers, concurrency) -> dict:
+                  device, dtype, progress, batch_size, prompts, prompts_label, engine, servers, concurrency,
+                  timeout_s, retry_time_s) -> dict:
     config = read_config(target_dir)
     vocab_size = int(config["vocab_size"])
     tok = load_tokenizer(target_dir, vocab_size)
@@ -224,7 +233,7 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
         with open(meta_path, "w") as f:
             json.dump(meta, f, indent=1)
     repair_tail(data_path)
-    _ingest_engine_outputs(out_dir, tok, seed, heldout_fraction)  # what an interrupted engine run left
+    _ingest_engine_outputs(out_dir, tok, seed, heldout_fraction, vocab_size)  # what an interrupted engine run left
     done = {r["id"] for r in read_records(data_path)}
     pending = [(pid, m) for pid, m in prompts if pid not in done]
     counts = dict(written=0, skipped_done=len(prompts) - len(pending), skipped_too_long=0, failed=0)
@@ -244,11 +253,15 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
                           heldout_fraction, device, dtype, batch_size, progress)
     elif engine == "vllm":
         _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                       heldout_fraction, dtype, progress)
+                       heldout_fraction, dtype, progress, vocab_size)
     else:
         generate_openai(servers, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                        heldout_fraction, concurrency, progress, make_record=make_record, seed_of=_seed_of)
+                        heldout_fraction, concurrency, progress, make_record=make_record, seed_of=_seed_of,
+                        vocab_size=vocab_size, timeout_s=timeout_s, retry_time_s=retry_time_s)
     counts["total_records"] = len(read_records(data_path))
+    parts = counts["written"] + counts["skipped_done"] + counts["skipped_too_long"] + counts["failed"]
+    if parts != len(prompts):  # every prompt is written, skipped or failed (and listed): a bug otherwise
+        raise AssertionError(f"prepare data: counts {counts} add up to {parts}, not the {len(prompts)} prompts")
     return counts
 
 
@@ -296,14 +309,18 @@ def _engine_paths(out_dir: str) -> tuple:
     return d, os.path.join(d, "requests.jsonl"), os.path.join(d, "outputs.jsonl")
 
 
-def _ingest_engine_outputs(out_dir: str, tok, seed: int, heldout_fraction: float) -> int:
+def _ingest_engine_outputs(out_dir: str, tok, seed: int, heldout_fraction: float, vocab_size: int,
+                           bad: Optional[dict] = None) -> int:
     """Append the records of an engine's raw outputs (<out>/.engine/outputs.jsonl, matched to its requests) that
-    data.jsonl lacks; -> how many. A torn last line (the engine was killed mid-write) is ignored."""
+    data.jsonl lacks; -> how many. A torn last line (the engine was killed mid-write) is ignored; an output that
+    fails ``check_ids`` (ids outside the vocabulary, more than max_tokens, a finish that does not match) is not
+    written: ``bad[id]`` says why (the prompt is sent again by a rerun)."""
     d, req_path, out_path = _engine_paths(out_dir)
     if not os.path.isfile(out_path) or not os.path.isfile(req_path):
         return 0
     reqs = {r["id"]: r for r in read_records(req_path)}
     have = {r["id"] for r in read_records(os.path.join(out_dir, DATA_FILE))}
+    bad = {} if bad is None else bad
     n = 0
     with open(out_path) as src, open(os.path.join(out_dir, DATA_FILE), "a") as f:
         for line in src:
@@ -311,21 +328,32 @@ def _ingest_engine_outputs(out_dir: str, tok, seed: int, heldout_fraction: float
                 o = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if o["id"] in have or o["id"] not in reqs:
+            pid = o.get("id") if isinstance(o, dict) else None
+            if not isinstance(pid, str) or pid in have or pid not in reqs:
                 continue
-            append_record(f, make_record(o["id"], reqs[o["id"]]["prompt_ids"], o["token_ids"], o["finish"], tok,
-                                         seed, heldout_fraction))
-            have.add(o["id"])
+            finish = o.get("finish")
+            try:
+                if finish not in ("eos", "length"):
+                    raise RequestFailed(f"finish {finish!r} (neither 'eos' nor 'length')", False)
+                resp = check_ids(o.get("token_ids"), vocab_size, int(reqs[pid]["max_tokens"]), finish)
+            except RequestFailed as e:
+                bad[pid] = f"vLLM's output: {e}"
+                continue
+            append_record(f, make_record(pid, reqs[pid]["prompt_ids"], resp, finish, tok, seed, heldout_fraction))
+            have.add(pid)
             n += 1
     os.remove(out_path)
     return n
 
 
 def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                   heldout_fraction, dtype, progress) -> None:
+                   heldout_fraction, dtype, progress, vocab_size) -> None:
     """Offline generation in the vLLM venv (its own process): the requests carry our chat-templated prompt ids,
     so prompts are token-identical to the built-in engine's; outputs are ingested when it ends (or by the next
-    run, if it was killed)."""
+    run, if it was killed). A prompt it gave no good output for is a failed one (errors.jsonl), also when vLLM
+    exited with an error (whose log tail is printed)."""
+    err_path = os.path.join(out_dir, ERRORS_FILE)
+    open(err_path, "w").close()  # this run's failures (a rerun retries them)
     if not todo:
         return
     d, req_path, out_path = _engine_paths(out_dir)
@@ -337,14 +365,28 @@ def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, tempe
                     + "\n")
     bar = tqdm(total=len(todo), desc="references (vLLM)", unit="prompt", disable=not progress)
     vdtype = "float32" if str(dtype) in ("float32", "torch.float32") else "bfloat16"
+    failure, bad = None, {}
     try:
         ctx = min(2048, int(read_config(target_dir).get("max_position_embeddings") or 2048))  # vLLM refuses more
         run_vllm(["generate", "--model", target_dir, "--input", req_path, "--output", out_path, "--dtype", vdtype,
                   "--max-model-len", ctx],
                  log_path=os.path.join(d, "vllm.log"), on_progress=lambda k, n: bar.update(k - bar.n))
+    except EngineFailed as e:  # the prompts it did not finish fail below, with this reason
+        failure = str(e)
+        print(f"[specopd] vllm: {failure}", file=sys.stderr, flush=True)
     finally:  # what it finished is kept, also when it failed
         bar.close()
-        counts["written"] += _ingest_engine_outputs(out_dir, tok, seed, heldout_fraction)
+        counts["written"] += _ingest_engine_outputs(out_dir, tok, seed, heldout_fraction, vocab_size, bad)
+    have = {r["id"] for r in read_records(os.path.join(out_dir, DATA_FILE))}
+    why = (failure or "").splitlines()[0] if failure else "vLLM ended without an output for it"
+    with open(err_path, "a") as ef:
+        for pid, _ in todo:
+            if pid not in have:
+                ef.write(json.dumps({"id": pid, "engine": "vllm", "error": bad.get(pid, why)}) + "\n")
+                counts["failed"] += 1
+    if counts["failed"]:
+        print(f"[specopd] vllm: {counts['failed']} prompts failed (listed in {err_path}); rerun the same command "
+              f"to retry them", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -380,6 +422,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="who generates: our decoder, vLLM in its own venv (`make vllm`), or OpenAI-compatible servers")
     d.add_argument("--server", default=None, help="--engine openai: URL[,URL...] of OpenAI-compatible servers")
     d.add_argument("--concurrency", type=int, default=8, help="--engine openai: requests in flight")
+    d.add_argument("--timeout", type=float, default=None,
+                   help="--engine openai: seconds one request may take (default 300); a slower one is retried")
+    d.add_argument("--retry-time", type=float, default=None,
+                   help="--engine openai: seconds one prompt may take over all its attempts (default 900); then it "
+                        "fails (errors.jsonl) and a rerun retries it")
     return p
 
 
@@ -402,6 +449,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             prompts = conversation_prompts(args.from_file, args.bad_lines, st)
         except DataError as e:
+            if not e.skippable:  # a .json document that cannot be read on: --bad-lines skip would not help
+                raise
             raise DataError(e.where, e.reason, e.msg, fix="fix or remove it, or pass --bad-lines skip to skip bad "
                                                           "records and count them") from None
         label = os.path.abspath(args.from_file)
@@ -417,8 +466,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     counts = prepare_data(target, args.out, args.prompts, args.num, args.max_new_tokens, args.temperature,
                           args.top_p, args.seed, args.heldout_fraction, args.device, args.dtype,
                           batch_size=args.batch_size, engine=args.engine, servers=args.server,
-                          concurrency=args.concurrency, prompts=prompts, prompts_label=label)
+                          concurrency=args.concurrency, prompts=prompts, prompts_label=label,
+                          timeout_s=args.timeout, retry_time_s=args.retry_time)
     print(f"[specopd] references in {args.out}/{DATA_FILE}: {counts}")
+    if counts["failed"]:  # a partial result: the counts are printed, the exit code says it is not complete
+        print(f"specopd: error: {counts['failed']} of the prompts failed (listed in "
+              f"{os.path.join(args.out, ERRORS_FILE)}); rerun the same command to retry them", file=sys.stderr)
+        return 1
     return 0
 
 

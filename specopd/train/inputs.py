@@ -1,5 +1,7 @@
-"""What a run depends on besides its recipe, fingerprinted: the data and the target's weights (sha256, cached by
-path, size and mtime); a resume whose inputs changed is refused. Design: docs/architecture.md ("Run inputs").
+"""What a run depends on besides its recipe, fingerprinted: the data (prepared references, or a conversations file
+with the tokenizer that tokenises it) and the target's weights (sha256, cached by path, size, mtime, inode and
+ctime: an edit in place that keeps size and mtime, ``touch -r``, still changes the ctime); a resume whose inputs
+changed is refused. Design: docs/architecture.md ("Run inputs").
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import sys
 from typing import Optional
 
+from specopd.data.packaged import conversations_file
 from specopd.drafters.layout import sha256_file
 
 CACHE_FILE = ".fingerprints.json"
@@ -16,8 +19,10 @@ _WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"
 
 
 def _stat_key(path: str) -> list:
+    """What a cached hash is valid for: size and mtime, which a user can set back (``touch -r``), and inode and
+    ctime, which no user can (an edit or a replacement changes them)."""
     st = os.stat(path)
-    return [int(st.st_size), int(st.st_mtime_ns)]
+    return [int(st.st_size), int(st.st_mtime_ns), int(st.st_ino), int(st.st_ctime_ns)]
 
 
 class _Cache:
@@ -73,12 +78,38 @@ def _records_sha256(path: str) -> dict:
 
 
 def data_file(cfg) -> Optional[str]:
-    """The prepared data file of a recipe (None for synthetic data or a path that is not there)."""
+    """The data file of a recipe: the prepared data.jsonl or the conversations file (None for synthetic data or
+    a path that is not there)."""
     d = cfg.data
-    if d.source != "prepared" or not d.path:
+    if d.source not in ("prepared", "conversations") or not d.path:
         return None
-    fp = os.path.join(d.path, "data.jsonl") if os.path.isdir(d.path) else d.path
+    if d.source == "conversations":
+        try:
+            fp = conversations_file(d.path)
+        except (ImportError, FileNotFoundError):  # a packaged name whose package is missing: loading names it
+            return None
+    else:
+        fp = os.path.join(d.path, "data.jsonl") if os.path.isdir(d.path) else d.path
     return fp if os.path.isfile(fp) else None
+
+
+def _file_sha256(path: str) -> dict:
+    """{records: None, sha256} of a file's bytes (a conversations file: every byte can change the tokens)."""
+    return {"records": None, "sha256": sha256_file(path)}
+
+
+def _tokenizer_sha256(cfg) -> Optional[str]:
+    """The hash of the target's tokenizer files (what turns conversations into tokens), or None when the target
+    folder is not here."""
+    folder = target_folder(cfg)
+    if folder is None or cfg.model.is_tiny:
+        return None
+    from specopd.data.formats import tokenizer_hash  # imports transformers: only for conversations data
+
+    try:
+        return tokenizer_hash(folder)
+    except (ImportError, OSError):
+        return None
 
 
 def target_folder(cfg) -> Optional[str]:
@@ -91,11 +122,16 @@ def target_folder(cfg) -> Optional[str]:
 
 
 def input_fingerprints(cfg) -> dict:
-    """{"data": {path, records, sha256} | None, "target": {"files": {name: sha256}} | None} of a recipe."""
+    """{"data": {path, records, sha256[, tokenizer]} | None, "target": {"files": {name: sha256}} | None} of a
+    recipe. Prepared data: sha256 over the fields of each record the trainer uses; a conversations file: sha256 of
+    its bytes and of the tokenizer that tokenises it."""
     cache = _Cache(cfg.trainer.output_dir if os.path.isdir(cfg.trainer.output_dir) else None)
     out = {"data": None, "target": None}
     fp = data_file(cfg)
-    if fp is not None:
+    if fp is not None and cfg.data.source == "conversations":
+        out["data"] = {"path": os.path.abspath(fp), "source": "conversations",
+                       **cache.get("bytes", fp, _file_sha256), "tokenizer": _tokenizer_sha256(cfg)}
+    elif fp is not None:
         out["data"] = {"path": os.path.abspath(fp), **cache.get("records", fp, _records_sha256)}
     folder = target_folder(cfg)
     if folder is not None:
@@ -118,10 +154,16 @@ def input_changes(old: Optional[dict], new: dict) -> list:
     out = []
     a, b = old.get("data"), new.get("data")
     if a and b and a.get("sha256") != b.get("sha256"):
-        n = (f"{b['records']} records now, {a['records']} then" if a.get("records") != b.get("records") else
-             f"the same {b['records']} records, other content or order")
-        out.append(f"the data {b['path']} changed since the checkpoint ({n}; sha256 of its records "
-                   f"{a['sha256'][:12]} -> {b['sha256'][:12]})")
+        if b.get("records") is None:  # a conversations file: its bytes
+            n = f"sha256 of the file {a['sha256'][:12]} -> {b['sha256'][:12]}"
+        else:
+            n = (f"{b['records']} records now, {a['records']} then" if a.get("records") != b.get("records") else
+                 f"the same {b['records']} records, other content or order")
+            n += f"; sha256 of its records {a['sha256'][:12]} -> {b['sha256'][:12]}"
+        out.append(f"the data {b['path']} changed since the checkpoint ({n})")
+    if a and b and a.get("tokenizer") and b.get("tokenizer") and a["tokenizer"] != b["tokenizer"]:
+        out.append(f"the target's tokenizer changed since the checkpoint, so {b['path']} gives other tokens (sha256 "
+                   f"of its files {a['tokenizer'][:12]} -> {b['tokenizer'][:12]})")
     a, b = (old.get("target") or {}).get("files"), (new.get("target") or {}).get("files")
     if a and b and a != b:
         changed = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))

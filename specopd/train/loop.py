@@ -23,7 +23,7 @@ from specopd.train.data import BatchOrder, warm_conversation_cache
 from specopd.train.determinism import apply_deterministic
 from specopd.train.group import LocalGroup
 from specopd.train.lock import run_lock
-from specopd.train.metrics import TrainMetrics, check_loggers
+from specopd.train.metrics import TrainMetrics, check_loggers, check_sink_folders
 from specopd.train.step import NonFiniteGuard, train_step
 from specopd.train.validator import Validator
 
@@ -94,6 +94,7 @@ class Trainer:
         if fresh:
             ck.seed_controller_rng(self.cfg.seed)  # byte-reproducible checkpoints (a resume restores the saved states)
         check_loggers(self.t.loggers)  # a missing optional package (tensorboard / wandb / mlflow) names its extra first
+        check_sink_folders(self.cfg, resuming=not fresh)  # a logger folder that is a file / read-only: named now
         check_memory(self.cfg)  # a step larger than one device is a clear error (MemoryPlanError) before any work
         if self.cfg.runtime.backend == "ray":  # conversations: tokenise once here, not in every worker actor at once
             self.warm_cache = warm_conversation_cache(self.cfg)

@@ -15,6 +15,7 @@ from typing import Optional, Protocol
 from tqdm import tqdm
 
 from specopd.config import RecipeError, to_dict
+from specopd.errors import BadInputError
 from specopd.profiling import read_jsonl
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -74,6 +75,36 @@ def check_loggers(names) -> None:
             raise MissingExtraError(f"trainer.loggers lists {n}, but the {EXTRAS[n][0]} package is not installed: "
                                     f"`pip install -e .[{EXTRAS[n][1]}]` (or `pip install {EXTRAS[n][0]}`), or "
                                     f"remove {n} from trainer.loggers")
+
+
+def sink_folders(cfg, resuming: bool) -> dict:
+    """{logger: the folder it writes under trainer.output_dir}: mlflow's file store always (a fresh run keeps it),
+    TensorBoard's and wandb's on a resume only (a fresh run moves them aside first)."""
+    t, out = cfg.trainer, cfg.trainer.output_dir
+    names = dict.fromkeys(t.loggers)
+    dirs = {}
+    if "mlflow" in names and t.mlflow_tracking_uri is None:
+        dirs["mlflow"] = os.path.join(out, "mlruns")
+    if resuming:
+        dirs.update({n: os.path.join(out, n) for n in ("tensorboard", "wandb") if n in names})
+    return dirs
+
+
+def check_sink_folders(cfg, resuming: bool) -> None:
+    """A logger's folder that is a file or not writable is a ``BadInputError`` naming it and the fix, before the
+    run starts (not a traceback from the logger's own writer)."""
+    for n, d in sink_folders(cfg, resuming).items():
+        why = None
+        if os.path.exists(d) and not os.path.isdir(d):
+            why = "is a file, not a folder"
+        elif os.path.isdir(d) and not os.access(d, os.W_OK | os.X_OK):
+            why = "is not writable"
+        elif not os.path.exists(d) and os.path.isdir(os.path.dirname(d)) and not os.access(os.path.dirname(d),
+                                                                                          os.W_OK | os.X_OK):
+            why = "cannot be made (its folder is not writable)"
+        if why:
+            raise BadInputError(f"trainer.loggers lists {n}, which writes {d}, but that {why}: make it a writable "
+                                f"folder (move a file there aside), or remove {n} from trainer.loggers")
 
 
 class JsonlSink:
@@ -238,12 +269,18 @@ def make_logger(cfg, resume_step: Optional[int] = None, warn=print) -> MetricsLo
     name = t.run_name or os.path.basename(os.path.normpath(os.path.abspath(out)))
     sinks: list = [JsonlSink(os.path.join(out, "metrics.jsonl"))]
     for n in dict.fromkeys(t.loggers):
-        if n == "tensorboard":
-            sinks.append(TensorBoardSink(os.path.join(out, "tensorboard"), resume_step))
-        elif n == "wandb":
-            sinks.append(WandbSink(out, t.logger_project, name, to_dict(cfg), mode=t.wandb_mode))
-        elif n == "mlflow":
-            sinks.append(MlflowSink(out, t.logger_project, name, _flat_params(to_dict(cfg)), t.mlflow_tracking_uri))
+        try:
+            if n == "tensorboard":
+                sinks.append(TensorBoardSink(os.path.join(out, "tensorboard"), resume_step))
+            elif n == "wandb":
+                sinks.append(WandbSink(out, t.logger_project, name, to_dict(cfg), mode=t.wandb_mode))
+            elif n == "mlflow":
+                sinks.append(MlflowSink(out, t.logger_project, name, _flat_params(to_dict(cfg)),
+                                        t.mlflow_tracking_uri))
+        except OSError as e:  # its folder refused a write (a file there, read-only, the disk full)
+            raise BadInputError(f"trainer.loggers lists {n}, whose files cannot be written ({e.strerror or e}: "
+                                f"{e.filename or out}): make that a writable folder, or remove {n} from "
+                                f"trainer.loggers") from None
     return MetricsLogger(sinks, warn)
 
 
