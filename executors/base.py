@@ -1,5 +1,5 @@
 """The executor interface (prefill / score / verify / commit of one layer over a trunk and a proposal tree), the
-kernels switch and the growable cache storage. Contract: docs/architecture.md ("Executors").
+kernels switch and the growable cache storage. Contract: executors/DESIGN.md ("Executors").
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Executor:
         """Run one layer's mixer over trunk tokens and keep the layer's trunk cache.
 
         Args:
-            mixer: the layer's token mixer (the pieces each executor uses: docs/architecture.md, "Executors").
+            mixer: the layer's token mixer (the pieces each executor uses: executors/DESIGN.md, "Executors").
             x: [1, T, D] the mixer's input for the trunk tokens (already normed by the layer).
             positions: [1, T] absolute positions.
             prev: this layer's cache of the trunk so far (incremental extension; it keeps its contents), or None.

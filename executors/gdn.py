@@ -1,5 +1,5 @@
 """Gated DeltaNet (linear attention) over a trunk and a proposal tree: fp32 state checkpoints at prefill, a branch
-replays from the nearest one. Kernels and caches: docs/architecture.md ("GDN executor").
+replays from the nearest one. Kernels and caches: executors/DESIGN.md ("GDN executor").
 """
 from __future__ import annotations
 

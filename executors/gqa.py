@@ -1,5 +1,5 @@
 """Full (GQA) attention over a trunk and a proposal tree: causal prefill, tree scoring through the block plan of
-``kernels.tree_attention``, verify / commit of accepted paths. Backends: docs/architecture.md ("GQA executor").
+``kernels.tree_attention``, verify / commit of accepted paths. Backends: executors/DESIGN.md ("GQA executor").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """QSA executor (kind "qsa"): qwen4_exp ``indexed_attention`` over a trunk and a packed proposal tree, with the
-same group selection as the sequential path. Details: docs/architecture.md ("QSA executor").
+same group selection as the sequential path. Details: executors/DESIGN.md ("QSA executor").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Chunked gated delta rule forward (Triton, fla's WY form) that keeps the fp32 state entering every chunk: the
-GDN executor's checkpoints. Maths: docs/architecture.md ("GDN kernels"). CUDA, or the CPU under
+GDN executor's checkpoints. Maths: kernels/DESIGN.md ("GDN kernels"). CUDA, or the CPU under
 ``TRITON_INTERPRET=1`` (set before importing this module; tests only).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Trunk prefill through flash-linear-attention's chunked gated delta rule (CUDA), keeping its per-chunk states
 in fp32 as the GDN checkpoints (a hook on fla-core 0.6.0's ``chunk_gated_delta_rule_fwd_h``).
-The hook and its tests: docs/architecture.md ("GDN kernels: fla chunk").
+The hook and its tests: kernels/DESIGN.md ("GDN kernels: fla chunk").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Triton fused recurrent gated delta rule (forward) with state checkpoints, same contract as
 ``kernels.gated_delta.naive.recurrent_gated_delta_rule``. Runs on CUDA, or on the CPU under
-``TRITON_INTERPRET=1`` (set before importing this module; tests only). Design: docs/architecture.md
+``TRITON_INTERPRET=1`` (set before importing this module; tests only). Design: kernels/DESIGN.md
 ("GDN kernels: fused recurrent").
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The gated delta rule as a plain recurrence in fp32 (the reference every faster form is tested against), with
 fla's shapes: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], state S [B, H, K, V].
-The recurrence: docs/architecture.md ("GDN kernels: reference recurrence").
+The recurrence: kernels/DESIGN.md ("GDN kernels: reference recurrence").
 """
 from __future__ import annotations
 

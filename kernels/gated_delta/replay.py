@@ -1,5 +1,5 @@
 """Fused GDN tree replay (Triton): restore each anchor's state from the nearest fp32 checkpoint, then run the
-branch nodes, in one launch. Segments and stops: docs/architecture.md ("GDN kernels"). CUDA, or the CPU under
+branch nodes, in one launch. Segments and stops: kernels/DESIGN.md ("GDN kernels"). CUDA, or the CPU under
 ``TRITON_INTERPRET=1`` (set before importing this module; tests only).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """QSA indexer (Triton): group scores (``index_scores``) and the per-query top-k of groups (``topk_groups``, ties
-to the lowest group index, no sort). Tiling and the top-k search: docs/architecture.md ("QSA kernels").
+to the lowest group index, no sort). Tiling and the top-k search: kernels/DESIGN.md ("QSA kernels").
 """
 from __future__ import annotations
 

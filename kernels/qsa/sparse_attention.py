@@ -1,6 +1,6 @@
 """QSA attention over each query's own key list (``sparse_attention``, Triton), and the blockwise prefill that
 drives the indexer (``qsa_prefill``: no [T, T] tensor). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1``
-(set before importing this module; tests only). Design: docs/architecture.md ("QSA kernels").
+(set before importing this module; tests only). Design: kernels/DESIGN.md ("QSA kernels").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The block plan of tree attention (plain torch): which key blocks each query block can see; it drives both the
-Triton kernel and the blocked torch path. Design: docs/architecture.md ("Tree-attention block plan").
+Triton kernel and the blocked torch path. Design: kernels/DESIGN.md ("Tree-attention block plan").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Triton forward of tree attention over a block plan (the target is frozen: no backward). Runs on CUDA, or on
 the CPU under ``TRITON_INTERPRET=1`` (set before importing; tests only).
-Tiling and numerics: docs/architecture.md ("Tree-attention kernel").
+Tiling and numerics: kernels/DESIGN.md ("Tree-attention kernel").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Drafters: DFlash, DSpark and DFlash V2 exactly as released / served, trained here, exported for serving.
-Call sequence and shapes: docs/architecture.md ("Drafters"); dflash.py (model), dspark.py (Markov / confidence
+Call sequence and shapes: specopd/drafters/DESIGN.md ("Drafters"); dflash.py (model), dspark.py (Markov / confidence
 heads), dflash2.py (V2: convolutions, candidate selector, walk; DFLASH2.md), attention.py (shared-context branch
 attention), layout.py (folders).
 """

@@ -1,6 +1,6 @@
 """Branch attention of the DFlash draft layers: many blocks over one shared, packed context per trunk.
 q [N, S, H, hd]; k_blk, v_blk [N, S, Hkv, hd]; k_ctx, v_ctx [C, Hkv, hd] -> [N, S, H, hd]. Layout and backends:
-docs/architecture.md ("Branch attention").
+specopd/drafters/DESIGN.md ("Branch attention").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DFlash as released (z-lab/dflash ``DFlashDraftModel``): a block of [anchor, MASK x W] over the target's features.
 Shapes N branches, S = block_size (counts the anchor), W = S - 1, D hidden, V vocab, F = len(feature_layers) * D.
-Design and weight names: docs/architecture.md ("Drafters").
+Design and weight names: specopd/drafters/DESIGN.md ("Drafters").
 """
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash block drafter. Build with ``specopd.drafters.build_drafter``; see docs/architecture.md.
+    """DFlash block drafter. Build with ``specopd.drafters.build_drafter``; see specopd/drafters/DESIGN.md.
 
     ``attention_backend``: "auto" (flex_attention on CUDA, the exact chunked path elsewhere) | "chunked" |
     "flex" | a callable (see ``specopd/drafters/attention.py``)."""

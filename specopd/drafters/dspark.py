@@ -1,5 +1,5 @@
 """DSpark (SpecForge ``modeling/draft/dspark.py``): the DFlash backbone + a Markov head + a confidence head.
-Maths and sampling order: docs/architecture.md ("DSpark model").
+Maths and sampling order: specopd/drafters/DESIGN.md ("DSpark model").
 """
 from __future__ import annotations
 

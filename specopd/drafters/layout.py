@@ -1,5 +1,5 @@
 """Drafter folders: our checkpoints and the released layout (z-lab DFlash / SpecForge DSpark / vLLM's DFlash V2)
-that vLLM and SGLang load. Both layouts: docs/architecture.md ("Drafter folders").
+that vLLM and SGLang load. Both layouts: specopd/drafters/DESIGN.md ("Drafter folders").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Runs *inside the vLLM venv* as its own process (stdlib + vllm only; never imported by specopd). Formats and
-``--patch-cpu-expand``: docs/architecture.md ("vLLM runner").
+``--patch-cpu-expand``: specopd/engines/DESIGN.md ("vLLM runner").
 
     python vllm_runner.py generate --model HF_DIR --input REQS.jsonl --output OUT.jsonl [--dtype bfloat16]
     python vllm_runner.py judge    --model HF_DIR --drafter EXPORT --input REQS.jsonl --output OUT.json

@@ -1,6 +1,6 @@
 """Speculative decoding with a drafter and the target's trunk cache (the evaluation of a drafter): a single-sequence
 user of ``specopd.speculative``, one target pass per round plus the prompt prefill; ``autoregressive`` is the
-baseline. Design: docs/architecture.md ("Speculative decoding").
+baseline. Design: specopd/eval/DESIGN.md ("Speculative decoding").
 """
 from __future__ import annotations
 

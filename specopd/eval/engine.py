@@ -1,5 +1,5 @@
 """vLLM as the judge of a drafter (``specopd eval --engine vllm``, ``specopd serve-check EXPORT``): vLLM's own
-counters next to ours, on its schedule too. The two schedules: docs/architecture.md ("vLLM as the judge").
+counters next to ours, on its schedule too. The two schedules: specopd/engines/DESIGN.md ("vLLM as the judge").
 """
 from __future__ import annotations
 

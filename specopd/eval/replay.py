@@ -1,6 +1,6 @@
 """Greedy (T = 0) speculative decoding replayed on the target's greedy continuation: the same AL and acceptance
 counts as ``evaluate_al(..., temperature=0)`` without a target verification pass per round (no speed numbers).
-Why it is exact: docs/architecture.md ("Greedy replay").
+Why it is exact: specopd/eval/DESIGN.md ("Greedy replay").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The target-model base: one layer loop run three ways (plain, prefill, score) through ``RunContext``; verify and
-commit for speculative decoding. Design: docs/architecture.md ("Target models").
+commit for speculative decoding. Design: specopd/models/DESIGN.md ("Target models").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Our own ``qwen3_next`` and ``qwen3_5`` (dense and MoE) text targets: Gated DeltaNet hybrids (``GatedDeltaNet``,
-kind "gdn"; ``GatedAttention``, kind "gqa"). Layers, MLPs and checkpoint names: docs/architecture.md
+kind "gdn"; ``GatedAttention``, kind "gqa"). Layers, MLPs and checkpoint names: specopd/models/DESIGN.md
 ("qwen3_next and qwen3_5").
 """
 from __future__ import annotations

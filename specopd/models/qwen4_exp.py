@@ -1,5 +1,5 @@
 """Our own ``qwen4_exp`` text target (HF transformers 5.24 ``Qwen4ExpForCausalLM``): QSA + Gated DeltaNet with
-hyper-connections, PLE n-gram embeddings and MoE. Layer structure: docs/architecture.md ("qwen4_exp").
+hyper-connections, PLE n-gram embeddings and MoE. Layer structure: specopd/models/DESIGN.md ("qwen4_exp").
 """
 from __future__ import annotations
 

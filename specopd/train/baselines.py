@@ -1,6 +1,6 @@
 """Baselines on the same target, drafter and data: Draft-OPD (``trainer.method: draft_opd``), a sequential
 draft-and-verify rollout batched over the step's sequences (``specopd.speculative``), trained with the same fused
-E2E-TV as SpecOPD; off-policy CE / E2E-TV need no code here. Design: docs/architecture.md ("Baselines").
+E2E-TV as SpecOPD; off-policy CE / E2E-TV need no code here. Design: specopd/train/DESIGN.md ("Baselines").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Checkpoints: ``<output_dir>/checkpoints/step-<N>/`` (N = completed optimizer steps), written atomically with a
 manifest of sizes and sha256 that a resume verifies; a damaged one is moved aside, never deleted.
-Contents, atomicity and integrity: docs/architecture.md ("Checkpoint folders").
+Contents, atomicity and integrity: specopd/train/DESIGN.md ("Checkpoint folders").
 """
 from __future__ import annotations
 

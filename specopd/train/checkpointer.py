@@ -1,5 +1,5 @@
 """The run's checkpoints: where a run starts (fresh, or resumed from a checkpoint) and every checkpoint it writes;
-nothing is lost, nothing is overwritten. The resume policy: docs/architecture.md ("Resume").
+nothing is lost, nothing is overwritten. The resume policy: specopd/train/DESIGN.md ("Resume").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """In-process worker group (``runtime.backend: local``), and the worker-group interface that
 ``specopd.distributed.ray_backend.RayGroup`` shares; ``split_call`` runs a step over split roles.
-Interface, threads and split roles: docs/architecture.md ("Worker groups").
+Interface, threads and split roles: specopd/train/DESIGN.md ("Worker groups").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the phases of one training step hand each other (``specopd.train.worker``), as typed records.
 N = branches, W = drafted tokens per branch, D = hidden size, F = feature width, T = trunk length.
-Which phase hands what: docs/architecture.md ("Step handoff").
+Which phase hands what: specopd/train/DESIGN.md ("Step handoff").
 """
 from __future__ import annotations
 

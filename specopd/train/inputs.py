@@ -1,7 +1,7 @@
 """What a run depends on besides its recipe, fingerprinted: the data (prepared references, or a conversations file
 with the tokenizer that tokenises it) and the target's weights (sha256, cached by path, size, mtime, inode and
 ctime: an edit in place that keeps size and mtime, ``touch -r``, still changes the ctime); a resume whose inputs
-changed is refused. Design: docs/architecture.md ("Run inputs").
+changed is refused. Design: specopd/train/DESIGN.md ("Run inputs").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Metrics sinks (``trainer.loggers: [jsonl, tensorboard, wandb, mlflow]``): ``<output_dir>/metrics.jsonl`` is always
 written and is the source of truth; the optional sinks get the same line flattened to scalars.
-Metric names and failing sinks: docs/architecture.md ("Metrics").
+Metric names and failing sinks: specopd/train/DESIGN.md ("Metrics").
 """
 from __future__ import annotations
 

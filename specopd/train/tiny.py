@@ -1,6 +1,6 @@
 """Tiny seeded random targets built on the fly (``model.target: tiny:<model_type>``): our own model class, every
 parameter filled from the seed, written as a real Hugging Face folder and loaded with ``load_target``.
-Seeding and the head scale: docs/architecture.md ("Tiny targets").
+Seeding and the head scale: specopd/train/DESIGN.md ("Tiny targets").
 """
 from __future__ import annotations
 

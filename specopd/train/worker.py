@@ -1,7 +1,7 @@
 """One training worker: the target, a drafter replica, its optimizer and scheduler, and the SpecOPD step
 (prefill -> propose -> score -> loss_backward -> optimizer_step) as separate methods the Ray backend calls one by
 one; split roles (a target worker, a drafter worker) move only ids, features, proposals and hidden states.
-No [N, W, V] tensor exists in a step. Design: docs/architecture.md ("Workers").
+No [N, W, V] tensor exists in a step. Design: specopd/train/DESIGN.md ("Workers").
 """
 from __future__ import annotations
 
