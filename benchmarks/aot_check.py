@@ -52,7 +52,7 @@ KNOWN_SPILLS = {
 # fp32 variants (--dtypes fp32): reported, never failed. fp32 targets are for the exactness tests at small head
 # dims (tests/test_executor_gpu.py: hidden 128); the recipes run bf16. At the recipes' head dims the block sizes,
 # chosen for bf16, hold fp32 tiles twice as large, and IEEE fp32 dots run on FMA units: the tree attention and GDN
-# chunk kernels keep 1.7-20 KB of stack under triton 3.6 and 3.9 alike (benchmarks/NOTES.md). Slower, not wrong.
+# chunk kernels keep 1.7-20 KB of stack under triton 3.6 and 3.9 alike (benchmarks/results/2026-12-01-gpu-paths-on-the-cpu-dev-cpu.md). Slower, not wrong.
 FP32_SPILLS_ACCEPTED = True
 FP32_ONLY = {"gdn_replay", "gdn_fused_recurrent", "qsa_index_scores", "qsa_topk"}  # fp32 for every target: no pass
 

@@ -112,7 +112,7 @@ def gdn_replay_table(args, target=None):
 
 @torch.no_grad()
 def gqa_score_paths(args, target=None):
-    """Item 9 of issue 12: the GQA executor's score through the block plan (torch "blocked", and "triton" when
+    """The GQA executor's score through the block plan (torch "blocked", and "triton" when
     it can run) against the dense per-trunk tree mask of the previous executor ("dense"), side by side on the
     same target, trunk and tree. Also the attention work each visits (score entries computed)."""
     from executors.base import resolve_kernels

@@ -1,6 +1,6 @@
 """One verify pass ([last, d_1..d_4], 5 tokens) against one autoregressive step (1 token), on the same cache, per
 target dtype: wall time and the share spent in ``aten::mm`` (torch.profiler, self CPU). Why our fp32 speculative
-decoding is slower than autoregressive on the CPU while bf16 is not (NOTES "The plateau experiment", item 6).
+decoding is slower than autoregressive on the CPU while bf16 is not (the plateau experiment, item 6, in benchmarks/results/).
 
     python benchmarks/bench_verify.py [--target DIR] [--context 120] [--repeats 15] [--dtypes float32,bfloat16]
 """

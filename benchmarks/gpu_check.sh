@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one command (one H200: <= 8 minutes, no network; see benchmarks/GPU_NOTES.md).
+# The GPU check in one command (one H200: <= 8 minutes, no network; see benchmarks/results/2026-12-01-h200-gpu-check-pending.md).
 #
 #   bash benchmarks/gpu_check.sh [--out DIR]               # on the GPU machine (CUDA)
 #   bash benchmarks/gpu_check.sh --cpu-smoke [--out DIR]   # here: every step at toy sizes on the CPU
@@ -12,7 +12,7 @@
 # on its first shape (the env step's fla_verified), hence env 90 s + tests 200 s; bench rows are written as each
 # finishes, so a step cut by its limit still reports what it measured. Move seconds after the first run.
 #   wheels          pip-installs .whl/*.whl (fla-core, omegaconf, antlr4-python3-runtime; carried in the working
-#                   tree, see GPU_NOTES.md) into a target folder on PYTHONPATH: that machine has no network
+#                   tree, see that results file) into a target folder on PYTHONPATH: that machine has no network
 #   env             versions: torch, triton, GPU, fla, flash-attn, torch varlen_attn
 #   tests           pytest -m gpu -v -rA: executors' Triton kernels vs torch (fp32 exact, bf16 noise), packed
 #                   prefill (backend asserted), fla vs our chunk kernel and the recurrence (tests/test_fla.py),

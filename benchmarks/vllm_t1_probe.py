@@ -1,4 +1,4 @@
-"""What vLLM's rejection sampler is handed at T > 0 (run with the vLLM venv's python; issue 18).
+"""What vLLM's rejection sampler is handed at T > 0 (run with the vLLM venv's python).
 
     /work/vllm-venv/bin/python benchmarks/vllm_t1_probe.py judge --model TARGET --drafter EXPORT \
         --input REQS.jsonl --output OUT.json --dtype float32 --max-model-len 256 --num-speculative-tokens 4 \

@@ -62,8 +62,8 @@ def cpu_flags() -> set:
 
 def cpu_bf16_native() -> bool:
     """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without either (or off Linux: float32
-    under auto), torch's bf16 matmuls are emulated: ~30x slower than fp32 on an AVX2 CPU (benchmarks/NOTES.md,
-    "A CPU without native bf16")."""
+    under auto), torch's bf16 matmuls are emulated, far slower than fp32
+    (benchmarks/results/2026-12-02-smollm2-135m-no-native-bf16-avx2-epyc.md)."""
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
@@ -249,7 +249,7 @@ class TrainerConfig:
     ce_weight: float = setting(0.0, resume=FROM_HERE)
     """specopd / offpolicy_e2e_tv: add ce_weight x the CE of the drafter's block on the reference tokens after each
     anchor (the same drafter pass, uniform over positions) to E2E-TV. E2E-TV at T = 1 lowers greedy acceptance
-    from a CE-trained plateau (benchmarks/NOTES.md, "The plateau experiment"); on greedy references the CE's labels
+    from a CE-trained plateau (benchmarks/results/2026-12-01-smollm2-135m-plateau-experiment-dev-cpu.md); on greedy references the CE's labels
     are the target's argmax. 0: E2E-TV alone (the paper's loss)."""
     output_dir: str = setting("runs/tiny", resume=SAME_RUN)
     """Run folder: metrics.jsonl, checkpoints/, tiny-target/, data cache, profile."""

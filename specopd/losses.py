@@ -1,6 +1,6 @@
 """Drafter losses and acceptance metrics (N branches, W positions, V vocab, D hidden): the plain forms on logits
 [N, W, V] and the fused forms from hidden states, chunk_rows rows of logits at a time (never [N, W, V]).
-Masks, normalisation and memory: docs/architecture.md ("Losses").
+Masks, normalisation and memory: specopd/train/DESIGN.md ("Losses").
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from kernels.e2e_tv import cpu as tv_cpu
 CHUNK_WORKSET_FACTOR = 4
 # Budget of one chunk's working set when ``chunk_rows="auto"`` (bytes), by device type.
 # CPU: 1 GiB = 1,365 rows at V = 49,152, so a step's rows run as one chunk at the main job's shapes (512) and at
-# 512-token trunks (1,024): oneDNN's bf16 lm_head matmul runs at ~1,200 GFLOP/s at 341 rows, ~2,100 from 384 on, and
-# one chunk lets the loss's backward read its logits back (benchmarks/NOTES.md).
+# 512-token trunks (1,024): oneDNN's bf16 lm_head matmul is faster at larger row counts, and one chunk lets the
+# loss's backward read its logits back (measured: the bf16 report in benchmarks/results/).
 CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 1 << 30}
-# Rows per [rows, V] @ [V, D] matmul of the backward for bf16 on the CPU: oneDNN runs it at ~1,500 GFLOP/s up to
-# ~341 rows and ~900 from 384 rows on (measured with torch 2.13's oneDNN; benchmarks/NOTES.md).
+# Rows per [rows, V] @ [V, D] matmul of the backward for bf16 on the CPU: torch 2.13's oneDNN runs it markedly
+# slower from 384 rows on (measured: the bf16 report in benchmarks/results/).
 DX_ROWS_CPU_BF16 = 341
 DFLASH_POSITION_DECAY = 7.0  # released DFlash CE weights exp(-k / 7) for drafted slot k (0-based)
 # The fused E2E-TV's alpha and gradient on the CPU: "auto" (the C kernel kernels/e2e_tv when it builds, else
@@ -98,7 +98,7 @@ expected_acceptance_length = acceptance_length
 
 
 def e2e_tv_from_alpha(alpha: torch.Tensor, mask: Optional[torch.Tensor] = None, denom=None) -> torch.Tensor:
-    """E2E-TV from per-position acceptances alpha [N, W] (masks, normalisation: docs/architecture.md, "Losses").
+    """E2E-TV from per-position acceptances alpha [N, W] (masks, normalisation: specopd/train/DESIGN.md, "Losses").
     Positions of a branch meet only through these scalars, which is what lets the fused loss work one chunk of
     rows at a time."""
     valid = torch.cumprod(_mask(mask, alpha.shape, alpha.device).long(), dim=1)
@@ -284,7 +284,7 @@ class ChunkBuffers:
     def pooled(cls, rows: int, vocab: int, device) -> Iterator["ChunkBuffers"]:
         """The buffers of one call. On the CPU, this thread's pooled set for (vocab, device), grown to ``rows``
         and kept after the call: a fresh [rows, V] tensor above glibc's mmap threshold (32 MiB) is new pages every
-        call, one page fault per 4 KiB (measured: ~11 ms per 50 MB, as long as the lm_head matmul that fills it).
+        call, one page fault per 4 KiB (measured: about as long as the lm_head matmul that fills it).
         Elsewhere, or while the pooled set is in use (a nested call), fresh buffers. ``release_pool`` frees them.
         Nothing a call returns may be a view of them."""
         device = torch.device(device)

@@ -1,5 +1,5 @@
 """The main job (a recipe with ``pipeline.enabled``): target, references, warm-up, SpecOPD training, held-out
-evaluation and export, each stage cached or resumable. Stages: docs/architecture.md ("The main job").
+evaluation and export, each stage cached or resumable. Stages: specopd/train/DESIGN.md ("The main job").
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _references(cfg, target_dir: str) -> tuple:
     engine, why = auto_engine() if pl.data_engine == "auto" else (pl.data_engine, "pipeline.data_engine")
     name = os.path.basename(os.path.normpath(target_dir))
     kind = {"first_turns": "train", "all_turns": "train-turns"}[pl.data_prompts]
-    # vLLM answers in bf16 where bf16 is native, else in fp32 (emulated bf16 is ~30x slower than fp32 on an AVX2
+    # vLLM answers in bf16 where bf16 is native, else in fp32 (emulated bf16 is far slower than fp32 on an AVX2
     # CPU); builtin in model.dtype. Folder names of earlier runs kept: builtin none, vLLM bf16 "-vllm".
     ref_dtype = cfg.model.dtype if engine == "builtin" else auto_dtype(cfg.model.device)
     suffix = "" if engine == "builtin" else f"-{engine}" + ("" if ref_dtype == "bfloat16" else f"-{ref_dtype}")
@@ -254,7 +254,7 @@ def format_al_table(results: list, temps, w: int, title: str) -> str:
 
 
 def run(cfg, progress: bool = True) -> dict:
-    """The main job (docs/architecture.md); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
+    """The main job (specopd/train/DESIGN.md); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
     check_device(cfg)
     with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
         return _run(cfg, progress)

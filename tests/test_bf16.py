@@ -2,7 +2,7 @@
 
 Noise unit: the plain bf16 forward's max |logit - fp32 logit| over the compared positions, against the fp32
 forward of the same (bf16-rounded) weights. Every bf16 path must stay within NOISE_FACTOR units (measured:
-below 3 on this target and on SmolLM2-135M, benchmarks/bench_bf16_noise.py, benchmarks/NOTES.md).
+below 3 on this target and on SmolLM2-135M, benchmarks/bench_bf16_noise.py, benchmarks/results/).
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def test_eval_dtype_defaults_to_the_models():
 
 def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
     """model.dtype=auto resolves when the recipe is read: bfloat16 on CUDA and on a CPU with native bf16 matmuls,
-    float32 on a CPU that would emulate them (measured ~30x slower than fp32 on an AVX2 EPYC)."""
+    float32 on a CPU that would emulate them (far slower than fp32 on an AVX2 EPYC)."""
     import torch
 
     from specopd import config

@@ -30,7 +30,7 @@ def _target(kind, dtype=torch.float32, layers=4, forced_equal=False, qsa_first=F
     """``forced_equal`` (qsa): a budget that selects every group and every expert routed, so bf16 rounding cannot
     flip a discrete decision (tests/test_qsa_bf16.py: the torch path now gives every row the same bits in prefill and
     score, so sparse selection agrees there; on CUDA cuBLAS GEMMs and the GDN chunk prefill vs the replay kernel
-    still differ by ~1 ulp per row, which can flip near ties: benchmarks/NOTES.md, issue 23).
+    still differ by ~1 ulp per row, which can flip near ties: benchmarks/results/, the GPU paths on the CPU).
     ``qsa_first``: QSA layers first and third (the first one's input is the embedding: the same in every path)."""
     b = _bench()
     args = SimpleNamespace(hidden=128, layers=layers, vocab=512, device=torch.device("cuda"), dtype=dtype)

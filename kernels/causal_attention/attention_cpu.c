@@ -2,8 +2,8 @@
  * sequences (the packed prefill's trunks, a decoding step's last rows); and tree attention (score / verify) on the
  * same chunks, at the end of this file.
  *
- * Why: torch's CPU flash-attention kernel runs bf16 at ~60 GFLOP/s on a CPU with AVX512-BF16 but no AMX (2 cores,
- * [9 x 192 x 64] causal: benchmarks/NOTES.md, "Prefill attention in C"), a sixth of the matmul rate; one call per
+ * Why: torch's CPU flash-attention kernel runs bf16 at a small fraction of the matmul rate on a CPU with
+ * AVX512-BF16 but no AMX (measured: benchmarks/results/, the causal-attention-in-C report); one call per
  * trunk and layer.
  *
  * The numerics follow torch's flash kernel for reduced precision (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):

@@ -3,7 +3,7 @@ causal kernel's trunk chunks with a per-node key limit, then one online-softmax 
 
 ``executors.gqa`` uses it to score and verify trees where ``kernels.causal_attention.cpu.enabled`` holds (bf16, an
 AVX512-BF16 CPU without AMX, ``SPECOPD_ATTENTION``): torch's fused attention with a mask runs bf16 at a fraction of
-the matmul rate there (benchmarks/NOTES.md, "Tree attention in C"). Reference: ``naive.tree_attention_reference``.
+the matmul rate there (benchmarks/results/, the tree-attention-in-C report). Reference: ``naive.tree_attention_reference``.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Packed trunk prefill: a step's sequences in one target pass (``TargetModel.prefill_batch``), one cache per
-trunk. Design: docs/architecture.md ("Packed prefill").
+trunk. Design: specopd/models/DESIGN.md ("Packed prefill").
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class PackedPrefillContext(RunContext):
 def use_packed(target, packed) -> bool:
     """``packed``: True (always try), False (never), "auto" (on CUDA, and on the CPU for bf16 / fp16 targets, unless
     this model was found unpackable). On the CPU one pass over all trunks' tokens runs the matmuls at M = sum T_i
-    instead of T_i (bf16: 1.6x faster prefill at the main job's shapes, ``benchmarks/NOTES.md``); fp32 on the CPU
+    instead of T_i (faster in bf16: the bf16 report in ``benchmarks/results/``); fp32 on the CPU
     stays per trunk, so a trunk's numbers do not depend on its batch-mates to the bit (``trainer.cache_trunks``)."""
     if packed not in (True, False, "auto"):
         raise ValueError(f"packed must be True, False or 'auto'; got {packed!r}")

@@ -1,6 +1,6 @@
 """The training controller: ``train(cfg)``, a ``Trainer`` whose loop only calls its components (checkpointer, step,
 validator, metrics), holding the run folder's lock throughout.
-Components: docs/architecture.md ("The training controller").
+Components: specopd/train/DESIGN.md ("The training controller").
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def check_device(cfg: RecipeConfig) -> None:
     on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
     if on_cpu and cfg.model.dtype == "bfloat16" and not cpu_bf16_native():
         warnings.warn(f"model.dtype=bfloat16 on a CPU without AMX-BF16 or AVX512-BF16 (torch sees "
-                      f"{torch.backends.cpu.get_cpu_capability()}): its bf16 matmuls are emulated, ~30x slower than "
+                      f"{torch.backends.cpu.get_cpu_capability()}): its bf16 matmuls are emulated, far slower than "
                       f"fp32; use model.dtype=auto (bfloat16 only where it is native) or float32", stacklevel=2)
 
 
