@@ -3,10 +3,10 @@
 - One intra-op thread: on 2-core CI machines torch's default thread pool makes tiny ops wait for the other
   core (~100 ms each), which dominates tiny-model tests.
 - Tests write only to temporary folders: $SPECOPD_CACHE (prepared models and data, e.g. the ~0.5 GB SmolLM2
-  conversion), matplotlib's and Triton's caches point into one session folder, removed at the end
+  conversion), matplotlib's and Triton's caches point into one folder for the test run, removed at the end
   (``SPECOPD_TEST_CACHE=DIR`` keeps a persistent cache for the tests instead, e.g. to skip re-converting
   SmolLM2 on every run). Ray gets its auth token from the environment, so it writes no ~/.ray/auth_token.
-  A session check fails if the tests created anything in the repository's top level or in the user's
+  A check at the end of the run fails if the tests created anything in the repository's top level or in the user's
   ~/.cache/specopd.
 """
 import os

@@ -1,6 +1,6 @@
 """Ray backend: real Ray actors on this machine's CPUs (2 cores: 2 workers x 1 CPU).
 
-One Ray session for the module (ray.init takes ~4 s); every RayGroup joins it.
+One Ray instance for the module (ray.init takes seconds); every RayGroup joins it.
 """
 import glob
 import json
