@@ -61,11 +61,11 @@ PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each 
     # "auto" with the bf16 linear layers through F.linear (the weight reordered per call; before 2026-12-03 09:00)
     "unpacked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
                  "linear": "torch"},
-    # "auto" with the fp32 linear layers through oneDNN too (SPECOPD_LINEAR=all: not F.linear's bits): fp32 at
+    # "auto" with the fp32 linear layers through oneDNN too (kernels.cpu_linear=all: not F.linear's bits): fp32 at
     # this CPU's best matmul rate where MKL's fp32 is not (an AMD CPU with AVX-512); bf16 rows as "auto"
     "fp32dnn": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
                 "linear": "all"},
-    # "auto" with the C attention kernels on every CPU where they build (SPECOPD_ATTENTION=cpu): on an AMX CPU,
+    # "auto" with the C attention kernels on every CPU where they build (kernels.cpu_attention=cpu): on an AMX CPU,
     # where "auto" keeps torch's kernels, `--paths auto,cattn` measures ours against them (never measured yet)
     "cattn": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "cpu"},
     # "auto" with the score's / verify's tree attention in torch (the blocked plan, one fused attention call per
@@ -81,8 +81,8 @@ PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each 
     "prev": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "torch", "chunks": "prev",
              "attention": "torch", "linear": "torch"},
 }
-ENV = {"layer_ops": "SPECOPD_LAYER_OPS", "attention": "SPECOPD_ATTENTION",  # PATHS keys set as environment
-       "linear": "SPECOPD_LINEAR"}
+KEYS = {"tv": "cpu_tv_loss", "layer_ops": "cpu_layer_ops", "sample": "cpu_sampling", "attention": "cpu_attention",
+        "linear": "cpu_linear"}  # PATHS keys that are the recipe's kernels keys (kernels.paths)
 
 class _FreshBuffers:
     """``ChunkBuffers.pooled`` as it was before the pool: fresh buffers on every call (the "prev" path)."""
@@ -96,46 +96,39 @@ class _FreshBuffers:
 
 
 class use_path:
-    """Sets a ``PATHS`` entry for the block (``specopd.losses.TV_KERNEL``, ``SPECOPD_LAYER_OPS``,
-    ``SPECOPD_ATTENTION``, ``executors.gqa.GROUP_KEYS`` / ``score_backend``, ``specopd.sampling.SAMPLE_KERNEL``)
-    and restores what it found."""
+    """Sets a ``PATHS`` entry for the block (the recipe's kernels keys through ``kernels.paths``,
+    ``executors.gqa.GROUP_KEYS`` / ``score_backend``) and restores what it found."""
 
     def __init__(self, name: str):
         self.p = PATHS[name]
 
     def __enter__(self):
         from executors import gqa
+        from kernels import paths
         from specopd import losses, sampling
 
-        self.kept = (losses.TV_KERNEL, {v: os.environ.get(v) for v in ENV.values()}, gqa.GROUP_KEYS,
-                     sampling.SAMPLE_KERNEL)
+        self.kept = (paths.configure(**{v: self.p.get(k, "auto") for k, v in KEYS.items()}), gqa.GROUP_KEYS)
         self.chunks = (losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, losses.ChunkBuffers.__dict__["pooled"],
                        losses.even_chunk, sampling.even_chunk)
-        losses.TV_KERNEL, gqa.GROUP_KEYS = self.p["tv"], self.p["group_keys"]
-        sampling.SAMPLE_KERNEL = self.p["sample"]
+        gqa.GROUP_KEYS = self.p["group_keys"]
         if self.p.get("chunks") == "prev":
             losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16 = 256 << 20, 1 << 62
             losses.ChunkBuffers.pooled = _FreshBuffers.__dict__["pooled"]
             losses.even_chunk = sampling.even_chunk = lambda n, chunk: chunk
-        for key, var in ENV.items():
-            os.environ[var] = self.p.get(key, "auto")
         self.score_backend = gqa.score_backend
         if self.p.get("tree") == "torch":  # the tree kernel off, the causal one on
             gqa.score_backend = lambda *a, _f=self.score_backend: (lambda b: "blocked" if b == "cpu" else b)(_f(*a))
 
     def __exit__(self, *exc):
         from executors import gqa
+        from kernels import paths
         from specopd import losses, sampling
 
-        losses.TV_KERNEL, env, gqa.GROUP_KEYS, sampling.SAMPLE_KERNEL = self.kept
+        before, gqa.GROUP_KEYS = self.kept
+        paths.configure(**before)
         gqa.score_backend = self.score_backend
         losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, pooled, losses.even_chunk, sampling.even_chunk = self.chunks
         losses.ChunkBuffers.pooled = pooled
-        for var, value in env.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
 
 
 def cpu_name() -> str:

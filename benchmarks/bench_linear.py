@@ -2,7 +2,7 @@
 ``F.linear``, side by side in one run: each SmolLM2-135M projection at the row counts the jobs use, then greedy
 autoregressive decoding of the real target at batch 1 with the switch on and off (alternating per prompt).
 
-fp32 rows: ``F.linear`` is MKL's sgemm; the packed call is oneDNN's fp32 kernel (``SPECOPD_LINEAR=all``, off by
+fp32 rows: ``F.linear`` is MKL's sgemm; the packed call is oneDNN's fp32 kernel (``kernels.cpu_linear=all``, off by
 default: not ``F.linear``'s bits). bf16 rows: both are oneDNN's kernel, the same bits; ``F.linear`` reorders the
 weight on every call. Rates are the median of 7 interleaved repetitions; only ratios mean anything on a shared CPU.
 
@@ -22,6 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from kernels import paths  # noqa: E402
 from kernels.layer_ops import cpu as layer_ops  # noqa: E402
 
 LAYERS = {"q / o": (576, 576), "k / v": (576, 192), "gate + up": (576, 3072), "down": (1536, 576),
@@ -77,20 +78,20 @@ def bench_decode(n_prompts: int, n_new: int) -> str:
 
     target_dir = prepare_smollm2()  # converted once (~30 s), then found
     prompts = heldout_prompt_ids(target_dir, 49152, n_prompts)
-    lines = ["| target | SPECOPD_LINEAR | tokens/s | vs F.linear | same tokens |", "|---|---|---|---|---|"]
+    lines = ["| target | kernels.cpu_linear | tokens/s | vs F.linear | same tokens |", "|---|---|---|---|---|"]
     for dt, on in ((torch.float32, "all"), (torch.bfloat16, "auto")):
         t = load_target(target_dir, dtype=dt)
         secs, toks, outs = {"torch": 0.0, on: 0.0}, {"torch": 0, on: 0}, {"torch": [], on: []}
         for i, p in enumerate(prompts):
             for mode in ("torch", on) if i % 2 == 0 else (on, "torch"):
-                os.environ["SPECOPD_LINEAR"] = mode
+                paths.configure(cpu_linear=mode)
                 autoregressive(t, p, 2, temperature=0.0)  # warm-up (packs on the first call)
                 t0 = time.perf_counter()
                 out = autoregressive(t, p, n_new, temperature=0.0).tokens
                 secs[mode] += time.perf_counter() - t0
                 toks[mode] += out.numel()
                 outs[mode].append(out)
-        os.environ.pop("SPECOPD_LINEAR", None)
+        paths.configure(cpu_linear="auto")
         same = all(torch.equal(a, b) for a, b in zip(outs["torch"], outs[on]))
         base = toks["torch"] / secs["torch"]
         for mode in ("torch", on):

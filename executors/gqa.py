@@ -63,7 +63,7 @@ def _backend(q, options) -> str:
 def score_backend(device, options, q=None, k=None) -> str:
     """The score path: ``options.gqa_backend``; "auto" = "triton" where ``options.kernels`` is, else "cpu"
     (``kernels.tree_attention.cpu``) where ``causal_cpu.enabled(q, k)`` (bf16 on a CPU with AVX512-BF16 and no AMX,
-    ``SPECOPD_ATTENTION``), else "blocked".
+    ``kernels.cpu_attention``), else "blocked".
 
     Args:
         device: where the pass runs.
@@ -136,7 +136,7 @@ def varlen_backend(q, k, options) -> str:
     """Packed causal prefill: ``options.varlen_backend`` "auto" | "flash_attn" | "torch" | "cpu" | "loop".
     "auto" = on CUDA flash-attn's ``flash_attn_varlen_func`` when importable, else torch's ``varlen_attn`` (torch >=
     2.9, bf16 / fp16), else "loop"; on the CPU "cpu" (``kernels.causal_attention``: every trunk in one call) where
-    ``causal_cpu.enabled`` (bf16, AVX512-BF16 without AMX, ``SPECOPD_ATTENTION``), else "loop" (per-sequence
+    ``causal_cpu.enabled`` (bf16, AVX512-BF16 without AMX, ``kernels.cpu_attention``), else "loop" (per-sequence
     ``attend_causal``: exact, any device)."""
     backend = as_options(options).varlen_backend
     if backend not in ("auto", "flash_attn", "torch", "cpu", "loop"):

@@ -3,8 +3,7 @@
 The system C compiler (``$CC``, else ``cc`` / ``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``; no
 fast-math) into ``$SPECOPD_CACHE/kernels`` (default ``~/.cache/specopd/kernels``): one file per source, flags and
 CPU, written atomically (parallel workers may build at once). OpenMP threads come from the runtime torch has
-already loaded. Also what the kernels' switches share: ``env_mode`` (a kernel's environment variable) and
-``bf16_cpu_inference`` / ``cpu_inference`` (the tensors a CPU kernel takes).
+already loaded. Also what the kernels' switches share: ``bf16_cpu_inference`` / ``cpu_inference`` (the tensors a CPU kernel takes).
 """
 from __future__ import annotations
 
@@ -67,15 +66,6 @@ def build(source: str, defines: tuple = ()) -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.remove(tmp)
     return ctypes.CDLL(path)
-
-
-def env_mode(var: str, modes: tuple) -> str:
-    """Environment variable ``var`` (a kernel's switch, e.g. ``SPECOPD_ATTENTION``): one of ``modes``, "auto" when
-    unset; anything else is a ValueError naming the choices."""
-    m = os.environ.get(var, "auto")
-    if m not in modes:
-        raise ValueError(f"{var}={m!r}: use one of {modes}")
-    return m
 
 
 def cpu_inference(dtype: torch.dtype, *tensors) -> bool:

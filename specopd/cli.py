@@ -122,6 +122,7 @@ def plan(cfg, device_bytes=None) -> dict:
                      "branches": d.batch_size * t.anchors_per_seq,
                      "supervised_tokens": d.batch_size * t.anchors_per_seq * (cfg.drafter.block_size - 1)},
         "memory": None if mem is None else mem.to_dict(),
+        "kernels": dataclasses.asdict(cfg.kernels),
         "steps": t.max_steps, "output_dir": t.output_dir, "resume": t.resume, "notes": notes,
         "_memory_plan": mem,
     }
@@ -157,6 +158,7 @@ def _print_plan(p: dict) -> None:
         print(f"  worker {pl['worker']} ({pl.get('role', 'all phases')}): device={pl['device']} cpus={pl['cpus']} "
               f"gpus={pl['gpus']}")
     ps = p["per_step"]
+    print("kernels  " + ", ".join(f"{k}={v}" for k, v in p["kernels"].items()))
     print(f"per step {ps['sequences']} sequences ({ps['sequences_per_worker']}/worker), up to {ps['branches']} "
           f"branches, {ps['supervised_tokens']} supervised tokens")
     for note in p.get("notes", []):

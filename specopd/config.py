@@ -474,6 +474,55 @@ class PipelineConfig:
                               f"temperatures >= 0 (0 = greedy)")
 
 
+@dataclass
+class KernelsConfig:
+    """Which compute path runs where there is a choice (``kernels.paths``, applied in the driver and every worker).
+    Each is "auto" by default: the fastest path that is exact to its promise on this machine."""
+    cpu_attention: str = setting("auto", resume=FROM_HERE)
+    """bf16 causal and tree attention in C (kernels/causal_attention): auto (on CPUs with AVX512-BF16 and no AMX) |
+    cpu (wherever it builds; an error where it does not) | torch (torch's attention everywhere)."""
+    cpu_layer_ops: str = setting("auto", resume=FROM_HERE)
+    """bf16 RMSNorm, SiLU * up and RoPE in C, and packed linear layers (kernels/layer_ops): auto | torch."""
+    cpu_linear: str = setting("auto", resume=FROM_HERE)
+    """Linear layers with the weight packed once for oneDNN: auto (bf16; F.linear's bits) | torch (F.linear) | all
+    (fp32 too: oneDNN's fp32 kernel, not F.linear's bits)."""
+    cpu_tv_loss: str = setting("auto", resume=FROM_HERE)
+    """The fused E2E-TV's alpha and gradient in C (kernels/e2e_tv): auto | cpu (an error if it does not build) |
+    torch."""
+    cpu_sampling: str = setting("auto", resume=FROM_HERE)
+    """Draws at T > 0 in C (kernels/sampling): auto | cpu (an error if it does not build) | torch."""
+    drafter_attention: str = setting("auto", resume=FROM_HERE)
+    """The drafter's branch attention: auto (flex_attention on CUDA when it compiles, else chunked) | chunked |
+    flex."""
+
+    def __post_init__(self):
+        section = "kernels"  # (a variable: tests/test_imports.py reads a call on a module's name as an import)
+        for key, choices in KERNEL_CHOICES.items():
+            _check_choice(section, key, getattr(self, key), choices)
+
+
+# the values of each kernels key, "auto" first (the same as kernels.paths.CHOICES: tests/test_config.py)
+KERNEL_CHOICES = {"cpu_attention": ("auto", "cpu", "torch"), "cpu_layer_ops": ("auto", "torch"),
+                  "cpu_linear": ("auto", "torch", "all"), "cpu_tv_loss": ("auto", "cpu", "torch"),
+                  "cpu_sampling": ("auto", "cpu", "torch"), "drafter_attention": ("auto", "chunked", "flex")}
+
+
+def recipe_record(cfg) -> dict:
+    """The recipe as a checkpoint records it: ``to_dict``, without the kernels section while every path is at its
+    default (so checkpoints of runs on the default paths are the bytes they were before the section existed)."""
+    d = to_dict(cfg)
+    if cfg.kernels == KernelsConfig():
+        del d["kernels"]
+    return d
+
+
+def recorded_recipe(d: Optional[dict]) -> Optional[dict]:
+    """A checkpoint's recipe with the kernels section filled in: a record without one ran on the default paths."""
+    if d is None:
+        return None
+    return {**d, "kernels": {**to_dict(KernelsConfig()), **(d["kernels"] if "kernels" in d else {})}}
+
+
 CE_TERM_METHODS = ("specopd", "offpolicy_e2e_tv")  # the methods trainer.ce_weight adds a CE term to
 
 
@@ -502,6 +551,8 @@ class RecipeConfig:
     """Per-phase spans and GPU sampling."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """The main job (prepare, warm up, train, evaluate); off by default."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Which compute path runs where there is a choice (the CPU kernels, the drafter's attention)."""
 
     def __post_init__(self):
         if self.runtime.roles == "split" and self.trainer.method == "draft_opd":

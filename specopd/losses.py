@@ -5,13 +5,13 @@ Masks, normalisation and memory: specopd/train/DESIGN.md ("Losses").
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from kernels import paths
 from kernels.e2e_tv import cpu as tv_cpu
 
 # fp32 [rows, V] buffers one loss chunk holds at its peak (logits of q and p and their bf16 matmul
@@ -26,9 +26,6 @@ CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 1 << 30}
 # slower from 384 rows on (measured: the bf16 report in benchmarks/results/).
 DX_ROWS_CPU_BF16 = 341
 DFLASH_POSITION_DECAY = 7.0  # released DFlash CE weights exp(-k / 7) for drafted slot k (0-based)
-# The fused E2E-TV's alpha and gradient on the CPU: "auto" (the C kernel kernels/e2e_tv when it builds, else
-# torch) | "cpu" (the kernel, an error if it does not build) | "torch". Set by $SPECOPD_TV_KERNEL.
-TV_KERNEL = os.environ.get("SPECOPD_TV_KERNEL", "auto")
 # temperature 0 of alpha: p one-hot at its argmax, q at T = 1 (alpha = q(argmax p)); see ``tv_alpha``.
 GREEDY = 0.0
 
@@ -346,14 +343,15 @@ def raw_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: tor
 
 
 def use_tv_kernel(device) -> bool:
-    """Whether the fused E2E-TV runs alpha and its gradient through kernels/e2e_tv (``TV_KERNEL``) on ``device``."""
-    if TV_KERNEL not in ("auto", "cpu", "torch"):
-        raise ValueError(f"SPECOPD_TV_KERNEL={TV_KERNEL!r}: use auto, cpu or torch")
-    if TV_KERNEL == "torch" or torch.device(device).type != "cpu":
+    """Whether the fused E2E-TV runs alpha and its gradient through kernels/e2e_tv on ``device``: the recipe key
+    ``kernels.cpu_tv_loss`` is "auto" (the C kernel when it builds, else torch) | "cpu" (the kernel, an error if it
+    does not build) | "torch"."""
+    which = paths.mode("cpu_tv_loss")
+    if which == "torch" or torch.device(device).type != "cpu":
         return False
-    if TV_KERNEL == "cpu" and not tv_cpu.available():
-        raise RuntimeError(f"SPECOPD_TV_KERNEL=cpu but the CPU TV kernel does not build: "
-                           f"{tv_cpu.unavailable_reason()}; unset it to use the torch path")
+    if which == "cpu" and not tv_cpu.available():
+        raise RuntimeError(f"kernels.cpu_tv_loss=cpu but the CPU TV kernel does not build: "
+                           f"{tv_cpu.unavailable_reason()}; set kernels.cpu_tv_loss=auto to use the torch path")
     return tv_cpu.available()
 
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from kernels import paths
 from specopd.config import CE_TERM_METHODS, auto_dtype, eval_dtype
 from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
 from specopd.data.packaged import conversations_file
@@ -256,6 +257,7 @@ def format_al_table(results: list, temps, w: int, title: str) -> str:
 def run(cfg, progress: bool = True) -> dict:
     """The main job (specopd/train/DESIGN.md); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
     check_device(cfg)
+    paths.configure_from(cfg.kernels)  # references, warm-up, evaluation: the recipe's compute paths throughout
     with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
         return _run(cfg, progress)
 

@@ -5,28 +5,25 @@ decoding all draw through it, so the tokens do not depend on the chunking or on 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kernels import paths
 from kernels.sampling import cpu as sample_cpu
 from specopd.losses import ChunkBuffers, chunk_logits, even_chunk, raw_logits, resolve_chunk_rows, softmax_
 
-# Draws at T > 0 on the CPU: "auto" (the C kernel kernels/sampling when it builds, else torch) | "cpu" (the kernel,
-# an error if it does not build) | "torch" (``draw_``). Set by $SPECOPD_SAMPLE_KERNEL.
-SAMPLE_KERNEL = os.environ.get("SPECOPD_SAMPLE_KERNEL", "auto")
 
 
 def use_sample_kernel(device, temperature: float) -> bool:
-    """Whether draws at ``temperature`` on ``device`` go through kernels/sampling (``SAMPLE_KERNEL``): the same
-    rule as ``draw_``, from bf16 or fp32 logits in one pass per row (no fp32 copy, no [R, V] softmax)."""
-    if SAMPLE_KERNEL not in ("auto", "cpu", "torch"):
-        raise ValueError(f"SPECOPD_SAMPLE_KERNEL={SAMPLE_KERNEL!r}: use auto, cpu or torch")
-    if temperature <= 0 or SAMPLE_KERNEL == "torch" or torch.device(device).type != "cpu":
+    """Whether draws at ``temperature`` on ``device`` go through kernels/sampling: the same rule as ``draw_``, from
+    bf16 or fp32 logits in one pass per row (no fp32 copy, no [R, V] softmax). The recipe key
+    ``kernels.cpu_sampling`` is "auto" (the C kernel when it builds, else torch) | "cpu" (the kernel, an error if it
+    does not build) | "torch" (``draw_``)."""
+    which = paths.mode("cpu_sampling")
+    if temperature <= 0 or which == "torch" or torch.device(device).type != "cpu":
         return False
-    if SAMPLE_KERNEL == "cpu" and not sample_cpu.available():
-        raise RuntimeError(f"SPECOPD_SAMPLE_KERNEL=cpu but the CPU sampling kernel does not build: "
-                           f"{sample_cpu.unavailable_reason()}; unset it to use the torch path")
+    if which == "cpu" and not sample_cpu.available():
+        raise RuntimeError(f"kernels.cpu_sampling=cpu but the CPU sampling kernel does not build: "
+                           f"{sample_cpu.unavailable_reason()}; set kernels.cpu_sampling=auto to use the torch path")
     return sample_cpu.available()
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from oracle import make_tiny_checkpoint
+from kernels import paths
 from specopd.drafters import build_drafter
 from specopd.eval import SpeculativeDecoder, autoregressive
 from specopd.models import load_target
@@ -25,7 +26,7 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=["torch", "cpu"])
 def _models(request, tmp_path_factory):
-    """"torch": head dim 16, torch's attention everywhere; "cpu": head dim 32 with SPECOPD_ATTENTION=cpu, so that
+    """"torch": head dim 16, torch's attention everywhere; "cpu": head dim 32 with kernels.cpu_attention=cpu, so that
     prefill, score, verify and decoding run the C attention kernels (kernels/causal_attention,
     kernels/tree_attention/cpu.py) where they build."""
     if request.param == "cpu":
@@ -44,7 +45,7 @@ def _models(request, tmp_path_factory):
 @pytest.fixture
 def targets(_models, monkeypatch):
     t16, t32, attention = _models
-    monkeypatch.setenv("SPECOPD_ATTENTION", attention)
+    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", attention)
     return t16, t32
 
 

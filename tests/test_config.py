@@ -164,3 +164,53 @@ def test_every_field_declares_what_a_resume_does_with_its_change():
         resume_policies(Section)
     with pytest.raises(ValueError, match="resume='maybe'"):
         setting(1, resume="maybe")
+
+
+def test_compute_paths_are_recipe_keys_checked_on_resume(tmp_path, capsys):
+    """The kernels section: the same choices as kernels.paths, validated up front, shown by --dry-run, taking effect
+    from the resumed step on; a checkpoint that records no section ran on the defaults, and a run on the defaults
+    records none (its checkpoints stay the bytes they were)."""
+    from kernels import paths
+    from specopd.config import FROM_HERE, KERNEL_CHOICES, recipe_record, recorded_recipe, resume_policies, to_dict
+    from specopd.train.checkpointer import recipe_changes
+
+    assert KERNEL_CHOICES == paths.CHOICES
+    assert all(resume_policies()[f"kernels.{k}"] == FROM_HERE for k in KERNEL_CHOICES)
+    with pytest.raises(RecipeError, match=r"kernels.cpu_attention='c' is not valid; choose one of \['auto', 'cpu'"):
+        load_recipe(None, ["kernels.cpu_attention=c"])
+    assert main(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), "--dry-run", f"trainer.output_dir={tmp_path}",
+                 "kernels.cpu_tv_loss=torch"]) == 0
+    assert "cpu_tv_loss=torch" in capsys.readouterr().out
+
+    default, changed = load_recipe(None), load_recipe(None, ["kernels.cpu_linear=all"])
+    assert "kernels" not in recipe_record(default) and recipe_record(changed)["kernels"]["cpu_linear"] == "all"
+    refused, same, here = recipe_changes(recorded_recipe(recipe_record(default)), to_dict(changed))
+    assert not refused and not same and here == ["kernels.cpu_linear 'auto' -> 'all'"]
+    assert recipe_changes(recorded_recipe(recipe_record(changed)), to_dict(changed)) == ([], [], [])
+
+
+def test_no_library_code_reads_a_compute_path_from_the_environment():
+    """The compute paths are recipe keys (kernels.paths): no module reads their old environment variables."""
+    import re
+
+    old = re.compile(r"SPECOPD_(ATTENTION|LINEAR|LAYER_OPS|TV_KERNEL|SAMPLE_KERNEL|DRAFTER_ATTENTION)\b")
+    found = [f"{os.path.relpath(p, ROOT)}:{i}" for top in ("specopd", "executors", "kernels")
+             for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)
+             for i, line in enumerate(open(p), 1) if old.search(line)]
+    assert found == []
+
+
+def test_a_worker_applies_its_recipes_compute_paths(monkeypatch, tmp_path):
+    """Every process that hosts a worker (in-process or a Ray actor) runs the recipe's paths."""
+    from kernels import paths
+    from specopd.train.worker import Worker
+
+    monkeypatch.setattr(paths, "CHOSEN", dict(paths.CHOSEN))
+    Worker(load_recipe(os.path.join(ROOT, "recipes", "tiny.yaml"), [f"trainer.output_dir={tmp_path}",
+                                                                    "kernels.cpu_sampling=torch"]))
+    assert paths.mode("cpu_sampling") == "torch" and paths.mode("cpu_tv_loss") == "auto"
+    with paths.using(cpu_sampling="auto", drafter_attention="chunked"):
+        assert paths.mode("drafter_attention") == "chunked"
+    assert paths.mode("cpu_sampling") == "torch" and paths.mode("drafter_attention") == "auto"
+    with pytest.raises(ValueError, match="kernels.cpu_fast: no such compute path"):
+        paths.configure(cpu_fast="auto")

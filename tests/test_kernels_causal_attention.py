@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import paths
 from kernels.causal_attention import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.LIB.available(), reason=f"attention kernel unavailable: {cpu.LIB.reason()}")
@@ -112,23 +113,23 @@ def test_strided_inputs_and_bad_arguments():
 
 def test_the_executor_uses_it_for_bf16_packed_and_one_by_one_prefill_alike(monkeypatch):
     """executors.gqa: varlen "auto" takes the kernel where ``enabled`` (and "loop" then runs it per trunk, the same
-    bits); SPECOPD_ATTENTION=torch keeps torch's flash kernel; "cpu" on fp32 is a clear error."""
+    bits); kernels.cpu_attention=torch keeps torch's flash kernel; "cpu" on fp32 is a clear error."""
     from executors.gqa import attend_varlen, varlen_backend
     from executors.options import ExecOptions
 
     q, k, v, cu, _ = _inputs([40, 7, 90], [40, 7, 90], 9, 3, 64, seed=9)
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    monkeypatch.setenv("SPECOPD_ATTENTION", "cpu")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", "cpu")
     assert varlen_backend(q, k, None) == "cpu"
     packed = attend_varlen(q, k, v, cu_t, 90, 0.125)
     loop = attend_varlen(q, k, v, cu_t, 90, 0.125, ExecOptions(varlen_backend="loop"))
     assert torch.equal(packed, loop)
     assert torch.equal(packed, cpu.causal_attention(q, k, v, cu, cu, 0.125))
-    monkeypatch.setenv("SPECOPD_ATTENTION", "torch")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", "torch")
     assert varlen_backend(q, k, None) == "loop"
     assert torch.equal(attend_varlen(q, k, v, cu_t, 90, 0.125), _torch_flash(q, k, v, cu, cu, 0.125))
     with pytest.raises(ValueError, match="varlen_backend='cpu' runs bf16"):
         attend_varlen(q.float(), k.float(), v.float(), cu_t, 90, 0.125, ExecOptions(varlen_backend="cpu"))
-    monkeypatch.setenv("SPECOPD_ATTENTION", "bogus")
-    with pytest.raises(ValueError, match="SPECOPD_ATTENTION"):
+    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", "bogus")
+    with pytest.raises(ValueError, match="kernels.cpu_attention"):
         cpu.mode()

@@ -6,6 +6,7 @@ may differ by one bf16 unit where the fp32 value sits at a rounding boundary: at
 import pytest
 import torch
 
+from kernels import paths
 from kernels.layer_ops import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.LIB.available(), reason=f"layer ops kernel unavailable: {cpu.LIB.error}")
@@ -110,10 +111,10 @@ def test_enabled_only_for_bf16_cpu_tensors_outside_autograd(monkeypatch):
     assert not cpu.enabled(b, b.clone().requires_grad_())
     with torch.no_grad():
         assert cpu.enabled(b, b.clone().requires_grad_())
-    monkeypatch.setenv("SPECOPD_LAYER_OPS", "torch")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "torch")
     assert not cpu.enabled(b, b)
-    monkeypatch.setenv("SPECOPD_LAYER_OPS", "fast")
-    with pytest.raises(ValueError, match="SPECOPD_LAYER_OPS"):
+    monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "fast")
+    with pytest.raises(ValueError, match="kernels.cpu_layer_ops"):
         cpu.enabled(b, b)
 
 
@@ -135,7 +136,7 @@ def test_a_bf16_target_runs_the_kernels_and_its_greedy_tokens_match_torchs_ops(t
     with torch.no_grad():
         fast = target(ids).float()
         assert calls.keys() == {"rms_norm", "silu_mul", "rope"}
-        monkeypatch.setenv("SPECOPD_LAYER_OPS", "torch")
+        monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "torch")
         plain = target(ids).float()
         exact = target.float()(ids)
     assert torch.equal(fast.argmax(-1), plain.argmax(-1))

@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+from kernels import paths
 from kernels.layer_ops import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.packing_available(), reason="torch's oneDNN has no native bf16 on this CPU")
@@ -95,11 +96,11 @@ def test_copies_and_pickles_start_without_a_pack():
 
 @pytest.mark.parametrize("rows", [1, 5, 341])
 def test_fp32_packing_is_opt_in_and_within_fp32_rounding(rows, monkeypatch):
-    """``SPECOPD_LINEAR=all``: fp32 through oneDNN's kernel, within fp32 rounding of the float64 product (as
+    """``kernels.cpu_linear=all``: fp32 through oneDNN's kernel, within fp32 rounding of the float64 product (as
     ``F.linear`` is), not necessarily its bits; by default fp32 keeps ``F.linear``."""
     x, w, b = torch.randn(rows, 576), torch.randn(300, 576), torch.randn(300)
     assert not cpu.linear_enabled(x, w, b)
-    monkeypatch.setenv("SPECOPD_LINEAR", "all")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "all")
     assert cpu.linear_enabled(x, w, b) and cpu.linear_enabled(x.bfloat16(), w.bfloat16())
     assert not cpu.linear_enabled(x, w.bfloat16()) and not cpu.linear_enabled(x, w.requires_grad_())
     w.requires_grad_(False)
@@ -126,14 +127,14 @@ def test_enabled_only_for_bf16_cpu_tensors_outside_autograd(monkeypatch):
     assert not cpu.linear_enabled(x, w.clone().requires_grad_())
     with torch.no_grad():
         assert cpu.linear_enabled(x, w.clone().requires_grad_())
-    monkeypatch.setenv("SPECOPD_LINEAR", "torch")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "torch")
     assert not cpu.linear_enabled(x, w) and cpu.enabled(x, w)  # the C layer ops stay on
-    monkeypatch.setenv("SPECOPD_LINEAR", "auto")
-    monkeypatch.setenv("SPECOPD_LAYER_OPS", "torch")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "auto")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "torch")
     assert not cpu.linear_enabled(x, w)
-    monkeypatch.setenv("SPECOPD_LAYER_OPS", "auto")
-    monkeypatch.setenv("SPECOPD_LINEAR", "packed")
-    with pytest.raises(ValueError, match="SPECOPD_LINEAR"):
+    monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "auto")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "packed")
+    with pytest.raises(ValueError, match="kernels.cpu_linear"):
         cpu.linear_enabled(x, w)
 
 
@@ -152,7 +153,7 @@ def test_a_bf16_target_runs_every_linear_through_the_pack_with_the_same_logits(t
     with torch.no_grad():
         fast = target(ids)
         assert len(calls) == 2 * 6 + 1
-        monkeypatch.setenv("SPECOPD_LINEAR", "torch")
+        monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "torch")
         plain = target(ids)
     assert len(calls) == 2 * 6 + 1
     assert torch.equal(fast, plain)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernel_check import c_kernels_expected
+from kernels import paths
 from kernels.sampling import cpu, naive
 from specopd import sampling
 
@@ -147,7 +148,7 @@ def test_sampler_kernel_path_draws_what_its_torch_path_draws(monkeypatch, dtype,
     rows = [torch.arange(0, 6), torch.arange(6, 12)]
     out = {}
     for path in ("torch", "cpu"):
-        monkeypatch.setattr(sampling, "SAMPLE_KERNEL", path)
+        monkeypatch.setitem(paths.CHOSEN, "cpu_sampling", path)
         gens = [torch.Generator().manual_seed(i) for i in range(2)]
         a = sampling.sample_from_hidden(h, weight, t, rows=rows, generators=gens, chunk_rows=7)
         gens = [torch.Generator().manual_seed(i) for i in range(2)]
@@ -164,8 +165,8 @@ def test_sampler_kernel_path_draws_what_its_torch_path_draws(monkeypatch, dtype,
 
 
 def test_sample_kernel_setting_is_checked(monkeypatch):
-    monkeypatch.setattr(sampling, "SAMPLE_KERNEL", "fast")
-    with pytest.raises(ValueError, match="SPECOPD_SAMPLE_KERNEL"):
+    monkeypatch.setitem(paths.CHOSEN, "cpu_sampling", "fast")
+    with pytest.raises(ValueError, match="kernels.cpu_sampling"):
         sampling.use_sample_kernel("cpu", 1.0)
-    monkeypatch.setattr(sampling, "SAMPLE_KERNEL", "auto")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_sampling", "auto")
     assert not sampling.use_sample_kernel("cpu", 0.0)  # T = 0 is an argmax

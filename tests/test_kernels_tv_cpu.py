@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernel_check import c_kernels_expected
+from kernels import paths
 from kernels.e2e_tv import cpu, naive
 from specopd import losses
 
@@ -139,7 +140,7 @@ def test_fused_e2e_tv_kernel_equals_torch_path(monkeypatch, wdtype, rank, ce):
     inputs = [hq] + (list(markov) if markov else [])
     res = {}
     for kind in ("torch", "cpu"):
-        monkeypatch.setattr(losses, "TV_KERNEL", kind)
+        monkeypatch.setitem(paths.CHOSEN, "cpu_tv_loss", kind)
         out = losses.fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=7, temperature=1.0 if ce else 0.8,
                                   chunk_rows=5, ce_targets=targets, ce_weight=ce)
         res[kind] = (out.loss.detach(), out.alpha, out.nll, torch.autograd.grad(out.loss, inputs))
@@ -205,9 +206,9 @@ def test_ce_term_errors_name_what_is_wrong():
 
 
 def test_kernel_choice_errors_name_the_fix(monkeypatch):
-    monkeypatch.setattr(losses, "TV_KERNEL", "fast")
-    with pytest.raises(ValueError, match="SPECOPD_TV_KERNEL"):
+    monkeypatch.setitem(paths.CHOSEN, "cpu_tv_loss", "fast")
+    with pytest.raises(ValueError, match="kernels.cpu_tv_loss"):
         losses.use_tv_kernel("cpu")
-    monkeypatch.setattr(losses, "TV_KERNEL", "auto")
+    monkeypatch.setitem(paths.CHOSEN, "cpu_tv_loss", "auto")
     assert losses.use_tv_kernel("cpu") == cpu.available()
     assert not losses.use_tv_kernel("meta")

@@ -1,8 +1,8 @@
 """The bf16 causal attention kernel (``attention_cpu.c``), built on first use by ``kernels.cbuild`` and loaded with
 ctypes. It needs AVX512-BF16 (``LIB.reason()`` says why it is not available elsewhere). The same library holds the
-tree kernel (``kernels.tree_attention.cpu``), which ``enabled`` and ``SPECOPD_ATTENTION`` govern alike.
+tree kernel (``kernels.tree_attention.cpu``), which ``enabled`` and ``kernels.cpu_attention`` govern alike.
 
-``SPECOPD_ATTENTION`` picks where ``executors.gqa`` uses it: ``auto`` (default) for bf16 on CPUs without AMX-BF16
+The recipe key ``kernels.cpu_attention`` (``kernels.paths``) picks where ``executors.gqa`` uses it: ``auto`` (default) for bf16 on CPUs without AMX-BF16
 (there torch's flash kernel runs bf16 at a sixth of the matmul rate; with AMX torch's runs on AMX tiles and was
 not measured against this one), ``cpu`` on every CPU where it builds, ``torch`` nowhere.
 """
@@ -14,11 +14,12 @@ from typing import Sequence
 
 import torch
 
-from kernels.cbuild import Library, bf16_cpu_inference, env_mode
+from kernels import paths
+from kernels.cbuild import Library, bf16_cpu_inference
 from specopd.config import cpu_flags
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cpu.c")
-MODES = ("auto", "cpu", "torch")
+MODES = paths.CHOICES["cpu_attention"]
 MAX_HEAD_DIM = 256
 
 
@@ -36,7 +37,7 @@ LIB = Library(SOURCE, _declare)
 
 
 def mode() -> str:
-    return env_mode("SPECOPD_ATTENTION", MODES)
+    return paths.mode("cpu_attention")
 
 
 def enabled(q: torch.Tensor, k: torch.Tensor) -> bool:

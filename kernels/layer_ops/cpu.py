@@ -2,14 +2,13 @@
 ``kernels.cbuild`` and loaded with ctypes. ``enabled(*tensors)`` says whether the models should call them.
 
 The bf16 linear layers run through oneDNN with their weight reordered once (``PackedWeight`` / ``linear``) instead
-of per call as ``F.linear`` does: the same bits (tested), 1.1x at training rows, ~2x for a decoded token.
-``linear_enabled(x, weight)`` says whether to use it (no C library needed: torch's own oneDNN ops);
-``SPECOPD_LINEAR=torch`` keeps ``F.linear`` (so does ``SPECOPD_LAYER_OPS=torch``). ``SPECOPD_LINEAR=all`` packs fp32
-weights too: oneDNN's fp32 kernel instead of MKL's (1.1-1.3x at training rows on an AMD CPU with AVX-512, more at
-a few rows), within fp32 rounding of ``F.linear`` but not its bits, so fp32 no longer matches transformers
-bit for bit; off by default.
+of per call as ``F.linear`` does: the same bits (tested), faster (measured: benchmarks/results/).
+``linear_enabled(x, weight)`` says whether to use it (no C library needed: torch's own oneDNN ops); the recipe key
+``kernels.cpu_linear=torch`` keeps ``F.linear`` (so does ``kernels.cpu_layer_ops=torch``). ``kernels.cpu_linear=all``
+packs fp32 weights too: oneDNN's fp32 kernel instead of MKL's (faster on some CPUs), within fp32 rounding of
+``F.linear`` but not its bits, so fp32 no longer matches transformers bit for bit; off by default.
 
-``SPECOPD_LAYER_OPS=auto`` (default) uses them for bf16 CPU tensors outside autograd where the library builds;
+``kernels.cpu_layer_ops=auto`` (default) uses them for bf16 CPU tensors outside autograd where the library builds;
 ``torch`` keeps torch's eager ops (``naive.py``) everywhere. Exactness: ``layer_ops_cpu.c``'s header and
 docs/exactness.md (RoPE and the product bitwise torch's; the norm and SiLU within one bf16 unit of it).
 """
@@ -20,10 +19,11 @@ import functools
 import os
 import torch
 
-from kernels.cbuild import Library, bf16_cpu_inference, cpu_inference, env_mode
+from kernels import paths
+from kernels.cbuild import Library, bf16_cpu_inference, cpu_inference
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_ops_cpu.c")
-MODES = ("auto", "torch")
+MODES = paths.CHOICES["cpu_layer_ops"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -39,7 +39,7 @@ LIB = Library(SOURCE, _declare)
 
 
 def mode() -> str:
-    return env_mode("SPECOPD_LAYER_OPS", MODES)
+    return paths.mode("cpu_layer_ops")
 
 
 def enabled(*tensors: torch.Tensor) -> bool:
@@ -62,17 +62,17 @@ def packing_available() -> bool:
         return False
 
 
-LINEAR_MODES = ("auto", "torch", "all")
+LINEAR_MODES = paths.CHOICES["cpu_linear"]
 
 
 def linear_enabled(x: torch.Tensor, *weights: torch.Tensor | None) -> bool:
     """Whether ``linear`` takes x [..., K] and these weights / biases (None ones skipped): all bf16 (with
-    ``SPECOPD_LINEAR=all`` also all fp32) on the CPU outside autograd, x at least 2-D, ``SPECOPD_LAYER_OPS`` "auto",
-    ``SPECOPD_LINEAR`` not "torch", and oneDNN bf16 here."""
+    ``kernels.cpu_linear=all`` also all fp32) on the CPU outside autograd, x at least 2-D, ``kernels.cpu_layer_ops``
+    "auto", ``kernels.cpu_linear`` not "torch", and oneDNN bf16 here."""
     ws = [w for w in weights if w is not None]
     if x.dim() < 2 or mode() != "auto":
         return False
-    which = env_mode("SPECOPD_LINEAR", LINEAR_MODES)
+    which = paths.mode("cpu_linear")
     if which == "torch" or not packing_available():
         return False
     return bf16_cpu_inference(x, *ws) or (which == "all" and cpu_inference(torch.float32, x, *ws))

@@ -2,7 +2,7 @@
 causal kernel's trunk chunks with a per-node key limit, then one online-softmax step over the node's ancestors).
 
 ``executors.gqa`` uses it to score and verify trees where ``kernels.causal_attention.cpu.enabled`` holds (bf16, an
-AVX512-BF16 CPU without AMX, ``SPECOPD_ATTENTION``): torch's fused attention with a mask runs bf16 at a fraction of
+AVX512-BF16 CPU without AMX, ``kernels.cpu_attention``): torch's fused attention with a mask runs bf16 at a fraction of
 the matmul rate there (benchmarks/results/, the tree-attention-in-C report). Reference: ``naive.tree_attention_reference``.
 """
 from __future__ import annotations

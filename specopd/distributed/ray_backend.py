@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from kernels import paths
 from specopd.errors import UserError
 from specopd.profiling import append_spans, start_gpu_sampler
 from specopd.train import checkpoint as ck
@@ -83,6 +84,7 @@ class _WorkerHost:
                  tp_rank: int = 0, tp_size: int = 1):
         torch.set_num_threads(max(1, num_threads))
         apply_deterministic(bool(_get(cfg, "trainer.deterministic", False)))  # before any CUDA work
+        paths.configure_from(_get(cfg, "kernels", {}))  # the driver's compute paths, in this actor's process too
         self.rank, self.world_size = rank, world_size  # data-parallel
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.worker_cls, self.cfg, self.role = worker_cls, cfg, role

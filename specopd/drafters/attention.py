@@ -4,11 +4,12 @@ specopd/drafters/DESIGN.md ("Branch attention").
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable, Optional, Union
 
 import torch
+
+from kernels import paths
 
 CHUNK_ELEMS = 1 << 22  # score elements per chunk of the chunked path (16 MiB in fp32)
 
@@ -270,7 +271,7 @@ def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, s
                           compiled: Optional[bool] = None, dynamic: bool = True) -> torch.Tensor:
     """flex_attention over one packed key sequence [context of all trunks ; all blocks] with a BlockMask from
     ``layout``.
-    On CUDA a failed compile warns once (naming ``SPECOPD_DRAFTER_ATTENTION=chunked``), falls back to the exact
+    On CUDA a failed compile warns once (naming ``kernels.drafter_attention=chunked``), falls back to the exact
     chunked path for this call and, through ``resolve_backend``, for every later "auto" call of the process.
 
     Args / Returns: as ``specopd.drafters.attention.branch_attention``, and:
@@ -293,7 +294,7 @@ def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, s
             _FLEX["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             warnings.warn(f"flex_attention failed to compile on {q.device} ({_FLEX['failed']}); the drafter's "
                           f"branch attention falls back to the chunked path (exact, slower) for the rest of this "
-                          f"process. Set SPECOPD_DRAFTER_ATTENTION=chunked to skip the attempt.", RuntimeWarning,
+                          f"process. Set kernels.drafter_attention=chunked to skip the attempt.", RuntimeWarning,
                           stacklevel=2)
         return chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)
 
@@ -341,12 +342,12 @@ Backend = Union[str, Callable]
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> Backend:
-    """"auto" -> flex on CUDA (when importable), chunked elsewhere; ``SPECOPD_DRAFTER_ATTENTION=chunked|flex``
-    overrides "auto" without touching code (e.g. to fall back to the chunked path on a GPU)."""
+    """"auto" -> the recipe key ``kernels.drafter_attention`` (``kernels.paths``) when it names chunked or flex (e.g.
+    to fall back to the chunked path on a GPU), else flex on CUDA (when importable) and chunked elsewhere."""
     if callable(backend):
         return backend
     if backend == "auto":
-        backend = os.environ.get("SPECOPD_DRAFTER_ATTENTION", "auto")
+        backend = paths.mode("drafter_attention")
     if backend not in ("auto", "chunked", "flex"):
         raise ValueError(f"attention backend must be auto | chunked | flex (or a callable); got {backend!r}")
     if backend == "auto":
@@ -366,7 +367,7 @@ def branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale:
         k_ctx, v_ctx: [C, Hkv, hd] the packed context of every trunk (trunk 0's rows, then trunk 1's, ...).
         layout: BranchLayout (branches grouped by trunk, sorted by anchor; block b sees its trunk's rows < a_b).
         scale: softmax scale.
-        backend: "auto" (flex on CUDA when importable, else chunked; env ``SPECOPD_DRAFTER_ATTENTION`` overrides) |
+        backend: "auto" (flex on CUDA when importable, else chunked; ``kernels.drafter_attention`` overrides) |
             "chunked" | "flex" | a callable ``fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale) -> o``.
 
     Returns:

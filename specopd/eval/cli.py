@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from kernels import paths
 from specopd.config import eval_dtype
 from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.prepare import MODELS, encode_prompt, load_tokenizer
@@ -273,6 +274,7 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     """
     ns = _parse_args(args)
     check_device(cfg)
+    paths.configure_from(cfg.kernels)
     temps = parse_temperatures(getattr(ns, "temperatures", None) or [cfg.eval.temperature])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_target_path(cfg.model, cfg.trainer.output_dir)

@@ -9,14 +9,15 @@ import os
 import time
 from typing import Optional
 
-from specopd.config import FROM_HERE, REFUSE, SAME_RUN, RecipeConfig, RecipeError, resume_policies, to_dict, to_yaml
+from specopd.config import (FROM_HERE, REFUSE, SAME_RUN, RecipeConfig, RecipeError, recipe_record, recorded_recipe,
+                            resume_policies, to_dict, to_yaml)
 from specopd.profiling import Profiler
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder
 from specopd.train.inputs import input_changes, input_fingerprints
 from specopd.train.step import NonFiniteError
 
-SECTIONS = ("model", "drafter", "data", "trainer", "runtime", "eval", "profile", "pipeline")
+SECTIONS = ("model", "drafter", "data", "trainer", "runtime", "eval", "profile", "pipeline", "kernels")
 
 
 class RecipeChangeError(RecipeError):
@@ -233,7 +234,8 @@ class Checkpointer:
     def check_resume(self, c: dict) -> None:
         """Refuse a resume that would be another run; list the other changes (RecipeChangeError / prints)."""
         st = c["state"]
-        refused, same, here = recipe_changes(st.get("recipe"), to_dict(self.cfg), st.get("target_fingerprint"),
+        old = recorded_recipe(st.get("recipe"))
+        refused, same, here = recipe_changes(old, to_dict(self.cfg), st.get("target_fingerprint"),
                                              target_fingerprint(self.cfg.model))
         if refused:
             raise RecipeChangeError(
@@ -321,7 +323,7 @@ class Checkpointer:
             ws = group.state_dict()
             k = int(ws["steps_done"])  # what the workers really completed (an interrupt may hit mid-step)
             st = {**self.state, "data_position": self.positions[k], "method": self.t.method,
-                  "recipe": to_dict(self.cfg)}
+                  "recipe": recipe_record(self.cfg)}
             path = ck.save_checkpoint(self.out, k, ws, st, self.t.keep_last)
         self.saved_step = k
         return path, k

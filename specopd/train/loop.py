@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from kernels import paths
 from specopd.config import RecipeConfig, RecipeError, cpu_bf16_native
 from specopd.distributed.ray_backend import RayGroup
 from specopd.drafters.layout import check_folder
@@ -91,6 +92,7 @@ class Trainer:
     def prepare(self, fresh: bool) -> None:
         """Everything before the workers: determinism, the controller's seeds, the checks, the worker group."""
         apply_deterministic(self.t.deterministic)
+        paths.configure_from(self.cfg.kernels)  # the driver runs the workers' compute paths (Ray: they set their own)
         if fresh:
             ck.seed_controller_rng(self.cfg.seed)  # byte-reproducible checkpoints (a resume restores the saved states)
         check_loggers(self.t.loggers)  # a missing optional package (tensorboard / wandb / mlflow) names its extra first

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, 
 
 import torch
 
+from kernels import paths
 from specopd.drafters import build_drafter, load_drafter, shift_tokens
 from specopd.errors import BadInputError
 from specopd.losses import (candidate_ce, candidate_e2e_tv, confidence_loss, fused_ce, fused_e2e_tv,
@@ -67,6 +68,7 @@ class Worker:
         if role not in ("both", "target", "drafter"):
             raise ValueError(f"Worker role must be both | target | drafter, got {role!r}")
         self.cfg, self.rank, self.world_size, self.role = cfg, int(rank), int(world_size), role
+        paths.configure_from(getattr(cfg, "kernels", {}))  # the recipe's compute paths, in whichever process hosts this worker
         self.device = resolve_device(cfg.model.device)
         if target is None:
             path = resolve_target_path(cfg.model, cfg.trainer.output_dir)

@@ -1,0 +1,58 @@
+"""Which compute path this process runs where there is a choice: the CPU (C) kernels and the drafter's attention.
+
+The recipe's ``kernels:`` section (``specopd.config.KernelsConfig``) sets them through ``configure_from`` in every
+process that computes (the training driver, each worker, Ray actors included, and ``specopd eval``), so a driver
+and its workers, or a run and its resume, run the same paths; the ops read them with ``mode``. Outside a recipe
+(a script, a test) every path is "auto" unless ``configure`` says otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+CHOICES = {  # name -> its values, "auto" (the default) first
+    "cpu_attention": ("auto", "cpu", "torch"),  # bf16 causal and tree attention in C (kernels/causal_attention)
+    "cpu_layer_ops": ("auto", "torch"),  # bf16 RMSNorm, SiLU * up, RoPE in C and packed linear layers (layer_ops)
+    "cpu_linear": ("auto", "torch", "all"),  # linear layers with weights packed once for oneDNN (layer_ops)
+    "cpu_tv_loss": ("auto", "cpu", "torch"),  # the fused E2E-TV's alpha and gradient in C (kernels/e2e_tv)
+    "cpu_sampling": ("auto", "cpu", "torch"),  # draws at T > 0 in C (kernels/sampling)
+    "drafter_attention": ("auto", "chunked", "flex"),  # the drafter's branch attention (specopd/drafters)
+}
+CHOSEN = dict.fromkeys(CHOICES, "auto")  # this process's paths (tests may patch an entry with monkeypatch.setitem)
+
+
+def mode(name: str) -> str:
+    """This process's choice for ``name``; a value outside ``CHOICES[name]`` is a ValueError naming the recipe key."""
+    value = CHOSEN[name]
+    if value not in CHOICES[name]:
+        raise ValueError(f"kernels.{name}={value!r}: use one of {CHOICES[name]}")
+    return value
+
+
+def configure(**choices: str) -> dict:
+    """Set some paths (``name=value``); returns the previous values of those names."""
+    for name, value in choices.items():
+        if name not in CHOICES:
+            raise ValueError(f"kernels.{name}: no such compute path; the paths are {sorted(CHOICES)}")
+        if value not in CHOICES[name]:
+            raise ValueError(f"kernels.{name}={value!r}: use one of {CHOICES[name]}")
+    before = {name: CHOSEN[name] for name in choices}
+    CHOSEN.update(choices)
+    return before
+
+
+def configure_from(section) -> dict:
+    """Set every path from a recipe's ``kernels`` section (an object with one attribute per name, or a dict; a name
+    it lacks is "auto")."""
+    get = section.get if isinstance(section, dict) else (lambda name, default: getattr(section, name, default))
+    return configure(**{name: get(name, "auto") for name in CHOICES})
+
+
+@contextlib.contextmanager
+def using(**choices: str) -> Iterator[None]:
+    """Run a block with some paths set, then restore them."""
+    before = configure(**choices)
+    try:
+        yield
+    finally:
+        CHOSEN.update(before)
