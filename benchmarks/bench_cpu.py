@@ -31,7 +31,6 @@ The CPU is shared with other jobs: only ratios measured side by side in one run 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -48,92 +47,45 @@ SETTINGS = {  # seq_len, recipe overrides
     "long": (512, ["data.batch_size=4", "trainer.anchors_per_seq=64"]),
 }
 SHAPES = ((2048, 576, 1536), (512, 576, 49152))
-PATHS = {  # --paths: the CPU code paths of a step, measured side by side (each on its own worker)
-    # torch's ops everywhere: the fused loss in torch, eager norm / SiLU / RoPE, torch's attention kernels
-    "torch": {"tv": "torch", "layer_ops": "torch", "group_keys": 0, "sample": "torch", "attention": "torch"},
+PATHS = {  # --paths: the CPU code paths of a step as the recipe's kernels keys, measured side by side (each on
+    # its own worker); a path of an earlier commit is measured at that commit: benchmarks/compare_commits.py
+    "auto": {},  # the default: every C kernel where it applies
+    # torch's ops everywhere: the fused loss in torch, eager norm / SiLU / RoPE, torch's attention and draws
+    "torch": {"cpu_tv_loss": "torch", "cpu_layer_ops": "torch", "cpu_sampling": "torch", "cpu_attention": "torch"},
     # the fused loss's C kernel only (kernels/e2e_tv)
-    "tv": {"tv": "auto", "layer_ops": "torch", "group_keys": 0, "sample": "torch", "attention": "torch"},
-    # the default: + bf16 norm / SiLU / RoPE in C (kernels/layer_ops) with gate and up as one matmul, the
-    # score's query blocks batched into groups (one fused attention call per group), the branch draws in C
-    # (kernels/sampling), the bf16 prefill's causal attention in C where the CPU has no AMX (kernels/causal_attention),
-    # the bf16 linear layers through weights packed once for oneDNN (kernels/layer_ops: PackedWeight)
-    "auto": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto"},
-    # "auto" with the bf16 linear layers through F.linear (the weight reordered per call; before 2026-12-03 09:00)
-    "unpacked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
-                 "linear": "torch"},
-    # "auto" with the fp32 linear layers through oneDNN too (kernels.cpu_linear=all: not F.linear's bits): fp32 at
-    # this CPU's best matmul rate where MKL's fp32 is not (an AMD CPU with AVX-512); bf16 rows as "auto"
-    "fp32dnn": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
-                "linear": "all"},
-    # "auto" with the C attention kernels on every CPU where they build (kernels.cpu_attention=cpu): on an AMX CPU,
-    # where "auto" keeps torch's kernels, `--paths auto,cattn` measures ours against them (never measured yet)
-    "cattn": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "cpu"},
-    # "auto" with the score's / verify's tree attention in torch (the blocked plan, one fused attention call per
-    # group of query blocks) instead of kernels/tree_attention/cpu.py (as before 2026-12-03 06:05 UTC)
-    "blocked": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "auto",
-                "tree": "torch", "linear": "torch"},
-    # "auto" with torch's flash kernel for the prefill's attention (and the blocked tree path; as before
-    # 2026-12-02 20:00 UTC)
-    "sdpa": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "auto", "attention": "torch",
-             "linear": "torch"},
-    # "auto" as it was before 2026-12-02 09:00 UTC: fresh [rows, V] chunk buffers on every call, 256 MiB chunks
-    # cut 341 + 171 rows, the backward recomputing the logits, one dx matmul per chunk, draws in torch
-    "prev": {"tv": "auto", "layer_ops": "auto", "group_keys": 1 << 16, "sample": "torch", "chunks": "prev",
-             "attention": "torch", "linear": "torch"},
+    "tv": {"cpu_layer_ops": "torch", "cpu_sampling": "torch", "cpu_attention": "torch"},
+    # the bf16 linear layers through F.linear (the weight reordered per call)
+    "unpacked": {"cpu_linear": "torch"},
+    # the fp32 linear layers through oneDNN too (not F.linear's bits): fp32 at the CPU's best matmul rate where
+    # MKL's fp32 is not; bf16 rows as "auto"
+    "fp32dnn": {"cpu_linear": "all"},
+    # the C attention kernels on every CPU where they build: on an AMX CPU, where "auto" keeps torch's kernels,
+    # `--paths auto,cattn` measures ours against them
+    "cattn": {"cpu_attention": "cpu"},
 }
-KEYS = {"tv": "cpu_tv_loss", "layer_ops": "cpu_layer_ops", "sample": "cpu_sampling", "attention": "cpu_attention",
-        "linear": "cpu_linear"}  # PATHS keys that are the recipe's kernels keys (kernels.paths)
-
-class _FreshBuffers:
-    """``ChunkBuffers.pooled`` as it was before the pool: fresh buffers on every call (the "prev" path)."""
-
-    @staticmethod
-    @contextlib.contextmanager
-    def pooled(rows, vocab, device):
-        from specopd.losses import ChunkBuffers
-
-        yield ChunkBuffers(rows, vocab, device)
 
 
 class use_path:
-    """Sets a ``PATHS`` entry for the block (the recipe's kernels keys through ``kernels.paths``,
-    ``executors.gqa.GROUP_KEYS`` / ``score_backend``) and restores what it found."""
+    """Sets a ``PATHS`` entry (the recipe's kernels keys, through ``kernels.paths``) for the block, then restores
+    what it found."""
 
     def __init__(self, name: str):
         self.p = PATHS[name]
 
     def __enter__(self):
-        from executors import gqa
         from kernels import paths
-        from specopd import losses, sampling
 
-        self.kept = (paths.configure(**{v: self.p.get(k, "auto") for k, v in KEYS.items()}), gqa.GROUP_KEYS)
-        self.chunks = (losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, losses.ChunkBuffers.__dict__["pooled"],
-                       losses.even_chunk, sampling.even_chunk)
-        gqa.GROUP_KEYS = self.p["group_keys"]
-        if self.p.get("chunks") == "prev":
-            losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16 = 256 << 20, 1 << 62
-            losses.ChunkBuffers.pooled = _FreshBuffers.__dict__["pooled"]
-            losses.even_chunk = sampling.even_chunk = lambda n, chunk: chunk
-        self.score_backend = gqa.score_backend
-        if self.p.get("tree") == "torch":  # the tree kernel off, the causal one on
-            gqa.score_backend = lambda *a, _f=self.score_backend: (lambda b: "blocked" if b == "cpu" else b)(_f(*a))
+        self.kept = paths.configure(**{k: self.p.get(k, "auto") for k in paths.CHOICES})
 
     def __exit__(self, *exc):
-        from executors import gqa
         from kernels import paths
-        from specopd import losses, sampling
 
-        before, gqa.GROUP_KEYS = self.kept
-        paths.configure(**before)
-        gqa.score_backend = self.score_backend
-        losses.CHUNK_BUDGET["cpu"], losses.DX_ROWS_CPU_BF16, pooled, losses.even_chunk, sampling.even_chunk = self.chunks
-        losses.ChunkBuffers.pooled = pooled
+        paths.configure(**self.kept)
 
 
 def cpu_name() -> str:
     """The CPU's model name, torch's vector capability and whether bf16 matmuls are native here: the ratios of
-    this script mean nothing without it (an AVX2 CPU emulates bf16, ~30x slower than fp32)."""
+    this script mean nothing without it (an AVX2 CPU emulates bf16, far slower than fp32)."""
     from specopd.config import cpu_bf16_native
 
     name = platform.processor() or platform.machine()

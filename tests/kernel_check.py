@@ -111,13 +111,3 @@ def kernel_modes() -> list:
         not interpreted, reason="Triton kernels on the CPU run only under TRITON_INTERPRET=1: "
                                 "tests/test_executor_kernels.py runs these so"))]
 
-
-def load_benchmark(name: str):
-    """A script of benchmarks/ (e.g. "bench_executors") as a module: the tests reuse its model builders."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod

@@ -15,15 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_check import load_benchmark
+import random_targets as b
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _bench():
-    return load_benchmark("bench_executors")
 
 
 def _target(kind, dtype=torch.float32, layers=4, forced_equal=False, qsa_first=False):
@@ -32,10 +28,9 @@ def _target(kind, dtype=torch.float32, layers=4, forced_equal=False, qsa_first=F
     score, so sparse selection agrees there; on CUDA cuBLAS GEMMs and the GDN chunk prefill vs the replay kernel
     still differ by ~1 ulp per row, which can flip near ties: benchmarks/results/, the GPU paths on the CPU).
     ``qsa_first``: QSA layers first and third (the first one's input is the embedding: the same in every path)."""
-    b = _bench()
     args = SimpleNamespace(hidden=128, layers=layers, vocab=512, device=torch.device("cuda"), dtype=dtype)
     if kind == "qsa" and (forced_equal or qsa_first):
-        cfg = b._qsa_cfg(args)
+        cfg = b.qsa_config(args)
         if forced_equal:
             cfg.update(indexer_budget=4096, num_experts_per_tok=cfg["num_experts"])
         if qsa_first:

@@ -208,16 +208,20 @@ def test_chunked_dense_attention_is_unchanged():
     assert rel_err(chunked, full) <= 1e-6
 
 
-def test_benchmark_script_runs():
-    import importlib.util
+def test_benchmark_script_runs(tmp_path):
+    """benchmarks/bench_executors.py as a user runs it (its own process: tests import nothing from benchmarks/)."""
+    import json
     import os
+    import subprocess
+    import sys
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_executors", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_executors.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rows = mod.main(["--kinds", "gqa", "--T", "20", "--branches", "3", "--W", "2", "--repeats", "1", "--hidden", "32",
-                     "--layers", "1", "--vocab", "64"])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_executors.py"), "--kinds", "gqa",
+                        "--T", "20", "--branches", "3", "--W", "2", "--repeats", "1", "--hidden", "32", "--layers", "1",
+                        "--vocab", "64", "--json", str(tmp_path / "rows.json")], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows[0]["kind"] == "gqa" and rows[0]["max_rel_diff"] <= TOL
     assert rows[0]["naive_ms"] > 0 and rows[0]["packed_ms"] > 0
 

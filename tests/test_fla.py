@@ -149,12 +149,10 @@ def check_fp16(dtype: str = "float16") -> None:
 
 
 def _mixer_target(dtype=torch.float32):
-    spec = importlib.util.spec_from_file_location("bench_executors", os.path.join(ROOT, "benchmarks",
-                                                                                "bench_executors.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from random_targets import gdn_target
+
     args = SimpleNamespace(hidden=64, layers=4, vocab=128, device=torch.device(kernel_check.device()), dtype=dtype)
-    return mod.gdn_target(args)
+    return gdn_target(args)
 
 
 def check_conv() -> None:

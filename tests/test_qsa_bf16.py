@@ -18,21 +18,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernel_check import load_benchmark
+import random_targets as b
 
 SEEDS = range(20)
 NOISE_BOUND = 2 * 8.9e-3  # 2x the largest commit-vs-prefill error measured (selection and routing forced equal)
 # before prefill and score computed rows the same way: one path's bf16 noise
 
 
-def _bench():
-    return load_benchmark("bench_executors")
-
-
 def _target(seed, budget=64, experts_per_tok=2, qsa_first=False, dtype=torch.bfloat16):
-    b = _bench()
     args = SimpleNamespace(hidden=128, layers=4, vocab=512, device=torch.device("cpu"), dtype=torch.float32)
-    cfg = b._qsa_cfg(args)
+    cfg = b.qsa_config(args)
     cfg.update(indexer_budget=budget, num_experts_per_tok=experts_per_tok)
     if qsa_first:
         cfg.update(layer_types=["indexed_attention", "linear_attention"] * 2, ple_layer_ids=[2])
