@@ -196,6 +196,29 @@ def test_an_edit_that_keeps_size_and_mtime_is_still_a_change(tmp_path):
         train(tiny_recipe(str(out), [*prep, "trainer.max_steps=3"]), progress=False)
 
 
+def test_data_edited_while_the_workers_read_it_is_refused(tmp_path, monkeypatch):
+    """A checkpoint records the hash of the data the workers read: the inputs are fingerprinted before the
+    workers start and again after they loaded them; an edit in between stops the run before its first step."""
+    import specopd.train.loop as loop
+
+    data = tmp_path / "d.jsonl"
+    _prepared(data, 32)
+    start = loop.make_group
+
+    def edit_then_start(cfg):
+        group = start(cfg)
+        _prepared(data, 32, seed=1)  # after the workers read it, before its hash is recorded
+        return group
+
+    monkeypatch.setattr(loop, "make_group", edit_then_start)
+    out = tmp_path / "run"
+    prep = ["data.source=prepared", f"data.path={data}", "trainer.eval_heldout=false", "trainer.max_steps=2"]
+    with pytest.raises(BadInputError, match=r"inputs changed while its workers read them: the data .*d.jsonl changed "
+                                            r"\(the same 32 records, other content or order"):
+        train(tiny_recipe(str(out), prep), progress=False)
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
 # ---------------------------------------------------------------------------------------------- metrics sinks
 def test_a_metrics_folder_that_is_a_file_is_named_before_a_resume(tmp_path, capsys):
     out = tmp_path / "run"

@@ -11,6 +11,7 @@ from typing import Optional
 
 from specopd.config import (FROM_HERE, REFUSE, SAME_RUN, RecipeConfig, RecipeError, recipe_record, recorded_recipe,
                             resume_policies, to_dict, to_yaml)
+from specopd.errors import BadInputError
 from specopd.profiling import Profiler
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder
@@ -186,6 +187,7 @@ class Checkpointer:
         self.state: dict = {}  # carried into every state.json: eval_before, resumed_from, target / input fingerprints
         self.positions: dict = {}  # k -> the data position after k completed steps (empty: training not begun)
         self.saved_step: Optional[int] = None  # the step of the newest checkpoint (written or resumed from)
+        self.inputs_before: Optional[dict] = None  # the inputs' fingerprints before the workers read them
 
     # -- find / verify
     def find(self) -> Optional[dict]:
@@ -307,6 +309,15 @@ class Checkpointer:
             self.state["resumed_from"] = [c["path"]] + list(c["state"].get("resumed_from", []))
         self.state["target_fingerprint"] = target_fingerprint(self.cfg.model)
         self.state["inputs"] = input_fingerprints(self.cfg)
+        changed = input_changes(self.inputs_before, self.state["inputs"])
+        if changed:  # the recorded hashes must be those of what the workers read
+            raise BadInputError("the run's inputs changed while its workers read them: "
+                                + "; ".join(c.replace(" since the checkpoint", "") for c in changed)
+                                + ". Nothing was trained; rerun the same command once the files stay as they are")
+
+    def note_inputs(self) -> None:
+        """Fingerprint the inputs before the workers read them (``carry`` compares them after)."""
+        self.inputs_before = input_fingerprints(self.cfg)
 
     def begin(self, step: int, order: BatchOrder) -> None:
         """Training begins at ``step``: from now on an interrupt saves the completed steps."""

@@ -100,6 +100,7 @@ class Trainer:
         check_memory(self.cfg)  # a step larger than one device is a clear error (MemoryPlanError) before any work
         if self.cfg.runtime.backend == "ray":  # conversations: tokenise once here, not in every worker actor at once
             self.warm_cache = warm_conversation_cache(self.cfg)
+        self.checkpointer.note_inputs()  # the data and target as the workers are about to read them
         self.group = make_group(self.cfg)
 
     def start(self, c: Optional[dict]) -> int:
