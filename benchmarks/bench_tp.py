@@ -8,7 +8,11 @@ one all-reduce after each token mixer and m_l after its MLP (1 dense, 1 MoE with
 the routed experts and the shared expert reduce separately). A ring all-reduce sends 2 (N - 1) / N of it per rank.
 
     python benchmarks/bench_tp.py [--targets tiny:llama,tiny:qwen3_next,tiny:qwen4_exp,smollm2] [--tp 2]
-        [--trunk 512] [--branches 64] [--width 8] [--repeats 3] [--out runs/bench-tp/bench_tp.json]
+        [--trunk 512] [--branches 64] [--width 8] [--repeats 3] [--steps 4] [--out runs/bench-tp/bench_tp.json]
+
+``--steps K`` (K >= 2) also trains recipes/tiny.yaml on each target for K SpecOPD steps on Ray, one worker of N
+actors against one worker of one actor with the same CPUs in all, and reports the median step time after the
+first step and its target phases (prefill, score).
 
 SmolLM2-135M has 3 key/value heads: it runs at N = 3 (``specopd prepare model smollm2-135m`` first).
 """
@@ -140,6 +144,30 @@ def measure(name: str, path: str, n: int, args, work: str) -> dict:
             "bytes_formula": formula, "params_full": sum(p.numel() for p in full.parameters())}
 
 
+def whole_step(name: str, path: str, n: int, steps: int, work: str) -> dict:
+    """Median SpecOPD step time (steps 2..K) and target phases on Ray at tensor_parallel 1 and n."""
+    import statistics
+
+    from specopd.config import load_recipe
+    from specopd.train.loop import train
+
+    cpus = os.cpu_count() or 1
+    out = {}
+    for tp in (1, n):
+        run = os.path.join(work, f"{name.replace(':', '-')}-steps-tp{tp}")
+        cfg = load_recipe(os.path.join(ROOT, "recipes", "tiny.yaml"), [
+            f"model.target={path}", "runtime.backend=ray", "runtime.num_workers=1", f"runtime.tensor_parallel={tp}",
+            f"runtime.cpus_per_worker={max(cpus // tp, 0.5):g}", f"trainer.max_steps={steps}", "trainer.save_every=0",
+            "trainer.eval_heldout=false", "data.num_samples=24", "data.batch_size=4", f"trainer.output_dir={run}"])
+        train(cfg, progress=False)
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            recs = [json.loads(line) for line in f if '"step_s"' in line][1:]
+        out[tp] = {"step_s": statistics.median(r["step_s"] for r in recs),
+                   "target_s": statistics.median(r["phase_s"]["prefill"] + r["phase_s"]["score"] for r in recs)}
+    return {"step_1_s": out[1]["step_s"], "step_n_s": out[n]["step_s"], "target_1_s": out[1]["target_s"],
+            "target_n_s": out[n]["target_s"]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default="tiny:llama,tiny:qwen3_next,tiny:qwen4_exp,smollm2")
@@ -148,6 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--branches", type=int, default=64)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=0, help="also time K SpecOPD steps on Ray (0: no)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads, split over the ranks")
     ap.add_argument("--out", default="runs/bench-tp/bench_tp.json")
     args = ap.parse_args(argv)
@@ -158,13 +187,25 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as work:
         for name in args.targets.split(","):
             n = 3 if name == "smollm2" else args.tp
-            rows.append(measure(name, target_path(name, work), n, args, work))
+            path = target_path(name, work)
+            rows.append(measure(name, path, n, args, work))
+            if args.steps >= 2:
+                rows[-1].update(whole_step(name, path, n, args.steps, work))
     print(f"\n{'target':<16} {'N':>2} {'tokens':>7} {'N=1 s':>8} {'N s':>8} {'N / 1':>6} {'comm':>6} "
           f"{'bytes measured':>15} {'bytes formula':>14}")
     for r in rows:
         print(f"{r['target']:<16} {r['tp']:>2} {r['tokens']:>7} {r['t1_s']:>8.3f} {r['tn_s']:>8.3f} "
               f"{r['tn_s'] / r['t1_s']:>6.2f} {r['comm_share']:>6.0%} {r['bytes_measured']:>15,} "
               f"{r['bytes_formula']:>14,}")
+    if args.steps >= 2:
+        print(f"\nSpecOPD steps on Ray (recipes/tiny.yaml on each target, median of steps 2..{args.steps}; "
+              f"{os.cpu_count()} CPUs in all at either N)")
+        print(f"{'target':<16} {'N':>2} {'step N=1 s':>11} {'step N s':>9} {'N / 1':>6} {'target N=1 s':>13} "
+              f"{'target N s':>11} {'N / 1':>6}")
+        for r in rows:
+            print(f"{r['target']:<16} {r['tp']:>2} {r['step_1_s']:>11.3f} {r['step_n_s']:>9.3f} "
+                  f"{r['step_n_s'] / r['step_1_s']:>6.2f} {r['target_1_s']:>13.3f} {r['target_n_s']:>11.3f} "
+                  f"{r['target_n_s'] / r['target_1_s']:>6.2f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"cpu": cpu_name(), "args": vars(args), "rows": rows}, f, indent=1)
