@@ -132,7 +132,6 @@ class _WorkerHost:
         n, tp = self.world_size, self.tp_size
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank * tp + self.tp_rank,
                                 world_size=n * tp, timeout=timedelta(seconds=timeout_s))
-        self.dp_group = None
         if tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -323,19 +322,16 @@ class RayGroup(WorkerCalls):
     def call_role(self, role: str, method: str, per_worker_args: Sequence) -> list:
         """``method`` on the drafter actors (colocated: all actors) or, split, on the target actors."""
         self._check_open()
-        if self.tp > 1:  # every rank of a group runs the same call; its first rank answers for the group
-            refs = [a.run.remote(method, tuple(per_worker_args[i // self.tp]), {}) for i, a in enumerate(self.actors)]
-            return self._wait(refs, method)[::self.tp]
-        base = self.world_size if role == "target" else 0
-        refs = [a.run.remote(method, tuple(args), {})
-                for a, args in zip(self.actors[base: base + self.world_size], per_worker_args)]
-        return self._wait(refs, method, base)
+        tp, base = self.tp, self.world_size if role == "target" else 0
+        # every rank of a tensor-parallel group runs the same call; its first rank answers for the group
+        refs = [a.run.remote(method, tuple(per_worker_args[i // tp]), {})
+                for i, a in enumerate(self.actors[base: base + self.world_size * tp])]
+        return self._wait(refs, method, base)[::tp]
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
         self._check_open()
-        if self.tp > 1:
-            return self._wait([a.run.remote(method, args, kwargs) for a in self.actors], method)[::self.tp]
-        return self._wait([a.run.remote(method, args, kwargs) for a in self.actors[:self.world_size]], method)
+        refs = [a.run.remote(method, args, kwargs) for a in self.actors[:self.world_size * self.tp]]
+        return self._wait(refs, method)[::self.tp]
 
     def profile_take(self):
         """(spans, gpu_samples, gpu_note) gathered from every worker since the last call."""

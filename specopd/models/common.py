@@ -171,9 +171,13 @@ class Linear(nn.Linear):
         self.packed = layer_ops.PackedWeight()  # a cache, not state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if layer_ops.linear_enabled(x, self.weight, self.bias):
-            return layer_ops.linear(x, self.packed.get(self.weight), self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias) -> torch.Tensor:
+        """x @ weight.T (+ ``bias``, None for none) through the packed weight where it applies."""
+        if layer_ops.linear_enabled(x, self.weight, bias):
+            return layer_ops.linear(x, self.packed.get(self.weight), bias)
+        return F.linear(x, self.weight, bias)
 
 
 # ----------------------------------------------------------------------------------------- MLP / MoE
@@ -267,13 +271,19 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = activation(act)
 
+    first = 0  # the global id of gate_up_proj[0] (expert parallelism holds a block of experts)
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D], idx/weights [N, k] -> [N, D] (experts in ascending order, index_add_, like HF)."""
+        """x [N, D], idx/weights [N, k] -> [N, D] (experts in ascending order, index_add_, like HF). Experts this
+        module does not hold add nothing."""
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
+            j = e - self.first
+            if not 0 <= j < self.gate_up_proj.shape[0]:
+                continue
             tok, slot = torch.where(idx == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[tok, slot, None]
+            gate, up = F.linear(x[tok], self.gate_up_proj[j]).chunk(2, dim=-1)
+            h = F.linear(self.act(gate) * up, self.down_proj[j]) * weights[tok, slot, None]
             out.index_add_(0, tok, h.to(out.dtype))
         return out
 

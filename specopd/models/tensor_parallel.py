@@ -18,10 +18,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.layer_ops import cpu as layer_ops
 from specopd.models.common import MLP, Experts, Linear
 
 
@@ -74,11 +72,7 @@ class RowParallelLinear(Linear):
     tp: TensorParallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if layer_ops.linear_enabled(x, self.weight, None):
-            y = layer_ops.linear(x, self.packed.get(self.weight), None)
-        else:
-            y = F.linear(x, self.weight)
-        y = self.tp.reduce(y)
+        y = self.tp.reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -97,19 +91,9 @@ class ExpertParallel(Experts):
     here, the outputs are summed over ranks."""
 
     tp: TensorParallel
-    first: int
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        lo, hi = self.first, self.first + self.gate_up_proj.shape[0]
-        for e in torch.unique(idx).tolist():
-            if not lo <= e < hi:
-                continue
-            tok, slot = torch.where(idx == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e - lo]).chunk(2, dim=-1)
-            h = F.linear(self.act(gate) * up, self.down_proj[e - lo]) * weights[tok, slot, None]
-            out.index_add_(0, tok, h.to(out.dtype))
-        return self.tp.reduce(out)
+        return self.tp.reduce(super().forward(x, idx, weights))
 
 
 def shard_target(model: nn.Module, tp: TensorParallel) -> dict:
