@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -87,14 +86,9 @@ def cpu_name() -> str:
     """The CPU's model name, torch's vector capability and whether bf16 matmuls are native here: the ratios of
     this script mean nothing without it (an AVX2 CPU emulates bf16, far slower than fp32)."""
     from specopd.config import cpu_bf16_native
+    from specopd.eval.bench import cpu_name as model_name
 
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    except OSError:
-        pass
-    return (f"{name}, torch {torch.backends.cpu.get_cpu_capability()}, bf16 matmuls "
+    return (f"{model_name()}, torch {torch.backends.cpu.get_cpu_capability()}, bf16 matmuls "
             f"{'native (AMX / AVX512-BF16)' if cpu_bf16_native() else 'emulated'}")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from specopd.eval.bench import cpu_name  # noqa: E402
 from specopd.models.tensor_parallel import TensorParallel  # noqa: E402
 
 
@@ -49,14 +49,6 @@ class CountingTP(TensorParallel):
         self.seconds += time.perf_counter() - t0
         self.bytes += t.numel() * t.element_size()
         return out
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "?"
 
 
 def target_path(name: str, work: str) -> str:
