@@ -31,12 +31,17 @@ def write_char_tokenizer(folder: str, extra: int = 0) -> int:
     return len(toks)
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("data"), vocab_size=128, num_hidden_layers=1,
-                                max_position_embeddings=96, eos_token_id=2)
+def char_target(folder, max_position_embeddings: int = 96) -> str:
+    """A one-layer tiny llama checkpoint in ``folder`` with the character tokenizer of ``write_char_tokenizer``."""
+    path = make_tiny_checkpoint("llama", folder, vocab_size=128, num_hidden_layers=1,
+                                max_position_embeddings=max_position_embeddings, eos_token_id=2)
     write_char_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return char_target(tmp_path_factory.mktemp("data"))
 
 
 def write_prompts(path, recs) -> str:

@@ -10,8 +10,7 @@ import shutil
 import pytest
 import torch
 
-from oracle import make_tiny_checkpoint
-from test_data import write_char_tokenizer
+from test_data import char_target
 from specopd.data import formats as F
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "conversations")
@@ -26,10 +25,7 @@ def fixture(name: str, tmp_path) -> str:
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("conv"), vocab_size=128, num_hidden_layers=1,
-                                max_position_embeddings=256, eos_token_id=2)
-    write_char_tokenizer(path)
-    return path
+    return char_target(tmp_path_factory.mktemp("conv"), max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

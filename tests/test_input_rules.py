@@ -13,7 +13,6 @@ import os
 import pytest
 import torch
 
-from oracle import make_tiny_checkpoint
 from specopd.cli import main
 from specopd.config import RecipeError, load_recipe
 from specopd.data import formats as F
@@ -26,7 +25,7 @@ from specopd.train.inputs import input_changes, input_fingerprints
 from specopd.train.loop import train
 from specopd.train.metrics import check_sink_folders
 from specopd.train.tiny import TINY_TEST_OVERRIDES, tiny_recipe
-from test_data import write_char_tokenizer
+from test_data import char_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
@@ -37,10 +36,7 @@ CONV = [{"id": f"c{i}", "conversations": [{"role": "user", "content": f"hi {i}"}
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("rules"), vocab_size=128, num_hidden_layers=1,
-                                max_position_embeddings=96, eos_token_id=2)
-    write_char_tokenizer(path)
-    return path
+    return char_target(tmp_path_factory.mktemp("rules"))
 
 
 def _jsonl(path, recs, prefix=b""):
