@@ -47,6 +47,21 @@ def _line_of(text: str, pos: int) -> int:
     return text.count("\n", 0, pos) + 1
 
 
+class _LineCounter:
+    """``_line_of`` for positions that only grow: counts the newlines since the last position asked, so that
+    numbering every record of a large JSON array reads the text once (counting from 0 each time is quadratic)."""
+
+    def __init__(self, text: str):
+        self.text, self.pos, self.line = text, 0, 1
+
+    def __call__(self, pos: int) -> int:
+        if pos < self.pos:
+            return _line_of(self.text, pos)
+        self.line += self.text.count("\n", self.pos, pos)
+        self.pos = pos
+        return self.line
+
+
 def check_conversations_file(path: str) -> None:
     """A ``MissingInputError`` naming the fix when ``path`` is a folder or is not there."""
     if os.path.isdir(path):
@@ -122,6 +137,7 @@ def _json_array_records(path: str, raw: bytes) -> list:
                         "a .json conversations file must hold a JSON array of records ([{...}, {...}])",
                         fix="for one record a line, name the file .jsonl", skippable=False)
     out, i = [], i + 1
+    line = _LineCounter(text)  # records' line numbers in one pass over the text, not a count from 0 per record
     while True:
         while i < len(text) and text[i] in ws:
             i += 1
@@ -140,7 +156,7 @@ def _json_array_records(path: str, raw: bytes) -> list:
                                           f"after its start, no closing ']'): {len(out)} complete records come "
                                           f"before it")))
             return out
-        out.append((f"{path}:{_line_of(text, i)}", rec))
+        out.append((f"{path}:{line(i)}", rec))
         i = j
         while i < len(text) and text[i] in ws:
             i += 1
