@@ -535,9 +535,170 @@ class _ChunkedHead(torch.autograd.Function):
                 if gl.device.type == "cpu" and gl.dtype == torch.bfloat16:
                     step = even_chunk(n, DX_ROWS_CPU_BF16)
                 for s in range(0, n, step):
-                    dx[k][r[s: s + step]] = (gl[s: s + step] @ w).to(x.dtype)
+                    dx[k][r[s: s + step]] = (gl[s: s + step] @ w).to(dx[k].dtype)
             if dw[k] is not None:
                 dw[k].add_(g.t() @ x[r].float())  # fp32 accumulation over chunks
+
+
+class _VocabParallelHead(torch.autograd.Function):
+    """``_ChunkedHead``'s alpha and nll over a vocabulary split across the ranks of ``tp`` (equal blocks): each rank
+    holds rows [first, end) of the lm_head and computes [R, V / N] logits per chunk, never [R, V]. Per chunk the
+    forward all-reduces the row maxima of q and p (max), then the sums of exp and the target's logit (sum; its owner
+    alone adds it), then the partial sums of min(q, p) (T = 0: the min index of the global argmax first, torch's
+    first-maximum rule), so every rank gets the same alpha and nll. The backward reuses the forward's row statistics,
+    all-reduces <q, ind> per chunk and sums the partial dx = G_loc @ w_loc once over the group (fp32). A weight that
+    covers the whole vocabulary (DSpark's W2, a replicated drafter weight: ``full``) is cut here and the rows of its
+    gradient gathered, so every rank holds the same gradient. Torch ops only: kernels/e2e_tv reads whole rows."""
+
+    @staticmethod
+    def forward(ctx, rows, chunk, temperature, hp, wp, targets, tp, full, *xw):
+        with torch.autocast(rows.device.type, enabled=False):  # precision is set here, not by autocast
+            return _VocabParallelHead._forward(ctx, rows, chunk, temperature, hp, wp, targets, tp, full, *xw)
+
+    @staticmethod
+    def _local(ws, full, tp):
+        """The local block of every weight (ws[0] is the lm_head's block), and its (first, end)."""
+        lo, hi = tp.vocab_block(ws[0].shape[0] * tp.size)
+        return [w[lo:hi] if f else w for w, f in zip(ws, full)], lo, hi
+
+    @staticmethod
+    def _forward(ctx, rows, chunk, temperature, hp, wp, targets, tp, full, *xw):
+        xs = xw[0::2]
+        ws, lo, hi = _VocabParallelHead._local(xw[1::2], full, tp)
+        dev, n, vl = rows.device, rows.numel(), hi - lo
+        has_a, has_n = hp is not None, targets is not None
+        greedy = has_a and temperature == GREEDY
+        tq = 1.0 if greedy else float(temperature)  # q's temperature in alpha
+        sep = has_n and has_a and tq != 1.0  # the nll's softmax (T = 1) differs from q's
+        alpha = torch.zeros(n, dtype=torch.float32, device=dev) if has_a else None
+        nll = torch.zeros(n, dtype=torch.float32, device=dev) if has_n else None
+        gidx = torch.zeros(n, dtype=torch.long, device=dev) if greedy else None
+        stats = torch.zeros(n, 6, dtype=torch.float32, device=dev)  # m1, s1 (T = 1), mq, sq (q at T), mp, sp
+        chunk = even_chunk(n, chunk)
+        with ChunkBuffers.pooled(min(chunk, n), vl, dev) as bufs:  # slots: 0 zq, 1 zp, 2 exp at T = 1
+            for s in range(0, n, chunk):
+                r = rows[s: s + chunk]
+                k, ar = r.numel(), torch.arange(r.numel(), device=dev)
+                zq = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V / N] fp32
+                zp = chunk_logits((hp,), (wp,), r, bufs, slot=1) if has_a else None
+                if has_a and not greedy:
+                    zp.div_(tq)
+                mx = torch.stack([zq.amax(-1), zp.amax(-1) if has_a else zq.new_zeros(k)], 1)
+                tp.all_reduce_(mx, "max")
+                m1, mp = mx[:, 0], mx[:, 1]  # max(z / T) = max(z) / T: x -> x / T is monotone
+                if greedy:  # the first index of p's maximum over the whole vocabulary
+                    li = zp.argmax(-1)
+                    gi = torch.where(zp[ar, li] == mp, li + lo, torch.iinfo(torch.long).max)
+                    gidx[s: s + k] = tp.all_reduce_(gi, "min")
+                sm = zq.new_zeros(k, 5)  # s1, sq, sp, the target's logit, exp(zq - m1) at argmax p
+                if has_n:
+                    t = targets[r].long() - lo
+                    own = (t >= 0) & (t < vl)
+                    sm[:, 3] = torch.where(own, zq.gather(1, t.clamp(0, vl - 1)[:, None]).squeeze(1), 0.0)
+                if sep:
+                    sm[:, 0] = torch.sub(zq, m1[:, None], out=bufs.fp32(2, k)).exp_().sum(-1)
+                mq = m1 / tq if tq != 1.0 else m1
+                if tq != 1.0:
+                    zq.div_(tq)
+                eq = zq.sub_(mq[:, None]).exp_()  # q's numerators (T = 1: also the nll's)
+                sm[:, 1] = eq.sum(-1)
+                if not sep:
+                    sm[:, 0] = sm[:, 1]
+                if has_a and not greedy:
+                    sm[:, 2] = zp.sub_(mp[:, None]).exp_().sum(-1)
+                if greedy:
+                    gl = gidx[s: s + k] - lo
+                    own = (gl >= 0) & (gl < vl)
+                    sm[:, 4] = torch.where(own, eq.gather(1, gl.clamp(0, vl - 1)[:, None]).squeeze(1), 0.0)
+                tp.all_reduce_(sm, "sum")
+                stats[s: s + k] = torch.stack([m1, sm[:, 0], mq, sm[:, 1], mp, sm[:, 2]], 1)
+                if has_n:
+                    nll[s: s + k] = m1 + sm[:, 0].log() - sm[:, 3]
+                if greedy:
+                    alpha[s: s + k] = sm[:, 4] / sm[:, 1]
+                elif has_a:
+                    q, p = eq.div_(sm[:, 1:2]), zp.div_(sm[:, 2:3])
+                    alpha[s: s + k] = tp.all_reduce_(torch.minimum(q, p, out=p).sum(-1), "sum")
+                del zq, zp
+        ctx.stats, ctx.gidx, ctx.tp, ctx.full, ctx.lo = stats, gidx, tp, full, lo
+        ctx.chunk, ctx.temperature, ctx.device_type = chunk, temperature, dev.type
+        ctx.has_alpha, ctx.has_nll = has_a, has_n
+        ctx.save_for_backward(rows, hp, wp, targets, alpha, *xw)
+        empty = torch.zeros(0, device=dev)
+        return (alpha if alpha is not None else empty), (nll if nll is not None else empty)
+
+    @staticmethod
+    def backward(ctx, g_alpha, g_nll):
+        with torch.autocast(ctx.device_type, enabled=False):
+            return _VocabParallelHead._backward(ctx, g_alpha, g_nll)
+
+    @staticmethod
+    def _backward(ctx, g_alpha, g_nll):
+        rows, hp, wp, targets, alpha, *xw = ctx.saved_tensors
+        xs, tp, full, lo = xw[0::2], ctx.tp, ctx.full, ctx.lo
+        ws, _, hi = _VocabParallelHead._local(xw[1::2], full, tp)
+        need = ctx.needs_input_grad[8:]
+        dx = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need[2 * k] else None
+              for k, x in enumerate(xs)]  # partial sums, reduced in fp32
+        dw = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[2 * k + 1] else None
+              for k, w in enumerate(ws)]
+        T, vl, dev = ctx.temperature, hi - lo, rows.device
+        use_a = ctx.has_alpha and g_alpha is not None and bool(g_alpha.ne(0).any())
+        use_n = ctx.has_nll and g_nll is not None and bool(g_nll.ne(0).any())
+        if (use_a or use_n) and any(need):
+            with ChunkBuffers.pooled(min(ctx.chunk, rows.numel()), vl, dev) as bufs:  # slots: 0 z, 1 g, 2 p
+                for s in range(0, rows.numel(), ctx.chunk):
+                    r = rows[s: s + ctx.chunk]
+                    k, ar = r.numel(), torch.arange(r.numel(), device=dev)
+                    m1, s1, mq, sq, mp, sp = ctx.stats[s: s + k, :, None].unbind(1)  # [R, 1] each
+                    z = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V / N] fp32 raw logits
+                    g = None
+                    if use_n:  # (softmax(z) - onehot) * dL/dnll, the onehot on the target's owner
+                        g = bufs.fp32(1, k).copy_(z) if use_a else z
+                        g.sub_(m1).exp_().div_(s1)
+                        t = targets[r].long() - lo
+                        own = (t >= 0) & (t < vl)
+                        g[ar[own], t[own]] -= 1.0
+                        g.mul_(g_nll[s: s + k, None])
+                    if use_a and ctx.gidx is not None:  # T = 0: alpha (onehot(g) - q) * dL/dalpha
+                        q = z.sub_(m1).exp_().div_(s1)
+                        coef = alpha[s: s + k] * g_alpha[s: s + k]
+                        ga = q.mul_(-coef[:, None])
+                        gl = ctx.gidx[s: s + k] - lo
+                        own = (gl >= 0) & (gl < vl)
+                        ga[ar[own], gl[own]] += coef[own]
+                        g = ga if g is None else g.add_(ga)
+                    elif use_a:  # q (ind - <q, ind>) * dL/dalpha / T, <q, ind> summed over the group
+                        if T != 1.0:
+                            z.div_(T)
+                        q = z.sub_(mq).exp_().div_(sq)
+                        zp = chunk_logits((hp,), (wp,), r, bufs, slot=2)
+                        if T != 1.0:
+                            zp.div_(T)
+                        p = zp.sub_(mp).exp_().div_(sp)
+                        ind = p.sub_(q).sign_().add_(1.0).mul_(0.5)  # 1[q < p] + 1/2 1[q == p], in p's storage
+                        qi = tp.all_reduce_(torch.mul(q, ind, out=bufs.scratch(torch.float32, k)).sum(-1), "sum")
+                        ga = ind.sub_(qi[:, None]).mul_(q).mul_(g_alpha[s: s + k, None] / T)
+                        g = ga if g is None else g.add_(ga)
+                        del q, ind, p
+                    _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
+                    del g, z
+        # every rank runs the same collectives: the branches above depend on values equal on every rank
+        parts = [d for d in dx if d is not None]
+        if parts:
+            flat = tp.all_reduce_(torch.cat([d.reshape(-1) for d in parts]), "sum")
+            off = 0
+            for d in parts:
+                d.view(-1).copy_(flat[off: off + d.numel()])
+                off += d.numel()
+        grads = []
+        for k in range(len(xs)):
+            gw = dw[k]
+            if gw is not None and full[k]:
+                gw = tp.gather_rows(gw)  # [V, K]: every rank's rows
+            grads += [None if dx[k] is None else dx[k].to(xs[k].dtype),
+                      None if gw is None else gw.to(xw[2 * k + 1].dtype)]
+        return (None,) * 8 + tuple(grads)
 
 
 class FusedOut(NamedTuple):
@@ -548,8 +709,9 @@ class FusedOut(NamedTuple):
     nll: Optional[torch.Tensor] = None
 
 
-def _flat_terms(hq, weight, markov):
-    """[(x [N*W, K], w [V, K])] for hq (and DSpark's low-rank term), with shape checks."""
+def _flat_terms(hq, weight, markov, vocab=None):
+    """[(x [N*W, K], w [V, K])] for hq (and DSpark's low-rank term), with shape checks. ``vocab``: the whole
+    vocabulary when ``weight`` is one rank's block of it (W2 still covers it all)."""
     if hq.dim() != 3:
         raise ValueError(f"hq must be the drafter's final hidden state [N, W, D]; got {tuple(hq.shape)}")
     n, w, d = hq.shape
@@ -558,8 +720,9 @@ def _flat_terms(hq, weight, markov):
     terms = [hq.reshape(n * w, d), weight]
     if markov is not None:
         e, w2 = markov
-        if e.dim() != 3 or tuple(e.shape[:2]) != (n, w) or w2.dim() != 2 or w2.shape != (weight.shape[0], e.shape[2]):
-            raise ValueError(f"markov=(e [N, W, r], w2 [V, r]) with N, W = {n}, {w}, V = {weight.shape[0]}; got "
+        v = weight.shape[0] if vocab is None else vocab
+        if e.dim() != 3 or tuple(e.shape[:2]) != (n, w) or w2.dim() != 2 or w2.shape != (v, e.shape[2]):
+            raise ValueError(f"markov=(e [N, W, r], w2 [V, r]) with N, W = {n}, {w}, V = {v}; got "
                              f"{tuple(e.shape)} and {tuple(w2.shape)}")
         terms += [e.reshape(n * w, e.shape[2]), w2]
     return terms
@@ -574,17 +737,28 @@ def _target_side(hp, p_weight, weight, n, w):
     return hp.detach().reshape(n * w, hp.shape[-1]), (weight if p_weight is None else p_weight).detach()
 
 
-def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p_weight=None, targets=None):
+def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p_weight=None, targets=None,
+              tp=None):
     n, w = hq.shape[:2]
-    terms = _flat_terms(hq, weight, markov)
+    vp = tp is not None and tp.size > 1
+    if vp:  # weight and p_weight are this rank's block of the vocabulary
+        tp.vocab_block(weight.shape[0] * tp.size)
+    terms = _flat_terms(hq, weight, markov, weight.shape[0] * tp.size if vp else None)
     hpf, wp = _target_side(hp, p_weight, weight, n, w)
+    if vp and wp is not None and wp.shape[0] != weight.shape[0]:
+        raise ValueError(f"p_weight must be this rank's block of the vocabulary like weight ({weight.shape[0]} rows); "
+                         f"got {tuple(wp.shape)}")
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], hq.device)
     if hp is not None and temperature < 0:
         raise ValueError(f"temperature must be > 0 for alpha, or 0 for its greedy form (alpha = q(argmax p)); "
                          f"got {temperature}")
     rows = torch.nonzero(rows_mask.reshape(-1)).flatten()
     tflat = None if targets is None else targets.reshape(-1).to(hq.device)
-    a, nl = _ChunkedHead.apply(rows, chunk, float(temperature), hpf, wp, tflat, *terms)
+    if vp:
+        full = (False,) + (True,) * (len(terms) // 2 - 1)  # the lm_head's block; DSpark's W2 whole
+        a, nl = _VocabParallelHead.apply(rows, chunk, float(temperature), hpf, wp, tflat, tp, full, *terms)
+    else:
+        a, nl = _ChunkedHead.apply(rows, chunk, float(temperature), hpf, wp, tflat, *terms)
     alpha = nll = None
     if hp is not None:
         alpha = torch.zeros(n * w, dtype=torch.float32, device=hq.device).index_put((rows,), a).view(n, w)
@@ -595,7 +769,8 @@ def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p
 
 def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
                  markov=None, mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0,
-                 chunk_rows="auto", ce_targets: Optional[torch.Tensor] = None, ce_weight: float = 0.0) -> FusedOut:
+                 chunk_rows="auto", ce_targets: Optional[torch.Tensor] = None, ce_weight: float = 0.0,
+                 tp=None) -> FusedOut:
     """E2E-TV from hidden states, equal to ``e2e_tv_loss(q_logits, p_logits, mask, denom, temperature)`` with
     ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T``, never materialising [N, W, V];
     with ``ce_weight`` > 0, plus ``ce_weight * ce_loss(q_logits, ce_targets, mask, denom)`` from the same pass.
@@ -612,6 +787,9 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
         chunk_rows: rows of [rows, V] logits per chunk, or "auto" (``auto_chunk_rows``).
         ce_targets: [N, W] reference tokens, the labels of the CE term (needed when ``ce_weight`` > 0).
         ce_weight: the CE term's weight (q at T = 1, uniform over the valid prefix's positions); 0: none.
+        tp: the tensor-parallel group the vocabulary is split over (``specopd.models.tensor_parallel.vocab_group``):
+            then ``weight`` and ``p_weight`` are this rank's block [V / N, D] (W2 stays [V, r]), the softmaxes and
+            alpha are reduced over the group, and every rank returns the same loss and gradients; None: whole.
 
     Returns:
         ``FusedOut(loss, alpha, nll)``: the scalar loss, alpha [N, W] fp32 detached (0 past a branch's valid
@@ -626,7 +804,7 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
         raise ValueError(f"ce_weight > 0 needs ce_targets [N, W] = [{n}, {w}] (the reference tokens); got "
                          f"{None if ce_targets is None else list(ce_targets.shape)}")
     alpha, nll = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight,
-                           targets=ce_targets if ce_weight > 0 else None)
+                           targets=ce_targets if ce_weight > 0 else None, tp=tp)
     loss = e2e_tv_from_alpha(alpha, valid, denom)
     if nll is not None:
         loss = loss + ce_weight * _masked_branch_mean(nll, valid, denom)
@@ -635,7 +813,8 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
 
 def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, markov=None,
              mask: Optional[torch.Tensor] = None, denom=None, weights=None, hp: Optional[torch.Tensor] = None,
-             p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto") -> FusedOut:
+             p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto",
+             tp=None) -> FusedOut:
     """Off-policy CE from hidden states, equal to ``ce_loss(q_logits, targets, mask, denom, weights)`` (q at T = 1).
 
     Args:
@@ -650,6 +829,7 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
         p_weight: [V, D] the target's lm_head when it differs from ``weight``.
         temperature: T of alpha (the CE itself is at T = 1).
         chunk_rows: rows per chunk, or "auto".
+        tp: the group the vocabulary is split over, as in ``fused_e2e_tv`` (the target's logit on its owner).
 
     Returns:
         ``FusedOut(loss, alpha)``; alpha [N, W] when ``hp`` is given, else None.
@@ -658,7 +838,8 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
     if tuple(targets.shape) != (n, w):
         raise ValueError(f"targets must be [N, W] = [{n}, {w}]; got {list(targets.shape)}")
     m = _mask(mask, (n, w), hq.device)
-    alpha, nll = _run_head(hq, weight, markov, m, chunk_rows, temperature, hp=hp, p_weight=p_weight, targets=targets)
+    alpha, nll = _run_head(hq, weight, markov, m, chunk_rows, temperature, hp=hp, p_weight=p_weight, targets=targets,
+                           tp=tp)
     loss = _masked_branch_mean(nll, m, denom, position_weights(weights, w, hq.device))
     return FusedOut(loss, None if alpha is None else alpha.detach(), nll.detach())
 

@@ -96,7 +96,7 @@ def _check_temperature(temperature: float) -> None:
 
 @torch.no_grad()
 def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float, rows=None, generators=None, *,
-                       markov=None, chunk_rows="auto") -> torch.Tensor:
+                       markov=None, chunk_rows="auto", tp=None) -> torch.Tensor:
     """Tokens drawn from softmax((h @ weight^T [+ e @ w2^T]) / T), logits built chunk by chunk; argmax at T = 0.
 
     Inverse-CDF sampling with one fp64 uniform per token: generator i draws ``u`` for all of its tokens at once
@@ -111,6 +111,9 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
         generators: one torch.Generator (or None) per group, or one for all rows.
         markov: DSpark's ``(e [N, ..., r], w2 [V, r])``.
         chunk_rows: rows of logits per chunk, or "auto".
+        tp: the group the vocabulary is split over (``specopd.models.tensor_parallel.vocab_group``): ``weight`` is
+            this rank's block [V / N, D] (W2 stays [V, r]); each chunk's local logits are gathered into [R, V] for
+            the draw, so every rank draws the same tokens, the ones this sampler draws from those logits whole.
 
     Returns:
         [N, ...] long tokens; rows of no group are -1.
@@ -124,11 +127,28 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
             raise ValueError(f"markov e must be [{', '.join(map(str, lead))}, r]; got {tuple(e.shape)}")
         terms += [e.reshape(-1, e.shape[-1]), w2]
     xs, ws = terms[0::2], terms[1::2]
+    if tp is not None and tp.size > 1:
+        return _sample_gathered(lead, xs, ws, temperature, rows, generators, chunk_rows, tp)
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
     kernel = use_sample_kernel(h.device, temperature)
     with ChunkBuffers.pooled(min(chunk, max(1, terms[0].shape[0])), weight.shape[0], h.device) as bufs:
         logits_of = (lambda r: raw_logits(xs, ws, r, bufs, 0)) if kernel else (lambda r: chunk_logits(xs, ws, r, bufs))
         return _sample(lead, weight.shape[0], logits_of, temperature, rows, generators, chunk, h.device, kernel)
+
+
+def _sample_gathered(lead, xs, ws, temperature, rows, generators, chunk_rows, tp):
+    """``sample_from_hidden`` over a vocabulary split across ``tp``: local [R, V / N] logits per chunk (the lm_head's
+    block; W2 cut to the same rows), gathered into [R, V] fp32 on every rank for the draw. A gather, not a
+    vocabulary-parallel draw: the inverse CDF normalises by the softmax's sum, whose rounding a sum of per-rank sums
+    would change, and these tokens must be the unsharded sampler's (the same uniforms, the same rule)."""
+    v = ws[0].shape[0] * tp.size
+    lo, hi = tp.vocab_block(v)
+    ws = [ws[0]] + [w[lo:hi] for w in ws[1:]]  # DSpark's W2 covers the whole vocabulary
+    dev = xs[0].device
+    chunk = resolve_chunk_rows(chunk_rows, v, dev)
+    kernel = use_sample_kernel(dev, temperature)
+    return _sample(lead, v, lambda r: tp.gather_cols(chunk_logits(xs, ws, r)), temperature, rows, generators, chunk,
+                   dev, kernel)
 
 
 @torch.no_grad()

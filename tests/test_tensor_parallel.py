@@ -1,7 +1,9 @@
 """A target sharded over two gloo ranks (``load_target(..., tensor_parallel=)``) gives the unsharded target's
 plain forward, prefill (logits, features, hidden), tree scores, verify + commit and the next round within fp32
 reduction noise, for every family: GQA (llama with tied embeddings, qwen3), Gated DeltaNet in both projection
-layouts (qwen3_next fused, qwen3_5 unfused), MoE with a shared expert, and qwen4_exp's QSA + GDN + PLE."""
+layouts (qwen3_next fused, qwen3_5 unfused), MoE with a shared expert, and qwen4_exp's QSA + GDN + PLE.
+The fused losses and the branch sampler over a vocabulary split across two ranks give the whole vocabulary's loss,
+alpha, nll and gradients (the same bits on both ranks) and its tokens."""
 import json
 
 import pytest
@@ -53,3 +55,41 @@ def test_two_gpus_equal_one(tmp_path_factory):
     res = _run(tmp_path_factory, "cuda")
     bad = {(f, k): v for f, r in res.items() for k, v in r["err"].items() if not v <= TOL}
     assert bad == {}, f"sharded vs unsharded rel err above {TOL} on CUDA: {bad}"
+
+
+@pytest.fixture(scope="module")
+def loss_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp-loss")
+    out = str(tmp / "out.json")
+    mp.start_processes(tp_ranks.run_loss, args=(2, str(tmp / "init"), out), nprocs=2, start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("case", list(tp_ranks.LOSS_CASES))
+def test_vocab_parallel_loss_equals_whole(loss_results, case):
+    """fused_e2e_tv / fused_ce at T = 1, 0.7, 0.5, 1.3 and greedy (ties across ranks too), with the CE term, DSpark's
+    Markov term, cut and empty branches, one row, one and several chunks: loss, alpha, nll and the gradients of hq,
+    e and W2 within 1e-5 of the whole vocabulary's, and the same bits on both ranks."""
+    err = loss_results["loss"][case]
+    bad = {k: v for k, v in err.items() if not v <= TOL}
+    assert bad == {}, f"{case}: vocabulary-parallel vs whole rel err above {TOL}: {bad}"
+    assert loss_results["same_on_ranks"][case], f"{case}: the ranks' losses or gradients differ"
+
+
+def test_vocab_parallel_sampler_draws_the_whole_vocabularys_tokens(loss_results):
+    bad = {k: v for k, v in loss_results["sampler"].items() if not all(v.values())}
+    assert bad == {}, f"gathered sampling differs from the whole vocabulary's or between ranks: {bad}"
+
+
+def test_vocab_parallel_refuses_a_vocabulary_the_group_does_not_divide():
+    from specopd.models.common import Linear
+    from specopd.models.tensor_parallel import TensorParallel, VocabParallelHead, vocab_group
+
+    head = Linear(4, 49, bias=False)
+    head.__class__ = VocabParallelHead
+    head.tp, head.full_vocab = TensorParallel.planned(2, shard_vocab=True), 97
+    with pytest.raises(ValueError, match="vocab_size = 97 does not divide .* runtime.tp_lm_head=replicated"):
+        vocab_group(head)
+    head.full_vocab = 98
+    assert vocab_group(head) is head.tp

@@ -84,3 +84,115 @@ def run(rank: int, world: int, init_file: str, cases: list, out: str, device: st
             os.replace(out + ".tmp", out)
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the vocabulary-parallel loss and sampler
+LOSS_CASES = {  # name: (kind, temperature, ce_weight, markov, rows N x W, chunk_rows)
+    "tv_t1": ("tv", 1.0, 0.0, False, (5, 4), 3),
+    "tv_t07_ce_markov": ("tv", 0.7, 0.3, True, (5, 4), 3),
+    "tv_t1_ce": ("tv", 1.0, 0.2, False, (5, 4), "auto"),
+    "tv_greedy_ce_markov": ("tv", 0.0, 0.5, True, (5, 4), 4),
+    "tv_greedy_ties": ("ties", 0.0, 0.0, False, (3, 2), 2),
+    "ce_hp_t05_markov": ("ce", 0.5, 0.0, True, (5, 4), 3),
+    "ce_no_hp": ("ce_nohp", 1.0, 0.0, False, (5, 4), 7),
+    "one_row": ("tv", 1.3, 0.4, True, (1, 1), 1),
+}
+
+
+def _loss_inputs(case, vocab, d=16, r=8):
+    kind, temp, ce_w, markov, (n, w), chunk = LOSS_CASES[case]
+    g = torch.Generator().manual_seed(sum(map(ord, case)))
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x = {"hq": rnd(n, w, d) * 2, "weight": rnd(vocab, d), "hp": rnd(n, w, d) * 2,
+         "targets": torch.randint(0, vocab, (n, w), generator=g)}
+    x["p_weight"] = x["weight"] + 0.3 * rnd(vocab, d)
+    if kind == "ties":  # every p logit of a row equal: the first index (rank 0's) is the argmax
+        x["p_weight"] = rnd(1, d).expand(vocab, d).contiguous()
+    if markov:
+        x["e"], x["w2"] = rnd(n, w, r), rnd(vocab, r) * 0.5
+    mask = torch.ones(n, w, dtype=torch.bool)
+    if n > 1:
+        mask[1, 2:] = False  # a branch cut short
+        mask[-1, 0] = False  # a branch with no valid position
+    x["mask"] = mask
+    return x
+
+
+def _loss_call(case, x, tp, lo, hi):
+    """(loss, alpha, nll, {input: grad}) of the case, on this rank's vocabulary block [lo, hi) when tp is given."""
+    from specopd.losses import fused_ce, fused_e2e_tv
+
+    kind, temp, ce_w, markov, _, chunk = LOSS_CASES[case]
+    leaves = {k: x[k].clone().requires_grad_(True) for k in ("hq", "e", "w2") if k in x}
+    w, wp = (x["weight"], x["p_weight"]) if tp is None else (x["weight"][lo:hi], x["p_weight"][lo:hi])
+    mk = (leaves["e"], leaves["w2"]) if markov else None
+    kw = dict(markov=mk, mask=x["mask"], temperature=temp, chunk_rows=chunk, tp=tp, denom=4.0)
+    if kind.startswith("ce"):
+        out = fused_ce(leaves["hq"], w, x["targets"], weights="dflash", p_weight=None if kind == "ce_nohp" else wp,
+                       hp=None if kind == "ce_nohp" else x["hp"], **kw)
+    else:
+        out = fused_e2e_tv(leaves["hq"], w, x["hp"], p_weight=wp, ce_targets=x["targets"], ce_weight=ce_w, **kw)
+    out.loss.backward()
+    return out, {k: v.grad for k, v in leaves.items()}
+
+
+def _sampler_errs(tp, lo, hi, vocab):
+    """Tokens drawn through the gathered vocabulary against the whole one, and whether every rank drew the same."""
+    import torch.distributed as dist
+
+    from specopd.sampling import sample_from_hidden
+
+    res = {}
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(6, 5, 16, generator=g) * 3, torch.randn(vocab, 16, generator=g)
+    e, w2 = torch.randn(6, 5, 8, generator=g), torch.randn(vocab, 8, generator=g)
+    rows = [torch.tensor([0, 2, 3]), torch.tensor([1, 4])]
+    for temp in (1.0, 0.8, 0.0):
+        for mk in (False, True):
+            def draw(weight, t):
+                gens = [torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)]
+                return sample_from_hidden(h, weight, temp, rows, gens, markov=(e, w2) if mk else None, chunk_rows=4,
+                                          tp=t)
+            full, shard = draw(w, None), draw(w[lo:hi], tp)
+            every = [None] * tp.size
+            dist.all_gather_object(every, shard.tolist())
+            res[f"T={temp}{' markov' if mk else ''}"] = {"equal_unsharded": bool(torch.equal(full, shard)),
+                                                          "equal_ranks": all(t == every[0] for t in every)}
+    return res
+
+
+def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96) -> None:
+    """Every ``LOSS_CASES`` case whole and over the vocabulary split across ``world`` gloo ranks: rank 0 writes the
+    largest relative differences of the loss, alpha, nll and every input's gradient, whether every rank got the same
+    bits, and the sampler's agreement."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from specopd.models.tensor_parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tp = TensorParallel(init_device_mesh("cpu", (world,)))
+        lo, hi = tp.vocab_block(vocab)
+        res = {"loss": {}, "same_on_ranks": {}}
+        for case in LOSS_CASES:
+            x = _loss_inputs(case, vocab)
+            full, gf = _loss_call(case, x, None, lo, hi)
+            shard, gs = _loss_call(case, x, tp, lo, hi)
+            err = {"loss": _rel(shard.loss.detach(), full.loss.detach())}
+            for k in ("alpha", "nll"):
+                if getattr(full, k) is not None:
+                    err[k] = _rel(getattr(shard, k), getattr(full, k))
+            err.update({f"grad.{k}": _rel(gs[k], gf[k]) for k in gf})
+            res["loss"][case] = err
+            mine = torch.cat([shard.loss.detach().view(1)] + [gs[k].reshape(-1) for k in sorted(gs)])
+            every = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
+        res["sampler"] = _sampler_errs(tp, lo, hi, vocab)
+        if rank == 0:
+            with open(out + ".tmp", "w") as f:
+                json.dump(res, f)
+            os.replace(out + ".tmp", out)
+    finally:
+        dist.destroy_process_group()

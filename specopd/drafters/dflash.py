@@ -16,6 +16,7 @@ from torch import nn
 
 from specopd.drafters.attention import BranchLayout, branch_attention, cached_branch_attention
 from specopd.models.common import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters
+from specopd.models.tensor_parallel import vocab_group
 from specopd.sampling import pick_tokens, sample_from_hidden
 
 INIT_STD = 0.02
@@ -471,8 +472,9 @@ class DFlashDrafter(nn.Module):
         if return_confidence:
             raise ValueError("DFlash has no confidence head")
         if not return_logits:
-            return sample_from_hidden(h.detach(), self.target.lm_head.weight, temperature, rows, generator,
-                                      chunk_rows=chunk_rows), None
+            head = self.target.lm_head
+            return sample_from_hidden(h.detach(), head.weight, temperature, rows, generator, chunk_rows=chunk_rows,
+                                      tp=vocab_group(head)), None
         logits = self.logits_from_hidden(h)
         return pick_tokens(logits, temperature, generator, rows, chunk_rows), logits
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from specopd.drafters.dflash import DFlashDrafter, DraftLayer, DrafterConfig
 from specopd.losses import ChunkBuffers, chunk_logits, resolve_chunk_rows
+from specopd.models.tensor_parallel import vocab_group
 from specopd.sampling import pick_tokens
 
 # dflash_config keys V2 adds (vLLM ``qwen3_dflash2.py``); the first four are required by vLLM, the others default
@@ -238,6 +239,9 @@ class DFlash2Drafter(DFlashDrafter):
 
     def _build_extra(self) -> None:
         c = self.config
+        if vocab_group(self.target.lm_head) is not None:
+            raise ValueError("a DFlash V2 drafter reads the whole vocabulary (its top-K candidates and p at them): "
+                             "its target's lm_head must be whole on every rank; set runtime.tp_lm_head=replicated")
         check_v2_config(c, int(self.target.vocab_size))
         self.candidate_selector = CandidateSelector(c.hidden_size, int(self.target.vocab_size), int(c.selector_rank))
 

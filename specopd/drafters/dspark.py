@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specopd.drafters.dflash import DFlashDrafter
+from specopd.models.tensor_parallel import vocab_group
 from specopd.sampling import pick_tokens, sample_from_hidden
 
 
@@ -130,7 +131,8 @@ class DSparkDrafter(DFlashDrafter):
                 x = pick_tokens(lk, temperature, generator, rows, chunk_rows)
             else:
                 x = sample_from_hidden(h[:, k].detach(), w_lm, temperature, rows, generator,
-                                       markov=(self.markov_features(x).detach(), w2.detach()), chunk_rows=chunk_rows)
+                                       markov=(self.markov_features(x).detach(), w2.detach()), chunk_rows=chunk_rows,
+                                       tp=vocab_group(self.target.lm_head))
             toks.append(x)
         conf = self.confidence_logits(h, torch.stack(prevs, 1))
         return torch.stack(toks, 1), (torch.stack(logits, 1) if return_logits else None), conf

@@ -4,7 +4,8 @@
 attention heads (each rank holds whole key/value groups with their query heads: GQA, gated attention, QSA's
 attention), MLPs (column-parallel gate / up, row-parallel down), MoE experts (expert-parallel: a block of experts
 per rank, the router replicated), Gated DeltaNet key-head groups (their value heads, conv channels, gates, and so
-their recurrent states and fp32 checkpoints), and ``lm_head`` over the vocabulary (logits gathered). Everything else
+their recurrent states and fp32 checkpoints), and ``lm_head`` over the vocabulary (``shard_vocab``: the head gathers
+its logits; the fused losses and the branch sampler take the local block, see ``vocab_group``). Everything else
 is replicated: embeddings, norms, hyper-connections, PLE, the QSA indexer (so every rank computes the full index
 score in the unsharded order and selects bitwise the same blocks as an unsharded target).
 
@@ -25,8 +26,8 @@ from specopd.models.common import MLP, Experts, Linear
 
 class TensorParallel:
     """One tensor-parallel group: a 1-D ``DeviceMesh`` over the ranks that shard one target. ``size`` 1 is the
-    unsharded target (no mesh needed). ``shard_vocab=False`` keeps ``lm_head`` whole on every rank (training: the
-    drafter's sampling and fused loss read its full weight)."""
+    unsharded target (no mesh needed). ``shard_vocab=False`` keeps ``lm_head`` whole on every rank
+    (``runtime.tp_lm_head: replicated``, and DFlash V2, whose top-K candidates read the whole vocabulary)."""
 
     def __init__(self, mesh=None, shard_vocab: bool = True):
         self.mesh, self.shard_vocab = mesh, bool(shard_vocab)
@@ -57,6 +58,40 @@ class TensorParallel:
         d = DTensor.from_local(t, self.mesh, [Shard(dim)], shape=torch.Size(shape), stride=stride)
         return d.redistribute(self.mesh, [Replicate()]).to_local()
 
+    def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``t`` reduced over the group in place ("sum" | "max" | "min"): the same bits on every rank."""
+        import torch.distributed as dist
+
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(t, op=ops[op], group=self.mesh.get_group())
+        return t
+
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """[size x rows, ...]: every rank's equal block ``t`` [rows, ...], in rank order, on every rank."""
+        import torch.distributed as dist
+
+        t = t.contiguous()
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name, torch 2.13
+        gather(out, t, group=self.mesh.get_group())
+        return out
+
+    def gather_cols(self, t: torch.Tensor) -> torch.Tensor:
+        """[rows, size x cols]: every rank's equal block ``t`` [rows, cols] side by side (the vocabulary's logits)."""
+        g = self.gather_rows(t)  # [size * rows, cols]
+        r = t.shape[0]
+        return g.view(self.size, r, t.shape[1]).transpose(0, 1).reshape(r, self.size * t.shape[1])
+
+    def vocab_block(self, vocab: int) -> tuple:
+        """(first, end) of this rank's equal block of a vocabulary of ``vocab`` tokens; ValueError naming the fix
+        when the group does not divide it (the vocabulary-parallel loss and sampler need equal blocks)."""
+        if vocab % self.size:
+            raise ValueError(f"vocab_size = {vocab} does not divide over runtime.tensor_parallel = {self.size}: the "
+                             f"vocabulary-parallel lm_head needs equal blocks; choose a tensor_parallel that divides "
+                             f"it, or set runtime.tp_lm_head=replicated (the whole lm_head on every rank)")
+        c = vocab // self.size
+        return self.rank * c, (self.rank + 1) * c
+
     def shard(self, w: torch.Tensor, dim: int, perm: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This rank's block of ``w`` along ``dim`` (after ``perm`` reorders that dim), as a plain tensor."""
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -84,6 +119,17 @@ class VocabParallelHead(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.gather(super().forward(x), -1, self.full_vocab)
+
+
+def vocab_group(head: nn.Module) -> Optional[TensorParallel]:
+    """The group ``head`` (a target's ``lm_head``) is split over by vocabulary, or None when it is whole: the fused
+    losses and the branch sampler then take its local block [V / N, D] and this group. ValueError when the group
+    does not divide the vocabulary (``TensorParallel.vocab_block``): they need equal blocks."""
+    tp = getattr(head, "tp", None) if isinstance(head, VocabParallelHead) else None
+    if tp is None or tp.size == 1:
+        return None
+    tp.vocab_block(head.full_vocab)
+    return tp
 
 
 class ExpertParallel(Experts):
