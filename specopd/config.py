@@ -15,6 +15,7 @@ TINY_PREFIX = "tiny:"
 TINY_MODEL_TYPES = ("llama", "qwen3_next", "qwen4_exp")
 METHODS = ("specopd", "draft_opd", "offpolicy_ce", "offpolicy_e2e_tv")
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+TP_LM_HEAD = ("auto", "vocab_parallel", "replicated")
 
 # what a resume does when a field's value differs from the checkpoint's recipe
 REFUSE = "refuse"  # another run (target, drafter shape, data, seed, method): the resume is refused
@@ -360,6 +361,12 @@ class RuntimeConfig:
     tensor_parallel: int = setting(1, resume=SAME_RUN)
     """Ranks that shard each data-parallel replica's target (Ray actors on one node; attention and GDN heads, MLPs,
     MoE experts; see specopd/models/tensor_parallel.py). 1: every worker holds the whole target."""
+    tp_lm_head: str = setting("auto", resume=SAME_RUN)
+    """With tensor_parallel > 1, how the ranks hold the target's lm_head for training: vocab_parallel (V / N rows
+    each; the fused loss reduces its softmaxes and alpha over the group, the branch sampler gathers each chunk's
+    logits; the group must divide the vocabulary) | replicated (the whole head on every rank) | auto
+    (vocab_parallel, but replicated for a dflash2 drafter, whose top-K candidates read the whole vocabulary).
+    Measured: benchmarks/results/2026-12-04-tensor-parallel-vocab-loss-*.md."""
     address: Optional[str] = setting(None, resume=SAME_RUN)
     """Ray cluster address (null: start a local Ray instance)."""
     cpus_per_worker: float = setting(1.0, resume=SAME_RUN)
@@ -378,6 +385,7 @@ class RuntimeConfig:
         _check_range("runtime", "gpus_per_worker", self.gpus_per_worker, lo=0)
         _check_choice("runtime", "roles", self.roles, ["colocated", "split"])
         _check_range("runtime", "tensor_parallel", self.tensor_parallel, lo=1)
+        _check_choice("runtime", "tp_lm_head", self.tp_lm_head, TP_LM_HEAD)
         if self.tensor_parallel > 1 and self.backend != "ray":
             raise RecipeError(f"runtime.tensor_parallel={self.tensor_parallel} needs runtime.backend=ray (one "
                               f"actor per rank); set it, or runtime.tensor_parallel=1")
@@ -565,10 +573,22 @@ class RecipeConfig:
             raise RecipeError(f"trainer.cache_trunks=true keeps only features and hidden states, but "
                               f"trainer.method={self.trainer.method} scores branches against the trunk's K/V: set "
                               f"trainer.cache_trunks=false (or use offpolicy_ce / offpolicy_e2e_tv)")
+        if self.runtime.tp_lm_head == "vocab_parallel" and self.drafter.kind == "dflash2":
+            raise RecipeError("runtime.tp_lm_head=vocab_parallel: a dflash2 drafter reads the whole vocabulary (its "
+                              "top-K candidates and p at them); set runtime.tp_lm_head=replicated (or auto)")
         if self.trainer.eval_every > 0 and self.data.heldout == 0:
             raise RecipeError(f"trainer.eval_every={self.trainer.eval_every} evaluates on held-out sequences, but "
                               f"data.heldout=0 holds none out: set data.heldout to a fraction such as 0.1 (those "
                               f"sequences are then never trained on), or trainer.eval_every=0")
+
+
+def vocab_parallel_head(cfg) -> bool:
+    """Whether the ranks of a tensor-parallel group split the target's lm_head by vocabulary for training
+    (``runtime.tp_lm_head``; auto: all drafters but dflash2)."""
+    r = cfg.runtime
+    if int(r.tensor_parallel) <= 1 or r.tp_lm_head == "replicated":
+        return False
+    return r.tp_lm_head == "vocab_parallel" or cfg.drafter.kind != "dflash2"
 
 
 # ---------------------------------------------------------------------------------------------- loading

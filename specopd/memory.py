@@ -14,6 +14,7 @@ from torch import nn
 
 from executors.gqa import BLOCKED
 from executors.qsa import SCORE_BYTES as QSA_SCORE_BYTES
+from specopd.config import vocab_parallel_head
 from specopd.data.formats import count_records
 from specopd.data.packaged import conversations_file
 from specopd.data.smollm2 import MODEL_NAME, default_model_dir, is_prepared
@@ -177,12 +178,24 @@ class TargetInfo:
     streams: int  # residual streams (hyper-connections), 1 for a plain pre-norm stack
     model_type: str
     model: nn.Module
+    lm_head_bytes: int = 0  # one rank's lm_head (part of weight_bytes; 0 when tied to the embedding, counted there)
+    lm_head_rows: int = 0  # its vocabulary rows: V, or V / N split by vocabulary
 
 
-def analyse_target(shape: dict, dtype: str, tensor_parallel: int = 1) -> TargetInfo:
+def analyse_target(shape: dict, dtype: str, tensor_parallel: int = 1, shard_vocab: bool = False) -> TargetInfo:
     """Build our model class for ``shape`` on the meta device: exact weights (fp32 where the model keeps them,
-    tied weights once), the token mixers and the MLP width; with ``tensor_parallel`` > 1, of one rank's shard
-    (local heads, experts and MLP columns: its caches follow)."""
+    tied weights once), the token mixers and the MLP width.
+
+    Args:
+        shape: the target's config.json entries.
+        dtype: the weights' dtype name.
+        tensor_parallel: N > 1: one rank's shard (local heads, experts and MLP columns: its caches follow).
+        shard_vocab: with N > 1, the lm_head's block of V / N rows, a weight of its own even when the embedding is
+            tied to it (``runtime.tp_lm_head``); ValueError when N does not divide V.
+
+    Returns:
+        ``TargetInfo``.
+    """
     mt = shape.get("model_type")
     if mt not in MODEL_TYPES:
         raise ValueError(f"model_type {mt!r} of the target shape is not supported; supported: {sorted(MODEL_TYPES)}")
@@ -192,10 +205,14 @@ def analyse_target(shape: dict, dtype: str, tensor_parallel: int = 1) -> TargetI
     except (KeyError, TypeError) as e:
         raise ValueError(f"the target shape lacks an entry our {mt} model needs: {e} (give the config.json "
                          f"entries under model.shape)") from None
+    shard_vocab = shard_vocab and tensor_parallel > 1
     if tensor_parallel > 1:
-        shard_target(model, TensorParallel.planned(tensor_parallel))
+        tp = TensorParallel.planned(tensor_parallel, shard_vocab)
+        if shard_vocab:
+            tp.vocab_block(int(shape["vocab_size"]))
+        shard_target(model, tp)
     bpe = _BYTES[dtype]
-    tied = set(getattr(model, "tied_params", {}))
+    tied = set(getattr(model, "tied_params", {})) - ({"lm_head.weight"} if shard_vocab else set())
     fp32 = tuple(getattr(model, "fp32_params", ()))
     params = wbytes = 0
     for name, p in model.named_parameters():
@@ -207,9 +224,11 @@ def analyse_target(shape: dict, dtype: str, tensor_parallel: int = 1) -> TargetI
     experts = int(shape.get("num_experts") or 0)
     moe = (int(shape.get("num_experts_per_tok") or 0) * int(shape.get("moe_intermediate_size") or 0)
            + int(shape.get("shared_expert_intermediate_size") or 0)) if experts else 0
+    head = model.lm_head.weight
+    head_bytes = 0 if "lm_head.weight" in tied else head.numel() * (4 if "lm_head.weight".endswith(fp32) else bpe)
     return TargetInfo(params, wbytes, int(shape["vocab_size"]), int(shape["hidden_size"]),
                       int(shape["num_hidden_layers"]), mixers, max(int(shape.get("intermediate_size") or 0), moe),
-                      int(shape.get("hc_count") or 1), mt, model)
+                      int(shape.get("hc_count") or 1), mt, model, head_bytes, int(head.shape[0]))
 
 
 def _proj_width(mixer: nn.Module) -> int:
@@ -391,7 +410,8 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     if shape is None:
         return None
     m, t, d, r = cfg.model, cfg.trainer, cfg.data, cfg.runtime
-    info = analyse_target(shape, m.dtype, r.tensor_parallel)
+    vp = vocab_parallel_head(cfg)  # runtime.tp_lm_head: each rank holds V / N rows of lm_head
+    info = analyse_target(shape, m.dtype, r.tensor_parallel, shard_vocab=vp)
     drafter = build_meta_drafter(cfg, info)
     bpe = _BYTES[m.dtype]
     on_gpu = m.device != "cpu"
@@ -406,9 +426,11 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     on_policy = method in ("specopd", "draft_opd")
     feats = len(drafter.feature_layers)
     device_type = "cuda" if on_gpu else "cpu"
-    chunk = (auto_chunk_rows(v, device_type, CHUNK_BUDGET[device_type]) if t.loss_chunk_rows == "auto"
-             else int(t.loss_chunk_rows))
-    chunk = min(chunk, n * w)
+    vl = info.lm_head_rows if vp else v  # the loss's vocabulary: one rank's block when split
+    chunk, chunk_s = ((auto_chunk_rows(vl, device_type, CHUNK_BUDGET[device_type]),
+                       auto_chunk_rows(v, device_type, CHUNK_BUDGET[device_type])) if t.loss_chunk_rows == "auto"
+                      else (int(t.loss_chunk_rows),) * 2)
+    chunk, chunk_s = min(chunk, n * w), min(chunk_s, n * w)
     every = m.gdn_checkpoint_every
 
     cache = ckpt = 0
@@ -424,6 +446,14 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
         return 0 if on_gpu else dense_attention_scores(info, tq, tk)
 
     all_, upto_score = MEMORY_PHASES, ("prefill", "propose", "score")
+    head_note = (f"lm_head: [{info.lm_head_rows:,}, D] per rank = {human(info.lm_head_bytes)}, V / {r.tensor_parallel} "
+                 f"rows (runtime.tp_lm_head=vocab_parallel), in the target weights" if vp else
+                 f"lm_head: whole on every rank, [{v:,}, D] = "
+                 + (f"{human(info.lm_head_bytes)} in the target weights " if info.lm_head_bytes else
+                    "the tied embedding's weight ")
+                 + 
+                 f"(runtime.tp_lm_head=replicated" + (")" if cfg.drafter.kind == "dflash2" else
+                                                     f"; vocab_parallel holds V / {r.tensor_parallel} rows)"))
     terms = [
         Term("target weights", info.weight_bytes, all_, None,
              f"{info.params / 1e9:.3f}B params in {m.dtype} (fp32 where the model keeps them)"
@@ -463,8 +493,13 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     terms += [
         Term("target side hp", n * w * hid * bpe, ("score", "loss_backward"), "trainer.anchors_per_seq",
              "[N, W, D] target hidden states at the scored positions"),
-        Term("loss / sampling chunk", CHUNK_WORKSET_FACTOR * chunk * v * 4, ("propose", "loss_backward"),
-             "trainer.loss_chunk_rows", f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V] fp32"),
+        *([Term("loss chunk", CHUNK_WORKSET_FACTOR * chunk * vl * 4, ("loss_backward",), "trainer.loss_chunk_rows",
+                f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V / {r.tensor_parallel}] fp32 (vocabulary-parallel)"),
+           Term("sampling chunk", 3 * chunk_s * v * 4, ("propose",), "trainer.loss_chunk_rows",
+                f"[{chunk_s}, V / {r.tensor_parallel}] local logits gathered into 2 x [{chunk_s}, V] fp32")]
+          if vp else
+          [Term("loss / sampling chunk", CHUNK_WORKSET_FACTOR * chunk * v * 4, ("propose", "loss_backward"),
+                "trainer.loss_chunk_rows", f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V] fp32")]),
         Term("drafter activations", dact, keep, "trainer.anchors_per_seq",
              f"{cfg.drafter.num_layers} layers saved for backward (block rows N * (W + 1), context once per trunk) "
              f"+ the hidden state hq [N, W, D]: from the one forward at propose to the backward"),
@@ -498,14 +533,14 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
         dev_b, dev_src = device_memory(cfg)
     else:
         dev_b, dev_src = int(device_bytes), "given"
-    notes = []
+    notes = [head_note] if r.tensor_parallel > 1 else []
     if m.shape and not source.startswith("recipe"):
         notes.append(f"model.shape is ignored: the shape comes from {source}")
     if method == "draft_opd":
         notes.append("draft_opd: planned as B = trainer.anchors_per_seq rounds per sequence scored at once "
                      "(its rollout holds fewer branches at a time)")
     sizes = {"sequences_per_gpu": s, "seq_len": tt, "anchors_per_seq": b, "branches": n, "W": w, "vocab": v,
-             "hidden": hid, "chunk_rows": chunk, "drafter_params": dparams, "target_params": info.params,
+             "hidden": hid, "chunk_rows": chunk, "lm_head_rows": info.lm_head_rows, "lm_head_bytes": info.lm_head_bytes, "drafter_params": dparams, "target_params": info.params,
              "feature_layers": feats, "activation_bytes": act}
     if getattr(drafter, "has_selector", False):
         sizes.update(selector_top_k=int(drafter.config.selector_top_k), selector_rank=int(drafter.config.selector_rank))

@@ -92,15 +92,22 @@ def test_8gpu_recipes_fit_their_gpu(recipe):
 
 
 def test_tensor_parallel_plans_one_ranks_shard():
-    """runtime.tensor_parallel=2 halves the sharded weights (attention, GDN, MLP and expert blocks; embeddings,
-    lm_head, norms and the indexer stay whole) and the per-layer caches, and refuses a count that does not
-    divide the key/value heads."""
+    """runtime.tensor_parallel=2 halves the sharded weights (attention, GDN, MLP and expert blocks, lm_head by
+    vocabulary unless runtime.tp_lm_head=replicated; embeddings, norms and the indexer stay whole) and the
+    per-layer caches, and refuses a count that does not divide the key/value heads."""
     path = os.path.join(ROOT, "recipes", "qwen4-exp-dflash-8gpu.yaml")
     one = check_memory(load_recipe(path, ["runtime.tensor_parallel=1"]), device_bytes=10**15)
     two = check_memory(load_recipe(path), device_bytes=10**15)
     w1, w2 = one.terms[0].bytes, two.terms[0].bytes
     assert one.terms[0].name == two.terms[0].name == "target weights"
     assert 0.5 * w1 < w2 < 0.55 * w1
+    rep = check_memory(load_recipe(path, ["runtime.tp_lm_head=replicated"]), device_bytes=10**15)
+    v, d = one.sizes["vocab"], one.sizes["hidden"]
+    assert (one.sizes["lm_head_rows"], rep.sizes["lm_head_rows"], two.sizes["lm_head_rows"]) == (v, v, v // 2)
+    assert two.sizes["lm_head_bytes"] == v // 2 * d * 2  # bf16
+    assert rep.terms[0].bytes - two.terms[0].bytes == v // 2 * d * 2
+    assert any("V / 2 rows (runtime.tp_lm_head=vocab_parallel)" in n for n in two.notes)
+    assert [t.name for t in two.terms if "chunk" in t.name] == ["loss chunk", "sampling chunk"]
     c1, c2 = [sum(t.bytes for t in plan.terms if t.name == "trunk caches") for plan in (one, two)]
     assert c2 < 0.6 * c1
     with pytest.raises(ValueError, match="num_key_value_heads = 2 does not divide over runtime.tensor_parallel = 4"):

@@ -93,3 +93,20 @@ def test_vocab_parallel_refuses_a_vocabulary_the_group_does_not_divide():
         vocab_group(head)
     head.full_vocab = 98
     assert vocab_group(head) is head.tp
+
+
+def test_tp_lm_head_recipe_key():
+    """auto splits the head for DFlash and DSpark, keeps it whole for DFlash V2 (its top-K candidates read the
+    whole vocabulary), and vocab_parallel with dflash2 is refused naming the fix."""
+    from specopd.config import RecipeError, load_recipe, vocab_parallel_head
+
+    ray = ["runtime.backend=ray", "runtime.tensor_parallel=2"]
+    assert vocab_parallel_head(load_recipe(None, ray))
+    assert vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dspark"]))
+    assert not vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dflash2"]))
+    assert not vocab_parallel_head(load_recipe(None, ray + ["runtime.tp_lm_head=replicated"]))
+    assert not vocab_parallel_head(load_recipe(None, ["runtime.tp_lm_head=vocab_parallel"]))  # N = 1: whole
+    with pytest.raises(RecipeError, match="runtime.tp_lm_head=replicated"):
+        load_recipe(None, ray + ["drafter.kind=dflash2", "runtime.tp_lm_head=vocab_parallel"])
+    with pytest.raises(RecipeError, match="tp_lm_head"):
+        load_recipe(None, ["runtime.tp_lm_head=gathered"])

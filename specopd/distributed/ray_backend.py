@@ -135,11 +135,12 @@ class _WorkerHost:
         if tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
+            from specopd.config import vocab_parallel_head
             from specopd.models.tensor_parallel import TensorParallel
 
             mesh = init_device_mesh("cuda" if "nccl" in backend else "cpu", (n, tp), mesh_dim_names=("dp", "tp"))
             self.dp_group = mesh["dp"].get_group()
-            self._build(TensorParallel(mesh["tp"], shard_vocab=False))
+            self._build(TensorParallel(mesh["tp"], shard_vocab=vocab_parallel_head(self.cfg)))
             if self.init_error is not None:
                 raise self.init_error
         if n > 1:

@@ -23,6 +23,7 @@ from specopd.losses import (candidate_ce, candidate_e2e_tv, confidence_loss, fus
                             prefix_survival)
 from specopd.models import load_target
 from specopd.models.loading import resolve_dtype
+from specopd.models.tensor_parallel import vocab_group
 from specopd.profiling import Profiler
 from specopd.train.baselines import draft_opd_rollout
 from specopd.train.data import load_dataset, split_dataset, valid_anchors
@@ -75,6 +76,7 @@ class Worker:
             target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device, kernels=cfg.model.kernels,
                                  tensor_parallel=tensor_parallel)
         self.target = target
+        self.vocab_tp = vocab_group(target.lm_head)  # runtime.tp_lm_head: the loss's group, or None (whole head)
         d = cfg.drafter
         if d.init_from:  # ours or a released DFlash / DSpark folder
             self.drafter = load_drafter(d.init_from, target)
@@ -282,7 +284,7 @@ class Worker:
             return torch.cat([h0, rest.to(h0.dtype)], 1)
 
     def _head_terms(self, proposals: Proposals):
-        """(lm_head weight [V, D], DSpark's Markov term (W1[prev] [N, W, r], W2 [V, r]) or None, prev [N, W])."""
+        """(lm_head weight [V, D] (this rank's block [V / N, D] with ``vocab_tp``), DSpark's Markov term (W1[prev] [N, W, r], W2 [V, r]) or None, prev [N, W])."""
         prev = shift_tokens(proposals.anchor_tokens, proposals.tokens)
         head = getattr(self.drafter, "markov_head", None)
         markov = None if head is None else (self.drafter.markov_features(prev), head.markov_w2.weight)
@@ -319,7 +321,8 @@ class Worker:
                     h = self.drafter.hidden(proposals.features, proposals.anchors, proposals.trunk_index,
                                             proposals.anchor_tokens)
             weight, markov, prev = self._head_terms(proposals)
-            kw = dict(markov=markov, denom=denom, temperature=t.temperature, chunk_rows=t.loss_chunk_rows)
+            kw = dict(markov=markov, denom=denom, temperature=t.temperature, chunk_rows=t.loss_chunk_rows,
+                      tp=self.vocab_tp)
             hp = hp.to(h.device)
             if getattr(self.drafter, "has_selector", False):  # DFlash V2: q lives on each slot's top K
                 out = self._selector_loss(proposals, h, hp, denom, method)
@@ -484,7 +487,7 @@ class Worker:
         else:
             weight, markov, _ = self._head_terms(prop)
             alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov, temperature=self.cfg.trainer.temperature,
-                                 chunk_rows=self.cfg.trainer.loss_chunk_rows).alpha
+                                 chunk_rows=self.cfg.trainer.loss_chunk_rows, tp=self.vocab_tp).alpha
         return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
                 "surv_sum": prefix_survival(alpha).sum(0).tolist()}
 
