@@ -163,8 +163,9 @@ def test_dry_run_every_recipe(capsys):
 @pytest.mark.slow
 def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_path):
     """runtime.tensor_parallel=2: one data-parallel worker whose target is sharded over 2 Ray actors (gloo, a
-    (dp, tp) DeviceMesh) ends with the drafter of 1 unsharded in-process worker, up to fp32 rounding of the
-    row-parallel sums (the tolerance of the data-parallel test above). Resuming its checkpoint unsharded (and
+    (dp, tp) DeviceMesh), its lm_head split by vocabulary (the vocabulary-parallel loss, the gathered sampler),
+    ends with the drafter of 1 unsharded in-process worker, up to fp32 rounding of the row-parallel and vocabulary
+    sums (the tolerance of the data-parallel test above). Resuming its checkpoint unsharded (and
     the other way round) continues the run."""
     from specopd.train.loop import train
 
@@ -177,6 +178,8 @@ def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_pat
     full = sum(p.numel() for p in load_target(path).parameters())
     assert [(s["tp_rank"], s["tp_size"]) for s in shards] == [(0, 2), (1, 2)]
     assert all(s["params"] == shards[0]["params"] < full for s in shards)
+    vocab = load_target(path).vocab_size
+    assert [s["lm_head_rows"] for s in shards] == [vocab // 2] * 2  # runtime.tp_lm_head: auto splits it
     train(_cfg(tmp_path / "local", backend="local", workers=1), progress=False)
     train(_cfg(tmp_path / "tp", tp2, workers=1), progress=False)
     ref, got = _weights(tmp_path / "local"), _weights(tmp_path / "tp")

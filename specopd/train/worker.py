@@ -161,9 +161,10 @@ class Worker:
                 "anchor_counts": [int(a.numel()) for a in self._anchor_pos], "data_stats": dict(self.data_stats)}
 
     def target_shard(self) -> dict:
-        """What this worker holds of the target: its parameters and tensor-parallel rank / size."""
+        """What this worker holds of the target: its parameters, lm_head rows and tensor-parallel rank / size."""
         tp = getattr(self.target, "tensor_parallel", None)
         return {"params": sum(p.numel() for p in self.target.parameters()),
+                "lm_head_rows": int(self.target.lm_head.weight.shape[0]),
                 "tp_rank": 0 if tp is None else tp.rank, "tp_size": 1 if tp is None else tp.size}
 
     def set_allreduce(self, fn: Optional[Callable]) -> None:
