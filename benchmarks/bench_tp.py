@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -339,7 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--loss-dtype", default="bfloat16", help="the lm_head's dtype in --loss")
     ap.add_argument("--out", default="runs/bench-tp/bench_tp.json")
     args = ap.parse_args(argv)
-    print("command: python benchmarks/bench_tp.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print("command: python benchmarks/bench_tp.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}; fp32; {args.threads} threads "
           f"in all (N ranks x threads / N)")
     rows, loss_rows = [], []
