@@ -171,3 +171,49 @@ def test_eval_bench_mt_bench_first_and_second_turns(tmp_path, monkeypatch, capsy
     assert r2["num_prompts"] == 4 and "second turns" in r2["prompts"]
     with pytest.raises(ValueError, match="--bench or --prompts"):
         main_eval(cfg, ["--bench", "mt-bench", "--prompts", str(tmp_path / "p.txt")])
+
+
+def write_conversations(path, n: int) -> list:
+    """``n`` ShareGPT records (ids c0..), every third one opening with the same question (ShareGPT repeats
+    openings) -> the records."""
+    recs = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": "what is new?" if i % 3 == 0 else f"question {i}?"},
+        {"from": "gpt", "value": f"answer number {i}, with a few more words."}]} for i in range(n)]
+    with open(path, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in recs) + "\n")
+    return recs
+
+
+def test_a_benchmark_names_the_conversations_a_run_trains_on_and_the_held_out_prompts(tmp_path):
+    """bench_al.py's two needs, as the trainer splits and draws: the ids of the train conversations the first steps
+    take (regen_ce regenerates exactly those), and held-out prompts that no train conversation opens with."""
+    from test_data import char_target
+
+    from specopd.config import load_recipe
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.train.data import BatchOrder, conversation_split, trained_ids
+
+    target_dir = char_target(tmp_path / "t", max_position_embeddings=256)
+    write_conversations(tmp_path / "c.jsonl", 30)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_recipe(os.path.join(root, "recipes", "smollm2-135m-dflash.yaml"), [
+        f"model.target={target_dir}", f"data.path={tmp_path / 'c.jsonl'}", f"trainer.output_dir={tmp_path / 'run'}",
+        "data.heldout=0.3", "data.seq_len=200", "data.batch_size=4"])
+    samples, train, held = conversation_split(cfg)
+    assert len(samples) == 30 and train and held and not set(train) & set(held)
+    assert all(samples[i]["split"] == "heldout" for i in held)
+    order = BatchOrder(train, 4, cfg.data.seed)
+    drawn = [order.next() for _ in range(3)]
+    assert trained_ids(train, 4, cfg.data.seed, 3) == [i for b in drawn for i in b]
+    ids = trained_ids(train, 4, cfg.data.seed, 2 * len(train))  # past an epoch: every train id, none held out
+    assert set(ids) == set(train)
+
+    ids, meta = bench.heldout_conversation_prompts(cfg, 30)
+    tok = load_tokenizer(target_dir, 128)
+    by_id = {s["id"]: s for s in samples}
+    train_prompts = {tuple(samples[i]["input_ids"][: samples[i]["prompt_len"]].tolist()) for i in train}
+    assert meta and all(by_id[m["id"]]["split"] == "heldout" for m in meta)
+    assert len({tuple(p.tolist()) for p in ids}) == len(ids) and not {tuple(p.tolist()) for p in ids} & train_prompts
+    q = next(r for r in [json.loads(x) for x in open(tmp_path / "c.jsonl")] if r["id"] == meta[0]["id"])
+    assert ids[0].tolist() == encode_prompt(tok, [{"role": "user", "content": q["conversations"][0]["value"]}])
+    assert len(bench.heldout_conversation_prompts(cfg, 1)[0]) == 1
