@@ -201,17 +201,21 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
     from specopd.config import auto_dtype
     from specopd.data.formats import conversation_prompts
     from specopd.data.packaged import conversations_file
-    from specopd.data.prepare import ERRORS_FILE, prepare_data
+    from specopd.data.prepare import ERRORS_FILE, encode_prompt, load_tokenizer, prepare_data
     from specopd.data.references import DATA_FILE, read_records
     from specopd.engines import EngineFailed, auto_engine
     from specopd.mainjob import stage_cfg
+    from specopd.models.loading import read_config
     from specopd.train.data import conversation_split, trained_ids
 
     samples, train_ids, _ = conversation_split(stage_cfg(cfg, prep))
     order = trained_ids(train_ids, cfg.data.batch_size, cfg.data.seed, args.steps)
     want = list(dict.fromkeys(samples[i]["id"] for i in order))  # each conversation once, in the order drawn
-    by_id = dict(conversation_prompts(conversations_file(cfg.data.path), cfg.data.bad_lines))
-    prompts = [(rid, by_id[rid]) for rid in want if rid in by_id]
+    # ShareGPT's chunks that open with a reply keep it as context before their first user turn's answer
+    by_id = dict(conversation_prompts(conversations_file(cfg.data.path), cfg.data.bad_lines, opening_context=True))
+    tok = load_tokenizer(prep["target_dir"], int(read_config(prep["target_dir"])["vocab_size"]))
+    room = {rid: cfg.data.seq_len - len(encode_prompt(tok, by_id[rid])) for rid in want if rid in by_id}
+    prompts = [(rid, by_id[rid]) for rid in want if room.get(rid, 0) > cfg.drafter.block_size]
     engine, why = auto_engine() if args.regen_engine == "auto" else (args.regen_engine, "--regen-engine")
     dtype = cfg.model.dtype if engine == "builtin" else auto_dtype(cfg.model.device)  # as the main job's references
     n_new = args.regen_max_new_tokens or cfg.data.seq_len
@@ -220,9 +224,10 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
     log_path = rdir + ".json"
     log = json.load(open(log_path)) if os.path.isfile(log_path) else {"attempts_s": [], "done": False}
     if not log["done"]:
-        print(f"\n[bench_al] regen_ce: the target answers the prompts of the {len(prompts)} train conversations "
-              f"{args.steps} steps draw ({len(want) - len(prompts)} without a user prompt left out; <= {n_new} "
-              f"tokens, T={args.regen_temperature:g}) with the {engine} engine ({why}) -> {rdir}", flush=True)
+        print(f"\n[bench_al] regen_ce: the target answers the prompts of {len(prompts)} of the {len(want)} train "
+              f"conversations {args.steps} steps draw (left out: {len(want) - len(room)} without a user turn, "
+              f"{len(room) - len(prompts)} whose prompt leaves no reply room in data.seq_len); <= {n_new} tokens, "
+              f"T={args.regen_temperature:g}, with the {engine} engine ({why}) -> {rdir}", flush=True)
         t0 = time.perf_counter()
         counts = prepare_data(prep["target_dir"], rdir, prompts=prompts, prompts_label=f"bench_al: {cfg.data.path}",
                               max_new_tokens=n_new, temperature=args.regen_temperature, top_p=1.0, seed=0,
@@ -241,7 +246,7 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
     regen_s = sum(log["attempts_s"])
     print(f"[bench_al] regen_ce references: {len(recs)} ({n_tok} response tokens) in {regen_s:.0f} s "
           f"({len(log['attempts_s'])} attempt(s); an attempt killed mid-way is not counted) -> {rdir}", flush=True)
-    return {"path": os.path.join(rdir, DATA_FILE), "regen_s": regen_s, "attempts_s": log["attempts_s"],
+    return {"name": name, "path": os.path.join(rdir, DATA_FILE), "regen_s": regen_s, "attempts_s": log["attempts_s"],
             "prompts": len(prompts), "trained_ids": want, "references": len(recs), "response_tokens": n_tok,
             "engine": engine, "dtype": dtype, "temperature": args.regen_temperature, "max_new_tokens": n_new}
 
@@ -268,6 +273,11 @@ def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str,
     return {"steps": steps, "wall_at": _wall_at(m), "checkpoints": _checkpoints(out_dir), "loss_at": _loss_at(m),
             "mean_step_s": (sum(x.get("step_s", 0.0) for x in m) / max(1, len(m))),
             "ce_weight": c.trainer.ce_weight, "regen_s": regen["regen_s"] if regen else 0.0}
+
+
+def run_dir(out: str, setting: str, method: str, regen: dict = None) -> str:
+    """A run's folder; regen_ce's is named by its references (other references: another run)."""
+    return os.path.join(out, setting, f"regen_ce-{regen['name']}" if method == "regen_ce" else method)
 
 
 def _cols(temps: list) -> list:
@@ -454,7 +464,7 @@ def main(argv=None) -> int:
     for m in methods:
         if m == "regen_ce":
             regen = regenerate(cfg, prep, args, args.out)
-        runs[m] = train_run(cfg, prep, m, args.steps, args.eval_every, os.path.join(args.out, "equal-steps", m),
+        runs[m] = train_run(cfg, prep, m, args.steps, args.eval_every, run_dir(args.out, "equal-steps", m, regen),
                             regen if m == "regen_ce" else None)
     equal_time_runs = {}
     budget = runs["specopd"]["wall_at"][args.steps]
@@ -464,7 +474,7 @@ def main(argv=None) -> int:
                 continue
             left = budget - runs[m]["regen_s"]
             n = max(0 if m == "regen_ce" else 1, round(left / max(runs[m]["mean_step_s"], 1e-9)))
-            equal_time_runs[m] = (train_run(cfg, prep, m, n, n, os.path.join(args.out, "equal-time", m),
+            equal_time_runs[m] = (train_run(cfg, prep, m, n, n, run_dir(args.out, "equal-time", m, regen),
                                             regen if m == "regen_ce" else None) if n > 0 else None)
 
     target = load_target(prep["target_dir"])

@@ -217,3 +217,19 @@ def test_a_benchmark_names_the_conversations_a_run_trains_on_and_the_held_out_pr
     q = next(r for r in [json.loads(x) for x in open(tmp_path / "c.jsonl")] if r["id"] == meta[0]["id"])
     assert ids[0].tolist() == encode_prompt(tok, [{"role": "user", "content": q["conversations"][0]["value"]}])
     assert len(bench.heldout_conversation_prompts(cfg, 1)[0]) == 1
+
+
+def test_a_chunk_opening_with_a_reply_has_a_prompt_only_with_its_opening_as_context(tmp_path):
+    """ShareGPT's chunks of long chats often open with the assistant: no prompt for `prepare data --from`; the
+    benchmark's regeneration keeps the opening reply as context and answers the first user turn."""
+    p = tmp_path / "d.jsonl"
+    turns = [("gpt", "earlier answer"), ("human", "next question"), ("gpt", "its answer"), ("human", "more")]
+    recs = [dict(REC, id="a"), {"id": "b", "conversations": [{"from": f, "value": v} for f, v in turns]},
+            {"id": "c", "conversations": [{"from": "gpt", "value": "only a reply"}]}]
+    p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    st: dict = {}
+    assert [rid for rid, _ in F.conversation_prompts(str(p), bad_lines="skip", stats=st)] == ["a"]
+    assert st["bad"]["no_user_prompt"] == 2
+    got = dict(F.conversation_prompts(str(p), bad_lines="skip", opening_context=True))
+    assert sorted(got) == ["a", "b"] and got["a"] == [{"role": "user", "content": "hi"}]
+    assert got["b"] == [{"role": "assistant", "content": "earlier answer"}, {"role": "user", "content": "next question"}]
