@@ -516,8 +516,8 @@ def main(argv=None) -> int:
         rows.append(_row(f"{m} (equal time)", m, "equal_time", step, train_s, regen_s, res, loss))
 
     title = (f"{os.path.basename(args.recipe)}: every method from {prep['warm']}, "
-             f"{', '.join(BENCH_NAMES[b] for b in benches)} ({args.prompts} prompts each x {args.max_new_tokens} "
-             f"tokens), W={W}; AL incl. bonus")
+             f"{', '.join(f'{BENCH_NAMES[b]} ({len(e.prompts)})' for b, e in evs.items())} x {args.max_new_tokens} "
+             f"tokens, W={W}; AL incl. bonus")
     print(f"\n{provenance_line()}\n{cmd}\n{title}")
     diffs = _tables(rows, evs, args.temperatures, W)
     print("trainer.ce_weight (a CE term beside E2E-TV): " + ", ".join(f"{m} {r['ce_weight']:g}"
