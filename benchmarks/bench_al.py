@@ -223,11 +223,12 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
     rdir = os.path.join(out, "regen", name)
     log_path = rdir + ".json"
     log = json.load(open(log_path)) if os.path.isfile(log_path) else {"attempts_s": [], "done": False}
+    print(f"\n[bench_al] regen_ce: the prompts of {len(prompts)} of the {len(want)} train conversations "
+          f"{args.steps} steps draw (left out: {len(want) - len(room)} without a user turn, {len(room) - len(prompts)} "
+          f"whose prompt leaves no reply room in data.seq_len={cfg.data.seq_len})", flush=True)
     if not log["done"]:
-        print(f"\n[bench_al] regen_ce: the target answers the prompts of {len(prompts)} of the {len(want)} train "
-              f"conversations {args.steps} steps draw (left out: {len(want) - len(room)} without a user turn, "
-              f"{len(room) - len(prompts)} whose prompt leaves no reply room in data.seq_len); <= {n_new} tokens, "
-              f"T={args.regen_temperature:g}, with the {engine} engine ({why}) -> {rdir}", flush=True)
+        print(f"[bench_al] regen_ce: the target answers them (<= {n_new} tokens, T={args.regen_temperature:g}) with "
+              f"the {engine} engine ({why}) -> {rdir}", flush=True)
         t0 = time.perf_counter()
         counts = prepare_data(prep["target_dir"], rdir, prompts=prompts, prompts_label=f"bench_al: {cfg.data.path}",
                               max_new_tokens=n_new, temperature=args.regen_temperature, top_p=1.0, seed=0,
@@ -247,7 +248,8 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
     print(f"[bench_al] regen_ce references: {len(recs)} ({n_tok} response tokens) in {regen_s:.0f} s "
           f"({len(log['attempts_s'])} attempt(s); an attempt killed mid-way is not counted) -> {rdir}", flush=True)
     return {"name": name, "path": os.path.join(rdir, DATA_FILE), "regen_s": regen_s, "attempts_s": log["attempts_s"],
-            "prompts": len(prompts), "trained_ids": want, "references": len(recs), "response_tokens": n_tok,
+            "prompts": len(prompts), "trained_ids": want, "no_user_turn": len(want) - len(room),
+            "no_reply_room": len(room) - len(prompts), "references": len(recs), "response_tokens": n_tok,
             "engine": engine, "dtype": dtype, "temperature": args.regen_temperature, "max_new_tokens": n_new}
 
 
@@ -432,7 +434,7 @@ def main(argv=None) -> int:
     print(provenance_line(), flush=True)
 
     from specopd.config import load_recipe
-    from specopd.mainjob import prepare
+    from specopd.mainjob import prepare, stage_cfg
     from specopd.models import load_target
 
     os.makedirs(args.out, exist_ok=True)
@@ -478,7 +480,8 @@ def main(argv=None) -> int:
                                             regen if m == "regen_ce" else None) if n > 0 else None)
 
     target = load_target(prep["target_dir"])
-    evs = {b: Evaluator(prep["target_dir"], args, args.out, bench=b, target=target, cfg=cfg) for b in benches}
+    scfg = stage_cfg(cfg, prep)  # model.target: the prepared folder
+    evs = {b: Evaluator(prep["target_dir"], args, args.out, bench=b, target=target, cfg=scfg) for b in benches}
 
     def ev(folder: str, real: bool) -> dict:
         return {b: e(folder, real) for b, e in evs.items()}
