@@ -52,6 +52,7 @@ import json
 import os
 import shlex
 import sys
+import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -306,13 +307,14 @@ def _figures(out: str, data: dict, benches: list, temps: list) -> list:
     panels = _cols(temps)
     paths = []
     for xkey, fname, xlabel in (("step", "al_vs_steps.png", "training steps from the starting drafter"),
-                                ("wall_s", "al_vs_wall.png", "wall time from the starting drafter (s; regen_ce: "
-                                                             "regeneration + training)")):
+                                ("wall_s", "al_vs_wall.png", "wall time (s); regen_ce: regeneration + training")):
         extra = 1 if xkey == "step" else 0  # a panel of each method's training loss (relative to its first)
         ncol = len(panels) + extra
         fig, axes = plt.subplots(len(benches), ncol, figsize=(5.2 * ncol, 4.2 * len(benches)), squeeze=False)
         for bi, bench in enumerate(benches):
-            if extra:
+            if extra and bi:  # the loss does not depend on the prompt set: one panel
+                axes[bi][-1].axis("off")
+            elif extra:
                 ax = axes[bi][-1]
                 for method, pts in data["curves"].items():
                     xs = [p["step"] for p in pts if p.get("loss") is not None]
@@ -340,7 +342,7 @@ def _figures(out: str, data: dict, benches: list, temps: list) -> list:
                 ax.set_ylabel("AL (incl. bonus)")
                 ax.grid(alpha=0.3)
             axes[bi][0].legend(fontsize=7)
-        fig.suptitle(data["title"], fontsize=9)
+        fig.suptitle(textwrap.fill(data["title"], 40 * ncol), fontsize=9)
         fig.tight_layout()
         path = os.path.join(out, fname)
         fig.savefig(path, dpi=110)
