@@ -29,7 +29,7 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
             f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.3", "data.seq_len=200", "runtime.backend=local",
             "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2", "drafter.init_from=null",
             "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2", "drafter.block_size=3",
-            "drafter.feature_layers=[0]"]
+            "drafter.feature_layers=[0]", "trainer.ce_weight=0.3"]
     env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
 
     def run() -> str:
@@ -42,7 +42,9 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
     assert text.startswith("python benchmarks/bench_al.py --steps 2") and "\nmeasured " in text
     data = json.loads((out / "bench_al.json").read_text())
     assert sorted(data["curves"]) == sorted(METHODS) and data["benches"] == ["mt-bench", "sharegpt"]
-    assert data["ce_weight"] == {m: 0.0 for m in METHODS}  # the main recipe: E2E-TV alone
+    # a CE term goes to the methods that take one; CE, Draft-OPD and regen_ce (CE) train without it
+    assert data["ce_weight"] == {"specopd": 0.3, "offpolicy_e2e_tv": 0.3, "offpolicy_ce": 0.0, "draft_opd": 0.0,
+                                 "regen_ce": 0.0}
     assert data["prompts"]["mt-bench"] == 8 and data["prompts"]["sharegpt"] >= 2
     held = {json.loads(x)["id"] for x in open(tmp_path / "c.jsonl")} - set(data["regen"]["trained_ids"])
     assert set(data["prompt_ids"]["sharegpt"]) <= held  # held-out conversations were never trained on
