@@ -17,7 +17,8 @@ that tells a user whether to regenerate their data or train on-policy.
              exactly the train conversations the other methods' ``--steps`` steps draw (``trained_ids``), with
              ``--regen-engine`` (auto: vLLM when its venv is there) at ``--regen-temperature`` (default 0.7,
              SpecForge's ``regenerate_train_data.py`` default; top-p 1), each reply <= ``--regen-max-new-tokens``
-             (default data.seq_len, what a trunk holds); then off-policy CE continues on those references. Its wall
+             (default data.seq_len) and stopped where prompt + reply reach data.seq_len (a trunk keeps no more);
+             then off-policy CE continues on those references. Its wall
              time = the regeneration's + its training's (both recorded). Only the first reply is regenerated (the
              prompt: system and user turns before the first assistant turn, ``conversation_prompts``); SpecForge
              regenerates every turn, but a trunk is cut at data.seq_len tokens, where later turns rarely fit
@@ -220,7 +221,7 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
     engine, why = auto_engine() if args.regen_engine == "auto" else (args.regen_engine, "--regen-engine")
     dtype = cfg.model.dtype if engine == "builtin" else auto_dtype(cfg.model.device)  # as the main job's references
     n_new = args.regen_max_new_tokens or cfg.data.seq_len
-    name = f"{engine}-{dtype}-T{args.regen_temperature:g}-{len(prompts)}x{n_new}"
+    name = f"{engine}-{dtype}-T{args.regen_temperature:g}-{len(prompts)}x{n_new}-in{cfg.data.seq_len}"
     rdir = os.path.join(out, "regen", name)
     log_path = rdir + ".json"
     log = json.load(open(log_path)) if os.path.isfile(log_path) else {"attempts_s": [], "done": False}
@@ -234,7 +235,8 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
         counts = prepare_data(prep["target_dir"], rdir, prompts=prompts, prompts_label=f"bench_al: {cfg.data.path}",
                               max_new_tokens=n_new, temperature=args.regen_temperature, top_p=1.0, seed=0,
                               heldout_fraction=0.0, device="cpu" if cfg.model.device == "auto" else cfg.model.device,
-                              dtype=dtype, batch_size=cfg.pipeline.data_batch_size, engine=engine)
+                              dtype=dtype, batch_size=cfg.pipeline.data_batch_size, engine=engine,
+                              max_total_tokens=cfg.data.seq_len)  # nothing a trunk would cut off is generated
         log["attempts_s"].append(time.perf_counter() - t0)
         log.update(done=not counts["failed"], counts=counts)
         with open(log_path, "w") as f:

@@ -233,3 +233,23 @@ def test_a_chunk_opening_with_a_reply_has_a_prompt_only_with_its_opening_as_cont
     got = dict(F.conversation_prompts(str(p), bad_lines="skip", opening_context=True))
     assert sorted(got) == ["a", "b"] and got["a"] == [{"role": "user", "content": "hi"}]
     assert got["b"] == [{"role": "assistant", "content": "earlier answer"}, {"role": "user", "content": "next question"}]
+
+
+def test_prepare_data_stops_each_reply_where_the_trunk_would_be_cut(tmp_path):
+    """max_total_tokens: prompt + reply never exceed it (nothing a trainer cuts off is generated); a prompt with no
+    room left is skipped and listed."""
+    from test_data import char_target
+
+    from specopd.data.prepare import SKIPPED_FILE, prepare_data
+    from specopd.data.references import DATA_FILE, read_records
+
+    target_dir = char_target(tmp_path / "t", max_position_embeddings=256)
+    prompts = [("short", [{"role": "user", "content": "hi"}]), ("long", [{"role": "user", "content": "x" * 40}]),
+               ("over", [{"role": "user", "content": "y" * 80}])]
+    counts = prepare_data(target_dir, str(tmp_path / "d"), prompts=prompts, max_new_tokens=30, temperature=1.0,
+                          heldout_fraction=0.0, max_total_tokens=64, progress=False)
+    assert counts["written"] == 2 and counts["skipped_too_long"] == 1
+    recs = {r["id"]: r for r in read_records(str(tmp_path / "d" / DATA_FILE))}
+    assert all(len(r["input_ids"]) <= 64 for r in recs.values())
+    assert len(recs["short"]["input_ids"]) - recs["short"]["response_start"] <= 30
+    assert "over" in (tmp_path / "d" / SKIPPED_FILE).read_text()
