@@ -1,43 +1,68 @@
-"""Held-out acceptance length of SpecOPD against every baseline, from one warm drafter and one data set.
+"""Acceptance length of SpecOPD against every baseline, from one starting drafter and one data set: the comparison
+that tells a user whether to regenerate their data or train on-policy.
 
-    python benchmarks/bench_al.py [--recipe recipes/smollm2-135m-dflash-chitchat.yaml] [--steps 60] [--eval-every 20]
-        [--methods specopd,draft_opd,offpolicy_ce,offpolicy_e2e_tv] [--prompts 32] [--max-new-tokens 64]
-        [--temperatures 0,1|none] [--real-at all|final] [--no-equal-time] [--references target|dataset]
-        [--out runs/bench-al] [key=value ...]
+    python benchmarks/bench_al.py [--recipe recipes/smollm2-135m-dflash.yaml] [--steps 60] [--eval-every 20]
+        [--methods specopd,offpolicy_ce,offpolicy_e2e_tv,draft_opd,regen_ce] [--benches mt-bench,sharegpt]
+        [--prompts 32] [--max-new-tokens 64] [--temperatures 1|none] [--real-at final|all] [--no-equal-time]
+        [--regen-engine auto|vllm|builtin] [--regen-temperature 0.7] [--regen-max-new-tokens N]
+        [--references target|dataset] [--out runs/bench-al] [key=value ...]
 
-1. prepare   the recipe's main-job stages 1-3 (``specopd.mainjob.prepare``: target, data, warm drafter; cached),
-             so every method starts from the same warm drafter and trains on the same data
-2. equal steps   each method trains ``--steps`` steps from the warm drafter (its own output folder, checkpoints
-             every ``--eval-every`` steps); training wall time = the sum of the logged step times
-3. equal time    each other method trains again from the warm drafter for round(budget / its mean step time)
-             steps, where budget = SpecOPD's training wall time in 2 (each run with its own full LR schedule)
-4. evaluate  every checkpoint (and the warm drafter, step 0) on ``--prompts`` held-out chat prompts x
-             ``--max-new-tokens`` new tokens: T=0 AL replayed exactly on the target's greedy continuation
-             (``specopd.eval.replay``: cheap, equal to real T=0 decoding), and real speculative decoding
-             (``evaluate_al``) at each ``--temperatures`` on the checkpoints ``--real-at`` names (all: every
-             checkpoint; final: the warm drafter and each run's last one)
+1. prepare   the recipe's main-job stages 1-3 (``specopd.mainjob.prepare``: target, data, starting drafter; cached).
+             The main recipe: the shipped drafter (``drafter.init_from``) and ShareGPT's conversations as trunks
+             (``data.source: conversations``); every method starts from that drafter and draws the same batches
+             (``data.seed``)
+2. equal steps   each method trains ``--steps`` steps (its own output folder, checkpoints every ``--eval-every``);
+             training wall time = the sum of the logged step times. Methods: specopd, offpolicy_ce (continued CE),
+             offpolicy_e2e_tv, draft_opd, and regen_ce: the target first regenerates the replies to the prompts of
+             exactly the train conversations the other methods' ``--steps`` steps draw (``trained_ids``), with
+             ``--regen-engine`` (auto: vLLM when its venv is there) at ``--regen-temperature`` (default 0.7,
+             SpecForge's ``regenerate_train_data.py`` default; top-p 1), each reply <= ``--regen-max-new-tokens``
+             (default data.seq_len) and stopped where prompt + reply reach data.seq_len (a trunk keeps no more);
+             then off-policy CE continues on those references. Its wall
+             time = the regeneration's + its training's (both recorded). Only the first reply is regenerated (the
+             prompt: system and user turns before the first assistant turn, ``conversation_prompts``); SpecForge
+             regenerates every turn, but a trunk is cut at data.seq_len tokens, where later turns rarely fit
+3. equal time    each other method trains again from the starting drafter for round(budget / its mean step time)
+             steps, budget = SpecOPD's training wall time in 2 (each run with its own full LR schedule); regen_ce
+             gets round((budget - regeneration time) / its mean step time) steps: none when regenerating alone
+             takes the budget (its row is then the starting drafter, at the regeneration's wall time)
+4. evaluate  every checkpoint (and the starting drafter, step 0) on each of ``--benches`` x ``--prompts`` prompts x
+             ``--max-new-tokens`` new tokens: mt-bench (its first turns, the same number per category; never
+             trained on), sharegpt (held-out conversations of data.path, split by id as training splits them,
+             ``heldout_conversation_prompts``), chat (held-out chitchat prompts: the chitchat recipe). T=0 AL
+             replayed exactly on the target's greedy continuation (``specopd.eval.replay``: cheap, equal to real
+             T=0 decoding) at every checkpoint; real speculative decoding (``evaluate_al``) at each
+             ``--temperatures`` on the checkpoints ``--real-at`` names (final: the starting drafter and each run's
+             last one; all: every checkpoint)
+5. compare   per prompt, SpecOPD's AL minus each other row's on the same prompts: mean +- its paired standard
+             error, at equal steps and at equal wall time, and whether it exceeds two standard errors
 
-``--references dataset``: every method trains on the dataset's own replies to the same prompts (the next turn of
-each train conversation, ``write_dataset_replies``) instead of the target's answers: references the target did not
-write, as a user's chat data comes before any regeneration.
+``--references dataset`` (prepared data only): every method trains on the dataset's own replies to the same prompts
+(the next turn of each train conversation, ``write_dataset_replies``) instead of the target's answers.
 
-Writes ``<out>/bench_al.json`` and two figures, ``al_vs_steps.png`` and ``al_vs_wall.png``; prints a table.
-AL = tokens committed per target verification round, *including* the bonus token. Reruns reuse finished
-training runs (``trainer.resume=auto``) and cached evaluations.
+Prints the command line and the provenance line (date, commit, machine), then the tables; writes
+``<out>/bench_al.json`` and two figures, ``al_vs_steps.png`` and ``al_vs_wall.png``. AL = tokens committed per
+target verification round, *including* the bonus token. Reruns reuse finished training runs
+(``trainer.resume=auto``), the regenerated references and cached evaluations.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
 import sys
+import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-METHODS = ("specopd", "draft_opd", "offpolicy_ce", "offpolicy_e2e_tv")
+METHODS = ("specopd", "offpolicy_ce", "offpolicy_e2e_tv", "draft_opd", "regen_ce")
+BENCH_NAMES = {"mt-bench": "MT-Bench first turns", "sharegpt": "held-out ShareGPT conversations",
+               "chat": "held-out chat prompts"}
+SPECFORGE_REGEN_TEMPERATURE = 0.7  # scripts/regenerate_train_data.py's --temperature default (top-p unset: 1)
 
 
 def _metrics(run_dir: str) -> list:
@@ -71,9 +96,11 @@ def _checkpoints(run_dir: str) -> list:
 
 
 class Evaluator:
-    """Held-out AL of drafter checkpoints; results cached in <out>/eval_cache.json by (folder, what)."""
+    """AL of drafter checkpoints on one prompt set (``bench``: chat | mt-bench | sharegpt, default ``args.bench``
+    or chat); results cached in <out>/eval_cache_<set>.json by (folder, what). ``target``: an already loaded
+    target to share; ``cfg``: the recipe (sharegpt: its data.path and split)."""
 
-    def __init__(self, target_dir: str, args, out: str):
+    def __init__(self, target_dir: str, args, out: str, bench: str = None, target=None, cfg=None):
         import torch
 
         from specopd.data.conversations import heldout_prompt_ids
@@ -82,20 +109,28 @@ class Evaluator:
         from specopd.models import load_target
 
         self.args = args
-        self.target = load_target(target_dir)
-        bench = getattr(args, "bench", "chat")
+        self.target = target if target is not None else load_target(target_dir)
+        self.bench = bench = bench or getattr(args, "bench", "chat")
         self.meta = None
+        tag = "" if bench == "chat" else f"{bench}_"  # one cache per evaluation set: results never mix
         if bench == "mt-bench":  # MT-Bench's first turns: all 80, or --prompts of them, the same number per category
             from specopd.eval.bench import mtbench_prompts, stratified
 
             ids, meta = mtbench_prompts(target_dir, self.target.vocab_size)
             keep = stratified(meta, args.prompts)
             self.prompts, self.meta = [ids[i] for i in keep], [meta[i] for i in keep]
+        elif bench == "sharegpt":
+            from specopd.eval.bench import heldout_conversation_prompts
+
+            self.prompts, self.meta = heldout_conversation_prompts(cfg, args.prompts)
+            if not self.prompts:
+                raise ValueError(f"no held-out conversation in data.path={cfg.data.path} (data.heldout="
+                                 f"{cfg.data.heldout}): raise data.heldout or leave sharegpt out of --benches")
+            # the set depends on the data and its split: its ids name the cache
+            tag += hashlib.sha1(json.dumps([m["id"] for m in self.meta]).encode()).hexdigest()[:8] + "_"
         else:
             self.prompts = heldout_prompt_ids(target_dir, self.target.vocab_size, args.prompts)
         self.stops = sorted(stop_token_ids(load_tokenizer(target_dir, self.target.vocab_size), self.target))
-        # one cache per evaluation set: results of other prompt sets / counts / lengths never mix
-        tag = "" if bench == "chat" else f"{bench}_"
         self.cache_path = os.path.join(out, f"eval_cache_{tag}{args.prompts}x{args.max_new_tokens}.json")
         self.cache = json.load(open(self.cache_path)) if os.path.isfile(self.cache_path) else {}
         cont_path = os.path.join(out, f"greedy_continuations_{tag}{args.prompts}x{args.max_new_tokens + 32}.pt")
@@ -113,6 +148,7 @@ class Evaluator:
 
     def __call__(self, folder: str, real: bool) -> dict:
         from specopd.drafters import load_drafter
+        from specopd.eval.bench import by_category
         from specopd.eval.cli import al_stderr, evaluate_al
         from specopd.eval.replay import replay_greedy_al
 
@@ -138,6 +174,9 @@ class Evaluator:
                                                 "spec_tokens_per_s", "accept_lengths")},
                            "se": al_stderr(r["accept_lengths"])}
                 self._save()
+        if self.bench == "mt-bench":
+            for v in res.values():
+                v["by_category"] = by_category(v["accept_lengths"], self.meta)
         return res
 
 
@@ -156,83 +195,156 @@ def dataset_replies(cfg, prep: dict, out: str) -> str:
     return path
 
 
-def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str) -> dict:
-    """Train ``method`` from the warm drafter for ``steps`` (resumable); -> {steps, wall_at, checkpoints}."""
+def regenerate(cfg, prep: dict, args, out: str) -> dict:
+    """regen_ce's references: the target answers the prompts of the train conversations the equal-steps runs
+    draw (``--steps`` x data.batch_size, in their order), as a user regenerates their data before training.
+    Resumable (``prepare_data`` skips answered prompts); the seconds of each attempt that ended are summed.
+    -> {"path" (the references' data.jsonl), "regen_s", "prompts", "engine", ...}."""
+    from specopd.config import auto_dtype
+    from specopd.data.formats import conversation_prompts
+    from specopd.data.packaged import conversations_file
+    from specopd.data.prepare import ERRORS_FILE, encode_prompt, load_tokenizer, prepare_data
+    from specopd.data.references import DATA_FILE, read_records
+    from specopd.engines import EngineFailed, auto_engine
+    from specopd.mainjob import stage_cfg
+    from specopd.models.loading import read_config
+    from specopd.train.data import conversation_split, trained_ids
+
+    samples, train_ids, _ = conversation_split(stage_cfg(cfg, prep))
+    order = trained_ids(train_ids, cfg.data.batch_size, cfg.data.seed, args.steps)
+    want = list(dict.fromkeys(samples[i]["id"] for i in order))  # each conversation once, in the order drawn
+    # ShareGPT's chunks that open with a reply keep it as context before their first user turn's answer
+    by_id = dict(conversation_prompts(conversations_file(cfg.data.path), cfg.data.bad_lines, opening_context=True))
+    tok = load_tokenizer(prep["target_dir"], int(read_config(prep["target_dir"])["vocab_size"]))
+    room = {rid: cfg.data.seq_len - len(encode_prompt(tok, by_id[rid])) for rid in want if rid in by_id}
+    prompts = [(rid, by_id[rid]) for rid in want if room.get(rid, 0) > cfg.drafter.block_size]
+    engine, why = auto_engine() if args.regen_engine == "auto" else (args.regen_engine, "--regen-engine")
+    dtype = cfg.model.dtype if engine == "builtin" else auto_dtype(cfg.model.device)  # as the main job's references
+    n_new = args.regen_max_new_tokens or cfg.data.seq_len
+    name = f"{engine}-{dtype}-T{args.regen_temperature:g}-{len(prompts)}x{n_new}-in{cfg.data.seq_len}"
+    rdir = os.path.join(out, "regen", name)
+    log_path = rdir + ".json"
+    log = json.load(open(log_path)) if os.path.isfile(log_path) else {"attempts_s": [], "done": False}
+    print(f"\n[bench_al] regen_ce: the prompts of {len(prompts)} of the {len(want)} train conversations "
+          f"{args.steps} steps draw (left out: {len(want) - len(room)} without a user turn, {len(room) - len(prompts)} "
+          f"whose prompt leaves no reply room in data.seq_len={cfg.data.seq_len})", flush=True)
+    if not log["done"]:
+        print(f"[bench_al] regen_ce: the target answers them (<= {n_new} tokens, T={args.regen_temperature:g}) with "
+              f"the {engine} engine ({why}) -> {rdir}", flush=True)
+        t0 = time.perf_counter()
+        counts = prepare_data(prep["target_dir"], rdir, prompts=prompts, prompts_label=f"bench_al: {cfg.data.path}",
+                              max_new_tokens=n_new, temperature=args.regen_temperature, top_p=1.0, seed=0,
+                              heldout_fraction=0.0, device="cpu" if cfg.model.device == "auto" else cfg.model.device,
+                              dtype=dtype, batch_size=cfg.pipeline.data_batch_size, engine=engine,
+                              max_total_tokens=cfg.data.seq_len)  # nothing a trunk would cut off is generated
+        log["attempts_s"].append(time.perf_counter() - t0)
+        log.update(done=not counts["failed"], counts=counts)
+        with open(log_path, "w") as f:
+            json.dump(log, f, indent=1)
+        if counts["failed"]:
+            raise EngineFailed(f"regen_ce: the {engine} engine failed on {counts['failed']} of {len(prompts)} "
+                               f"prompts (listed in {os.path.join(rdir, ERRORS_FILE)}); rerun the same command to "
+                               f"retry them (the answered ones are kept)")
+    recs = read_records(os.path.join(rdir, DATA_FILE))
+    n_tok = sum(len(r["input_ids"]) - int(r["response_start"]) for r in recs)
+    regen_s = sum(log["attempts_s"])
+    print(f"[bench_al] regen_ce references: {len(recs)} ({n_tok} response tokens) in {regen_s:.0f} s "
+          f"({len(log['attempts_s'])} attempt(s); an attempt killed mid-way is not counted) -> {rdir}", flush=True)
+    return {"name": name, "path": os.path.join(rdir, DATA_FILE), "regen_s": regen_s, "attempts_s": log["attempts_s"],
+            "prompts": len(prompts), "trained_ids": want, "no_user_turn": len(want) - len(room),
+            "no_reply_room": len(room) - len(prompts), "references": len(recs), "response_tokens": n_tok,
+            "engine": engine, "dtype": dtype, "temperature": args.regen_temperature, "max_new_tokens": n_new}
+
+
+def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str, regen: dict = None) -> dict:
+    """Train ``method`` from the starting drafter for ``steps`` (resumable); regen_ce: off-policy CE on
+    ``regen``'s references -> {steps, wall_at, checkpoints, ...}. The runs skip the trainer's own held-out
+    evaluation (the benchmark evaluates every checkpoint itself; it does not change the training numbers)."""
     from specopd.mainjob import stage_cfg
     from specopd.train.loop import train
 
-    c = stage_cfg(cfg, prep, method=method, output_dir=out_dir, max_steps=steps, save_every=save_every,
-                  keep_last=max(2, steps // max(1, save_every) + 1),
-                  cache_trunks=method.startswith("offpolicy"))  # the off-policy baselines as fast as they go
+    c = stage_cfg(cfg, prep, method="offpolicy_ce" if method == "regen_ce" else method, output_dir=out_dir,
+                  max_steps=steps, save_every=save_every, keep_last=max(2, steps // max(1, save_every) + 1),
+                  eval_every=0, eval_heldout=False,
+                  cache_trunks=method.startswith("offpolicy") or method == "regen_ce")  # off-policy: as fast as they go
+    if method == "regen_ce":  # every regenerated reference is trained on (none held out)
+        c.data.source, c.data.path, c.data.heldout = "prepared", regen["path"], 0.0
     done = [s for s, _ in _checkpoints(out_dir)]
     if not done or max(done) < steps:
-        print(f"\n[bench_al] {method}: {steps} steps from the warm drafter (trainer.ce_weight="
+        print(f"\n[bench_al] {method}: {steps} steps from the starting drafter (trainer.ce_weight="
               f"{c.trainer.ce_weight:g}) -> {out_dir}", flush=True)
         train(c, progress=True)
     m = _metrics(out_dir)
     return {"steps": steps, "wall_at": _wall_at(m), "checkpoints": _checkpoints(out_dir), "loss_at": _loss_at(m),
             "mean_step_s": (sum(x.get("step_s", 0.0) for x in m) / max(1, len(m))),
-            "ce_weight": c.trainer.ce_weight}
+            "ce_weight": c.trainer.ce_weight, "regen_s": regen["regen_s"] if regen else 0.0}
 
 
-def _row(label, steps, wall, res, temps, w, loss=None) -> dict:
-    row = {"method": label, "steps": steps, "train_wall_s": round(wall, 1), "loss": loss,
-           "al_t0_replay": res["replay_t0"]["mean_al"], "se_t0_replay": res["replay_t0"].get("se"),
-           "_lengths": {"t0_replay": res["replay_t0"]["accept_lengths"]}}
-    for t in temps:
-        r = res.get(f"real_t{t:g}")
-        if r:
-            row[f"al_t{t:g}"] = r["mean_al"]
-            row[f"se_t{t:g}"] = r.get("se")
-            row["_lengths"][f"t{t:g}"] = r["accept_lengths"]
-            row[f"accept_t{t:g}"] = [f"{a / n:.2f} ({a}/{n})" if n else "-"
-                                     for a, n in zip(r["accepted_at"], r["reached_at"])][:w]
-    return row
+def run_dir(out: str, setting: str, method: str, regen: dict = None) -> str:
+    """A run's folder; regen_ce's is named by its references (other references: another run)."""
+    return os.path.join(out, setting, f"regen_ce-{regen['name']}" if method == "regen_ce" else method)
 
 
-def _figures(out: str, data: dict, temps: list) -> list:
+def _cols(temps: list) -> list:
+    """(result key, column title) of the AL columns."""
+    return [("replay_t0", "T=0 (replay)")] + [(f"real_t{t:g}", f"T={t:g} (real)") for t in temps]
+
+
+def _row(label: str, method: str, setting: str, steps: int, train_s: float, regen_s: float, res: dict,
+         loss=None) -> dict:
+    """One table row: ``res`` = {bench: that checkpoint's cached results}."""
+    return {"method": label, "base": method, "setting": setting, "steps": steps, "train_wall_s": round(train_s, 1),
+            "regen_s": round(regen_s, 1), "wall_s": round(train_s + regen_s, 1), "loss": loss,
+            "al": {b: {k: {"mean_al": v["mean_al"], "se": v.get("se")} for k, v in r.items()} for b, r in res.items()},
+            "_res": res}
+
+
+def _figures(out: str, data: dict, benches: list, temps: list) -> list:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"specopd": "C3", "draft_opd": "C0", "offpolicy_ce": "C2", "offpolicy_e2e_tv": "C1"}
+    colors = {"specopd": "C3", "draft_opd": "C0", "offpolicy_ce": "C2", "offpolicy_e2e_tv": "C1", "regen_ce": "C4"}
+    panels = _cols(temps)
     paths = []
-    for xkey, fname, xlabel in (("step", "al_vs_steps.png", "training steps from the warm drafter"),
-                                ("wall_s", "al_vs_wall.png", "training wall time from the warm drafter (s)")):
+    for xkey, fname, xlabel in (("step", "al_vs_steps.png", "training steps from the starting drafter"),
+                                ("wall_s", "al_vs_wall.png", "wall time (s); regen_ce: regeneration + training")):
         extra = 1 if xkey == "step" else 0  # a panel of each method's training loss (relative to its first)
-        fig, axes = plt.subplots(1, 1 + len(temps) + extra, figsize=(5.2 * (1 + len(temps) + extra), 4.2),
-                                 squeeze=False)
-        if extra:
-            ax = axes[0][-1]
-            for method, pts in data["curves"].items():
-                xs = [p["step"] for p in pts if p.get("loss") is not None]
-                ys = [p["loss"] for p in pts if p.get("loss") is not None]
-                if xs:
-                    ax.plot(xs, [y / ys[0] for y in ys], "-o", ms=4, color=colors.get(method), label=method)
-            ax.set_title("training loss / its value at the first checkpoint (10-step mean)", fontsize=9)
-            ax.set_xlabel(xlabel)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        panels = [("replay_t0", "T=0 (replayed greedy decoding, every checkpoint)")] + [
-            (f"real_t{t:g}", f"T={t:g} (real speculative decoding)") for t in temps]
-        for ax, (key, title) in zip(axes[0], panels):
-            for method, pts in data["curves"].items():
-                xs = [p[xkey] for p in pts if key in p]
-                ys = [p[key] for p in pts if key in p]
-                if xs:
-                    ax.plot(xs, ys, "-o", ms=4, color=colors.get(method), label=method)
-            for method, p in data.get("equal_time", {}).items():
-                if key in p and xkey == "wall_s":
-                    ax.plot([p["wall_s"]], [p[key]], "*", ms=12, color=colors.get(method),
-                            label=f"{method} (equal time: {p['step']} steps)")
-            ax.axhline(data["warm"].get(key, float("nan")), color="gray", ls=":", lw=1, label="warm drafter")
-            ax.set_title(title, fontsize=9)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("held-out AL (incl. bonus)")
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(data["title"], fontsize=9)
+        ncol = len(panels) + extra
+        fig, axes = plt.subplots(len(benches), ncol, figsize=(5.2 * ncol, 4.2 * len(benches)), squeeze=False)
+        for bi, bench in enumerate(benches):
+            if extra and bi:  # the loss does not depend on the prompt set: one panel
+                axes[bi][-1].axis("off")
+            elif extra:
+                ax = axes[bi][-1]
+                for method, pts in data["curves"].items():
+                    xs = [p["step"] for p in pts if p.get("loss") is not None]
+                    ys = [p["loss"] for p in pts if p.get("loss") is not None]
+                    if xs:
+                        ax.plot(xs, [y / ys[0] for y in ys], "-o", ms=4, color=colors.get(method), label=method)
+                ax.set_title("training loss / its value at the first checkpoint (10-step mean)", fontsize=9)
+                ax.set_xlabel(xlabel)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+            for ax, (key, title) in zip(axes[bi], panels):
+                k = f"{bench}/{key}"
+                for method, pts in data["curves"].items():
+                    xs = [p[xkey] for p in pts if k in p]
+                    ys = [p[k] for p in pts if k in p]
+                    if xs:
+                        ax.plot(xs, ys, "-o", ms=4, color=colors.get(method), label=method)
+                for method, p in data.get("equal_time", {}).items():
+                    if k in p and xkey == "wall_s":
+                        ax.plot([p["wall_s"]], [p[k]], "*", ms=12, color=colors.get(method),
+                                label=f"{method} (equal time: {p['step']} steps)")
+                ax.axhline(data["warm"].get(k, float("nan")), color="gray", ls=":", lw=1, label="starting drafter")
+                ax.set_title(f"{BENCH_NAMES[bench]}: {title}", fontsize=9)
+                ax.set_xlabel(xlabel)
+                ax.set_ylabel("AL (incl. bonus)")
+                ax.grid(alpha=0.3)
+            axes[bi][0].legend(fontsize=7)
+        fig.suptitle(textwrap.fill(data["title"], 40 * ncol), fontsize=9)
         fig.tight_layout()
         path = os.path.join(out, fname)
         fig.savefig(path, dpi=110)
@@ -241,129 +353,202 @@ def _figures(out: str, data: dict, temps: list) -> list:
     return paths
 
 
+def _tables(rows: list, evs: dict, temps: list, w: int) -> list:
+    """Print each set's AL table, SpecOPD's paired differences and the acceptance per draft position; -> the
+    differences as JSON rows."""
+    from specopd.eval.bench import format_categories
+    from specopd.eval.cli import acceptance_cells, al_diff_stderr
+
+    ref = next(r for r in rows if r["base"] == "specopd")
+    diffs = []
+    for bench, ev in evs.items():
+        cols = [c for c in _cols(temps) if any(c[0] in r["_res"][bench] for r in rows)]
+        print(f"\n== {BENCH_NAMES[bench]}: {len(ev.prompts)} prompts x {ev.args.max_new_tokens} new tokens, W={w}, AL "
+              f"incl. the bonus (mean +- its standard error over prompts)")
+        print(f"{'method':<40}{'steps':>6}{'train s':>9}{'regen s':>9}{'wall s':>8}{'loss':>9}" +
+              "".join(f"{t:>20}" for _, t in cols))
+        for r in rows:
+            res = r["_res"][bench]
+            loss = f"{r['loss']:>9.4f}" if r.get("loss") is not None else f"{'':>9}"
+            print(f"{r['method']:<40}{r['steps']:>6}{r['train_wall_s']:>9.0f}{r['regen_s']:>9.0f}{r['wall_s']:>8.0f}"
+                  f"{loss}" + "".join(f"{res[k]['mean_al']:>12.3f} +- {res[k]['se']:.3f}" if k in res
+                                      else f"{'':>20}" for k, _ in cols))
+        print(f"SpecOPD ({ref['steps']} steps, {ref['wall_s']:.0f} s) minus each row, paired over the same prompts: "
+              f"difference +- its standard error; '*': beyond two standard errors")
+        for r in rows:
+            if r is ref:
+                continue
+            cells = []
+            for k, _ in cols:
+                a, b = ref["_res"][bench].get(k), r["_res"][bench].get(k)
+                if not (a and b):
+                    cells.append(f"{'':>20}")
+                    continue
+                d = a["mean_al"] - b["mean_al"]
+                se = al_diff_stderr(a["accept_lengths"], b["accept_lengths"])
+                beyond = abs(d) > 2 * se
+                diffs.append({"bench": bench, "what": k, "method": r["method"], "setting": r["setting"],
+                              "steps": r["steps"], "wall_s": r["wall_s"], "diff": d, "se": se,
+                              "beyond_2se": beyond})
+                cells.append(f"{d:>+11.3f} +- {se:.3f}{'*' if beyond else ' '}")
+            print(f"{r['method']:<40}{'':>41}" + "".join(cells))
+        for k, title in cols:
+            print(f"acceptance at draft position 1..{w}, {title} (accepted/reached; '-' never reached)")
+            for r in rows:
+                if k in r["_res"][bench]:
+                    print(f"  {r['method']:<42}" + "  ".join(acceptance_cells(r["_res"][bench][k])))
+        if bench == "mt-bench":
+            for k, title in cols:
+                cats = [(r["method"], r["_res"][bench][k]["by_category"]) for r in rows if k in r["_res"][bench]]
+                if cats:
+                    print(f"{title}, per category\n" + format_categories(cats))
+    return diffs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "smollm2-135m-dflash-chitchat.yaml"))
+    ap.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml"))
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--methods", default=None, help=f"from {','.join(METHODS)} (default: all; regen_ce needs "
+                                                    f"data.source conversations)")
+    ap.add_argument("--benches", default=None, help="from mt-bench,sharegpt,chat (default: mt-bench,sharegpt for "
+                                                    "conversations data, else chat)")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per set (MT-Bench: the same number per category)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--real-at", choices=["all", "final"], default="all")
+    ap.add_argument("--temperatures", default="1", help="real speculative decoding at these (T=0 is always replayed)")
+    ap.add_argument("--real-at", choices=["all", "final"], default="final")
     ap.add_argument("--no-equal-time", action="store_true")
+    ap.add_argument("--regen-engine", choices=["auto", "vllm", "builtin"], default="auto")
+    ap.add_argument("--regen-temperature", type=float, default=SPECFORGE_REGEN_TEMPERATURE)
+    ap.add_argument("--regen-max-new-tokens", type=int, default=None, help="default data.seq_len")
     ap.add_argument("--references", choices=["target", "dataset"], default="target",
-                    help="train on the target's answers (the pipeline's references) or the dataset's own replies")
+                    help="prepared data: train on the target's answers (the pipeline's references) or the dataset's "
+                         "own replies")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-al"))
     ap.add_argument("overrides", nargs="*", help="recipe overrides section.key=value")
     args = ap.parse_args(argv)
+    from specopd.eval.bench import provenance_line
     from specopd.eval.cli import parse_temperatures
 
     # "none": T = 0 only (replayed exactly at every checkpoint), no real decoding
     args.temperatures = [] if args.temperatures == "none" else parse_temperatures(args.temperatures)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or "specopd" not in methods:
-        ap.error(f"--methods: choose from {METHODS} and include specopd (the equal-time budget); got {methods}")
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + list(argv or sys.argv[1:]))
     print(cmd, flush=True)
+    print(provenance_line(), flush=True)
 
     from specopd.config import load_recipe
-    from specopd.eval.cli import al_diff_stderr
-    from specopd.mainjob import prepare
+    from specopd.mainjob import prepare, stage_cfg
+    from specopd.models import load_target
 
     os.makedirs(args.out, exist_ok=True)
     cfg = load_recipe(args.recipe, [f"trainer.output_dir={os.path.join(args.out, 'main')}", *args.overrides])
+    convs = cfg.data.source == "conversations"
+    methods = [m.strip() for m in (args.methods or ",".join(m for m in METHODS if convs or m != "regen_ce"))
+               .split(",") if m.strip()]
+    benches = [b.strip() for b in (args.benches or ("mt-bench,sharegpt" if convs else "chat")).split(",")
+               if b.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or "specopd" not in methods:
+        ap.error(f"--methods: choose from {METHODS} and include specopd (the equal-time budget); got {methods}")
+    if "regen_ce" in methods and not convs:
+        ap.error("--methods regen_ce regenerates a conversations file's replies: it needs data.source=conversations")
+    if [b for b in benches if b not in BENCH_NAMES] or ("sharegpt" in benches and not convs):
+        ap.error(f"--benches: choose from {sorted(BENCH_NAMES)} (sharegpt: data.source=conversations); got {benches}")
+    if args.references == "dataset" and convs:
+        ap.error("--references dataset: prepared data only (conversations data are the dataset's replies already)")
+
     t0 = time.perf_counter()
     prep = prepare(cfg)
     if args.references == "dataset":
         prep["train_data"] = cfg.data.path = dataset_replies(cfg, prep, args.out)
-    ev = Evaluator(prep["target_dir"], args, args.out)
+    if not prep["warm"]:
+        raise SystemExit("bench_al: the recipe gives no starting drafter (drafter.init_from or a warm-up)")
     W = int(cfg.drafter.block_size) - 1  # drafted tokens (block_size counts the anchor)
 
-    runs = {m: train_run(cfg, prep, m, args.steps, args.eval_every, os.path.join(args.out, "equal-steps", m))
-            for m in methods}
-    warm_res = ev(prep["warm"], real=True) if prep["warm"] else None
-    curves, rows = {}, []
-    if warm_res:
-        rows.append(_row("warm drafter (start of every method)", 0, 0.0, warm_res, args.temperatures, W))
-    for m, r in runs.items():
-        pts = []
-        last = r["checkpoints"][-1][0]
-        for step, folder in r["checkpoints"]:
-            res = ev(folder, real=args.real_at == "all" or step == last)
-            pts.append({"step": step, "wall_s": r["wall_at"].get(step, float("nan")), "checkpoint": folder,
-                        "loss": r["loss_at"].get(step), **{k: v["mean_al"] for k, v in res.items()}})
-            if step == last:
-                rows.append(_row(m, step, r["wall_at"].get(step, 0.0), res, args.temperatures, W,
-                                 r["loss_at"].get(step)))
-        if warm_res:
-            pts.insert(0, {"step": 0, "wall_s": 0.0, "checkpoint": prep["warm"],
-                           **{k: v["mean_al"] for k, v in warm_res.items()}})
-        curves[m] = pts
-
-    equal_time = {}
+    runs, regen = {}, None
+    for m in methods:
+        if m == "regen_ce":
+            regen = regenerate(cfg, prep, args, args.out)
+        runs[m] = train_run(cfg, prep, m, args.steps, args.eval_every, run_dir(args.out, "equal-steps", m, regen),
+                            regen if m == "regen_ce" else None)
+    equal_time_runs = {}
+    budget = runs["specopd"]["wall_at"][args.steps]
     if not args.no_equal_time:
-        budget = runs["specopd"]["wall_at"][args.steps]
         for m in methods:
             if m == "specopd":
                 continue
-            n = max(1, round(budget / max(runs[m]["mean_step_s"], 1e-9)))
-            r = train_run(cfg, prep, m, n, n, os.path.join(args.out, "equal-time", m))
+            left = budget - runs[m]["regen_s"]
+            n = max(0 if m == "regen_ce" else 1, round(left / max(runs[m]["mean_step_s"], 1e-9)))
+            equal_time_runs[m] = (train_run(cfg, prep, m, n, n, run_dir(args.out, "equal-time", m, regen),
+                                            regen if m == "regen_ce" else None) if n > 0 else None)
+
+    target = load_target(prep["target_dir"])
+    scfg = stage_cfg(cfg, prep)  # model.target: the prepared folder
+    evs = {b: Evaluator(prep["target_dir"], args, args.out, bench=b, target=target, cfg=scfg) for b in benches}
+
+    def ev(folder: str, real: bool) -> dict:
+        return {b: e(folder, real) for b, e in evs.items()}
+
+    def flat(res: dict) -> dict:
+        return {f"{b}/{k}": v["mean_al"] for b, r in res.items() for k, v in r.items()}
+
+    warm_res = ev(prep["warm"], real=True)
+    rows = [_row("starting drafter (every method's step 0)", "warm", "start", 0, 0.0, 0.0, warm_res)]
+    curves = {}
+    for m, r in runs.items():
+        pts = [{"step": 0, "wall_s": r["regen_s"], "checkpoint": prep["warm"], **flat(warm_res)}]
+        last = r["checkpoints"][-1][0]
+        for step, folder in r["checkpoints"]:
+            res = ev(folder, real=args.real_at == "all" or step == last)
+            train_s = r["wall_at"].get(step, float("nan"))
+            pts.append({"step": step, "wall_s": r["regen_s"] + train_s, "train_wall_s": train_s, "checkpoint": folder,
+                        "loss": r["loss_at"].get(step), **flat(res)})
+            if step == last:
+                label = "specopd (its wall time: the budget)" if m == "specopd" else f"{m} (equal steps)"
+                rows.append(_row(label, m, "equal_steps", step, r["wall_at"].get(step, 0.0), r["regen_s"], res,
+                                 r["loss_at"].get(step)))
+        curves[m] = pts
+    equal_time = {}
+    for m, r in equal_time_runs.items():
+        if r is None:  # regen_ce: regenerating alone took the budget
+            step, folder, train_s, loss = 0, prep["warm"], 0.0, None
+        else:
             step, folder = r["checkpoints"][-1]
-            res = ev(folder, real=True)
-            equal_time[m] = {"step": step, "wall_s": r["wall_at"].get(step, float("nan")), "checkpoint": folder,
-                             "budget_s": budget, **{k: v["mean_al"] for k, v in res.items()}}
-            rows.append(_row(f"{m} (equal time)", step, r["wall_at"].get(step, 0.0), res, args.temperatures, W,
-                             r["loss_at"].get(step)))
+            train_s, loss = r["wall_at"].get(step, float("nan")), r["loss_at"].get(step)
+        regen_s = runs[m]["regen_s"]
+        res = ev(folder, real=True)
+        equal_time[m] = {"step": step, "wall_s": regen_s + train_s, "train_wall_s": train_s, "regen_s": regen_s,
+                         "checkpoint": folder, "budget_s": budget, **flat(res)}
+        rows.append(_row(f"{m} (equal time)", m, "equal_time", step, train_s, regen_s, res, loss))
 
-    title = (f"{os.path.basename(args.recipe)}: {len(ev.prompts)} held-out chat prompts x {args.max_new_tokens} "
-             f"tokens, W={W}, from one warm drafter; AL incl. bonus")
-    data = {"command": cmd, "title": title, "recipe": args.recipe, "overrides": args.overrides,
-            "prepare": {k: v for k, v in prep.items() if k != "cfg"}, "warm": {k: v["mean_al"] for k, v in
-                                                                              (warm_res or {}).items()},
-            "curves": curves, "equal_time": equal_time, "rows": rows, "temperatures": args.temperatures,
-            "ce_weight": {m: r["ce_weight"] for m, r in runs.items()},
-            "prompts": len(ev.prompts), "max_new_tokens": args.max_new_tokens, "al_includes_bonus": True,
-            "wall_s_total": time.perf_counter() - t0, "evaluations": ev.cache}
-    with open(os.path.join(args.out, "bench_al.json"), "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    figs = _figures(args.out, data, args.temperatures)
-
-    cols = ["al_t0_replay"] + [f"al_t{t:g}" for t in args.temperatures]
-    print(f"\n{title}\n{cmd}")
-    print(f"{'method':<40}{'steps':>6}{'train s':>9}{'loss':>9}" + "".join(f"{c + ' +- se':>20}" for c in cols))
-    for r in rows:
-        se = {c: r.get(c.replace("al_", "se_")) for c in cols}
-        loss = f"{r['loss']:>9.4f}" if r.get("loss") is not None else f"{'':>9}"
-        print(f"{r['method']:<40}{r['steps']:>6}{r['train_wall_s']:>9.0f}{loss}" +
-              "".join(f"{r[c]:>12.3f} +- {se[c]:.3f}" if c in r else f"{'':>20}" for c in cols))
+    title = (f"{os.path.basename(args.recipe)}: every method from {prep['warm']}, "
+             f"{', '.join(f'{BENCH_NAMES[b]} ({len(e.prompts)})' for b, e in evs.items())} x {args.max_new_tokens} "
+             f"tokens, W={W}; AL incl. bonus")
+    print(f"\n{provenance_line()}\n{cmd}\n{title}")
+    diffs = _tables(rows, evs, args.temperatures, W)
     print("trainer.ce_weight (a CE term beside E2E-TV): " + ", ".join(f"{m} {r['ce_weight']:g}"
                                                                       for m, r in runs.items()))
-    ref = next(r for r in rows if r["method"] == "specopd")
-    print(f"\nSpecOPD minus each row, paired over the same prompts (difference +- its standard error; > 2 se: "
-          f"SpecOPD ahead beyond noise)")
-    for r in rows:
-        if r is ref:
-            continue
-        cells = []
-        for c in cols:
-            key = c.replace("al_", "")
-            if c in r and key in r["_lengths"] and key in ref["_lengths"]:
-                d = ref[c] - r[c]
-                se = al_diff_stderr(ref["_lengths"][key], r["_lengths"][key])
-                r.setdefault("specopd_minus", {})[c] = {"diff": d, "se": se}
-                cells.append(f"{d:>+12.3f} +- {se:.3f}")
-            else:
-                cells.append(f"{'':>20}")
-        print(f"{r['method']:<40}{'':>24}" + "".join(cells))
-    for t in args.temperatures:
-        print(f"\nacceptance at draft position 1..{W}, T={t:g} (accepted/reached; '-' never reached)")
-        for r in rows:
-            if f"accept_t{t:g}" in r:
-                print(f"{r['method']:<40}" + "  ".join(r[f"accept_t{t:g}"]))
-    with open(os.path.join(args.out, "bench_al.json"), "w") as f:  # again, with the paired differences
+    if regen:
+        print(f"regen_ce: {regen['references']} references regenerated in {regen['regen_s']:.0f} s ({regen['engine']}, "
+              f"{regen['dtype']}, T={regen['temperature']:g}, <= {regen['max_new_tokens']} tokens); SpecOPD's budget "
+              f"{budget:.0f} s" + (f"; equal time: {equal_time['regen_ce']['step']} training steps"
+                                   if "regen_ce" in equal_time else ""))
+    data = {"command": cmd, "provenance": provenance_line(), "title": title, "recipe": args.recipe,
+            "overrides": args.overrides, "methods": methods, "benches": benches,
+            "prepare": {k: v for k, v in prep.items() if k != "cfg"}, "warm": flat(warm_res),
+            "curves": curves, "equal_time": equal_time, "budget_s": budget, "regen": regen,
+            "rows": [{k: v for k, v in r.items() if k != "_res"} for r in rows], "specopd_minus": diffs,
+            "temperatures": args.temperatures, "ce_weight": {m: r["ce_weight"] for m, r in runs.items()},
+            "prompts": {b: len(e.prompts) for b, e in evs.items()},
+            "prompt_ids": {b: [m["id"] for m in e.meta] for b, e in evs.items() if e.meta},
+            "max_new_tokens": args.max_new_tokens, "al_includes_bonus": True,
+            "wall_s_total": time.perf_counter() - t0,
+            "evaluations": evs[benches[0]].cache,  # the first set's, as depth_acceptance.py reads it
+            "evaluations_by_bench": {b: e.cache for b, e in evs.items()}}
+    with open(os.path.join(args.out, "bench_al.json"), "w") as f:
         json.dump(data, f, indent=1, default=str)
+    figs = _figures(args.out, data, benches, args.temperatures)
     print(f"\nwrote {os.path.join(args.out, 'bench_al.json')}, {', '.join(figs)}")
     return 0
 

@@ -20,8 +20,9 @@ import shlex
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ("specopd", "offpolicy_e2e_tv", "offpolicy_ce", "draft_opd")
-COLORS = {"warm": "0.6", "specopd": "C3", "draft_opd": "C0", "offpolicy_ce": "C2", "offpolicy_e2e_tv": "C1"}
+METHODS = ("specopd", "offpolicy_e2e_tv", "offpolicy_ce", "draft_opd", "regen_ce")
+COLORS = {"warm": "0.6", "specopd": "C3", "draft_opd": "C0", "offpolicy_ce": "C2", "offpolicy_e2e_tv": "C1",
+          "regen_ce": "C4"}
 
 
 def depth_rows(run: str) -> dict:

@@ -1,5 +1,8 @@
-"""benchmarks/bench_al.py end to end on a tiny target (slow): every method from one warm drafter, figures, JSON.
-The script runs in its own process, as a user runs it: tests import nothing from benchmarks/."""
+"""benchmarks/bench_al.py end to end on a tiny target (slow): the main recipe's shape (conversations as trunks, one
+starting drafter), every method including regen_ce (the target regenerates the replies of the conversations the
+runs draw, then CE), MT-Bench and held-out ShareGPT-style prompts, paired differences, figures, JSON, and a rerun
+that reuses everything. The script runs in its own process, as a user runs it: tests import nothing from
+benchmarks/."""
 from __future__ import annotations
 
 import json
@@ -9,38 +12,62 @@ import sys
 
 import pytest
 
-from oracle import make_tiny_checkpoint
-from test_data import write_char_tokenizer
+from test_data import char_target
+from test_sharegpt_mtbench import write_conversations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ("specopd", "draft_opd", "offpolicy_ce", "offpolicy_e2e_tv")  # every method the script compares
+METHODS = ("specopd", "offpolicy_ce", "offpolicy_e2e_tv", "draft_opd", "regen_ce")  # every method it compares
 
 
 @pytest.mark.slow
-def test_bench_al_runs_every_method_from_one_warm_drafter(tmp_path):
-    target_dir = make_tiny_checkpoint("llama", tmp_path / "t", vocab_size=128, num_hidden_layers=1,
-                                      max_position_embeddings=256, eos_token_id=2)
-    write_char_tokenizer(target_dir)
+def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_conversations(tmp_path):
+    target_dir = char_target(tmp_path / "t", max_position_embeddings=1024)
+    write_conversations(tmp_path / "c.jsonl", 40)
     out = tmp_path / "bench"
-    args = ["--steps", "2", "--eval-every", "1", "--prompts", "2", "--max-new-tokens", "4",
-            "--out", str(out), f"model.target={target_dir}", f"data.path={out}/data/train.jsonl",
-            "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
-            "data.batch_size=2", "pipeline.data_num=4", "pipeline.data_max_new_tokens=12",
+    args = ["--steps", "2", "--eval-every", "1", "--prompts", "8", "--max-new-tokens", "4", "--regen-engine",
+            "builtin", "--regen-max-new-tokens", "16", "--out", str(out), f"model.target={target_dir}",
+            f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.3", "data.seq_len=200", "runtime.backend=local",
+            "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2", "drafter.init_from=null",
             "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2", "drafter.block_size=3",
-            "drafter.feature_layers=[0]", "pipeline.data_engine=builtin"]
+            "drafter.feature_layers=[0]", "trainer.ce_weight=0.3"]
     env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_al.py"), *args], env=env,
-                       capture_output=True, text=True, timeout=1800)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+    def run() -> str:
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_al.py"), *args], env=env,
+                           capture_output=True, text=True, timeout=1800)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r.stdout
+
+    text = run()
+    assert text.startswith("python benchmarks/bench_al.py --steps 2") and "\nmeasured " in text
     data = json.loads((out / "bench_al.json").read_text())
-    assert sorted(data["curves"]) == sorted(METHODS)
-    # the main recipe's CE term goes to the methods that take one; CE and Draft-OPD train without it
-    assert data["ce_weight"] == {"specopd": 0.3, "offpolicy_e2e_tv": 0.3, "offpolicy_ce": 0.0, "draft_opd": 0.0}
+    assert sorted(data["curves"]) == sorted(METHODS) and data["benches"] == ["mt-bench", "sharegpt"]
+    # a CE term goes to the methods that take one; CE, Draft-OPD and regen_ce (CE) train without it
+    assert data["ce_weight"] == {"specopd": 0.3, "offpolicy_e2e_tv": 0.3, "offpolicy_ce": 0.0, "draft_opd": 0.0,
+                                 "regen_ce": 0.0}
+    assert data["prompts"]["mt-bench"] == 8 and data["prompts"]["sharegpt"] >= 2
+    held = {json.loads(x)["id"] for x in open(tmp_path / "c.jsonl")} - set(data["regen"]["trained_ids"])
+    assert set(data["prompt_ids"]["sharegpt"]) <= held  # held-out conversations were never trained on
+    regen = data["regen"]
+    assert regen["references"] == regen["prompts"] == len(set(regen["trained_ids"])) and regen["regen_s"] > 0
+    assert regen["temperature"] == 0.7 and regen["max_new_tokens"] == 16
     for method, pts in data["curves"].items():
-        assert [p["step"] for p in pts] == [0, 1, 2]  # the warm drafter, then every checkpoint
+        assert [p["step"] for p in pts] == [0, 1, 2]  # the starting drafter, then every checkpoint
         assert pts[0]["checkpoint"] == data["prepare"]["warm"]  # every method starts from the same drafter
-        assert all(p["replay_t0"] >= 1.0 for p in pts) and "real_t0" in pts[-1] and "real_t1" in pts[-1]
-        assert pts[-1]["wall_s"] > 0
+        for b in ("mt-bench", "sharegpt"):
+            assert all(p[f"{b}/replay_t0"] >= 1.0 for p in pts) and f"{b}/real_t1" in pts[-1]
+        assert pts[-1]["wall_s"] > pts[0]["wall_s"] == (regen["regen_s"] if method == "regen_ce" else 0.0)
     assert sorted(data["equal_time"]) == sorted(set(METHODS) - {"specopd"})
-    assert all(v["budget_s"] > 0 and v["step"] >= 1 for v in data["equal_time"].values())
+    for m, v in data["equal_time"].items():
+        assert v["budget_s"] == data["budget_s"] > 0 and v["step"] >= (0 if m == "regen_ce" else 1)
+    assert data["equal_time"]["regen_ce"]["wall_s"] >= regen["regen_s"]
+    # SpecOPD against every other row (4 methods x 2 settings + the starting drafter), per set and AL column
+    diffs = data["specopd_minus"]
+    assert len(diffs) == 9 * 2 * 2 and all(d["se"] >= 0 and d["beyond_2se"] == (abs(d["diff"]) > 2 * d["se"])
+                                           for d in diffs)
+    assert "regen_ce (equal time)" in text and "beyond two standard errors" in text and "AL per category" in text
     assert (out / "al_vs_steps.png").stat().st_size > 0 and (out / "al_vs_wall.png").stat().st_size > 0
+
+    text = run()  # a rerun reuses the runs, the references and the evaluations
+    assert "steps from the starting drafter" not in text and "the target answers" not in text
+    assert json.loads((out / "bench_al.json").read_text())["specopd_minus"] == diffs

@@ -171,3 +171,85 @@ def test_eval_bench_mt_bench_first_and_second_turns(tmp_path, monkeypatch, capsy
     assert r2["num_prompts"] == 4 and "second turns" in r2["prompts"]
     with pytest.raises(ValueError, match="--bench or --prompts"):
         main_eval(cfg, ["--bench", "mt-bench", "--prompts", str(tmp_path / "p.txt")])
+
+
+def write_conversations(path, n: int) -> list:
+    """``n`` ShareGPT records (ids c0..), every third one opening with the same question (ShareGPT repeats
+    openings) -> the records."""
+    recs = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": "what is new?" if i % 3 == 0 else f"question {i}?"},
+        {"from": "gpt", "value": f"answer number {i}, with a few more words."}]} for i in range(n)]
+    with open(path, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in recs) + "\n")
+    return recs
+
+
+def test_a_benchmark_names_the_conversations_a_run_trains_on_and_the_held_out_prompts(tmp_path):
+    """bench_al.py's two needs, as the trainer splits and draws: the ids of the train conversations the first steps
+    take (regen_ce regenerates exactly those), and held-out prompts that no train conversation opens with."""
+    from test_data import char_target
+
+    from specopd.config import load_recipe
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.train.data import BatchOrder, conversation_split, trained_ids
+
+    target_dir = char_target(tmp_path / "t", max_position_embeddings=256)
+    write_conversations(tmp_path / "c.jsonl", 30)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_recipe(os.path.join(root, "recipes", "smollm2-135m-dflash.yaml"), [
+        f"model.target={target_dir}", f"data.path={tmp_path / 'c.jsonl'}", f"trainer.output_dir={tmp_path / 'run'}",
+        "data.heldout=0.3", "data.seq_len=200", "data.batch_size=4"])
+    samples, train, held = conversation_split(cfg)
+    assert len(samples) == 30 and train and held and not set(train) & set(held)
+    assert all(samples[i]["split"] == "heldout" for i in held)
+    order = BatchOrder(train, 4, cfg.data.seed)
+    drawn = [order.next() for _ in range(3)]
+    assert trained_ids(train, 4, cfg.data.seed, 3) == [i for b in drawn for i in b]
+    ids = trained_ids(train, 4, cfg.data.seed, 2 * len(train))  # past an epoch: every train id, none held out
+    assert set(ids) == set(train)
+
+    ids, meta = bench.heldout_conversation_prompts(cfg, 30)
+    tok = load_tokenizer(target_dir, 128)
+    by_id = {s["id"]: s for s in samples}
+    train_prompts = {tuple(samples[i]["input_ids"][: samples[i]["prompt_len"]].tolist()) for i in train}
+    assert meta and all(by_id[m["id"]]["split"] == "heldout" for m in meta)
+    assert len({tuple(p.tolist()) for p in ids}) == len(ids) and not {tuple(p.tolist()) for p in ids} & train_prompts
+    q = next(r for r in [json.loads(x) for x in open(tmp_path / "c.jsonl")] if r["id"] == meta[0]["id"])
+    assert ids[0].tolist() == encode_prompt(tok, [{"role": "user", "content": q["conversations"][0]["value"]}])
+    assert len(bench.heldout_conversation_prompts(cfg, 1)[0]) == 1
+
+
+def test_a_chunk_opening_with_a_reply_has_a_prompt_only_with_its_opening_as_context(tmp_path):
+    """ShareGPT's chunks of long chats often open with the assistant: no prompt for `prepare data --from`; the
+    benchmark's regeneration keeps the opening reply as context and answers the first user turn."""
+    p = tmp_path / "d.jsonl"
+    turns = [("gpt", "earlier answer"), ("human", "next question"), ("gpt", "its answer"), ("human", "more")]
+    recs = [dict(REC, id="a"), {"id": "b", "conversations": [{"from": f, "value": v} for f, v in turns]},
+            {"id": "c", "conversations": [{"from": "gpt", "value": "only a reply"}]}]
+    p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    st: dict = {}
+    assert [rid for rid, _ in F.conversation_prompts(str(p), bad_lines="skip", stats=st)] == ["a"]
+    assert st["bad"]["no_user_prompt"] == 2
+    got = dict(F.conversation_prompts(str(p), bad_lines="skip", opening_context=True))
+    assert sorted(got) == ["a", "b"] and got["a"] == [{"role": "user", "content": "hi"}]
+    assert got["b"] == [{"role": "assistant", "content": "earlier answer"}, {"role": "user", "content": "next question"}]
+
+
+def test_prepare_data_stops_each_reply_where_the_trunk_would_be_cut(tmp_path):
+    """max_total_tokens: prompt + reply never exceed it (nothing a trainer cuts off is generated); a prompt with no
+    room left is skipped and listed."""
+    from test_data import char_target
+
+    from specopd.data.prepare import SKIPPED_FILE, prepare_data
+    from specopd.data.references import DATA_FILE, read_records
+
+    target_dir = char_target(tmp_path / "t", max_position_embeddings=256)
+    prompts = [("short", [{"role": "user", "content": "hi"}]), ("long", [{"role": "user", "content": "x" * 40}]),
+               ("over", [{"role": "user", "content": "y" * 80}])]
+    counts = prepare_data(target_dir, str(tmp_path / "d"), prompts=prompts, max_new_tokens=30, temperature=1.0,
+                          heldout_fraction=0.0, max_total_tokens=64, progress=False)
+    assert counts["written"] == 2 and counts["skipped_too_long"] == 1
+    recs = {r["id"]: r for r in read_records(str(tmp_path / "d" / DATA_FILE))}
+    assert all(len(r["input_ids"]) <= 64 for r in recs.values())
+    assert len(recs["short"]["input_ids"]) - recs["short"]["response_start"] <= 30
+    assert "over" in (tmp_path / "d" / SKIPPED_FILE).read_text()

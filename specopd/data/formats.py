@@ -286,16 +286,22 @@ def _bad(st: dict, where: str, reason: str, msg: str, bad_lines: str) -> None:
     st.setdefault("first_bad", {}).setdefault(reason, f"{where}: {msg}")  # one example of every kind
 
 
-def conversation_prompts(path: str, bad_lines: str = "error", stats: Optional[dict] = None) -> list:
+def conversation_prompts(path: str, bad_lines: str = "error", stats: Optional[dict] = None,
+                         opening_context: bool = False) -> list:
     """``specopd prepare data --from FILE``: each conversation's prompt (its messages before the first assistant
     turn: system + user) -> [(id, messages)], the list ``prepare_data(prompts=...)`` takes; the target then
     regenerates the answer. Later turns are not kept (they answer the original reply, not the target's);
-    ``stats["later_turns_dropped"]`` counts conversations that had some."""
+    ``stats["later_turns_dropped"]`` counts conversations that had some. A conversation that opens with an
+    assistant turn (ShareGPT's chunks of longer chats often do) has no prompt and is bad data, unless
+    ``opening_context``: then its prompt runs up to the first assistant turn after a user turn, the opening
+    replies kept as context (as its trunk has them)."""
     st = stats if stats is not None else {}
     st.setdefault("later_turns_dropped", 0)
     out, seen = [], set()
     for where, rid, msgs, _ in read_conversations(path, bad_lines, st):
-        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), 0)
+        start = first_user if opening_context else 0
+        k = next((i for i in range(start, len(msgs)) if msgs[i]["role"] == "assistant"), len(msgs))
         if k == 0 or not any(m["role"] == "user" for m in msgs[:k]):
             _bad(st, where, "no_user_prompt", "the first assistant turn has no user turn before it (no prompt "
                                              "to answer)", bad_lines)

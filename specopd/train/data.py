@@ -17,6 +17,7 @@ from specopd.data.formats import build_cache, conversation_samples, stats_note
 from specopd.data.packaged import conversations_file
 from specopd.data.prepare import load_tokenizer
 from specopd.errors import BadInputError, read_text_lines
+from specopd.models.loading import read_config
 from specopd.train.tiny import TINY_VERSION
 
 
@@ -252,6 +253,26 @@ def split_dataset(samples: list, heldout: float, seed: int) -> tuple:
     if "heldout" in marked:
         return ([i for i, m in enumerate(marked) if m != "heldout"], [i for i, m in enumerate(marked) if m == "heldout"])
     return split_ids(len(samples), heldout, seed)
+
+
+def conversation_split(cfg) -> tuple:
+    """``data.source: conversations`` -> (samples, train_ids, heldout_ids) exactly as a run of ``cfg`` reads and
+    splits them (the same tokenisation cache), without loading the target's weights: what a benchmark needs to
+    name the conversations a run trains on and the held-out ones it never sees."""
+    conf = read_config(cfg.model.target)  # the text model's, composite configs merged
+    tok = load_tokenizer(cfg.model.target, int(conf["vocab_size"]))
+    d, ctx = cfg.data, conf.get("max_position_embeddings")
+    samples = conversation_samples(conversations_file(d.path), tok, cfg.model.target, cfg.trainer.output_dir,
+                                   d.seq_len, int(ctx) if ctx else None, overlong=d.overlong,
+                                   bad_lines=d.bad_lines, seed=d.seed, heldout=d.heldout)
+    return (samples, *split_dataset(samples, d.heldout, d.seed))
+
+
+def trained_ids(train_ids: list, batch_size: int, seed: int, steps: int) -> list:
+    """The sample ids the first ``steps`` steps of a run train on, in order (``BatchOrder``, as the trainer
+    draws them; an id repeats once an epoch is done)."""
+    order = BatchOrder(train_ids, batch_size, seed)
+    return [i for _ in range(steps) for i in order.next()]
 
 
 def split_ids(n: int, heldout: float, seed: int) -> tuple:
