@@ -96,20 +96,34 @@ def test_vocab_parallel_refuses_a_vocabulary_the_group_does_not_divide():
 
 
 def test_tp_lm_head_recipe_key():
-    """auto splits the head for DFlash and DSpark, keeps it whole for DFlash V2 (its top-K candidates read the
-    whole vocabulary), and vocab_parallel with dflash2 is refused naming the fix."""
+    """auto splits the head for every drafter kind (DFlash V2 too: its candidates are merged over the ranks), and
+    replicated, N = 1 or an unknown value keep it whole or are refused."""
     from specopd.config import RecipeError, load_recipe, vocab_parallel_head
 
     ray = ["runtime.backend=ray", "runtime.tensor_parallel=2"]
     assert vocab_parallel_head(load_recipe(None, ray))
     assert vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dspark"]))
-    assert not vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dflash2"]))
+    assert vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dflash2"]))
+    assert vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dflash2", "runtime.tp_lm_head=vocab_parallel"]))
     assert not vocab_parallel_head(load_recipe(None, ray + ["runtime.tp_lm_head=replicated"]))
     assert not vocab_parallel_head(load_recipe(None, ["runtime.tp_lm_head=vocab_parallel"]))  # N = 1: whole
-    with pytest.raises(RecipeError, match="runtime.tp_lm_head=replicated"):
-        load_recipe(None, ray + ["drafter.kind=dflash2", "runtime.tp_lm_head=vocab_parallel"])
     with pytest.raises(RecipeError, match="tp_lm_head"):
         load_recipe(None, ["runtime.tp_lm_head=gathered"])
+
+
+def test_v2_drafter_refuses_a_vocabulary_the_group_does_not_divide(tmp_path):
+    """A DFlash V2 drafter on a head split in unequal blocks is refused naming runtime.tp_lm_head=replicated."""
+    from specopd.drafters import build_drafter
+    from specopd.models import load_target
+    from specopd.models.tensor_parallel import TensorParallel, VocabParallelHead
+
+    target = load_target(make_tiny_checkpoint("llama", tmp_path, num_hidden_layers=2, vocab_size=97, hidden_size=32,
+                                              intermediate_size=48))
+    head = target.lm_head
+    head.__class__ = VocabParallelHead
+    head.tp, head.full_vocab = TensorParallel.planned(2, shard_vocab=True), 97
+    with pytest.raises(ValueError, match="vocab_size = 97 does not divide .* runtime.tp_lm_head=replicated"):
+        build_drafter("dflash2", target, num_layers=1, block_size=4, seed=0, feature_layers=[1])
 
 
 @pytest.fixture(scope="module")
