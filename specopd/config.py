@@ -364,8 +364,8 @@ class RuntimeConfig:
     tp_lm_head: str = setting("auto", resume=SAME_RUN)
     """With tensor_parallel > 1, how the ranks hold the target's lm_head for training: vocab_parallel (V / N rows
     each; the fused loss reduces its softmaxes and alpha over the group, the branch sampler gathers each chunk's
-    logits; the group must divide the vocabulary) | replicated (the whole head on every rank) | auto
-    (vocab_parallel, but replicated for a dflash2 drafter, whose top-K candidates read the whole vocabulary).
+    logits, DFlash V2 merges the ranks' top-K candidates and reduces p at them; the group must divide the
+    vocabulary) | replicated (the whole head on every rank) | auto (vocab_parallel, for every drafter kind).
     Measured: benchmarks/results/2026-12-04-tensor-parallel-vocab-loss-*.md."""
     address: Optional[str] = setting(None, resume=SAME_RUN)
     """Ray cluster address (null: start a local Ray instance)."""
@@ -573,9 +573,6 @@ class RecipeConfig:
             raise RecipeError(f"trainer.cache_trunks=true keeps only features and hidden states, but "
                               f"trainer.method={self.trainer.method} scores branches against the trunk's K/V: set "
                               f"trainer.cache_trunks=false (or use offpolicy_ce / offpolicy_e2e_tv)")
-        if self.runtime.tp_lm_head == "vocab_parallel" and self.drafter.kind == "dflash2":
-            raise RecipeError("runtime.tp_lm_head=vocab_parallel: a dflash2 drafter reads the whole vocabulary (its "
-                              "top-K candidates and p at them); set runtime.tp_lm_head=replicated (or auto)")
         if self.trainer.eval_every > 0 and self.data.heldout == 0:
             raise RecipeError(f"trainer.eval_every={self.trainer.eval_every} evaluates on held-out sequences, but "
                               f"data.heldout=0 holds none out: set data.heldout to a fraction such as 0.1 (those "
@@ -584,11 +581,9 @@ class RecipeConfig:
 
 def vocab_parallel_head(cfg) -> bool:
     """Whether the ranks of a tensor-parallel group split the target's lm_head by vocabulary for training
-    (``runtime.tp_lm_head``; auto: all drafters but dflash2)."""
+    (``runtime.tp_lm_head``; auto: vocab_parallel, for every drafter kind)."""
     r = cfg.runtime
-    if int(r.tensor_parallel) <= 1 or r.tp_lm_head == "replicated":
-        return False
-    return r.tp_lm_head == "vocab_parallel" or cfg.drafter.kind != "dflash2"
+    return int(r.tensor_parallel) > 1 and r.tp_lm_head != "replicated"
 
 
 # ---------------------------------------------------------------------------------------------- loading

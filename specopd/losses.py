@@ -847,16 +847,18 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
 # ================================================================================ q on candidates (DFlash V2)
 @torch.no_grad()
 def candidate_p(hp: torch.Tensor, ids: torch.Tensor, p_weight: torch.Tensor, temperature: float = 1.0,
-                mask: Optional[torch.Tensor] = None, chunk_rows="auto") -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, chunk_rows="auto", tp=None) -> torch.Tensor:
     """The target's p at each slot's candidates, from its hidden states one [chunk, V] chunk at a time.
 
     Args:
         hp: [N, W, D] the target's hidden state before lm_head at the scored positions (slot-aligned).
         ids: [N, W, K] candidate tokens per slot.
-        p_weight: [V, D] the target's lm_head.
+        p_weight: [V, D] the target's lm_head ([V / N, D], this rank's block, with ``tp``).
         temperature: T > 0: softmax(hp @ p_weight^T / T)[ids]; 0: 1[ids == argmax p] (greedy acceptance).
         mask: [N, W] bool: rows to compute (others stay 0); None: all.
         chunk_rows: rows of [rows, V] logits per chunk, or "auto".
+        tp: the group the vocabulary is split over (``specopd.models.tensor_parallel.vocab_group``), or None:
+            ``_candidate_p_split``; every rank returns the same values.
 
     Returns:
         [N, W, K] fp32, no grad.
@@ -869,19 +871,47 @@ def candidate_p(hp: torch.Tensor, ids: torch.Tensor, p_weight: torch.Tensor, tem
     hpf, idf = hp.detach().reshape(n * w, -1), ids.reshape(n * w, k)
     rows = torch.nonzero(_mask(mask, (n, w), hp.device).reshape(-1)).flatten()
     out = torch.zeros(n * w, k, dtype=torch.float32, device=hp.device)
-    chunk = resolve_chunk_rows(chunk_rows, p_weight.shape[0], hp.device)
+    vl = p_weight.shape[0]
+    split = tp is not None and tp.size > 1
+    lo = tp.vocab_block(vl * tp.size)[0] if split else 0
+    chunk = resolve_chunk_rows(chunk_rows, vl, hp.device)
     with torch.autocast(hp.device.type, enabled=False), \
-            ChunkBuffers.pooled(min(chunk, max(1, rows.numel())), p_weight.shape[0], hp.device) as bufs:
+            ChunkBuffers.pooled(min(chunk, max(1, rows.numel())), vl, hp.device) as bufs:
         for s in range(0, rows.numel(), chunk):
             r = rows[s: s + chunk]
-            z = chunk_logits((hpf,), (p_weight.detach(),), r, bufs)  # [R, V] fp32
-            if temperature == GREEDY:
+            z = chunk_logits((hpf,), (p_weight.detach(),), r, bufs)  # [R, V] fp32 ([R, V / N] with tp)
+            if split:
+                out[r] = _candidate_p_split(z, idf[r], float(temperature), tp, lo)
+            elif temperature == GREEDY:
                 out[r] = (idf[r] == z.argmax(-1, keepdim=True)).float()
             else:
                 p, _ = softmax_(z.div_(float(temperature)))
                 out[r] = p.gather(1, idf[r])
             del z
     return out.view(n, w, k)
+
+
+def _candidate_p_split(z: torch.Tensor, ids: torch.Tensor, temperature: float, tp, lo: int) -> torch.Tensor:
+    """``candidate_p`` of one chunk over a vocabulary split across ``tp``: z [R, V / N] this rank's logits (columns
+    lo ..), ids [R, K] global. T > 0: the normaliser from all-reduces of the row maxima (max) and the sums of exp
+    (sum), the numerators at the ids from their owners (a sum of a masked gather: exact); T = 0: the global argmax
+    is the smallest id among the ranks holding the maximum (torch's first-maximum rule). Consumes z."""
+    vl = z.shape[1]
+    loc = ids - lo
+    own = (loc >= 0) & (loc < vl)
+    loc = loc.clamp(0, vl - 1)
+    if temperature == GREEDY:
+        mx = tp.all_reduce_(z.amax(-1), "max")
+        li = z.argmax(-1)
+        gi = torch.where(z.gather(1, li[:, None]).squeeze(1) == mx, li + lo, torch.iinfo(torch.long).max)
+        return (ids == tp.all_reduce_(gi, "min")[:, None]).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    m = tp.all_reduce_(z.amax(-1, keepdim=True), "max")
+    e = z.sub_(m).exp_()
+    sm = torch.cat([e.sum(-1, keepdim=True), torch.where(own, e.gather(1, loc), 0.0)], 1)  # [R, 1 + K]
+    tp.all_reduce_(sm, "sum")
+    return sm[:, 1:] / sm[:, :1]
 
 
 def candidate_alpha(scores: torch.Tensor, p_c: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -919,7 +949,7 @@ def candidate_nll(ids: torch.Tensor, scores: torch.Tensor, targets: torch.Tensor
 def candidate_e2e_tv(ids: torch.Tensor, scores: torch.Tensor, hp: torch.Tensor, *, p_weight: torch.Tensor,
                      mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0, chunk_rows="auto",
                      ce_targets: Optional[torch.Tensor] = None, ce_scores: Optional[torch.Tensor] = None,
-                     ce_weight: float = 0.0) -> FusedOut:
+                     ce_weight: float = 0.0, tp=None) -> FusedOut:
     """E2E-TV of a draft distribution on candidates (DFlash V2's q = softmax(scores / T) on ids, 0 elsewhere), equal
     to ``e2e_tv_loss`` on its [N, W, V] logits (-inf off the candidates) without building them; with ``ce_weight``
     > 0, plus ``ce_weight`` x the mean ``candidate_nll`` of ``ce_targets``.
@@ -933,6 +963,8 @@ def candidate_e2e_tv(ids: torch.Tensor, scores: torch.Tensor, hp: torch.Tensor, 
         chunk_rows: rows of [rows, V] logits per chunk for p, or "auto".
         ce_targets: [N, W] reference tokens; ce_scores: [N, W] their scores (``Realized.extra``).
         ce_weight: the CE term's weight; 0: none.
+        tp: the group the vocabulary is split over (``p_weight`` is this rank's block): ``candidate_p``'s; the rest
+            reads the K candidates only, so every rank returns the same loss and gradients.
 
     Returns:
         ``FusedOut(loss, alpha [N, W] detached (0 past a branch's valid prefix), nll or None)``.
@@ -943,7 +975,7 @@ def candidate_e2e_tv(ids: torch.Tensor, scores: torch.Tensor, hp: torch.Tensor, 
         raise ValueError(f"ce_weight must be >= 0; got {ce_weight}")
     if ce_weight > 0 and (ce_targets is None or ce_scores is None):
         raise ValueError("ce_weight > 0 needs ce_targets [N, W] and their scores ce_scores [N, W]")
-    p_c = candidate_p(hp, ids, p_weight, temperature, valid, chunk_rows)
+    p_c = candidate_p(hp, ids, p_weight, temperature, valid, chunk_rows, tp)
     alpha = torch.where(valid, candidate_alpha(scores, p_c, temperature), 0.0)
     loss = e2e_tv_from_alpha(alpha, valid, denom)
     nll = None
@@ -955,7 +987,8 @@ def candidate_e2e_tv(ids: torch.Tensor, scores: torch.Tensor, hp: torch.Tensor, 
 
 def candidate_ce(ids: torch.Tensor, scores: torch.Tensor, targets: torch.Tensor, target_scores: torch.Tensor, *,
                  mask: Optional[torch.Tensor] = None, denom=None, weights=None, hp: Optional[torch.Tensor] = None,
-                 p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto") -> FusedOut:
+                 p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto",
+                 tp=None) -> FusedOut:
     """Off-policy CE of a draft distribution on candidates: the per-branch mean of ``candidate_nll`` (q at T = 1).
 
     Args:
@@ -967,6 +1000,7 @@ def candidate_ce(ids: torch.Tensor, scores: torch.Tensor, targets: torch.Tensor,
         hp, p_weight: the target side, as in ``candidate_e2e_tv``: then alpha too (no gradient).
         temperature: T of alpha.
         chunk_rows: rows per chunk, or "auto".
+        tp: the group the vocabulary is split over, as in ``candidate_e2e_tv``.
 
     Returns:
         ``FusedOut(loss, alpha or None, nll [N, W])``.
@@ -978,8 +1012,8 @@ def candidate_ce(ids: torch.Tensor, scores: torch.Tensor, targets: torch.Tensor,
     alpha = None
     if hp is not None:
         with torch.no_grad():
-            alpha = torch.where(m, candidate_alpha(scores, candidate_p(hp, ids, p_weight, temperature, m, chunk_rows),
-                                                   temperature), 0.0)
+            p_c = candidate_p(hp, ids, p_weight, temperature, m, chunk_rows, tp)
+            alpha = torch.where(m, candidate_alpha(scores, p_c, temperature), 0.0)
     return FusedOut(loss, alpha, nll.detach())
 
 

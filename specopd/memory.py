@@ -413,6 +413,7 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     vp = vocab_parallel_head(cfg)  # runtime.tp_lm_head: each rank holds V / N rows of lm_head
     info = analyse_target(shape, m.dtype, r.tensor_parallel, shard_vocab=vp)
     drafter = build_meta_drafter(cfg, info)
+    selector = getattr(drafter, "has_selector", False)  # DFlash V2: its walk reads top-K candidates, no gathered row
     bpe = _BYTES[m.dtype]
     on_gpu = m.device != "cpu"
     act = 2 if on_gpu else 4  # autocast bf16 on CUDA; the fp32 drafter's own dtype on the CPU
@@ -451,9 +452,7 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
                  f"lm_head: whole on every rank, [{v:,}, D] = "
                  + (f"{human(info.lm_head_bytes)} in the target weights " if info.lm_head_bytes else
                     "the tied embedding's weight ")
-                 + 
-                 f"(runtime.tp_lm_head=replicated" + (")" if cfg.drafter.kind == "dflash2" else
-                                                     f"; vocab_parallel holds V / {r.tensor_parallel} rows)"))
+                 + f"(runtime.tp_lm_head=replicated; vocab_parallel holds V / {r.tensor_parallel} rows)")
     terms = [
         Term("target weights", info.weight_bytes, all_, None,
              f"{info.params / 1e9:.3f}B params in {m.dtype} (fp32 where the model keeps them)"
@@ -493,7 +492,12 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
     terms += [
         Term("target side hp", n * w * hid * bpe, ("score", "loss_backward"), "trainer.anchors_per_seq",
              "[N, W, D] target hidden states at the scored positions"),
-        *([Term("loss chunk", CHUNK_WORKSET_FACTOR * chunk * vl * 4, ("loss_backward",), "trainer.loss_chunk_rows",
+        *([Term("loss / sampling chunk", CHUNK_WORKSET_FACTOR * chunk * vl * 4, ("propose", "loss_backward"),
+                "trainer.loss_chunk_rows",
+                f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V / {r.tensor_parallel}] fp32 (vocabulary-parallel: each rank's "
+                f"top K gathered as [{chunk}, {r.tensor_parallel} K], p at them reduced)")]
+          if vp and selector else
+          [Term("loss chunk", CHUNK_WORKSET_FACTOR * chunk * vl * 4, ("loss_backward",), "trainer.loss_chunk_rows",
                 f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V / {r.tensor_parallel}] fp32 (vocabulary-parallel)"),
            Term("sampling chunk", 3 * chunk_s * v * 4, ("propose",), "trainer.loss_chunk_rows",
                 f"[{chunk_s}, V / {r.tensor_parallel}] local logits gathered into 2 x [{chunk_s}, V] fp32")]

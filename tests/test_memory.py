@@ -114,6 +114,21 @@ def test_tensor_parallel_plans_one_ranks_shard():
         check_memory(load_recipe(path, ["runtime.tensor_parallel=4"]), device_bytes=10**15)
 
 
+
+def test_dflash2_plans_the_split_lm_head():
+    """DFlash V2 splits the lm_head by vocabulary too (auto): one rank of the 125B recipe holds V / 4 rows, and its
+    one chunk term (the candidates' top K and p at them, no gathered sampler) is planned at V / 4 columns."""
+    path = os.path.join(ROOT, "recipes", "qsa-gdn-125b-dflash2-8gpu.yaml")
+    four = check_memory(load_recipe(path), device_bytes=10**15)
+    rep = check_memory(load_recipe(path, ["runtime.tp_lm_head=replicated"]), device_bytes=10**15)
+    v, d = four.sizes["vocab"], four.sizes["hidden"]
+    assert (four.sizes["lm_head_rows"], rep.sizes["lm_head_rows"]) == (v // 4, v)
+    assert rep.terms[0].bytes - four.terms[0].bytes == (v - v // 4) * d * 2  # bf16
+    assert any("V / 4 rows (runtime.tp_lm_head=vocab_parallel)" in n for n in four.notes)
+    chunks = [t for t in four.terms if "chunk" in t.name]
+    assert [t.name for t in chunks] == ["loss / sampling chunk"] and "V / 4" in chunks[0].how
+    assert four.peak < rep.peak
+
 def test_plan_larger_than_device_is_a_clear_error():
     cfg = load_recipe(os.path.join(ROOT, "recipes", RECIPES_8GPU[0]), ["data.batch_size=256"])
     with pytest.raises(MemoryPlanError, match="data.batch_size|trainer.anchors_per_seq") as e:

@@ -161,16 +161,18 @@ def test_dry_run_every_recipe(capsys):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_path):
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_path, kind):
     """runtime.tensor_parallel=2: one data-parallel worker whose target is sharded over 2 Ray actors (gloo, a
-    (dp, tp) DeviceMesh), its lm_head split by vocabulary (the vocabulary-parallel loss, the gathered sampler),
-    ends with the drafter of 1 unsharded in-process worker, up to fp32 rounding of the row-parallel and vocabulary
-    sums (the tolerance of the data-parallel test above). Resuming its checkpoint unsharded (and
-    the other way round) continues the run."""
+    (dp, tp) DeviceMesh), its lm_head split by vocabulary (the vocabulary-parallel loss, the gathered sampler;
+    DFlash V2: the merged top-K candidates and p at them), ends with the drafter of 1 unsharded in-process worker,
+    up to fp32 rounding of the row-parallel and vocabulary sums (the tolerance of the data-parallel test above).
+    Resuming its checkpoint unsharded (and the other way round) continues the run."""
     from specopd.train.loop import train
 
-    tp2 = "runtime.tensor_parallel=2"
-    with RayGroup(_cfg(tmp_path / "g", tp2, workers=1)) as g:
+    tp2 = ["runtime.tensor_parallel=2", f"drafter.kind={kind}"]
+    one = f"drafter.kind={kind}"
+    with RayGroup(_cfg(tmp_path / "g", *tp2, workers=1)) as g:
         shards = [ray.get(a.run.remote("target_shard", (), {})) for a in g.actors]
     from specopd.models import load_target
 
@@ -180,16 +182,17 @@ def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_pat
     assert all(s["params"] == shards[0]["params"] < full for s in shards)
     vocab = load_target(path).vocab_size
     assert [s["lm_head_rows"] for s in shards] == [vocab // 2] * 2  # runtime.tp_lm_head: auto splits it
-    train(_cfg(tmp_path / "local", backend="local", workers=1), progress=False)
-    train(_cfg(tmp_path / "tp", tp2, workers=1), progress=False)
+    train(_cfg(tmp_path / "local", one, backend="local", workers=1), progress=False)
+    train(_cfg(tmp_path / "tp", *tp2, workers=1), progress=False)
     ref, got = _weights(tmp_path / "local"), _weights(tmp_path / "tp")
     assert set(ref) == set(got)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=2e-5, rtol=0)
     # resume across tensor_parallel: the sharded run's checkpoint unsharded, the unsharded one sharded
-    train(_cfg(tmp_path / "tp", "trainer.max_steps=5", "trainer.resume=auto", backend="local", workers=1),
+    train(_cfg(tmp_path / "tp", "trainer.max_steps=5", "trainer.resume=auto", one, backend="local", workers=1),
           progress=False)
-    train(_cfg(tmp_path / "local", "trainer.max_steps=5", "trainer.resume=auto", tp2, workers=1), progress=False)
+    train(_cfg(tmp_path / "local", "trainer.max_steps=5", "trainer.resume=auto", *tp2, workers=1),
+          progress=False)
     ref, got = _weights(tmp_path / "local"), _weights(tmp_path / "tp")
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=2e-5, rtol=0)

@@ -96,17 +96,73 @@ def test_vocab_parallel_refuses_a_vocabulary_the_group_does_not_divide():
 
 
 def test_tp_lm_head_recipe_key():
-    """auto splits the head for DFlash and DSpark, keeps it whole for DFlash V2 (its top-K candidates read the
-    whole vocabulary), and vocab_parallel with dflash2 is refused naming the fix."""
+    """auto splits the head for every drafter kind (DFlash V2 too: its candidates are merged over the ranks), and
+    replicated, N = 1 or an unknown value keep it whole or are refused."""
     from specopd.config import RecipeError, load_recipe, vocab_parallel_head
 
     ray = ["runtime.backend=ray", "runtime.tensor_parallel=2"]
     assert vocab_parallel_head(load_recipe(None, ray))
     assert vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dspark"]))
-    assert not vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dflash2"]))
+    assert vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dflash2"]))
+    assert vocab_parallel_head(load_recipe(None, ray + ["drafter.kind=dflash2", "runtime.tp_lm_head=vocab_parallel"]))
     assert not vocab_parallel_head(load_recipe(None, ray + ["runtime.tp_lm_head=replicated"]))
     assert not vocab_parallel_head(load_recipe(None, ["runtime.tp_lm_head=vocab_parallel"]))  # N = 1: whole
-    with pytest.raises(RecipeError, match="runtime.tp_lm_head=replicated"):
-        load_recipe(None, ray + ["drafter.kind=dflash2", "runtime.tp_lm_head=vocab_parallel"])
     with pytest.raises(RecipeError, match="tp_lm_head"):
         load_recipe(None, ["runtime.tp_lm_head=gathered"])
+
+
+def test_v2_drafter_refuses_a_vocabulary_the_group_does_not_divide(tmp_path):
+    """A DFlash V2 drafter on a head split in unequal blocks is refused naming runtime.tp_lm_head=replicated."""
+    from specopd.drafters import build_drafter
+    from specopd.models import load_target
+    from specopd.models.tensor_parallel import TensorParallel, VocabParallelHead
+
+    target = load_target(make_tiny_checkpoint("llama", tmp_path, num_hidden_layers=2, vocab_size=97, hidden_size=32,
+                                              intermediate_size=48))
+    head = target.lm_head
+    head.__class__ = VocabParallelHead
+    head.tp, head.full_vocab = TensorParallel.planned(2, shard_vocab=True), 97
+    with pytest.raises(ValueError, match="vocab_size = 97 does not divide .* runtime.tp_lm_head=replicated"):
+        build_drafter("dflash2", target, num_layers=1, block_size=4, seed=0, feature_layers=[1])
+
+
+@pytest.fixture(scope="module")
+def v2_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp-v2")
+    path = make_tiny_checkpoint("llama", tmp / "llama", num_hidden_layers=3, vocab_size=96, hidden_size=32,
+                                intermediate_size=48)
+    out = str(tmp / "out.json")
+    mp.start_processes(tp_ranks.run_v2, args=(2, str(tmp / "init"), path, out), nprocs=2, start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_v2_top_candidates_over_a_split_vocabulary(v2_results):
+    """DFlash V2's top-K over the vocabulary split across two ranks: the whole vocabulary's ids bit for bit (random
+    logits; integer logits with ties inside a block and across the boundary; K above V / N), in the order of a
+    stable descending sort of the whole row (value, then the smaller id), its values and dh within 1e-5."""
+    assert v2_results["split_head"]
+    for name, r in v2_results["topk"].items():
+        assert r["ids_equal"] and r["ids_stable_sort"], f"{name}: candidate ids differ: {r}"
+        assert r["vals"] <= TOL and r["dh"] <= TOL, f"{name}: {r}"
+
+
+def test_v2_candidate_p_over_a_split_vocabulary(v2_results):
+    """candidate_p over the split vocabulary: T = 1 and 0.5 within 1e-5, greedy (also every logit tied: the argmax
+    is id 0, on rank 0) bit for bit, masked rows 0."""
+    for name, r in v2_results["candidate_p"].items():
+        assert r["rel"] <= TOL and r["equal"], f"{name}: {r}"
+        assert r["hits"] > 0, f"{name}: no candidate carries p"
+
+
+@pytest.mark.parametrize("case", list(tp_ranks.V2_CASES))
+def test_v2_loss_over_a_split_vocabulary(v2_results, case):
+    """The worker's DFlash V2 loss on two ranks with the lm_head split by vocabulary (E2E-TV at T = 1, 0.5 with
+    the CE term, greedy, off-policy CE, one row, cut and empty branches; multiplier and soft cap set): the same
+    candidates and walk as the whole head, loss, alpha, nll and every drafter weight's gradient within 1e-5, the
+    same bits on both ranks."""
+    err = v2_results["loss"][case]
+    bad = {k: v for k, v in err.items() if not v <= TOL}
+    assert bad == {}, f"{case}: split vs whole lm_head rel err above {TOL}: {bad}"
+    assert all(v2_results["flags"][case].values()), f"{case}: {v2_results['flags'][case]}"
+    assert v2_results["same_on_ranks"][case], f"{case}: the ranks' losses or gradients differ"

@@ -196,3 +196,165 @@ def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96) -
             os.replace(out + ".tmp", out)
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ DFlash V2 over a split vocabulary
+V2_CASES = {  # name: (method, temperature, ce_weight, block_size, branches, masked)
+    "tv_t1": ("tv", 1.0, 0.0, 4, 6, False),
+    "tv_t05_ce_masked": ("tv", 0.5, 0.3, 4, 6, True),
+    "tv_greedy_masked": ("tv", 0.0, 0.0, 4, 6, True),
+    "ce_t1": ("ce", 1.0, 0.0, 4, 6, False),
+    "one_row": ("tv", 1.0, 0.2, 2, 1, False),
+}
+
+
+def _topk_cases(vocab):
+    """(name, h [M, d], W [V, d], K, extra [M]) for ``top_candidates``: random logits, and integer ones with ties
+    inside a rank's block and across the boundary (rank 1's block a copy of rank 0's: every tie crosses it)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for k in (8, vocab // 2 + 5):  # K above V / N: a rank's whole block is its local top K
+        h, w = torch.randn(11, 16, generator=g) * 2, torch.randn(vocab, 16, generator=g)
+        out.append((f"random_k{k}", h, w, k))
+        hn = torch.randint(-1, 2, (11, 6), generator=g).float()  # small integers: exact sums, many ties
+        wi = torch.randint(-1, 2, (vocab, 6), generator=g).float()
+        out.append((f"int_ties_k{k}", hn, wi, k))
+        wd = wi.clone()
+        wd[vocab // 2:] = wd[: vocab // 2]
+        out.append((f"ties_across_ranks_k{k}", hn, wd, k))
+    return [(n, h, w, k, torch.randint(0, vocab, (h.shape[0],), generator=g)) for n, h, w, k in out]
+
+
+def _v2_topk(tp, lo, hi, vocab):
+    """top_candidates over the split vocabulary against the whole one: ids bitwise, values, dh, and the whole
+    row's stable sort (value descending, id ascending)."""
+    from specopd.drafters.dflash2 import top_candidates
+
+    res = {}
+    for name, h, w, k, extra in _topk_cases(vocab):
+        outs = []
+        for weight, t in ((w, None), (w[lo:hi], tp)):
+            x = h.clone().requires_grad_(True)
+            vals, ids = top_candidates(x, weight, k, extra, chunk_rows=4, tp=t)
+            g = torch.linspace(-1, 1, vals.numel()).view_as(vals)
+            (vals * g).sum().backward()
+            outs.append((vals.detach(), ids, x.grad))
+        (vf, idf, gf), (vs, ids_, gs) = outs
+        ref = torch.sort(h @ w.t(), dim=-1, descending=True, stable=True).indices[:, :k]
+        res[name] = {"ids_equal": bool(torch.equal(ids_, idf)), "ids_stable_sort": bool(torch.equal(idf[:, :k], ref)),
+                     "vals": _rel(vs, vf), "dh": _rel(gs, gf)}
+    return res
+
+
+def _v2_candidate_p(tp, lo, hi, vocab):
+    """candidate_p over the split vocabulary against the whole one: T = 1, 0.5, 0 (and 0 with every logit of a row
+    equal: the argmax is id 0, on rank 0), masked rows."""
+    from specopd.losses import candidate_p
+
+    g = torch.Generator().manual_seed(4)
+    hp, wp = torch.randn(5, 3, 16, generator=g) * 2, torch.randn(vocab, 16, generator=g)
+    ids = torch.randint(0, vocab, (5, 3, 8), generator=g)
+    ids[..., 0] = (hp @ wp.t()).argmax(-1)  # greedy: p's argmax among them
+    ids[0, 0, 1] = 0
+    mask = torch.ones(5, 3, dtype=torch.bool)
+    mask[1, 2], mask[3] = False, False
+    res = {}
+    for name, t, wt in (("t1", 1.0, wp), ("t05", 0.5, wp), ("greedy", 0.0, wp),
+                        ("greedy_all_tied", 0.0, torch.randn(1, 16, generator=g).expand(vocab, 16).contiguous())):
+        full = candidate_p(hp, ids, wt, t, mask, chunk_rows=4)
+        shard = candidate_p(hp, ids, wt[lo:hi], t, mask, chunk_rows=4, tp=tp)
+        res[name] = {"rel": _rel(shard, full), "equal": bool(torch.equal(shard, full)) if t == 0.0 else True,
+                     "hits": float(full.sum())}
+    return res
+
+
+def _v2_loss(case, full, shard, tp):
+    """The worker's DFlash V2 loss (realized scores given the previous tokens, candidate_e2e_tv / candidate_ce) on
+    drafters with the same weights over the whole and the split lm_head: the largest relative differences of the
+    loss, alpha, nll, ids and every drafter weight's gradient, and the walk's tokens."""
+    from specopd.drafters import build_drafter, shift_tokens
+    from specopd.losses import candidate_ce, candidate_e2e_tv
+    from specopd.models.tensor_parallel import vocab_group
+
+    method, temp, ce_w, bs, nb, masked = V2_CASES[case]
+    v = full.vocab_size
+    g = torch.Generator().manual_seed(sum(map(ord, case)))
+    ids = _ids(9, 21, v)
+    feats = [full.hidden_states(ids.view(1, -1), [1, 2])[0]]
+    anchors = torch.randint(0, 9, (nb,), generator=g)
+    atok = ids[anchors]
+    tokens = torch.randint(0, v, (nb, bs - 1), generator=g)
+    ref = torch.randint(0, v, (nb, bs - 1), generator=g)
+    hp = torch.randn(nb, bs - 1, full.hidden_size, generator=g)
+    mask = torch.ones(nb, bs - 1, dtype=torch.bool)
+    if masked:
+        mask[1, 1:], mask[-1, 0] = False, False
+    drafters = []
+    for t in (full, shard):
+        d = build_drafter("dflash2", t, num_layers=1, block_size=bs, seed=0, feature_layers=[1, 2],
+                          selector_top_k=6, output_multiplier=0.7, final_logit_softcapping=2.0)
+        gg = torch.Generator().manual_seed(9)
+        with torch.no_grad():
+            for name, p in d.named_parameters():
+                if "base_kernel" in name or "kernel_projection" in name or "candidate_selector" in name:
+                    p.normal_(0, 0.3, generator=gg)
+        drafters.append(d)
+    outs = []
+    for d, t in zip(drafters, (full, shard)):
+        tp_ = vocab_group(t.lm_head)
+        h = d.hidden(feats, anchors, torch.zeros(nb, dtype=torch.long), atok)
+        prev = shift_tokens(atok, tokens)
+        extra = tokens if method == "ce" else (ref if ce_w > 0 else None)
+        r = d.realized(h, prev, extra, chunk_rows=3)
+        kw = dict(p_weight=t.lm_head.weight, mask=mask, denom=4.0, temperature=temp, chunk_rows=3, tp=tp_)
+        if method == "ce":
+            out = candidate_ce(r.ids, r.scores, tokens, r.extra, hp=hp, **kw)
+        else:
+            out = candidate_e2e_tv(r.ids, r.scores, hp, ce_targets=extra, ce_scores=r.extra, ce_weight=ce_w, **kw)
+        out.loss.backward()
+        with torch.no_grad():
+            cands = d.candidates(h.detach())
+            walk = d.walk(cands, atok, temp, torch.Generator().manual_seed(13))[0]
+        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+        outs.append((out, r.ids, walk, grads))
+    (of, idf, wf, gf), (os_, ids_, ws, gs) = outs
+    err = {"loss": _rel(os_.loss.detach(), of.loss.detach()), "alpha": _rel(os_.alpha, of.alpha)}
+    if of.nll is not None:
+        err["nll"] = _rel(os_.nll, of.nll)
+    err.update({f"grad.{n}": _rel(gs[n], gf[n]) for n in gf})
+    flags = {"ids_equal": bool(torch.equal(ids_, idf)), "walk_equal": bool(torch.equal(ws, wf)),
+             "same_grads": sorted(gs) == sorted(gf)}
+    mine = torch.cat([os_.loss.detach().view(1)] + [gs[n].reshape(-1) for n in sorted(gs)])
+    return err, flags, mine
+
+
+def run_v2(rank: int, world: int, init_file: str, path: str, out: str) -> None:
+    """DFlash V2 over a vocabulary split across ``world`` gloo ranks: ``top_candidates``, ``candidate_p`` and the
+    V2 loss of every ``V2_CASES`` case against the whole vocabulary; rank 0 writes the results."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from specopd.models import load_target
+    from specopd.models.tensor_parallel import TensorParallel, vocab_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tp = TensorParallel(init_device_mesh("cpu", (world,)))
+        vocab = 96
+        lo, hi = tp.vocab_block(vocab)
+        res = {"topk": _v2_topk(tp, lo, hi, vocab), "candidate_p": _v2_candidate_p(tp, lo, hi, vocab),
+               "loss": {}, "flags": {}, "same_on_ranks": {}}
+        full, shard = load_target(path), load_target(path, tensor_parallel=tp)
+        res["split_head"] = vocab_group(shard.lm_head) is tp
+        for case in V2_CASES:
+            err, flags, mine = _v2_loss(case, full, shard, tp)
+            every = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            res["loss"][case], res["flags"][case] = err, flags
+            res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
+        if rank == 0:
+            with open(out + ".tmp", "w") as f:
+                json.dump(res, f)
+            os.replace(out + ".tmp", out)
+    finally:
+        dist.destroy_process_group()

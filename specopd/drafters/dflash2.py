@@ -153,56 +153,114 @@ class Realized(NamedTuple):
     extra: Optional[torch.Tensor] = None
 
 
+def top_k_first(z: torch.Tensor, k: int) -> tuple:
+    """(values, ids) [R, k] of the k largest of each row of z [R, V], ordered by value descending then id ascending:
+    among equal values the smaller id comes first and is kept. torch.topk's tie rule is unspecified (on the CPU it
+    depends on nth_element's partition), so a top-K merged from blocks of the vocabulary could not reproduce it;
+    this rule is a total order, so the merged top-K is exactly this one of the whole row."""
+    v, i = torch.topk(z, min(k + 1, z.shape[-1]), dim=-1)  # sorted; the k-th value is exact whatever the ties
+    if v.shape[-1] > k:
+        tie = torch.nonzero(v[:, k] == v[:, k - 1]).flatten()  # rows whose k-th value recurs past the k-th place
+        v, i = v[:, :k], i[:, :k].clone()
+        if tie.numel():
+            thr = v[tie, k - 1: k]
+            keep = v[tie] > thr  # those above the k-th value are all in; the ties take the smallest ids
+            need = k - keep.sum(-1, keepdim=True)
+            exact = torch.float32 if z.shape[-1] <= 2 ** 24 else torch.float64  # every id exact
+            neg = -torch.arange(z.shape[-1], device=z.device, dtype=exact)
+            key = torch.where(z[tie] == thr, neg, float("-inf"))  # the largest key is the smallest tied id
+            tid = torch.topk(key, k, dim=-1).indices
+            ids = torch.cat([i[tie], tid], -1)
+            ok = torch.cat([keep, torch.arange(k, device=z.device) < need], -1)  # exactly k per row
+            pick = torch.sort(ok.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :k]
+            i[tie] = ids.gather(1, pick)
+    i = torch.sort(i, dim=-1, stable=True).values  # id ascending, then value descending, stably
+    v = z.gather(1, i)
+    order = torch.sort(v, dim=-1, descending=True, stable=True).indices
+    return v.gather(1, order), i.gather(1, order)
+
+
+def _merge_top_k(v: torch.Tensor, ids: torch.Tensor, k: int, tp) -> tuple:
+    """Every rank's local ``top_k_first`` (v [R, k'], global ids [R, k']) gathered ([R, N k']) and merged into the
+    whole vocabulary's: the same total order (value descending, id ascending), so the same ids, on every rank."""
+    gv, gi = tp.gather_cols(v.contiguous()), tp.gather_cols(ids.contiguous())
+    o = torch.sort(gi, dim=-1, stable=True).indices  # positions in id order: a tie's position rank is its id rank
+    gv, gi = gv.gather(1, o), gi.gather(1, o)
+    mv, pos = top_k_first(gv, k)
+    return mv, gi.gather(1, pos)
+
+
 class _TopCandidates(torch.autograd.Function):
-    """(ids [M, K], raw logits [M, K] = h @ W[ids]^T) of the top K of h @ W^T per row, ``chunk`` rows at a time
-    (memory: one [chunk, V]); with ``extra`` [M] the raw logit of that token too (column K). The values are the
-    chunk matmul's; the backward is dh = g @ W[ids] row by row (the top-K choice is not differentiable). ``pool``:
-    the chunk buffers are this thread's pooled set (``ChunkBuffers.pooled``: training), else fresh ones (decoding,
-    whose row count would otherwise stay in the pool)."""
+    """(ids [M, K], raw logits [M, K] = h @ W[ids]^T) of the top K of h @ W^T per row (``top_k_first``'s order),
+    ``chunk`` rows at a time (memory: one [chunk, V]); with ``extra`` [M] the raw logit of that token too (column
+    K). The values are the chunk matmul's; the backward is dh = g @ W[ids] row by row (the top-K choice is not
+    differentiable). ``pool``: the chunk buffers are this thread's pooled set (``ChunkBuffers.pooled``: training),
+    else fresh ones (decoding, whose row count would otherwise stay in the pool). ``tp``: W is this rank's block of
+    the vocabulary (``vocab_group``): each rank's local top K is gathered and merged (``_merge_top_k``), the extra
+    token's logit comes from its owner (a sum over the group), and the backward sums the partial dh of the owned
+    candidates over the group once, so every rank gets the same ids, values and dh."""
 
     @staticmethod
-    def forward(ctx, h, weight, k, extra, chunk, pool):
+    def forward(ctx, h, weight, k, extra, chunk, pool, tp):
         m = h.shape[0]
         kk = k + (extra is not None)
+        vl = weight.shape[0]
+        lo = 0 if tp is None else tp.vocab_block(vl * tp.size)[0]
         ids = torch.empty(m, kk, dtype=torch.long, device=h.device)
         vals = torch.empty(m, kk, dtype=torch.float32, device=h.device)
         if m:
-            rows, v = min(chunk, m), weight.shape[0]
-            with (ChunkBuffers.pooled(rows, v, h.device) if pool else contextlib.nullcontext(
-                    ChunkBuffers(rows, v, h.device))) as bufs:
+            rows = min(chunk, m)
+            with (ChunkBuffers.pooled(rows, vl, h.device) if pool else contextlib.nullcontext(
+                    ChunkBuffers(rows, vl, h.device))) as bufs:
                 for s in range(0, m, chunk):
                     r = torch.arange(s, min(s + chunk, m), device=h.device)
-                    z = chunk_logits((h,), (weight,), r, bufs)  # [R, V] fp32
-                    v, i = torch.topk(z, k, dim=-1)
+                    z = chunk_logits((h,), (weight,), r, bufs)  # [R, V] fp32 (V / N with tp)
+                    v, i = top_k_first(z, min(k, vl))
+                    if tp is not None:
+                        v, i = _merge_top_k(v, i + lo, k, tp)
                     ids[s: s + chunk, :k], vals[s: s + chunk, :k] = i, v
                     if extra is not None:
                         e = extra[s: s + chunk, None]
-                        ids[s: s + chunk, k:], vals[s: s + chunk, k:] = e, z.gather(1, e)
+                        ids[s: s + chunk, k:] = e
+                        if tp is None:
+                            vals[s: s + chunk, k:] = z.gather(1, e)
+                        else:  # the owner's logit, 0 elsewhere: the sum is exact
+                            el = e - lo
+                            own = (el >= 0) & (el < vl)
+                            x = torch.where(own, z.gather(1, el.clamp(0, vl - 1)), 0.0)
+                            vals[s: s + chunk, k:] = tp.all_reduce_(x, "sum")
                     del z
         ctx.save_for_backward(h, weight, ids)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.tp, ctx.lo = chunk, tp, lo
         ctx.mark_non_differentiable(ids)
         return vals, ids
 
     @staticmethod
     def backward(ctx, g_vals, g_ids):
         h, weight, ids = ctx.saved_tensors
+        tp, lo, vl = ctx.tp, ctx.lo, weight.shape[0]
+        own = None if tp is None else (ids >= lo) & (ids < lo + vl)  # [M, K]: the candidates of this rank's block
+        loc = ids if tp is None else (ids - lo).clamp(0, vl - 1)
+        g = g_vals if tp is None else torch.where(own, g_vals, 0.0)
         dh = dw = None
         if ctx.needs_input_grad[0]:
-            dh = torch.zeros_like(h)
+            dh = torch.zeros(h.shape, dtype=h.dtype if tp is None else torch.float32, device=h.device)
             for s in range(0, h.shape[0], ctx.chunk):
-                wk = weight[ids[s: s + ctx.chunk]].float()  # [R, K, D]: the chunk's candidate rows only
-                dh[s: s + ctx.chunk] = torch.einsum("rk,rkd->rd", g_vals[s: s + ctx.chunk], wk).to(h.dtype)
-        if ctx.needs_input_grad[1]:
+                wk = weight[loc[s: s + ctx.chunk]].float()  # [R, K, D]: the chunk's candidate rows only
+                dh[s: s + ctx.chunk] = torch.einsum("rk,rkd->rd", g[s: s + ctx.chunk], wk).to(dh.dtype)
+            if tp is not None:  # the partial sums of the owned candidates, summed once in fp32
+                dh = tp.all_reduce_(dh, "sum").to(h.dtype)
+        if ctx.needs_input_grad[1]:  # this rank's rows only
             dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            dw.index_add_(0, ids.reshape(-1), (g_vals[..., None] * h.float()[:, None, :]).reshape(-1, h.shape[1]))
+            dw.index_add_(0, loc.reshape(-1), (g[..., None] * h.float()[:, None, :]).reshape(-1, h.shape[1]))
             dw = dw.to(weight.dtype)
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
 
 
 def top_candidates(h: torch.Tensor, weight: torch.Tensor, k: int, extra: Optional[torch.Tensor] = None,
-                   chunk_rows="auto", pool: bool = True) -> tuple:
-    """Top-k of the raw logits h @ weight^T without [N, W, V] (``_TopCandidates``).
+                   chunk_rows="auto", pool: bool = True, tp=None) -> tuple:
+    """Top-k of the raw logits h @ weight^T without [N, W, V] (``_TopCandidates``; ties to the smaller id,
+    ``top_k_first``).
 
     Args:
         h: [..., D] hidden states (with grad: the raw values carry it).
@@ -211,14 +269,17 @@ def top_candidates(h: torch.Tensor, weight: torch.Tensor, k: int, extra: Optiona
         extra: [...] a token per row whose raw logit is appended as column k, or None.
         chunk_rows: rows of [rows, V] logits per chunk, or "auto".
         pool: reuse this thread's pooled chunk buffers (training); False: fresh ones (decoding).
+        tp: the group the vocabulary is split over (``specopd.models.tensor_parallel.vocab_group``): ``weight`` is
+            this rank's block [V / N, D]; the ids (global), values and dh are the whole vocabulary's, on every rank.
 
     Returns:
         (raw [..., k (+1)] fp32, ids [..., k (+1)] long).
     """
     lead = h.shape[:-1]
+    tp = tp if tp is not None and tp.size > 1 else None
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
     ex = None if extra is None else extra.reshape(-1).to(device=h.device, dtype=torch.long)
-    vals, ids = _TopCandidates.apply(h.reshape(-1, h.shape[-1]), weight, int(k), ex, chunk, bool(pool))
+    vals, ids = _TopCandidates.apply(h.reshape(-1, h.shape[-1]), weight, int(k), ex, chunk, bool(pool), tp)
     kk = vals.shape[-1]
     return vals.view(*lead, kk), ids.view(*lead, kk)
 
@@ -239,9 +300,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def _build_extra(self) -> None:
         c = self.config
-        if vocab_group(self.target.lm_head) is not None:
-            raise ValueError("a DFlash V2 drafter reads the whole vocabulary (its top-K candidates and p at them): "
-                             "its target's lm_head must be whole on every rank; set runtime.tp_lm_head=replicated")
+        vocab_group(self.target.lm_head)  # a split head must be in equal blocks (ValueError naming the fix)
         check_v2_config(c, int(self.target.vocab_size))
         self.candidate_selector = CandidateSelector(c.hidden_size, int(self.target.vocab_size), int(c.selector_rank))
 
@@ -289,7 +348,8 @@ class DFlash2Drafter(DFlashDrafter):
     def candidates(self, h: torch.Tensor, chunk_rows="auto", pool: bool = True) -> Candidates:
         """h [N, W, D] -> ``Candidates``; the raw logits are built ``chunk_rows`` rows at a time (never [N, W, V]);
         ``pool`` as ``top_candidates``."""
-        raw, ids = top_candidates(h, self.target.lm_head.weight, self.top_k, chunk_rows=chunk_rows, pool=pool)
+        head = self.target.lm_head
+        raw, ids = top_candidates(h, head.weight, self.top_k, chunk_rows=chunk_rows, pool=pool, tp=vocab_group(head))
         return Candidates(ids, self.unary_from_raw(raw), self.candidate_selector.hidden_projection(h))
 
     def selector_scores(self, cands: Candidates, anchor_tokens: torch.Tensor) -> torch.Tensor:
@@ -324,7 +384,8 @@ class DFlash2Drafter(DFlashDrafter):
         if extra is not None:
             extra = torch.as_tensor(extra, dtype=torch.long, device=h.device)
             self._check_tokens(extra, "extra tokens")
-        raw, ids = top_candidates(h, self.target.lm_head.weight, self.top_k, extra, chunk_rows)
+        head = self.target.lm_head
+        raw, ids = top_candidates(h, head.weight, self.top_k, extra, chunk_rows, tp=vocab_group(head))
         cands = Candidates(ids, self.unary_from_raw(raw), self.candidate_selector.hidden_projection(h))
         z = self.scores_given(cands, prev)  # [N, W, K (+1)]
         if extra is None:

@@ -27,7 +27,7 @@ from specopd.models.common import MLP, Experts, Linear
 class TensorParallel:
     """One tensor-parallel group: a 1-D ``DeviceMesh`` over the ranks that shard one target. ``size`` 1 is the
     unsharded target (no mesh needed). ``shard_vocab=False`` keeps ``lm_head`` whole on every rank
-    (``runtime.tp_lm_head: replicated``, and DFlash V2, whose top-K candidates read the whole vocabulary)."""
+    (``runtime.tp_lm_head: replicated``)."""
 
     def __init__(self, mesh=None, shard_vocab: bool = True):
         self.mesh, self.shard_vocab = mesh, bool(shard_vocab)

@@ -303,7 +303,7 @@ class Worker:
         with self.autocast():
             r = self.drafter.realized(h, prev, extra, chunk_rows=t.loss_chunk_rows)
         kw = dict(p_weight=self.target.lm_head.weight, denom=denom, temperature=t.temperature,
-                  chunk_rows=t.loss_chunk_rows)
+                  chunk_rows=t.loss_chunk_rows, tp=self.vocab_tp)
         if ce:
             return candidate_ce(r.ids, r.scores, proposals.tokens, r.extra, hp=hp, **kw)
         return candidate_e2e_tv(r.ids, r.scores, hp, ce_targets=extra, ce_scores=r.extra, ce_weight=ce_weight, **kw)
