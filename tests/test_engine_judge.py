@@ -20,6 +20,21 @@ def test_vllm_counters_become_table_numbers():
     assert v["per_position_acceptance"] == [0.5, 0.6, pytest.approx(1 / 3), 0.0]
 
 
+def test_per_request_steps_become_the_counters_of_those_requests():
+    """A subset's numbers from vLLM's per-request steps (what ours on vLLM's schedule is compared with at T > 0
+    when it decodes fewer prompts than vLLM serves): over every request they equal vLLM's counters."""
+    outs = [{"steps": {"accepted": [2, 0, 4, 1], "drafted": [4] * 4}},
+            {"steps": {"accepted": [0, 3], "drafted": [4] * 2}},
+            {"steps": {"accepted": [1], "drafted": [4]}}]
+    counters = {"num_drafts": 7, "num_draft_tokens": 28, "num_accepted_tokens": 11, "accepted_per_pos": [5, 3, 2, 1]}
+    assert E.steps_numbers(outs, 4) == {k: v for k, v in E.vllm_numbers(counters, 4).items()
+                                        if k != "num_draft_tokens"}
+    one = E.steps_numbers(outs[1:2], 4)
+    assert one["rounds"] == 2 and one["accepted_at"] == [1, 1, 1, 0] and one["reached_at"] == [2, 1, 1, 1]
+    assert one["mean_al"] == pytest.approx(2.5)
+    assert E.steps_numbers([outs[0], {"steps": None}], 4) is None  # a request without steps: no subset numbers
+
+
 def test_round_by_round_rule():
     """vLLM's per-request steps (accepted drafts per verify step) + 1 == our tokens per round, prompt by prompt;
     a difference names the prompt and its first differing round; prompts outside ``same_text`` and outputs

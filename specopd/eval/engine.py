@@ -18,7 +18,7 @@ from specopd.data.prepare import load_tokenizer, stop_token_ids
 from specopd.drafters import export_drafter, load_drafter
 from specopd.drafters.layout import export_folder, is_released, read_json, read_weights
 from specopd.engines import EngineUnavailable, run_vllm, vllm_missing_reason
-from specopd.eval.bench import by_category, format_categories, provenance, provenance_line, run_prompts
+from specopd.eval.bench import by_category, format_categories, provenance, provenance_line, run_prompts, stratified
 from specopd.eval.cli import acceptance_cells, evaluate_al, file_prompt_ids, parse_temperatures
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
 from specopd.eval.replay import greedy_continuations, replay_greedy_al
@@ -95,12 +95,29 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
 def vllm_numbers(counters: dict, k: int) -> dict:
     """vLLM's counters -> our table's keys: mean_al (1 + accepted / drafts), rounds, accepted_at, reached_at,
     per_position_acceptance."""
-    drafts = int(counters["num_drafts"])
     acc = list(counters["accepted_per_pos"]) + [0] * (k - len(counters["accepted_per_pos"]))
-    reached = [drafts] + acc[:-1]
-    return dict(mean_al=1.0 + counters["num_accepted_tokens"] / max(1, drafts), rounds=drafts, accepted_at=acc,
-                reached_at=reached, per_position_acceptance=[a / r if r else None for a, r in zip(acc, reached)],
+    return dict(_position_numbers(acc, int(counters["num_drafts"]), int(counters["num_accepted_tokens"])),
                 num_draft_tokens=int(counters["num_draft_tokens"]))
+
+
+def _position_numbers(acc: list, rounds: int, accepted: int) -> dict:
+    reached = [rounds] + acc[:-1]
+    return dict(mean_al=1.0 + accepted / max(1, rounds), rounds=rounds, accepted_at=acc, reached_at=reached,
+                per_position_acceptance=[a / r if r else None for a, r in zip(acc, reached)])
+
+
+def steps_numbers(outputs: Sequence[dict], k: int) -> Optional[dict]:
+    """vLLM's per-request verify steps of ``outputs`` -> ``vllm_numbers``' keys over those requests alone (a step
+    that accepted ``a`` drafts reached positions 1..a+1 and accepted 1..a); None when a request has no steps."""
+    if not outputs or any(o.get("steps") is None for o in outputs):
+        return None
+    acc, rounds = [0] * k, 0
+    for o in outputs:
+        for a in o["steps"]["accepted"]:
+            rounds += 1
+            for i in range(min(int(a), k)):
+                acc[i] += 1
+    return _position_numbers(acc, rounds, sum(acc))
 
 
 # ------------------------------------------------------------------------------------------- our side
@@ -285,7 +302,8 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
           temperatures: Sequence[float] = (0.0, 1.0), stop_token_ids: Sequence[int] = (), dtype: str = "float32",
           seed: int = 0, plain: bool = False, checkpoint: Optional[str] = None, work_dir: Optional[str] = None,
           target=None, own: bool = True, vllm_default: bool = False, progress: bool = False,
-          patch_vllm: bool = True, meta: Optional[Sequence[dict]] = None) -> dict:
+          patch_vllm: bool = True, meta: Optional[Sequence[dict]] = None,
+          hot_prompts: Optional[Sequence[int]] = None) -> dict:
     """Serve ``drafter_path`` (a checkpoint, exported here, or an export) with ``target_dir`` in vLLM and put
     its counters next to ours on the same prompts, max tokens and stops, at each temperature.
 
@@ -297,6 +315,9 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         vllm_default: also vLLM with its default ``draft_sample_method: greedy`` at T > 0 (what a plain
             ``vllm serve`` does: argmax drafts as one-hot proposals; reported, not compared: another algorithm).
         meta: per prompt {"id", "category"} (a benchmark's prompts): AL per category for each side too.
+        hot_prompts: at T > 0, the indices of the prompts ours on vLLM's schedule decodes (None: all); it is then
+            compared with vLLM's per-request steps on the same prompts, while vLLM's row keeps all its counters.
+            (At T = 0 ours is a replay and covers every prompt.)
     Returns:
         {by_temperature: {T: {vllm, ours_vllm_schedule, ours (our own schedule, ``evaluate_al``),
         disagreements, accept_lengths: {side: tokens per round per prompt}, by_category (with meta)}}, checks: {name: (ok, detail)}, problems: [...], export, num_speculative_tokens,
@@ -353,10 +374,14 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     for run in spec["runs"]:
         t = float(run["temperature"])
         v = vllm_numbers(run["counters"], k)
-        ov = ours_on_vllm_schedule(target, drafter, prompts, max_new_tokens, t, stop_token_ids, seed, greedy=full)
+        sel = list(range(len(prompts))) if t == 0 or hot_prompts is None else sorted(int(i) for i in hot_prompts)
+        ov = ours_on_vllm_schedule(target, drafter, [prompts[i] for i in sel], max_new_tokens, t, stop_token_ids,
+                                   seed, greedy=full)
         mine = evaluate_al(target, drafter, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens, t, seed,
                            stop_token_ids=stop_token_ids, progress=progress) if own else None
-        dis = disagreements(ov, v, t)
+        # vLLM on the prompts ours decoded: its own per-request steps there, else (none reported) its counters
+        v_sel = v if len(sel) == len(prompts) else steps_numbers([run["outputs"][i] for i in sel], k) or v
+        dis = disagreements(ov, v_sel, t)
         if t == 0:
             bad = against_ours("vllm speculative greedy == our greedy", [o["token_ids"] for o in run["outputs"]])
             if bad:
@@ -380,16 +405,21 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
                                                   ours={x: mine[x] for x in ("mean_al", "rounds", "accepted_at",
                                                                              "reached_at", "per_position_acceptance")}
                                                   if mine else None,
-                                                  disagreements=dis)
+                                                  disagreements=dis, ours_prompts=len(sel))
+        if v_sel is not v:  # vLLM's own steps on the prompts ours decoded, for the comparison beside ours
+            report["by_temperature"][f"{t:g}"]["vllm_same_prompts"] = v_sel
         lengths = {"vllm": [[a + 1 for a in o["steps"]["accepted"]] if o.get("steps") else None
                             for o in run["outputs"]],
-                   "ours_vllm_schedule": ov["accept_lengths"]}
+                   "ours_vllm_schedule": [None] * len(prompts)}
+        for j, i in enumerate(sel):
+            lengths["ours_vllm_schedule"][i] = ov["accept_lengths"][j]
         if mine:
             lengths["ours"] = mine["accept_lengths"]
         report["by_temperature"][f"{t:g}"]["accept_lengths"] = lengths
-        if meta is not None:
+        if meta is not None:  # each side on the prompts it decoded
             report["by_temperature"][f"{t:g}"]["by_category"] = {
-                side: by_category(x, meta) for side, x in lengths.items() if all(v is not None for v in x)}
+                side: by_category(*zip(*[(a, m) for a, m in zip(x, meta) if a is not None]))
+                for side, x in lengths.items() if any(a is not None for a in x)}
         report["checks"][f"T={t:g} acceptance: vLLM == ours on vLLM's schedule"] = (not dis, "; ".join(dis))
         problems += dis
     hot = [t for t in temps if t > 0]
@@ -541,12 +571,15 @@ def format_judge(report: dict, title: str = "") -> str:
                  f"{', '.join(report.get('vllm_patched') or []) or 'no'}")
     for t, r in report["by_temperature"].items():
         lines.append(f"T={t}")
-        for name, key in (("vLLM (its counters)", "vllm"), ("ours on vLLM's schedule", "ours_vllm_schedule"),
+        n = r.get("ours_prompts", report["num_prompts"])
+        some = f" ({n} of {report['num_prompts']})" if n != report["num_prompts"] else ""
+        for name, key in (("vLLM (its counters)", "vllm"), (f"vLLM's steps{some}", "vllm_same_prompts"),
+                          (f"ours on vLLM's schedule{some}", "ours_vllm_schedule"),
                           ("ours (SpeculativeDecoder)", "ours"), ("vLLM default: argmax drafts", "vllm_greedy_drafts")):
             x = r.get(key)
             if x is None:
                 continue
-            lines.append(f"  {name:<28} AL {x['mean_al']:.3f}  drafts {x['rounds']:>6}  accepted/reached "
+            lines.append(f"  {name:<36} AL {x['mean_al']:.3f}  drafts {x['rounds']:>6}  accepted/reached "
                          + "  ".join(acceptance_cells(x)))
         if r.get("by_category"):
             lines.append("  " + format_categories([(side, bc) for side, bc in r["by_category"].items()])
@@ -566,7 +599,8 @@ def format_judge(report: dict, title: str = "") -> str:
 # ------------------------------------------------------------------------------------------- the main job
 def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     """The main job's vLLM rows: each (label, checkpoint) served by vLLM on the held-out chat prompts at
-    ``pipeline.eval_temperatures``, plus ours on vLLM's schedule. vLLM's default argmax drafts at T > 0 (another
+    ``pipeline.eval_temperatures``, plus ours on vLLM's schedule (at T > 0 on ``eval.prompts`` of them, the same
+    number per category, compared with vLLM's own steps there). vLLM's default argmax drafts at T > 0 (another
     algorithm, reported, never compared) are left to ``specopd serve-check --vllm-default``: one more vLLM start per
     drafter. Without a vLLM venv (or with SPECOPD_VLLM_JUDGE=0): [] and a line saying why; a judge that fails prints
     why and the job goes on.
@@ -590,6 +624,8 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     ids, meta, _ = run_prompts(cfg, target_dir, target.vocab_size, judge=True)
     prompts = [p.tolist() for p in ids]
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
+    # T > 0: ours beside vLLM on eval.prompts of them (decoding each costs a target pass a round); T = 0 replays all
+    hot = stratified(meta, cfg.eval.prompts) if meta is not None else list(range(min(len(prompts), cfg.eval.prompts)))
     out = []
     for label, path in rows:
         if not path:
@@ -597,7 +633,8 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
         try:
             rep = judge(target_dir, path, prompts, cfg.eval.max_new_tokens, cfg.pipeline.eval_temperatures, stops,
                         dtype, seed=cfg.eval.seed, target=target, own=False, progress=progress, meta=meta,
-                        work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)))
+                        work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)),
+                        hot_prompts=hot)
         except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
             print(f"[specopd] vLLM judge of {path} failed: {e}", flush=True)
             continue
@@ -608,7 +645,8 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
                     "by_temperature": {t: dict(r["vllm"], how="vllm", by_category=cat[t].get("vllm"))
                                        for t, r in by.items()},
                     "problems": rep["problems"], "num_prompts": len(prompts)})
-        out.append({"drafter": f"{label} | ours, vLLM's schedule", "checkpoint": path, "engine": "ours",
+        some = f" (T>0: {len(hot)} of them)" if len(hot) < len(prompts) else ""
+        out.append({"drafter": f"{label} | ours, vLLM's schedule{some}", "checkpoint": path, "engine": "ours",
                     "by_temperature": {t: dict(r["ours_vllm_schedule"], by_category=cat[t].get("ours_vllm_schedule"))
                                        for t, r in by.items()}, "num_prompts": len(prompts)})
     return out
