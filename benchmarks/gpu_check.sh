@@ -104,7 +104,7 @@ EOF
 PYTEST=("$PY" -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu --junitxml "$DEST/tests.xml")
 GPU_TESTS=(tests/test_executor_gpu.py tests/test_fla.py tests/test_losses.py tests/test_kernels_tree_attention.py
            tests/test_kernels_gdn.py tests/test_kernels_gdn_chunk.py tests/test_kernels_qsa.py
-           tests/test_tensor_parallel.py)  # its NCCL test runs on machines with two GPUs (skipped on one)
+           tests/test_tensor_parallel.py)  # its NCCL twins (target, vocab-parallel loss, V2) need two GPUs
 if [ "$MODE" = gpu ]; then
   step tests 200 "${PYTEST[@]}" "${GPU_TESTS[@]}"
   step bench_kernels 150 "$PY" benchmarks/bench_kernels.py --repeats 10 --json "$WORK/bench_kernels.json"

@@ -3,7 +3,8 @@ plain forward, prefill (logits, features, hidden), tree scores, verify + commit 
 reduction noise, for every family: GQA (llama with tied embeddings, qwen3), Gated DeltaNet in both projection
 layouts (qwen3_next fused, qwen3_5 unfused), MoE with a shared expert, and qwen4_exp's QSA + GDN + PLE.
 The fused losses and the branch sampler over a vocabulary split across two ranks give the whole vocabulary's loss,
-alpha, nll and gradients (the same bits on both ranks) and its tokens."""
+alpha, nll and gradients (the same bits on both ranks) and its tokens. Each runs over gloo on the CPU, and its
+``gpu`` twin the same cases over NCCL on two GPUs (skipped with fewer)."""
 import json
 
 import pytest
@@ -16,6 +17,11 @@ from oracle import _MOE, make_tiny_checkpoint
 TOL = 1e-5
 FAMILIES = {"llama": {}, "qwen3": {}, "qwen3_next": {}, "qwen3_next-moe": _MOE, "qwen3_5_text": {},
             "qwen3_5_moe_text": {}, "qwen4_exp_text": {}}
+
+
+def two_gpus(test):
+    """A ``gpu`` twin: NCCL over two GPUs, skipped with fewer (benchmarks/gpu_check.sh runs ``-m gpu``)."""
+    return pytest.mark.gpu(pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")(test))
 
 
 def _run(tmp_path_factory, device: str) -> dict:
@@ -48,8 +54,7 @@ def test_two_ranks_equal_one(results, family):
     assert n_shard < 0.8 * n_full, f"{family}: a rank holds {n_shard} of {n_full} parameters"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@two_gpus
 def test_two_gpus_equal_one(tmp_path_factory):
     """The same on two GPUs over NCCL (fp32, kernels "auto": Triton and fla on CUDA)."""
     res = _run(tmp_path_factory, "cuda")
@@ -57,13 +62,35 @@ def test_two_gpus_equal_one(tmp_path_factory):
     assert bad == {}, f"sharded vs unsharded rel err above {TOL} on CUDA: {bad}"
 
 
-@pytest.fixture(scope="module")
-def loss_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp-loss")
+def _run_loss(tmp_path_factory, device: str) -> dict:
+    tmp = tmp_path_factory.mktemp(f"tp-loss-{device}")
     out = str(tmp / "out.json")
-    mp.start_processes(tp_ranks.run_loss, args=(2, str(tmp / "init"), out), nprocs=2, start_method="spawn")
+    mp.start_processes(tp_ranks.run_loss, args=(2, str(tmp / "init"), out, 96, device), nprocs=2,
+                       start_method="spawn")
     with open(out) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def loss_results(tmp_path_factory):
+    return _run_loss(tmp_path_factory, "cpu")
+
+
+@pytest.fixture(scope="module")
+def loss_results_cuda(tmp_path_factory):
+    return _run_loss(tmp_path_factory, "cuda")
+
+
+def _check_loss(res, case):
+    err = res["loss"][case]
+    bad = {k: v for k, v in err.items() if not v <= TOL}
+    assert bad == {}, f"{case}: vocabulary-parallel vs whole rel err above {TOL}: {bad}"
+    assert res["same_on_ranks"][case], f"{case}: the ranks' losses or gradients differ"
+
+
+def _check_sampler(res):
+    bad = {k: v for k, v in res["sampler"].items() if not all(v.values())}
+    assert bad == {}, f"gathered sampling differs from the whole vocabulary's or between ranks: {bad}"
 
 
 @pytest.mark.parametrize("case", list(tp_ranks.LOSS_CASES))
@@ -71,15 +98,23 @@ def test_vocab_parallel_loss_equals_whole(loss_results, case):
     """fused_e2e_tv / fused_ce at T = 1, 0.7, 0.5, 1.3 and greedy (ties across ranks too), with the CE term, DSpark's
     Markov term, cut and empty branches, one row, one and several chunks: loss, alpha, nll and the gradients of hq,
     e and W2 within 1e-5 of the whole vocabulary's, and the same bits on both ranks."""
-    err = loss_results["loss"][case]
-    bad = {k: v for k, v in err.items() if not v <= TOL}
-    assert bad == {}, f"{case}: vocabulary-parallel vs whole rel err above {TOL}: {bad}"
-    assert loss_results["same_on_ranks"][case], f"{case}: the ranks' losses or gradients differ"
+    _check_loss(loss_results, case)
+
+
+@pytest.mark.parametrize("case", list(tp_ranks.LOSS_CASES))
+@two_gpus
+def test_vocab_parallel_loss_equals_whole_on_two_gpus(loss_results_cuda, case):
+    """The same over NCCL on two GPUs (fp32, kernels "auto")."""
+    _check_loss(loss_results_cuda, case)
 
 
 def test_vocab_parallel_sampler_draws_the_whole_vocabularys_tokens(loss_results):
-    bad = {k: v for k, v in loss_results["sampler"].items() if not all(v.values())}
-    assert bad == {}, f"gathered sampling differs from the whole vocabulary's or between ranks: {bad}"
+    _check_sampler(loss_results)
+
+
+@two_gpus
+def test_vocab_parallel_sampler_on_two_gpus(loss_results_cuda):
+    _check_sampler(loss_results_cuda)
 
 
 def test_vocab_parallel_refuses_a_vocabulary_the_group_does_not_divide():
@@ -126,33 +161,59 @@ def test_v2_drafter_refuses_a_vocabulary_the_group_does_not_divide(tmp_path):
         build_drafter("dflash2", target, num_layers=1, block_size=4, seed=0, feature_layers=[1])
 
 
-@pytest.fixture(scope="module")
-def v2_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp-v2")
+def _run_v2(tmp_path_factory, device: str) -> dict:
+    tmp = tmp_path_factory.mktemp(f"tp-v2-{device}")
     path = make_tiny_checkpoint("llama", tmp / "llama", num_hidden_layers=3, vocab_size=96, hidden_size=32,
                                 intermediate_size=48)
     out = str(tmp / "out.json")
-    mp.start_processes(tp_ranks.run_v2, args=(2, str(tmp / "init"), path, out), nprocs=2, start_method="spawn")
+    mp.start_processes(tp_ranks.run_v2, args=(2, str(tmp / "init"), path, out, device), nprocs=2,
+                       start_method="spawn")
     with open(out) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def v2_results(tmp_path_factory):
+    return _run_v2(tmp_path_factory, "cpu")
+
+
+@pytest.fixture(scope="module")
+def v2_results_cuda(tmp_path_factory):
+    return _run_v2(tmp_path_factory, "cuda")
+
+
+def _check_v2_topk(res):
+    assert res["split_head"]
+    for name, r in res["topk"].items():
+        assert r["ids_equal"] and r["ids_stable_sort"], f"{name}: candidate ids differ: {r}"
+        assert r["vals"] <= TOL and r["dh"] <= TOL, f"{name}: {r}"
+
+
+def _check_v2_candidate_p(res):
+    for name, r in res["candidate_p"].items():
+        assert r["rel"] <= TOL and r["equal"], f"{name}: {r}"
+        assert r["hits"] > 0, f"{name}: no candidate carries p"
+
+
+def _check_v2_loss(res, case):
+    err = res["loss"][case]
+    bad = {k: v for k, v in err.items() if not v <= TOL}
+    assert bad == {}, f"{case}: split vs whole lm_head rel err above {TOL}: {bad}"
+    assert all(res["flags"][case].values()), f"{case}: {res['flags'][case]}"
+    assert res["same_on_ranks"][case], f"{case}: the ranks' losses or gradients differ"
 
 
 def test_v2_top_candidates_over_a_split_vocabulary(v2_results):
     """DFlash V2's top-K over the vocabulary split across two ranks: the whole vocabulary's ids bit for bit (random
     logits; integer logits with ties inside a block and across the boundary; K above V / N), in the order of a
     stable descending sort of the whole row (value, then the smaller id), its values and dh within 1e-5."""
-    assert v2_results["split_head"]
-    for name, r in v2_results["topk"].items():
-        assert r["ids_equal"] and r["ids_stable_sort"], f"{name}: candidate ids differ: {r}"
-        assert r["vals"] <= TOL and r["dh"] <= TOL, f"{name}: {r}"
+    _check_v2_topk(v2_results)
 
 
 def test_v2_candidate_p_over_a_split_vocabulary(v2_results):
     """candidate_p over the split vocabulary: T = 1 and 0.5 within 1e-5, greedy (also every logit tied: the argmax
     is id 0, on rank 0) bit for bit, masked rows 0."""
-    for name, r in v2_results["candidate_p"].items():
-        assert r["rel"] <= TOL and r["equal"], f"{name}: {r}"
-        assert r["hits"] > 0, f"{name}: no candidate carries p"
+    _check_v2_candidate_p(v2_results)
 
 
 @pytest.mark.parametrize("case", list(tp_ranks.V2_CASES))
@@ -161,8 +222,21 @@ def test_v2_loss_over_a_split_vocabulary(v2_results, case):
     the CE term, greedy, off-policy CE, one row, cut and empty branches; multiplier and soft cap set): the same
     candidates and walk as the whole head, loss, alpha, nll and every drafter weight's gradient within 1e-5, the
     same bits on both ranks."""
-    err = v2_results["loss"][case]
-    bad = {k: v for k, v in err.items() if not v <= TOL}
-    assert bad == {}, f"{case}: split vs whole lm_head rel err above {TOL}: {bad}"
-    assert all(v2_results["flags"][case].values()), f"{case}: {v2_results['flags'][case]}"
-    assert v2_results["same_on_ranks"][case], f"{case}: the ranks' losses or gradients differ"
+    _check_v2_loss(v2_results, case)
+
+
+@two_gpus
+def test_v2_top_candidates_on_two_gpus(v2_results_cuda):
+    """The same over NCCL on two GPUs (fp32, kernels "auto")."""
+    _check_v2_topk(v2_results_cuda)
+
+
+@two_gpus
+def test_v2_candidate_p_on_two_gpus(v2_results_cuda):
+    _check_v2_candidate_p(v2_results_cuda)
+
+
+@pytest.mark.parametrize("case", list(tp_ranks.V2_CASES))
+@two_gpus
+def test_v2_loss_on_two_gpus(v2_results_cuda, case):
+    _check_v2_loss(v2_results_cuda, case)

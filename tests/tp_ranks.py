@@ -57,10 +57,11 @@ def compare(full, shard) -> dict:
     return err
 
 
-def run(rank: int, world: int, init_file: str, cases: list, out: str, device: str = "cpu") -> None:
+def _init_group(rank: int, world: int, init_file: str, device: str):
+    """(TensorParallel over ``world`` ranks, this rank's device): "cpu" over gloo, "cuda" over NCCL with one GPU
+    per rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from specopd.models import load_target
     from specopd.models.tensor_parallel import TensorParallel
 
     torch.set_num_threads(1)
@@ -68,9 +69,14 @@ def run(rank: int, world: int, init_file: str, cases: list, out: str, device: st
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
+    return TensorParallel(init_device_mesh(device, (world,))), (f"cuda:{rank}" if device == "cuda" else "cpu")
+
+
+def run(rank: int, world: int, init_file: str, cases: list, out: str, device: str = "cpu") -> None:
+    from specopd.models import load_target
+
+    tp, dev = _init_group(rank, world, init_file, device)
     try:
-        tp = TensorParallel(init_device_mesh(device, (world,)))
         res = {}
         for name, path in cases:
             full = load_target(path, device=dev)
@@ -99,7 +105,7 @@ LOSS_CASES = {  # name: (kind, temperature, ce_weight, markov, rows N x W, chunk
 }
 
 
-def _loss_inputs(case, vocab, d=16, r=8):
+def _loss_inputs(case, vocab, dev="cpu", d=16, r=8):
     kind, temp, ce_w, markov, (n, w), chunk = LOSS_CASES[case]
     g = torch.Generator().manual_seed(sum(map(ord, case)))
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -115,7 +121,7 @@ def _loss_inputs(case, vocab, d=16, r=8):
         mask[1, 2:] = False  # a branch cut short
         mask[-1, 0] = False  # a branch with no valid position
     x["mask"] = mask
-    return x
+    return {k: v.to(dev) for k, v in x.items()}  # drawn on the CPU: the same inputs on every device
 
 
 def _loss_call(case, x, tp, lo, hi):
@@ -136,7 +142,7 @@ def _loss_call(case, x, tp, lo, hi):
     return out, {k: v.grad for k, v in leaves.items()}
 
 
-def _sampler_errs(tp, lo, hi, vocab):
+def _sampler_errs(tp, lo, hi, vocab, dev="cpu"):
     """Tokens drawn through the gathered vocabulary against the whole one, and whether every rank drew the same."""
     import torch.distributed as dist
 
@@ -146,6 +152,7 @@ def _sampler_errs(tp, lo, hi, vocab):
     g = torch.Generator().manual_seed(5)
     h, w = torch.randn(6, 5, 16, generator=g) * 3, torch.randn(vocab, 16, generator=g)
     e, w2 = torch.randn(6, 5, 8, generator=g), torch.randn(vocab, 8, generator=g)
+    h, w, e, w2 = (t.to(dev) for t in (h, w, e, w2))
     rows = [torch.tensor([0, 2, 3]), torch.tensor([1, 4])]
     for temp in (1.0, 0.8, 0.0):
         for mk in (False, True):
@@ -161,22 +168,16 @@ def _sampler_errs(tp, lo, hi, vocab):
     return res
 
 
-def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96) -> None:
-    """Every ``LOSS_CASES`` case whole and over the vocabulary split across ``world`` gloo ranks: rank 0 writes the
-    largest relative differences of the loss, alpha, nll and every input's gradient, whether every rank got the same
-    bits, and the sampler's agreement."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from specopd.models.tensor_parallel import TensorParallel
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96, device: str = "cpu") -> None:
+    """Every ``LOSS_CASES`` case whole and over the vocabulary split across ``world`` ranks (``device`` "cpu": gloo,
+    "cuda": NCCL): rank 0 writes the largest relative differences of the loss, alpha, nll and every input's
+    gradient, whether every rank got the same bits, and the sampler's agreement."""
+    tp, dev = _init_group(rank, world, init_file, device)
     try:
-        tp = TensorParallel(init_device_mesh("cpu", (world,)))
         lo, hi = tp.vocab_block(vocab)
         res = {"loss": {}, "same_on_ranks": {}}
         for case in LOSS_CASES:
-            x = _loss_inputs(case, vocab)
+            x = _loss_inputs(case, vocab, dev)
             full, gf = _loss_call(case, x, None, lo, hi)
             shard, gs = _loss_call(case, x, tp, lo, hi)
             err = {"loss": _rel(shard.loss.detach(), full.loss.detach())}
@@ -189,7 +190,7 @@ def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96) -
             every = [torch.zeros_like(mine) for _ in range(world)]
             dist.all_gather(every, mine)
             res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
-        res["sampler"] = _sampler_errs(tp, lo, hi, vocab)
+        res["sampler"] = _sampler_errs(tp, lo, hi, vocab, dev)
         if rank == 0:
             with open(out + ".tmp", "w") as f:
                 json.dump(res, f)
@@ -208,7 +209,7 @@ V2_CASES = {  # name: (method, temperature, ce_weight, block_size, branches, mas
 }
 
 
-def _topk_cases(vocab):
+def _topk_cases(vocab, dev="cpu"):
     """(name, h [M, d], W [V, d], K, extra [M]) for ``top_candidates``: random logits, and integer ones with ties
     inside a rank's block and across the boundary (rank 1's block a copy of rank 0's: every tie crosses it)."""
     g = torch.Generator().manual_seed(3)
@@ -222,21 +223,22 @@ def _topk_cases(vocab):
         wd = wi.clone()
         wd[vocab // 2:] = wd[: vocab // 2]
         out.append((f"ties_across_ranks_k{k}", hn, wd, k))
-    return [(n, h, w, k, torch.randint(0, vocab, (h.shape[0],), generator=g)) for n, h, w, k in out]
+    return [(n, h.to(dev), w.to(dev), k, torch.randint(0, vocab, (h.shape[0],), generator=g).to(dev))
+            for n, h, w, k in out]
 
 
-def _v2_topk(tp, lo, hi, vocab):
+def _v2_topk(tp, lo, hi, vocab, dev="cpu"):
     """top_candidates over the split vocabulary against the whole one: ids bitwise, values, dh, and the whole
     row's stable sort (value descending, id ascending)."""
     from specopd.drafters.dflash2 import top_candidates
 
     res = {}
-    for name, h, w, k, extra in _topk_cases(vocab):
+    for name, h, w, k, extra in _topk_cases(vocab, dev):
         outs = []
         for weight, t in ((w, None), (w[lo:hi], tp)):
             x = h.clone().requires_grad_(True)
             vals, ids = top_candidates(x, weight, k, extra, chunk_rows=4, tp=t)
-            g = torch.linspace(-1, 1, vals.numel()).view_as(vals)
+            g = torch.linspace(-1, 1, vals.numel(), device=vals.device).view_as(vals)
             (vals * g).sum().backward()
             outs.append((vals.detach(), ids, x.grad))
         (vf, idf, gf), (vs, ids_, gs) = outs
@@ -246,7 +248,7 @@ def _v2_topk(tp, lo, hi, vocab):
     return res
 
 
-def _v2_candidate_p(tp, lo, hi, vocab):
+def _v2_candidate_p(tp, lo, hi, vocab, dev="cpu"):
     """candidate_p over the split vocabulary against the whole one: T = 1, 0.5, 0 (and 0 with every logit of a row
     equal: the argmax is id 0, on rank 0), masked rows."""
     from specopd.losses import candidate_p
@@ -258,9 +260,10 @@ def _v2_candidate_p(tp, lo, hi, vocab):
     ids[0, 0, 1] = 0
     mask = torch.ones(5, 3, dtype=torch.bool)
     mask[1, 2], mask[3] = False, False
+    tied = torch.randn(1, 16, generator=g).expand(vocab, 16).contiguous()
+    hp, wp, ids, mask, tied = (t.to(dev) for t in (hp, wp, ids, mask, tied))
     res = {}
-    for name, t, wt in (("t1", 1.0, wp), ("t05", 0.5, wp), ("greedy", 0.0, wp),
-                        ("greedy_all_tied", 0.0, torch.randn(1, 16, generator=g).expand(vocab, 16).contiguous())):
+    for name, t, wt in (("t1", 1.0, wp), ("t05", 0.5, wp), ("greedy", 0.0, wp), ("greedy_all_tied", 0.0, tied)):
         full = candidate_p(hp, ids, wt, t, mask, chunk_rows=4)
         shard = candidate_p(hp, ids, wt[lo:hi], t, mask, chunk_rows=4, tp=tp)
         res[name] = {"rel": _rel(shard, full), "equal": bool(torch.equal(shard, full)) if t == 0.0 else True,
@@ -277,10 +280,9 @@ def _v2_loss(case, full, shard, tp):
     from specopd.models.tensor_parallel import vocab_group
 
     method, temp, ce_w, bs, nb, masked = V2_CASES[case]
-    v = full.vocab_size
+    v, dev = full.vocab_size, full.device
     g = torch.Generator().manual_seed(sum(map(ord, case)))
     ids = _ids(9, 21, v)
-    feats = [full.hidden_states(ids.view(1, -1), [1, 2])[0]]
     anchors = torch.randint(0, 9, (nb,), generator=g)
     atok = ids[anchors]
     tokens = torch.randint(0, v, (nb, bs - 1), generator=g)
@@ -289,6 +291,8 @@ def _v2_loss(case, full, shard, tp):
     mask = torch.ones(nb, bs - 1, dtype=torch.bool)
     if masked:
         mask[1, 1:], mask[-1, 0] = False, False
+    ids, anchors, atok, tokens, ref, hp, mask = (t.to(dev) for t in (ids, anchors, atok, tokens, ref, hp, mask))
+    feats = [full.hidden_states(ids.view(1, -1), [1, 2])[0]]
     drafters = []
     for t in (full, shard):
         d = build_drafter("dflash2", t, num_layers=1, block_size=bs, seed=0, feature_layers=[1, 2],
@@ -297,7 +301,7 @@ def _v2_loss(case, full, shard, tp):
         with torch.no_grad():
             for name, p in d.named_parameters():
                 if "base_kernel" in name or "kernel_projection" in name or "candidate_selector" in name:
-                    p.normal_(0, 0.3, generator=gg)
+                    p.copy_(torch.empty_like(p, device="cpu").normal_(0, 0.3, generator=gg))  # a CPU draw
         drafters.append(d)
     outs = []
     for d, t in zip(drafters, (full, shard)):
@@ -328,23 +332,20 @@ def _v2_loss(case, full, shard, tp):
     return err, flags, mine
 
 
-def run_v2(rank: int, world: int, init_file: str, path: str, out: str) -> None:
-    """DFlash V2 over a vocabulary split across ``world`` gloo ranks: ``top_candidates``, ``candidate_p`` and the
-    V2 loss of every ``V2_CASES`` case against the whole vocabulary; rank 0 writes the results."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def run_v2(rank: int, world: int, init_file: str, path: str, out: str, device: str = "cpu") -> None:
+    """DFlash V2 over a vocabulary split across ``world`` ranks (``device`` "cpu": gloo, "cuda": NCCL):
+    ``top_candidates``, ``candidate_p`` and the V2 loss of every ``V2_CASES`` case against the whole vocabulary;
+    rank 0 writes the results."""
     from specopd.models import load_target
-    from specopd.models.tensor_parallel import TensorParallel, vocab_group
+    from specopd.models.tensor_parallel import vocab_group
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    tp, dev = _init_group(rank, world, init_file, device)
     try:
-        tp = TensorParallel(init_device_mesh("cpu", (world,)))
         vocab = 96
         lo, hi = tp.vocab_block(vocab)
-        res = {"topk": _v2_topk(tp, lo, hi, vocab), "candidate_p": _v2_candidate_p(tp, lo, hi, vocab),
+        res = {"topk": _v2_topk(tp, lo, hi, vocab, dev), "candidate_p": _v2_candidate_p(tp, lo, hi, vocab, dev),
                "loss": {}, "flags": {}, "same_on_ranks": {}}
-        full, shard = load_target(path), load_target(path, tensor_parallel=tp)
+        full, shard = load_target(path, device=dev), load_target(path, device=dev, tensor_parallel=tp)
         res["split_head"] = vocab_group(shard.lm_head) is tp
         for case in V2_CASES:
             err, flags, mine = _v2_loss(case, full, shard, tp)
