@@ -12,6 +12,14 @@ FL = (0, 1)
 C = 8  # GDN checkpoint interval: trunks and commits cross it
 
 
+def _write_result(rank: int, res: dict, out: str) -> None:
+    """Rank 0 writes the results the test reads (atomically: the test waits for the processes, then reads)."""
+    if rank == 0:
+        with open(out + ".tmp", "w") as f:
+            json.dump(res, f)
+        os.replace(out + ".tmp", out)
+
+
 def _rel(a, b) -> float:
     a, b = a.float(), b.float()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
@@ -84,10 +92,7 @@ def run(rank: int, world: int, init_file: str, cases: list, out: str, device: st
             n_full = sum(p.numel() for p in full.parameters())
             n_shard = sum(p.numel() for p in shard.parameters())
             res[name] = {"err": compare(full, shard), "params": [n_full, n_shard]}
-        if rank == 0:
-            with open(out + ".tmp", "w") as f:
-                json.dump(res, f)
-            os.replace(out + ".tmp", out)
+        _write_result(rank, res, out)
     finally:
         dist.destroy_process_group()
 
@@ -191,10 +196,7 @@ def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96, d
             dist.all_gather(every, mine)
             res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
         res["sampler"] = _sampler_errs(tp, lo, hi, vocab, dev)
-        if rank == 0:
-            with open(out + ".tmp", "w") as f:
-                json.dump(res, f)
-            os.replace(out + ".tmp", out)
+        _write_result(rank, res, out)
     finally:
         dist.destroy_process_group()
 
@@ -353,9 +355,6 @@ def run_v2(rank: int, world: int, init_file: str, path: str, out: str, device: s
             dist.all_gather(every, mine)
             res["loss"][case], res["flags"][case] = err, flags
             res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
-        if rank == 0:
-            with open(out + ".tmp", "w") as f:
-                json.dump(res, f)
-            os.replace(out + ".tmp", out)
+        _write_result(rank, res, out)
     finally:
         dist.destroy_process_group()

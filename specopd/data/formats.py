@@ -294,7 +294,12 @@ def conversation_prompts(path: str, bad_lines: str = "error", stats: Optional[di
     ``stats["later_turns_dropped"]`` counts conversations that had some. A conversation that opens with an
     assistant turn (ShareGPT's chunks of longer chats often do) has no prompt and is bad data, unless
     ``opening_context``: then its prompt runs up to the first assistant turn after a user turn, the opening
-    replies kept as context (as its trunk has them)."""
+    replies kept as context (as its trunk has them).
+
+    Args:
+        path: the conversations file; bad_lines: ``error`` or ``skip`` (``data.bad_lines``); stats: filled with the
+        counts; opening_context: see above.
+    """
     st = stats if stats is not None else {}
     st.setdefault("later_turns_dropped", 0)
     out, seen = [], set()

@@ -270,7 +270,12 @@ def conversation_split(cfg) -> tuple:
 
 def trained_ids(train_ids: list, batch_size: int, seed: int, steps: int) -> list:
     """The sample ids the first ``steps`` steps of a run train on, in order (``BatchOrder``, as the trainer
-    draws them; an id repeats once an epoch is done)."""
+    draws them; an id repeats once an epoch is done).
+
+    Args:
+        train_ids: the run's train sample ids (``split_ids``); batch_size: samples a step (``data.batch_size``);
+        seed: the data order's seed (``data.seed``); steps: how many steps.
+    """
     order = BatchOrder(train_ids, batch_size, seed)
     return [i for _ in range(steps) for i in order.next()]
 
