@@ -39,7 +39,7 @@ def vllm(target_dir: str, prompts: list, new: int, dtype: str, stops: set, work:
 
     t0 = time.perf_counter()
     res = run_judge(target_dir, None, prompts, new, [0.0], sorted(stops), dtype, work_dir=os.path.join(work, dtype),
-                    patch_cpu_expand=False)  # plain T = 0: vLLM as shipped (multiprocess engine)
+                    patch_cpu=False)  # plain T = 0: vLLM as shipped (multiprocess engine)
     total = time.perf_counter() - t0
     run = res["runs"][0]
     outs = [o["token_ids"] for o in run["outputs"]]

