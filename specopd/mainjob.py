@@ -287,16 +287,26 @@ def _run(cfg, progress: bool) -> dict:
         before = ("before: untrained drafter", None)
     rows = [before,
             (f"after: + {cfg.trainer.method} ({summary['steps']} steps)", final)]
-    results = evaluate_rows(cfg, prep["target_dir"], rows, progress=progress)
-    results += judge_rows(cfg, prep["target_dir"], rows, progress=progress)  # both drafters in vLLM, when there
+    # vLLM's counters and ours on vLLM's schedule side by side, when vLLM is there; ours alone for the rest
+    results = judge_rows(cfg, prep["target_dir"], rows, progress=progress)
+    done = {r["checkpoint"] for r in results}
+    rest = [(label, path) for label, path in rows if not path or path not in done]
+    if rest:
+        results = evaluate_rows(cfg, prep["target_dir"], rest, progress=progress) + results
     times["eval"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_all
 
     w = cfg.drafter.block_size - 1  # W drafted tokens
     judged = next((r["num_prompts"] for r in results if r.get("num_prompts")), None)
-    what = (f"MT-Bench first turns: ours on {cfg.eval.prompts} (the same number per category)"
-            + (f", vLLM on all {judged}" if judged else "") if cfg.eval.bench == "mt-bench" else
-            f"{cfg.eval.prompts} chat prompts of held-out conversations")
+    per_cat = " (the same number per category)" if cfg.eval.bench == "mt-bench" else ""
+    if judged:
+        hot = ", ".join(f"{float(t):g}" for t in temps if float(t) > 0)
+        parts = ([f"on all {judged} at T=0"] if any(float(t) == 0 for t in temps) else []) + (
+            [f"on {min(cfg.eval.prompts, judged)} of them{per_cat} at T={hot}"] if hot else [])
+        what = (f"{where}: vLLM on all {judged}; ours on vLLM's schedule " + ", ".join(parts)
+                + (f"; ours alone on {cfg.eval.prompts} for the rows vLLM did not judge" if rest else ""))
+    else:
+        what = f"{where}: ours on {cfg.eval.prompts}{per_cat}"
     title = (f"\nAcceptance length (AL = tokens committed per target verification round, incl. the bonus token; max "
              f"{w + 1})\n{provenance_line()}\n{what}, {cfg.eval.max_new_tokens} new tokens each, speculative decoding "
              f"(T=0: greedy, exact match, replayed exactly on the target's greedy continuation; T>0: decoded), "

@@ -212,27 +212,28 @@ def test_vllm_cpu_stacked_rms_norm_patched(norm_check):
     assert norm_check["detected"] == (norm_check["shipped"] > 1e-3), norm_check
 
 
-def test_vllm_serves_a_two_layer_drafter_round_for_round(tiny_target, tmp_path):
-    """A drafter of two layers whose k_norm weights differ: vLLM's T = 0 rounds equal ours prompt by prompt with the
-    runner's per-layer norm, and differ without it where vLLM's rms_norm has the bug (so this test can fail)."""
+@pytest.fixture(scope="module")
+def two_layer(tiny_target, tmp_path_factory):
+    """A DFlash drafter of two layers trained 20 steps, exported, its layer 1 k_norm weight then scaled 4-8x
+    channel by channel (so the two layers' weights differ) -> {export, prompts}."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from specopd.config import load_recipe
     from specopd.data.prepare import encode_prompt, load_tokenizer
     from specopd.drafters.layout import export_folder
-    from specopd.eval.engine import format_judge, judge
     from specopd.train.checkpoint import find_latest
     from specopd.train.loop import train
 
     tdir, _ = tiny_target
+    root = tmp_path_factory.mktemp("two-layer")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_recipe(os.path.join(repo, "recipes", "tiny.yaml"), [
-        f"trainer.output_dir={tmp_path / 'run'}", f"model.target={tdir}", "trainer.max_steps=20",
+        f"trainer.output_dir={root / 'run'}", f"model.target={tdir}", "trainer.max_steps=20",
         "trainer.save_every=0", "profile.enabled=false", "drafter.num_layers=2"])
     train(cfg, progress=False)
-    export = str(tmp_path / "export")
-    export_folder(find_latest(str(tmp_path / "run")), export)
+    export = str(root / "export")
+    export_folder(find_latest(str(root / "run")), export)
     wpath = os.path.join(export, "model.safetensors")
     sd = load_file(wpath)
     g = torch.Generator().manual_seed(0)
@@ -240,18 +241,49 @@ def test_vllm_serves_a_two_layer_drafter_round_for_round(tiny_target, tmp_path):
     sd[name] = sd["layers.0.self_attn.k_norm.weight"] * (4 + 4 * torch.rand(sd[name].shape, generator=g))
     save_file(sd, wpath)
     tok = load_tokenizer(tdir, 128)
-    prompts = [encode_prompt(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    check = "T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"
-    rep = judge(tdir, export, prompts, 32, (0.0,), [EOS], "float32", seed=0, own=False,
+    return dict(export=export, prompts=[encode_prompt(tok, [{"role": "user", "content": q}]) for q in QUESTIONS])
+
+
+ROUNDS = "T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"
+
+
+def test_vllm_serves_a_two_layer_drafter_round_for_round(tiny_target, two_layer, tmp_path):
+    """vLLM's T = 0 rounds of a drafter whose two layers' k_norm weights differ equal ours prompt by prompt with the
+    runner's per-layer norm, and differ without it where vLLM's rms_norm has the bug (so this test can fail)."""
+    from specopd.eval.engine import format_judge, judge
+
+    tdir, _ = tiny_target
+    rep = judge(tdir, two_layer["export"], two_layer["prompts"], 32, (0.0,), [EOS], "float32", seed=0, own=False,
                 work_dir=str(tmp_path / "judge"))
     t0 = rep["by_temperature"]["0"]
     assert sum(t0["ours_vllm_schedule"]["accepted_at"]) > 0  # not vacuous: drafts were accepted
-    assert rep["checks"][check][0], format_judge(rep)
+    assert rep["checks"][ROUNDS][0], format_judge(rep)
     assert rep["problems"] == [], format_judge(rep)
     if "cpu_context_k_norm" in rep["vllm_patched"]:  # the bug is there: without the patch vLLM's drafts differ
-        bad = judge(tdir, export, prompts, 32, (0.0,), [EOS], "float32", seed=0, own=False, patch_vllm=False,
-                    work_dir=str(tmp_path / "judge-unpatched"))
-        assert not bad["checks"][check][0], format_judge(bad)
+        bad = judge(tdir, two_layer["export"], two_layer["prompts"], 32, (0.0,), [EOS], "float32", seed=0, own=False,
+                    patch_vllm=False, work_dir=str(tmp_path / "judge-unpatched"))
+        assert not bad["checks"][ROUNDS][0], format_judge(bad)
+
+
+def test_two_drafters_judged_in_one_vllm_process(tiny_target, served, two_layer, tmp_path):
+    """The main job's judge serves its two drafters in one vLLM process, one engine after the other: each agrees
+    with ours round for round, as when served alone (the second engine inherits nothing of the first)."""
+    from specopd.eval.engine import format_judge, judge, run_judge_drafters
+
+    tdir, _ = tiny_target
+    prompts = two_layer["prompts"]
+    exports = [two_layer["export"], served["export"]]
+    runs = run_judge_drafters(tdir, exports, prompts, 32, (0.0, 1.0), [EOS], "float32", seed=0,
+                              work_dir=str(tmp_path / "vllm"))
+    assert [r["drafter"] for r in runs] == exports
+    with open(runs[0]["log"]) as f:
+        assert f.read().count("[vllm-runner] loaded ") == 2  # one process, two engines
+    for export, run in zip(exports, runs):
+        rep = judge(tdir, export, prompts, 32, (0.0, 1.0), [EOS], "float32", seed=0, own=False, vllm_run=run,
+                    work_dir=str(tmp_path / os.path.basename(os.path.dirname(export))))
+        assert sum(rep["by_temperature"]["0"]["ours_vllm_schedule"]["accepted_at"]) > 0
+        assert rep["checks"][ROUNDS][0], format_judge(rep)
+        assert rep["problems"] == [], format_judge(rep)
 
 
 def test_broken_exports_fail_with_a_clear_message(served, tmp_path, capsys):

@@ -205,47 +205,70 @@ def generate(args) -> int:
 
 
 def judge(args) -> int:
-    """The same requests at each of ``--temperatures`` (or each request's own temperature), with the drafter as
-    DFlash (``--drafter``) or plain; vLLM's speculative counters are read before and after each temperature's
-    ``generate`` call, so each run gets its own."""
+    """The same requests at each of ``--temperatures`` (or each request's own temperature), with each ``--drafter``
+    as DFlash in turn (one engine each, one process for all: the import and start-up are paid once) or plain;
+    vLLM's speculative counters are read before and after each temperature's ``generate`` call, so each run gets
+    its own. Output: one drafter's result as before; several: ``{"by_drafter": [result per drafter]}``."""
     reqs = _read(args.input)
     patched = ["cpu_expand_kernel"] if args.patch_cpu_expand and _patch_cpu_expand() else []
+    drafters = args.drafter or [None]
+    ks = args.num_speculative_tokens or [4]
+    if len(ks) == 1:
+        ks = ks * len(drafters)
+    if len(ks) != len(drafters):
+        raise SystemExit(f"--num-speculative-tokens: give one, or one per --drafter ({len(drafters)})")
     if args.drafter and args.patch_cpu_norm and _patch_cpu_context_k_norm():
         patched.append("cpu_context_k_norm")
-    spec = None
-    if args.drafter:
-        spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens,
-                "draft_sample_method": args.draft_sample_method}
     temps = [float(t) for t in args.temperatures.split(",")] if args.temperatures else [None]
-    llm = _llm(args, spec, sampling=_samples(reqs, temps))
-    _log(f"loaded {args.model}" + (f" with DFlash drafter {args.drafter}" if spec else "") + f"; {len(reqs)} requests")
-    runs = []
-    for temp in temps:
-        rs = [dict(r, temperature=temp) if temp is not None else r for r in reqs]
-        before = _counters(llm) if spec else None
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in rs], [_params(r) for r in rs],
-                            use_tqdm=False)
-        wall = time.perf_counter() - t0
-        after = _counters(llm) if spec else None
-        counters = None
-        if spec:
-            counters = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-            bp = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
-            counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], bp)]
-        out = [{"id": r["id"], "token_ids": list(o.outputs[0].token_ids), "finish": _finish(o.outputs[0]),
-                "text": o.outputs[0].text, "steps": _steps(o.outputs[0])} for r, o in zip(rs, outs)]
-        n_tok = sum(len(o["token_ids"]) for o in out)
-        runs.append({"temperature": temp, "outputs": out, "wall_s": wall, "tokens_per_s": n_tok / max(wall, 1e-9),
-                     "counters": counters})
-        _log(f"T={temp}: {n_tok / max(wall, 1e-9):.1f} tok/s" + (f", counters {counters}" if counters else ""))
-    res = {"runs": runs, "model": args.model, "drafter": args.drafter, "dtype": args.dtype,
-           "num_speculative_tokens": args.num_speculative_tokens if spec else 0,
-           "draft_sample_method": args.draft_sample_method if spec else None, "vllm": _version(),
-           "patched": patched}
+    results = []
+    for drafter, k in zip(drafters, ks):
+        spec = None
+        if drafter:
+            spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": k,
+                    "draft_sample_method": args.draft_sample_method}
+        if results:
+            _teardown()
+        llm = _llm(args, spec, sampling=_samples(reqs, temps))
+        _log(f"loaded {args.model}" + (f" with DFlash drafter {drafter}" if spec else "") + f"; {len(reqs)} requests")
+        runs = []
+        for temp in temps:
+            rs = [dict(r, temperature=temp) if temp is not None else r for r in reqs]
+            before = _counters(llm) if spec else None
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in rs], [_params(r) for r in rs],
+                                use_tqdm=False)
+            wall = time.perf_counter() - t0
+            after = _counters(llm) if spec else None
+            counters = None
+            if spec:
+                counters = {n: after[n] - before[n] for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+                bp = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) -
+                                                         len(before["accepted_per_pos"]))
+                counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], bp)]
+            out = [{"id": r["id"], "token_ids": list(o.outputs[0].token_ids), "finish": _finish(o.outputs[0]),
+                    "text": o.outputs[0].text, "steps": _steps(o.outputs[0])} for r, o in zip(rs, outs)]
+            n_tok = sum(len(o["token_ids"]) for o in out)
+            runs.append({"temperature": temp, "outputs": out, "wall_s": wall,
+                         "tokens_per_s": n_tok / max(wall, 1e-9), "counters": counters})
+            _log(f"T={temp}: {n_tok / max(wall, 1e-9):.1f} tok/s" + (f", counters {counters}" if counters else ""))
+        results.append({"runs": runs, "model": args.model, "drafter": drafter, "dtype": args.dtype,
+                        "num_speculative_tokens": k if spec else 0,
+                        "draft_sample_method": args.draft_sample_method if spec else None, "vllm": _version(),
+                        "patched": patched})
+        del llm
     with open(args.output, "w") as f:
-        json.dump(res, f)
+        json.dump(results[0] if len(results) == 1 else {"by_drafter": results}, f)
     return 0
+
+
+def _teardown() -> None:
+    """Free the engine just used before the next one starts in this process."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory  # runs in vLLM's own venv only
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def _version() -> str:
@@ -263,8 +286,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--chunk", type=int, default=256, help="requests per llm.generate call (one flush each)")
-    p.add_argument("--drafter", default=None, help="judge: a DFlash export folder")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--drafter", action="append", default=None,
+                   help="judge: a DFlash export folder; repeat it to judge several, one after another")
+    p.add_argument("--num-speculative-tokens", type=int, action="append", default=None,
+                   help="k (default 4); one, or one per --drafter")
     p.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"],
                    help="judge, T > 0: drafts sampled from the drafter with its probabilities in the ratio test (our "
                         "decoder's algorithm), or vLLM's default: argmax drafts treated as one-hot")

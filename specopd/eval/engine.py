@@ -64,34 +64,61 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
         num_accepted_tokens, accepted_per_pos [k]} or None, tokens_per_s, wall_s}], num_speculative_tokens,
         patched (the fixes applied), log}.
     """
+    return run_judge_drafters(target_dir, [drafter_dir], prompts, max_new_tokens, temperatures, stop_token_ids,
+                              dtype, num_speculative_tokens, seed, work_dir, max_model_len, draft_sample_method,
+                              max_num_seqs, patch_cpu)[0]
+
+
+def run_judge_drafters(target_dir: str, drafter_dirs: Sequence[Optional[str]], prompts: Sequence,
+                       max_new_tokens: int, temperatures: Sequence[float], stop_token_ids: Sequence[int],
+                       dtype: str = "float32", num_speculative_tokens: Optional[int] = None, seed: int = 0,
+                       work_dir: Optional[str] = None, max_model_len: Optional[int] = None,
+                       draft_sample_method: str = "probabilistic", max_num_seqs: Optional[int] = None,
+                       patch_cpu: bool = True) -> list:
+    """``run_judge`` for several drafters (exports, or [None] for plain) in one vLLM process, one engine after
+    another: vLLM's import and first start-up are paid once. -> one ``run_judge`` result per drafter, in order."""
     work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
     os.makedirs(work, exist_ok=True)
-    tag = (f"spec-{draft_sample_method}" if drafter_dir else "plain") + (f"-b{max_num_seqs}" if max_num_seqs else "")
+    drafters = list(drafter_dirs)
+    spec = any(drafters)
+    if spec and not all(drafters):
+        raise ValueError("run_judge_drafters: give exports only, or [None] for plain decoding")
+    tag = (f"spec-{draft_sample_method}" if spec else "plain") + (f"-b{max_num_seqs}" if max_num_seqs else "") + (
+        f"-{len(drafters)}" if len(drafters) > 1 else "")
     req, out, log = (os.path.join(work, f"{tag}.{x}") for x in ("requests.jsonl", "json", "log"))
     longest = max(len(p) for p in prompts)
-    if num_speculative_tokens is None and drafter_dir:
-        with open(os.path.join(drafter_dir, "config.json")) as f:
-            num_speculative_tokens = int(json.load(f)["block_size"]) - 1
+    ks = []
+    for d in drafters if spec else []:
+        if num_speculative_tokens is None:
+            with open(os.path.join(d, "config.json")) as f:
+                ks.append(int(json.load(f)["block_size"]) - 1)
+        else:
+            ks.append(int(num_speculative_tokens))
     with open(req, "w") as f:
         for i, p in enumerate(prompts):
             f.write(json.dumps({"id": str(i), "prompt_ids": [int(t) for t in p], "max_tokens": int(max_new_tokens),
                                 "temperature": 0.0, "seed": int(seed) * 1_000_003 + i,
                                 "stop_token_ids": [int(t) for t in stop_token_ids]}) + "\n")
-    mml = max_model_len or (longest + max_new_tokens + (num_speculative_tokens or 0) + 8)
+    mml = max_model_len or (longest + max_new_tokens + max(ks, default=0) + 8)
     args = ["judge", "--model", target_dir, "--input", req, "--output", out, "--dtype", dtype,
             "--temperatures", ",".join(f"{float(t):g}" for t in temperatures), "--max-model-len", str(mml)]
     if max_num_seqs:
         args += ["--max-num-seqs", str(int(max_num_seqs))]
-    if drafter_dir:
-        args += ["--drafter", drafter_dir, "--num-speculative-tokens", str(num_speculative_tokens),
-                 "--draft-sample-method", draft_sample_method]
+    for d, k in zip(drafters if spec else [], ks):
+        args += ["--drafter", d, "--num-speculative-tokens", str(k)]
+    if spec:
+        args += ["--draft-sample-method", draft_sample_method]
     if patch_cpu:
         args += ["--patch-cpu-expand", "--patch-cpu-norm"]
     run_vllm(args, log_path=log)
     with open(out) as f:
         res = json.load(f)
-    res["log"] = log
-    return res
+    results = res["by_drafter"] if "by_drafter" in res else [res]
+    if len(results) != len(drafters):
+        raise RuntimeError(f"the vLLM runner returned {len(results)} results for {len(drafters)} drafters ({log})")
+    for r in results:
+        r["log"] = log
+    return results
 
 
 def vllm_numbers(counters: dict, k: int) -> dict:
@@ -305,7 +332,8 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
           seed: int = 0, plain: bool = False, checkpoint: Optional[str] = None, work_dir: Optional[str] = None,
           target=None, own: bool = True, vllm_default: bool = False, progress: bool = False,
           patch_vllm: bool = True, meta: Optional[Sequence[dict]] = None,
-          hot_prompts: Optional[Sequence[int]] = None) -> dict:
+          hot_prompts: Optional[Sequence[int]] = None, greedy: Optional[Sequence] = None,
+          vllm_run: Optional[dict] = None) -> dict:
     """Serve ``drafter_path`` (a checkpoint, exported here, or an export) with ``target_dir`` in vLLM and put
     its counters next to ours on the same prompts, max tokens and stops, at each temperature.
 
@@ -320,6 +348,11 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         hot_prompts: at T > 0, the indices of the prompts ours on vLLM's schedule decodes (None: all); it is then
             compared with vLLM's per-request steps on the same prompts, while vLLM's row keeps all its counters.
             (At T = 0 ours is a replay and covers every prompt.)
+        greedy: the target's greedy continuations of ``prompts`` (``greedy_continuations``, >= max_new_tokens + W
+            tokens each), when the caller has them (the main job judges two drafters on one target); None: computed.
+        vllm_run: vLLM's speculative run of this drafter on ``prompts`` at ``temperatures`` (``run_judge``'s
+            result), when the caller ran it (``run_judge_drafters``: several drafters in one vLLM process); None:
+            run here.
     Returns:
         {by_temperature: {T: {vllm, ours_vllm_schedule, ours (our own schedule, ``evaluate_al``),
         disagreements, accept_lengths: {side: tokens per round per prompt}, by_category (with meta)}}, checks: {name: (ok, detail)}, problems: [...], export, num_speculative_tokens,
@@ -341,9 +374,14 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     drafter = load_drafter(ck or export, target).eval()
     k = drafter.draft_len
     temps = [float(t) for t in temperatures]
-    full = greedy = None
+    full, greedy = greedy, None
+    if full is not None and any(len(g) < max_new_tokens + k for g in full):
+        raise ValueError(f"judge: the greedy continuations given are shorter than max_new_tokens + W = "
+                         f"{max_new_tokens + k} tokens")
     if plain or 0.0 in temps:  # the target's greedy continuations (batched), cut after a stop token for the text
-        full = greedy_continuations(target, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens + k)
+        if full is None:
+            full = greedy_continuations(target, [torch.as_tensor(p).reshape(-1) for p in prompts],
+                                        max_new_tokens + k)
         greedy = [_cut(g.tolist()[:max_new_tokens], stop_token_ids) for g in full]
     refs = {}  # the fp32 reference of a low-precision target (and the drafter on it), each loaded when first needed
 
@@ -368,8 +406,12 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         report["checks"][name] = (not bad, why)
         return bad
 
-    spec = run_judge(target_dir, export, prompts, max_new_tokens, temps, stop_token_ids, dtype, k, seed,
-                     os.path.join(work, "vllm"), patch_cpu=patch_vllm)
+    spec = vllm_run if vllm_run is not None else run_judge(
+        target_dir, export, prompts, max_new_tokens, temps, stop_token_ids, dtype, k, seed, os.path.join(work, "vllm"),
+        patch_cpu=patch_vllm)
+    if [float(r["temperature"]) for r in spec["runs"]] != temps or spec["num_speculative_tokens"] != k:
+        raise ValueError(f"judge: the vLLM run given is at T={[r['temperature'] for r in spec['runs']]} with k="
+                         f"{spec['num_speculative_tokens']}, not T={temps} with k={k}")
     report["num_speculative_tokens"] = spec["num_speculative_tokens"]
     report["vllm_patched"] = list(spec.get("patched", []))
     report["tokens_per_s"]["vllm_spec"] = {f"{r['temperature']:g}": r["tokens_per_s"] for r in spec["runs"]}
@@ -628,15 +670,27 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     # T > 0: ours beside vLLM on eval.prompts of them (decoding each costs a target pass a round); T = 0 replays all
     hot = stratified(meta, cfg.eval.prompts) if meta is not None else list(range(min(len(prompts), cfg.eval.prompts)))
+    greedy = None  # the target's greedy continuations: one decode for every drafter's T = 0 replay
+    if any(float(t) == 0 for t in cfg.pipeline.eval_temperatures):
+        greedy = greedy_continuations(target, ids, cfg.eval.max_new_tokens + cfg.drafter.block_size - 1,
+                                      progress=progress)
+    judged = [(label, path, os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)))
+              for label, path in rows if path]
+    temps = [float(t) for t in cfg.pipeline.eval_temperatures]
+    try:  # every drafter in one vLLM process, one engine after another
+        exports = [ensure_export(path, work)[0] for _, path, work in judged]
+        runs = run_judge_drafters(target_dir, exports, prompts, cfg.eval.max_new_tokens, temps, stops, dtype,
+                                  seed=cfg.eval.seed,
+                                  work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", "vllm"))
+    except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
+        print(f"[specopd] vLLM judge failed: {e}", flush=True)
+        return []
     out = []
-    for label, path in rows:
-        if not path:
-            continue
+    for (label, path, work), run in zip(judged, runs):
         try:
-            rep = judge(target_dir, path, prompts, cfg.eval.max_new_tokens, cfg.pipeline.eval_temperatures, stops,
-                        dtype, seed=cfg.eval.seed, target=target, own=False, progress=progress, meta=meta,
-                        work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)),
-                        hot_prompts=hot)
+            rep = judge(target_dir, path, prompts, cfg.eval.max_new_tokens, temps, stops, dtype, seed=cfg.eval.seed,
+                        target=target, own=False, progress=progress, meta=meta, work_dir=work, hot_prompts=hot,
+                        greedy=greedy, vllm_run=run)
         except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
             print(f"[specopd] vLLM judge of {path} failed: {e}", flush=True)
             continue
