@@ -11,6 +11,7 @@ import sys
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from specopd.data.references import split_of
 from specopd.drafters.layout import sha256_file
@@ -20,6 +21,7 @@ ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecFo
          "human": "user", "gpt": "assistant"}                           # ShareGPT
 CACHE_VERSION = 2  # 2: a record's unknown "split" is bad data (1 re-split it by id)
 BAD_LINES = ("error", "skip")
+TOKENISE_BATCH = 512  # conversations a fast tokenizer encodes in one call (on every core)
 SPLITS = ("train", "heldout")
 FIX = "fix or remove it, or set data.bad_lines=skip to skip bad records and count them"
 WHOLE_FILE_FIX = "fix the file (a .json file is one document: skipping bad records cannot read past this)"
@@ -367,11 +369,23 @@ def encode_chat(tok, messages: list) -> tuple:
     template (one tokenisation of the whole text, as a serving engine sees it); a token is masked (1) when it
     starts inside an assistant span (``assistant_spans``)."""
     text, spans = assistant_spans(tok, messages)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=bool(getattr(tok, "is_fast", False)))
-    ids = list(enc["input_ids"])
-    if "offset_mapping" in enc:
-        starts = [int(s) for s, _ in enc["offset_mapping"]]
-    else:  # slow tokenizer: token boundaries from the tokenisation of each span boundary's prefix
+    return _encode_spans(tok, text, spans, _tokenise(tok, [text])[0])
+
+
+def _tokenise(tok, texts: list) -> list:
+    """texts -> per text (ids, token start offsets or None): one batch call (a fast tokenizer encodes a batch on
+    every core, each text exactly as alone)."""
+    fast = bool(getattr(tok, "is_fast", False))
+    enc = tok(texts, add_special_tokens=False, return_offsets_mapping=fast)
+    offs = enc["offset_mapping"] if fast else [None] * len(texts)
+    return [(list(ids), [int(s) for s, _ in o] if o is not None else None) for ids, o in zip(enc["input_ids"], offs)]
+
+
+def _encode_spans(tok, text: str, spans: list, encoded: tuple) -> tuple:
+    """``encode_chat``'s ids and loss mask from the text's tokenisation ``encoded`` = (ids, start offsets or
+    None)."""
+    ids, starts = encoded
+    if starts is None:  # slow tokenizer: token boundaries from the tokenisation of each span boundary's prefix
         starts = _prefix_starts(tok, text, ids, spans)
     mask, k = [0] * len(ids), 0
     for t, s in enumerate(starts):
@@ -425,18 +439,28 @@ def tokenise_file(path: str, tok) -> list:
                 raise rec
             rid, msgs, split = normalise(rec)
             try:
-                ids, mask = encode_chat(tok, msgs)
+                text, spans = assistant_spans(tok, msgs)
             except _Bad:
                 raise
             except Exception as e:  # noqa: BLE001  (the template refused the conversation)
                 raise _Bad("template_error", f"the target's chat template failed on it: {str(e)[:200]}") from None
-            if not any(mask):
-                raise _Bad("no_assistant_turn", "no assistant token after the chat template")
         except _Bad as b:
             items.append((where, "bad", b.reason, b.msg))
             continue
-        items.append((where, "ok", rid or _default_id(where), split, torch.tensor(ids, dtype=torch.int32),
-                      torch.tensor(mask, dtype=torch.bool)))
+        items.append((where, "text", rid, split, text, spans))
+    todo = [i for i, it in enumerate(items) if it[1] == "text"]
+    bar = tqdm(total=len(todo), desc=f"tokenising {os.path.basename(path)}", unit="conv", leave=False,
+               disable=len(todo) < TOKENISE_BATCH)
+    for b in range(0, len(todo), TOKENISE_BATCH):
+        part = todo[b: b + TOKENISE_BATCH]
+        for i, enc in zip(part, _tokenise(tok, [items[i][4] for i in part])):
+            where, _, rid, split, text, spans = items[i]
+            ids, mask = _encode_spans(tok, text, spans, enc)
+            items[i] = ((where, "ok", rid or _default_id(where), split, torch.tensor(ids, dtype=torch.int32),
+                         torch.tensor(mask, dtype=torch.bool)) if any(mask) else
+                        (where, "bad", "no_assistant_turn", "no assistant token after the chat template"))
+        bar.update(len(part))
+    bar.close()
     return items
 
 
