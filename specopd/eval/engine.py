@@ -75,8 +75,20 @@ def run_judge_drafters(target_dir: str, drafter_dirs: Sequence[Optional[str]], p
                        work_dir: Optional[str] = None, max_model_len: Optional[int] = None,
                        draft_sample_method: str = "probabilistic", max_num_seqs: Optional[int] = None,
                        patch_cpu: bool = True) -> list:
-    """``run_judge`` for several drafters (exports, or [None] for plain) in one vLLM process, one engine after
-    another: vLLM's import and first start-up are paid once. -> one ``run_judge`` result per drafter, in order."""
+    """``run_judge`` for several drafters in one vLLM process, one engine after another: vLLM's import and first
+    start-up are paid once.
+
+    Args:
+        target_dir: the target's Hugging Face folder.
+        drafter_dirs: released-layout exports, or [None] (plain decoding).
+        prompts, max_new_tokens, temperatures, stop_token_ids, dtype, seed, max_model_len, draft_sample_method,
+            max_num_seqs, patch_cpu: as in ``run_judge``, for every drafter.
+        num_speculative_tokens: k for every drafter (default: each export's block_size - 1).
+        work_dir: where the requests, outputs and the one log go (default: a tmp dir).
+
+    Returns:
+        one ``run_judge`` result per drafter, in order.
+    """
     work = work_dir or tempfile.mkdtemp(prefix="specopd-judge-")
     os.makedirs(work, exist_ok=True)
     drafters = list(drafter_dirs)
