@@ -25,7 +25,11 @@ Every training run is on one process (``runtime.backend=local``, one worker): pi
              pretrained V2 drafter, ``--steps --opd-steps``: equal steps and equal time, paired standard errors
 4. evaluate  every final drafter on MT-Bench's first turns (``--prompts``, the same number per category) x
              ``--max-new-tokens``, T=0 by exact replay (``specopd.eval.replay``; ``bench_al.Evaluator``, whose cache
-             in ``--out`` stage 3 shares); differences paired over the same prompts, +- one standard error
+             in ``--out`` stage 3 shares); differences paired over the same prompts, +- one standard error. Also
+             each pretraining's checkpoint before its last; V2's drafters again with the selector's pair term off
+             (successor codebook zeroed: the top raw candidate is drafted); and the first drafted slot teacher-forced
+             at every anchor (``first_slot_recall``: the target's greedy token among the top K raw logits, and
+             drafted): where V2 loses, its candidate set or its selector
 
 Prints its command, the provenance line, the tables; writes ``<out>/bench_v2.json`` and ``<out>/pretrain_al.png``.
 Resumable: finished runs (``trainer.resume=auto``) and cached evaluations are reused.
@@ -60,9 +64,13 @@ def _mean_step_s(d: str) -> float:
     return sum(m["step_s"] for m in ms) / len(ms)
 
 
-def _final(d: str):
-    from bench_al import _checkpoints
+def _checkpoints(d: str) -> list:
+    from bench_al import _checkpoints as c
 
+    return c(d)
+
+
+def _final(d: str):
     cks = _checkpoints(d)
     return cks[-1] if cks else (0, None)
 
@@ -106,6 +114,40 @@ def pretrain(args, kind: str, extra: list) -> dict:
     step, folder = _final(d)
     return {"kind": KINDS[kind], "overrides": base, "probe_step_s": step_s, "steps": n, "train_wall_s": wall,
             "curve": curve, "final": folder, "final_step": step}
+
+
+def first_slot_recall(drafter, target, prompts, conts, max_new_tokens: int, k: int) -> dict:
+    """The first drafted slot teacher-forced at every anchor of the greedy continuations (prompt's last token to
+    the ``max_new_tokens``-th new one): how often the target's next greedy token is among the drafter's top ``k``
+    raw logits (V2: its K candidates), and how often the drafted token (V1: argmax; V2: the selector's pick after
+    the anchor token) is that token."""
+    import torch
+
+    hits = top1 = n = 0
+    fl = tuple(drafter.feature_layers)
+    drafter.eval()
+    with torch.no_grad():
+        for p, c in zip(prompts, conts):
+            p, c = torch.as_tensor(p).reshape(-1), torch.as_tensor(c).reshape(-1)
+            seq = torch.cat([p, c])
+            first, last = p.numel() - 1, p.numel() - 1 + max_new_tokens - 1
+            feats = target.prefill(seq[:last], feature_layers=fl, keep_logits=False).features
+            a = torch.arange(first, last + 1)
+            h = drafter.hidden([feats], a, torch.zeros_like(a), seq[a])[:, :1]  # [n, 1, D]
+            ref = seq[a + 1]
+            if drafter.kind == "dflash2":
+                cands = drafter.candidates(h)
+                ids = cands.ids[:, 0]
+                pick, _, _ = drafter.walk(cands, seq[a], 0.0)
+                pick = pick[:, 0]
+            else:
+                logits = drafter.logits_from_hidden(h)[:, 0]
+                ids = logits.topk(k, -1).indices
+                pick = logits.argmax(-1)
+            hits += int((ids == ref[:, None]).any(-1).sum())
+            top1 += int((pick == ref).sum())
+            n += int(ref.numel())
+    return {"k": k, "slots": n, "in_top_k": hits / n, "drafted_is_greedy": top1 / n}
 
 
 def _figure(out: str, pre: dict) -> str:
@@ -210,14 +252,58 @@ def main(argv=None) -> int:
     rows = [("V1 pretrained", pre["v1"]["final"]), ("V2 pretrained", pre["v2"]["final"])]
     if opd:
         rows += [("V1 + SpecOPD", opd["v1"]["final"]), ("V2 + SpecOPD", opd["v2"]["final"])]
+    # the checkpoint before each pretraining's last (is the final one typical of its run?)
+    for k in KINDS:
+        cks = _checkpoints(os.path.join(args.out, "pretrain", k))
+        if len(cks) > 1:
+            rows.append((f"{k.upper()} pretrained, step {cks[-2][0]}", cks[-2][1]))
     res = {label: ev(folder, real=False)["replay_t0"] for label, folder in rows}
+    # V2 with its selector's pair term off (successor codebook zeroed): the top-1 raw candidate, V2's backbone
+    # drafting as DFlash does; tells the candidate set's loss from the selector's
+    diag_path = os.path.join(args.out, "diagnosis.json")
+    diag = json.load(open(diag_path)) if os.path.isfile(diag_path) else {}
+    for label, folder in list(rows):
+        if not label.startswith("V2"):
+            continue
+        key = os.path.abspath(folder)
+        if key not in diag:
+            import torch
+
+            from specopd.drafters import load_drafter
+            from specopd.eval.cli import al_stderr
+            from specopd.eval.replay import replay_greedy_al
+
+            d = load_drafter(folder, ev.target)
+            with torch.no_grad():
+                d.candidate_selector.successor_codebook.zero_()
+            r = replay_greedy_al(ev.target, d, ev.prompts, ev.conts, args.max_new_tokens, ev.stops)
+            diag[key] = {**{k: r[k] for k in ("mean_al", "accepted_at", "reached_at", "accept_lengths")},
+                         "se": al_stderr(r["accept_lengths"])}
+            with open(diag_path, "w") as f:
+                json.dump(diag, f)
+        res[f"{label}, pair term off"] = diag[key]
+        rows.append((f"{label}, pair term off", folder))
+    recall = diag.setdefault("first_slot", {})
+    for label, folder in [r for r in rows if "pair term off" not in r[0]]:
+        key = os.path.abspath(folder)
+        if key not in recall:
+            from specopd.drafters import load_drafter
+
+            d = load_drafter(folder, ev.target)
+            v2_k = json.load(open(os.path.join(pre["v2"]["final"], "config.json")))["selector_top_k"]
+            k = d.top_k if d.kind == "dflash2" else int(v2_k)  # V1: its top K at V2's K
+            recall[key] = first_slot_recall(d, ev.target, ev.prompts, ev.conts, args.max_new_tokens, k)
+            with open(diag_path, "w") as f:
+                json.dump(diag, f)
+    data["first_slot"] = {label: recall[os.path.abspath(folder)] for label, folder in rows
+                          if "pair term off" not in label}
 
     def diff(a: str, b: str) -> dict:
         x, y = res[a], res[b]
         return {"a": a, "b": b, "diff": x["mean_al"] - y["mean_al"],
                 "se": al_diff_stderr(x["accept_lengths"], y["accept_lengths"])}
 
-    pairs = [("V2 pretrained", "V1 pretrained")]
+    pairs = [("V2 pretrained", "V1 pretrained"), ("V2 pretrained, pair term off", "V2 pretrained")]
     if opd:
         pairs += [("V2 + SpecOPD", "V1 + SpecOPD"), ("V1 + SpecOPD", "V1 pretrained"),
                   ("V2 + SpecOPD", "V2 pretrained")]
@@ -232,16 +318,23 @@ def main(argv=None) -> int:
         print("   " + "  ".join(f"{p['step']}@{p['train_wall_s']:.0f}s:{p['heldout_al']:.4f}" for p in r["curve"]))
     if opd:
         print(f"\n== SpecOPD at equal wall time (main recipe, one worker): V2 {opd['v2']['steps']} steps, V1 "
-              f"{opd['v1']['steps']} steps; training wall V1 / V2 {opd['v1']['train_wall_s'] / opd['v2']['train_wall_s']:.2f}")
+              f"{opd['v1']['steps']} steps; training wall V1 / V2 "
+              f"{opd['v1']['train_wall_s'] / opd['v2']['train_wall_s']:.2f}")
     print(f"\n== MT-Bench first turns: {len(ev.prompts)} prompts x {args.max_new_tokens} new tokens, T=0 (exact "
           f"replay), AL incl. the bonus (mean +- standard error over prompts)")
     for label, folder in rows:
         r = res[label]
-        print(f"{label:<16} {r['mean_al']:.4f} +- {r['se']:.4f}   per position "
+        print(f"{label:<40} {r['mean_al']:.4f} +- {r['se']:.4f}   per position "
               f"{'  '.join(acceptance_cells(r))}   {os.path.relpath(folder, ROOT)}")
+    print("first drafted slot, teacher-forced at every anchor: the target's greedy token among the top K raw "
+          "logits (V2: its candidates), and the drafted token equal to it")
+    for label, r in data["first_slot"].items():
+        print(f"  {label:<40} in top {r['k']}: {r['in_top_k']:.3f}   drafted: {r['drafted_is_greedy']:.3f}   "
+              f"({r['slots']} slots)")
     print("paired differences over the same prompts, +- one standard error ('*': beyond two)")
     for d in diffs:
-        print(f"  {d['a']} minus {d['b']}: {d['diff']:+.4f} +- {d['se']:.4f}{' *' if abs(d['diff']) > 2 * d['se'] else ''}")
+        star = " *" if abs(d["diff"]) > 2 * d["se"] else ""
+        print(f"  {d['a']} minus {d['b']}: {d['diff']:+.4f} +- {d['se']:.4f}{star}")
     data.update(mtbench={label: {k: r[k] for k in ("mean_al", "se", "accepted_at", "reached_at")}
                          for label, r in res.items()}, diffs=diffs, prompts=len(ev.prompts),
                 max_new_tokens=args.max_new_tokens, wall_s_total=time.perf_counter() - t0)
