@@ -690,19 +690,19 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
               for label, path in rows if path]
     temps = [float(t) for t in cfg.pipeline.eval_temperatures]
     try:  # every drafter in one vLLM process, one engine after another
-        exports = [ensure_export(path, work)[0] for _, path, work in judged]
-        runs = run_judge_drafters(target_dir, exports, prompts, cfg.eval.max_new_tokens, temps, stops, dtype,
+        exports = [ensure_export(path, work) for _, path, work in judged]  # (export, checkpoint or None)
+        runs = run_judge_drafters(target_dir, [e for e, _ in exports], prompts, cfg.eval.max_new_tokens, temps, stops, dtype,
                                   seed=cfg.eval.seed,
                                   work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", "vllm"))
     except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
         print(f"[specopd] vLLM judge failed: {e}", flush=True)
         return []
     out = []
-    for (label, path, work), run in zip(judged, runs):
-        try:
-            rep = judge(target_dir, path, prompts, cfg.eval.max_new_tokens, temps, stops, dtype, seed=cfg.eval.seed,
+    for (label, path, work), (export, ck), run in zip(judged, exports, runs):
+        try:  # the export vLLM served, checked against the checkpoint it came from (not exported again)
+            rep = judge(target_dir, export, prompts, cfg.eval.max_new_tokens, temps, stops, dtype, seed=cfg.eval.seed,
                         target=target, own=False, progress=progress, meta=meta, work_dir=work, hot_prompts=hot,
-                        greedy=greedy, vllm_run=run)
+                        greedy=greedy, vllm_run=run, checkpoint=ck)
         except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
             print(f"[specopd] vLLM judge of {path} failed: {e}", flush=True)
             continue
