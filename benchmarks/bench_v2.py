@@ -10,7 +10,8 @@ Every training run is on one process (``runtime.backend=local``, one worker): pi
 
 1. pretrain  from scratch, recipes/smollm2-135m-dflash-sharegpt.yaml (off-policy CE on ShareGPT's replies), V1 =
              ``drafter.kind=dflash`` as shipped (2 layers, block 5, features [2,15,27]), V2 = ``drafter.kind=dflash2``
-             of the same shape (``--v2``: its ``drafter.architecture.*`` overrides; default none, DFLASH2.md's
+             of the same shape (``--v2``: its recipe overrides, e.g. ``drafter.architecture.*`` or
+             ``trainer.vocab_ce_weight``; default none, DFLASH2.md's
              defaults). Each kind first trains ``--probe-steps`` steps (its own folder) for its mean step time
              (the first step left out: warm-up); then max_steps = round(``--budget-s`` / that time), so the LR
              schedule of each ends at the budget. Held-out expected AL every ``--pretrain-eval-every`` steps
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--stages", default="pretrain,specopd,e2e")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-v2"))
-    ap.add_argument("--v2", nargs="*", default=[], help="V2's drafter.architecture.* overrides")
+    ap.add_argument("--v2", nargs="*", default=[], help="V2's recipe overrides (drafter.architecture.*, "
+                    "trainer.vocab_ce_weight)")
     args = ap.parse_args(argv)
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + list(argv or sys.argv[1:]))
     print(cmd, flush=True)

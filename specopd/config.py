@@ -252,6 +252,12 @@ class TrainerConfig:
     anchor (the same drafter pass, uniform over positions) to E2E-TV. E2E-TV at T = 1 lowers greedy acceptance
     from a CE-trained plateau (benchmarks/results/2026-12-01-smollm2-135m-plateau-experiment-dev-cpu.md); on greedy references the CE's labels
     are the target's argmax. 0: E2E-TV alone (the paper's loss)."""
+    vocab_ce_weight: float = setting(0.0, resume=FROM_HERE)
+    """DFlash V2 (``drafter.kind: dflash2``), trainer.method offpolicy_ce only: add vocab_ce_weight x the CE of the
+    drafter's raw lm_head logits over the whole vocabulary (DFlash's own pretraining loss) to the CE over the
+    candidates. That CE sees only the current top K as negatives, so the raw logits that choose the candidates can
+    drift away from the target's tokens; this term ranks them over every token (specopd/drafters/DFLASH2.md,
+    "Training"). 0: the candidate CE alone."""
     output_dir: str = setting("runs/tiny", resume=SAME_RUN)
     """Run folder: metrics.jsonl, checkpoints/, tiny-target/, data cache, profile."""
     resume: str = setting("auto", resume=SAME_RUN)
@@ -329,6 +335,11 @@ class TrainerConfig:
                               f"{' and '.join(CE_TERM_METHODS)}); trainer.method={self.method} "
                               + ("is CE already" if self.method == "offpolicy_ce" else
                                  "has no reference block per rollout round") + ": set trainer.ce_weight=0")
+        _check_range("trainer", "vocab_ce_weight", self.vocab_ce_weight, lo=0)
+        if self.vocab_ce_weight > 0 and self.method != "offpolicy_ce":
+            raise RecipeError(f"trainer.vocab_ce_weight={self.vocab_ce_weight} adds a full-vocabulary CE to DFlash "
+                              f"V2's off-policy CE pretraining; trainer.method={self.method}: set "
+                              f"trainer.method=offpolicy_ce or trainer.vocab_ce_weight=0")
         why = dir_problem(self.output_dir, writable=False)
         if why is not None:
             raise RecipeError(f"trainer.output_dir={self.output_dir!r} cannot be the run folder: {why}; give a "
@@ -573,6 +584,10 @@ class RecipeConfig:
             raise RecipeError(f"trainer.cache_trunks=true keeps only features and hidden states, but "
                               f"trainer.method={self.trainer.method} scores branches against the trunk's K/V: set "
                               f"trainer.cache_trunks=false (or use offpolicy_ce / offpolicy_e2e_tv)")
+        if self.trainer.vocab_ce_weight > 0 and self.drafter.kind != "dflash2":
+            raise RecipeError(f"trainer.vocab_ce_weight={self.trainer.vocab_ce_weight} is for DFlash V2, whose CE is "
+                              f"over its top K candidates; drafter.kind={self.drafter.kind}'s CE is over the whole "
+                              f"vocabulary already: set trainer.vocab_ce_weight=0")
         if self.trainer.eval_every > 0 and self.data.heldout == 0:
             raise RecipeError(f"trainer.eval_every={self.trainer.eval_every} evaluates on held-out sequences, but "
                               f"data.heldout=0 holds none out: set data.heldout to a fraction such as 0.1 (those "

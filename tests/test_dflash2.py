@@ -358,6 +358,10 @@ def _full_logit_reference(w, prop, denom):
         int(prop.anchors[b]) + 1: int(prop.anchors[b]) + 1 + w.W] for b in range(q.shape[0])])
     if t.method == "offpolicy_ce":
         loss = nll(prop.tokens).mean(1).sum() / denom
+        if t.vocab_ce_weight > 0:  # DFlash's CE on the raw lm_head logits, over the whole vocabulary
+            raw = (h @ w.target.lm_head.weight.T).float()
+            full = torch.logsumexp(raw, -1) - raw.gather(-1, prop.tokens[..., None])[..., 0]
+            loss = loss + t.vocab_ce_weight * full.mean(1).sum() / denom
     else:
         loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
     if t.ce_weight > 0 and t.method != "offpolicy_ce":
@@ -366,19 +370,22 @@ def _full_logit_reference(w, prop, denom):
 
 
 @pytest.mark.parametrize("method,temp", [("specopd", 0.8), ("specopd", 0.0), ("offpolicy_e2e_tv", 0.8),
-                                         ("offpolicy_ce", 0.8), ("specopd+ce", 0.8), ("offpolicy_e2e_tv+ce", 0.0)])
+                                         ("offpolicy_ce", 0.8), ("offpolicy_ce+vce", 0.8), ("specopd+ce", 0.8),
+                                         ("offpolicy_e2e_tv+ce", 0.0)])
 def test_one_forward_step_equals_full_logit_reference(tmp_path, method, temp):
     """The step's one drafter forward (branches walked from its detached hidden state; the loss on candidates,
     chunked, never [N, W, V]) gives the loss, alpha and gradients of the full-logit step; top K = 6 of vocab 256,
-    so references miss the candidates often (the CE's joined token); off-policy CE and T = 0: K = 64, so that the
+    so references miss the candidates often (the CE's joined token); "+vce": trainer.vocab_ce_weight, the
+    full-vocabulary CE on the raw logits beside it; off-policy CE and T = 0: K = 64, so that the
     references (the target's argmax) are candidates in some slots and not in others (where the argmax is in none,
     greedy alpha and its gradient are 0)."""
     from specopd.train.tiny import tiny_recipe
     from specopd.train.worker import Worker
 
-    method, ce = method.split("+")[0], 0.4 if method.endswith("+ce") else 0.0
+    method, ce, vce = method.split("+")[0], 0.4 if method.endswith("+ce") else 0.0, 0.5 if method.endswith("+vce") else 0.0
     cfg = tiny_recipe(str(tmp_path), ["drafter.kind=dflash2", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
-                                      f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}"])
+                                      f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}",
+                                      f"trainer.vocab_ce_weight={vce}"])
     w = Worker(cfg)
     with torch.no_grad():  # a drafter whose convolutions and selector matter, with a top K of 6
         w.drafter.config.selector_top_k = 64 if temp == 0 or method == "offpolicy_ce" else 6

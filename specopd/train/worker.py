@@ -19,7 +19,7 @@ import torch
 from kernels import paths
 from specopd.drafters import build_drafter, load_drafter, shift_tokens
 from specopd.errors import BadInputError
-from specopd.losses import (candidate_ce, candidate_e2e_tv, confidence_loss, fused_ce, fused_e2e_tv,
+from specopd.losses import (candidate_ce, candidate_e2e_tv, confidence_loss, FusedOut, fused_ce, fused_e2e_tv,
                             prefix_survival)
 from specopd.models import load_target
 from specopd.models.loading import resolve_dtype
@@ -294,8 +294,8 @@ class Worker:
     def _selector_loss(self, proposals: Proposals, h: torch.Tensor, hp: torch.Tensor, denom, method: str):
         """DFlash V2's loss (``FusedOut``): q = the realized candidate scores given each slot's previous token (the
         branch's own sampled tokens, or the reference's off-policy), alpha over the candidates, the CE over the
-        candidates joined by the reference token (specopd/drafters/DFLASH2.md); no [N, W, V]. method "eval":
-        alpha only (no CE term)."""
+        candidates joined by the reference token, plus ``trainer.vocab_ce_weight`` x DFlash's full-vocabulary CE
+        on the raw logits (specopd/drafters/DFLASH2.md); no [N, W, V]. method "eval": alpha only (no CE term)."""
         t = self.cfg.trainer
         prev = shift_tokens(proposals.anchor_tokens, proposals.tokens)
         ce, ce_weight = method == "offpolicy_ce", t.ce_weight if method != "eval" else 0.0
@@ -305,7 +305,12 @@ class Worker:
         kw = dict(p_weight=self.target.lm_head.weight, denom=denom, temperature=t.temperature,
                   chunk_rows=t.loss_chunk_rows, tp=self.vocab_tp)
         if ce:
-            return candidate_ce(r.ids, r.scores, proposals.tokens, r.extra, hp=hp, **kw)
+            out = candidate_ce(r.ids, r.scores, proposals.tokens, r.extra, hp=hp, **kw)
+            if t.vocab_ce_weight > 0:  # DFlash's CE on the raw logits, over the whole vocabulary, chunked
+                full = fused_ce(h, self.target.lm_head.weight, proposals.tokens, denom=denom,
+                                chunk_rows=t.loss_chunk_rows, tp=self.vocab_tp)
+                out = FusedOut(out.loss + t.vocab_ce_weight * full.loss, out.alpha, out.nll)
+            return out
         return candidate_e2e_tv(r.ids, r.scores, hp, ce_targets=extra, ce_scores=r.extra, ce_weight=ce_weight, **kw)
 
     def loss_backward(self, proposals: Proposals, hp: torch.Tensor, denom) -> dict:
