@@ -3,17 +3,17 @@ for V2: the measurement DFLASH2.md owes, on the main job's data and MT-Bench.
 
     python benchmarks/bench_v2.py [--budget-s 750] [--probe-steps 6] [--pretrain-eval-every 25] [--opd-steps 80]
         [--opd-eval-every 40] [--prompts 80] [--max-new-tokens 64] [--stages pretrain,specopd,e2e]
-        [--out runs/bench-v2] [--v2 key=value ...]
+        [--out runs/bench-v2] [--v2 key=value ...] [--v2-pretrain key=value ...]
 
 Every training run is on one process (``runtime.backend=local``, one worker): pin the whole script to one core
 (``taskset -c 1 env OMP_NUM_THREADS=1``) so V1 and V2 get the same machine.
 
 1. pretrain  from scratch, recipes/smollm2-135m-dflash-sharegpt.yaml (off-policy CE on ShareGPT's replies), V1 =
              ``drafter.kind=dflash`` as shipped (2 layers, block 5, features [2,15,27]), V2 = ``drafter.kind=dflash2``
-             of the same shape (``--v2``: its recipe overrides, e.g. ``drafter.architecture.*`` or
-             ``trainer.vocab_ce_weight``; default none, DFLASH2.md's
-             defaults). Each kind first trains ``--probe-steps`` steps (its own folder) for its mean step time
-             (the first step left out: warm-up); then max_steps = round(``--budget-s`` / that time), so the LR
+             of the same shape (``--v2``: its recipe overrides, e.g. ``drafter.architecture.*``, default none,
+             DFLASH2.md's defaults; ``--v2-pretrain``: more for its pretraining alone, e.g.
+             ``trainer.vocab_ce_weight=1``). Each kind first trains ``--probe-steps`` steps (its own folder) for
+             its mean step time (the first step left out: warm-up); then max_steps = round(``--budget-s`` / that time), so the LR
              schedule of each ends at the budget. Held-out expected AL every ``--pretrain-eval-every`` steps
              (the recipe's held-out ShareGPT split), against the training wall time (sum of logged step times;
              the held-out evaluations are not counted)
@@ -185,8 +185,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--stages", default="pretrain,specopd,e2e")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-v2"))
-    ap.add_argument("--v2", nargs="*", default=[], help="V2's recipe overrides (drafter.architecture.*, "
-                    "trainer.vocab_ce_weight)")
+    ap.add_argument("--v2", nargs="*", default=[], help="V2's recipe overrides, every stage (drafter.architecture.*)")
+    ap.add_argument("--v2-pretrain", nargs="*", default=[],
+                    help="V2's overrides for its pretraining only (trainer.vocab_ce_weight=1)")
     args = ap.parse_args(argv)
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + list(argv or sys.argv[1:]))
     print(cmd, flush=True)
@@ -199,9 +200,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     extra = {"v1": [], "v2": list(args.v2)}
+    extra_pre = {"v1": [], "v2": [*args.v2, *args.v2_pretrain]}
 
     # 1. pretraining at equal wall time
-    pre = {k: pretrain(args, k, extra[k]) for k in KINDS}
+    pre = {k: pretrain(args, k, extra_pre[k]) for k in KINDS}
     data = {"command": cmd, "provenance": provenance_line(), "budget_s": args.budget_s, "pretrain": pre}
 
     # 2./3. SpecOPD from each; V2's run is bench_al's equal-steps SpecOPD run
