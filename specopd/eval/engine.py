@@ -689,11 +689,15 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     judged = [(label, path, os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)))
               for label, path in rows if path]
     temps = [float(t) for t in cfg.pipeline.eval_temperatures]
+    vdir = os.path.join(cfg.trainer.output_dir, "vllm-judge", "vllm")
     try:  # every drafter in one vLLM process, one engine after another
         exports = [ensure_export(path, work) for _, path, work in judged]  # (export, checkpoint or None)
+        if progress:  # vLLM runs as its own process: say what it does and where its log is while it runs
+            print(f"[specopd] vLLM serves {len(exports)} drafter(s) on {len(prompts)} prompts at T="
+                  f"{', '.join(f'{t:g}' for t in temps)}, one process (a few minutes on a CPU; log in {vdir})",
+                  flush=True)
         runs = run_judge_drafters(target_dir, [e for e, _ in exports], prompts, cfg.eval.max_new_tokens, temps, stops, dtype,
-                                  seed=cfg.eval.seed,
-                                  work_dir=os.path.join(cfg.trainer.output_dir, "vllm-judge", "vllm"))
+                                  seed=cfg.eval.seed, work_dir=vdir)
     except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
         print(f"[specopd] vLLM judge failed: {e}", flush=True)
         return []
