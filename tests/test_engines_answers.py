@@ -313,6 +313,12 @@ def test_a_vllm_run_that_fails_or_answers_badly_fails_those_prompts(target_dir, 
 CTRL_C_WAIT_S = 40.0
 
 
+def _sigint_default():
+    """A shell starts background jobs with SIGINT ignored and children inherit that (so Python installs no
+    KeyboardInterrupt handler): the child gets SIGINT's default whatever started the test run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_the_run_at_once_whatever_the_server_does(target_dir, server, tmp_path):
     """The prompts after the first hang on the server; SIGINT once a request is waiting: the process ends within
     seconds (exit 130), data.jsonl holds whole records only, and a rerun goes on from them."""
@@ -326,7 +332,8 @@ def test_ctrl_c_ends_the_run_at_once_whatever_the_server_does(target_dir, server
     p = subprocess.Popen([sys.executable, "-m", "specopd.cli", "prepare", "data", "--target", target_dir,
                           "--prompts", pf, "--out", str(out), "--max-new-tokens", str(MAX), "--temperature", "0",
                           "--engine", "openai", "--server", server.url, "--concurrency", "1", "--timeout", "60"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                         preexec_fn=_sigint_default)
     try:
         t0 = time.monotonic()
         while ids["p1"] not in server.requests and time.monotonic() - t0 < 120 and p.poll() is None:
