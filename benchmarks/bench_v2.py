@@ -3,7 +3,7 @@ for V2: the measurement DFLASH2.md owes, on the main job's data and MT-Bench.
 
     python benchmarks/bench_v2.py [--budget-s 750] [--probe-steps 6] [--pretrain-eval-every 25] [--opd-steps 80]
         [--opd-eval-every 40] [--prompts 80] [--max-new-tokens 64] [--stages pretrain,specopd,e2e]
-        [--out runs/bench-v2] [--v2 key=value ...] [--v2-pretrain key=value ...]
+        [--out runs/bench-v2] [--both key=value ...] [--v2 key=value ...] [--v2-pretrain key=value ...] [--t1]
 
 Every training run is on one process (``runtime.backend=local``, one worker): pin the whole script to one core
 (``taskset -c 1 env OMP_NUM_THREADS=1``) so V1 and V2 get the same machine.
@@ -30,7 +30,8 @@ Every training run is on one process (``runtime.backend=local``, one worker): pi
              each pretraining's checkpoint before its last; V2's drafters again with the selector's pair term off
              (successor codebook zeroed: the top raw candidate is drafted); and the first drafted slot teacher-forced
              at every anchor (``first_slot_recall``: the target's greedy token among the top K raw logits, and
-             drafted): where V2 loses, its candidate set or its selector
+             drafted): where V2 loses, its candidate set or its selector. ``--t1``: the final drafters also
+             decoded at ``--t1-temperature`` by our lossless speculative decoder on the same prompts, paired
 
 Prints its command, the provenance line, the tables; writes ``<out>/bench_v2.json`` and ``<out>/pretrain_al.png``.
 Resumable: finished runs (``trainer.resume=auto``) and cached evaluations are reused.
@@ -151,7 +152,7 @@ def first_slot_recall(drafter, target, prompts, conts, max_new_tokens: int, k: i
     return {"k": k, "slots": n, "in_top_k": hits / n, "drafted_is_greedy": top1 / n}
 
 
-def _figure(out: str, pre: dict) -> str:
+def _figure(out: str, pre: dict, name: str = "pretrain_al.png") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,10 +169,23 @@ def _figure(out: str, pre: dict) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = os.path.join(out, "pretrain_al.png")
+    path = os.path.join(out, name)
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_runs(path: str, runs: list) -> str:
+    """One figure of the pretraining curves of finished runs: ``runs`` = [LABEL=OUT_DIR, ...] (V1 from the
+    first; each run's V2 under its label)."""
+    pre = {}
+    for i, spec in enumerate(runs):
+        label, out = spec.rsplit("=", 1)
+        data = json.load(open(os.path.join(out, "bench_v2.json")))["pretrain"]
+        if i == 0:
+            pre["V1"] = data["v1"]
+        pre[label] = data["v2"]
+    return _figure(os.path.dirname(os.path.abspath(path)), pre, os.path.basename(path))
 
 
 def main(argv=None) -> int:
@@ -184,11 +198,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--stages", default="pretrain,specopd,e2e")
+    ap.add_argument("--t1", action="store_true", help="also decode the final drafters at --t1-temperature")
+    ap.add_argument("--t1-temperature", type=float, default=1.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-v2"))
     ap.add_argument("--v2", nargs="*", default=[], help="V2's recipe overrides, every stage (drafter.architecture.*)")
+    ap.add_argument("--both", nargs="*", default=[], help="overrides for both kinds, every stage (seed=1)")
     ap.add_argument("--v2-pretrain", nargs="*", default=[],
                     help="V2's overrides for its pretraining only (trainer.vocab_ce_weight=1)")
+    ap.add_argument("--plot-runs", nargs="*", metavar="LABEL=OUT",
+                    help="only draw the pretraining curves of finished runs into one figure (--plot-to) and exit")
+    ap.add_argument("--plot-to", default="pretrain_al.png")
     args = ap.parse_args(argv)
+    if args.plot_runs:
+        print(plot_runs(args.plot_to, args.plot_runs))
+        return 0
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + list(argv or sys.argv[1:]))
     print(cmd, flush=True)
     from specopd.config import load_recipe
@@ -199,8 +222,8 @@ def main(argv=None) -> int:
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    extra = {"v1": [], "v2": list(args.v2)}
-    extra_pre = {"v1": [], "v2": [*args.v2, *args.v2_pretrain]}
+    extra = {"v1": list(args.both), "v2": [*args.both, *args.v2]}
+    extra_pre = {"v1": list(args.both), "v2": [*args.both, *args.v2, *args.v2_pretrain]}
 
     # 1. pretraining at equal wall time
     pre = {k: pretrain(args, k, extra_pre[k]) for k in KINDS}
@@ -230,7 +253,8 @@ def main(argv=None) -> int:
         from specopd.mainjob import prepare
 
         cfg = load_recipe(MAIN, [f"trainer.output_dir={os.path.join(args.out, 'specopd-v1-main')}",
-                                 "drafter.kind=dflash", f"drafter.init_from={pre['v1']['final']}", *LOCAL])
+                                 "drafter.kind=dflash", f"drafter.init_from={pre['v1']['final']}", *extra["v1"],
+                                 *LOCAL])
         prep = prepare(cfg)
         pdir = os.path.join(args.out, "probe", "specopd-v1")
         bench_al.train_run(cfg, prep, "specopd", args.probe_steps, args.probe_steps, pdir)
@@ -250,8 +274,9 @@ def main(argv=None) -> int:
     from specopd.models import load_target
 
     target_dir = load_recipe(PRETRAIN).model.target  # the converted target's folder
+    temps = [float(args.t1_temperature)] if args.t1 else []
     ev = Evaluator(target_dir, SimpleNamespace(prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                                               temperatures=[]), bench_out if opd else args.out, bench="mt-bench",
+                                               temperatures=temps), bench_out if opd else args.out, bench="mt-bench",
                    target=load_target(target_dir))
     rows = [("V1 pretrained", pre["v1"]["final"]), ("V2 pretrained", pre["v2"]["final"])]
     if opd:
@@ -312,6 +337,15 @@ def main(argv=None) -> int:
         pairs += [("V2 + SpecOPD", "V1 + SpecOPD"), ("V1 + SpecOPD", "V1 pretrained"),
                   ("V2 + SpecOPD", "V2 pretrained")]
     diffs = [diff(a, b) for a, b in pairs]
+    # T > 0 (--t1): the final drafters decoded for real by our lossless speculative decoder, the same prompts
+    real, real_diffs = {}, []
+    if temps:
+        tk = f"real_t{temps[0]:g}"
+        finals = [(label, folder) for label, folder in rows[: 4 if opd else 2]]
+        real = {label: ev(folder, real=True)[tk] for label, folder in finals}
+        for a, b in [p for p in pairs if p[0] in real and p[1] in real]:
+            real_diffs.append({"a": a, "b": b, "diff": real[a]["mean_al"] - real[b]["mean_al"],
+                               "se": al_diff_stderr(real[a]["accept_lengths"], real[b]["accept_lengths"])})
 
     print(f"\n{provenance_line()}\n{cmd}")
     print(f"\n== pretraining at equal wall time ({args.budget_s:.0f} s budget each, one core): held-out expected AL "
@@ -339,6 +373,15 @@ def main(argv=None) -> int:
     for d in diffs:
         star = " *" if abs(d["diff"]) > 2 * d["se"] else ""
         print(f"  {d['a']} minus {d['b']}: {d['diff']:+.4f} +- {d['se']:.4f}{star}")
+    if real:
+        print(f"\n== the same prompts, T={temps[0]:g}: decoded by our speculative decoder (lossless), AL incl. the bonus")
+        for label, r in real.items():
+            print(f"{label:<40} {r['mean_al']:.4f} +- {r['se']:.4f}   per position {'  '.join(acceptance_cells(r))}")
+        for d in real_diffs:
+            star = " *" if abs(d["diff"]) > 2 * d["se"] else ""
+            print(f"  {d['a']} minus {d['b']}: {d['diff']:+.4f} +- {d['se']:.4f}{star}")
+        data.update(mtbench_real={label: {k: r[k] for k in ("mean_al", "se", "accepted_at", "reached_at")}
+                                  for label, r in real.items()}, real_temperature=temps[0], real_diffs=real_diffs)
     data.update(mtbench={label: {k: r[k] for k in ("mean_al", "se", "accepted_at", "reached_at")}
                          for label, r in res.items()}, diffs=diffs, prompts=len(ev.prompts),
                 max_new_tokens=args.max_new_tokens, wall_s_total=time.perf_counter() - t0)
