@@ -96,3 +96,29 @@ def test_main_job_rows_off_say_why(monkeypatch, capsys):
     monkeypatch.setenv("SPECOPD_VLLM_JUDGE", "0")
     assert E.judge_rows(None, "unused", [("after", "x")]) == []
     assert "no vLLM rows" in capsys.readouterr().out
+
+
+def test_judge_drafters_pass_one_k_per_drafter_and_the_warmup(monkeypatch, tmp_path):
+    """``num_speculative_tokens`` as a list gives each engine its own k (one export served at several k, as
+    benchmarks/bench_vllm_k.py does), a list of the wrong length is refused before vLLM starts, and ``warmup``
+    reaches the runner."""
+    seen = []
+
+    def fake_run(args, log_path=None):
+        seen.append(list(args))
+        out = args[args.index("--output") + 1]
+        n = args.count("--drafter")
+        res = [{"runs": [], "drafter": None} for _ in range(n)]
+        with open(out, "w") as f:
+            json.dump(res[0] if n == 1 else {"by_drafter": res}, f)
+
+    monkeypatch.setattr(E, "run_vllm", fake_run)
+    d = str(tmp_path / "export")
+    with pytest.raises(ValueError, match="one per drafter"):
+        E.run_judge_drafters("t", [d, d], [[1, 2]], 4, [0.0], [], num_speculative_tokens=[1], work_dir=str(tmp_path))
+    assert not seen
+    E.run_judge_drafters("t", [d, d, d], [[1, 2]], 4, [0.0], [], num_speculative_tokens=[1, 2, 4],
+                         work_dir=str(tmp_path), warmup=16)
+    args = seen[0]
+    ks = [args[i + 1] for i, a in enumerate(args) if a == "--num-speculative-tokens"]
+    assert ks == ["1", "2", "4"] and args[args.index("--warmup") + 1] == "16"

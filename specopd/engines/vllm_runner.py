@@ -230,6 +230,9 @@ def judge(args) -> int:
             _teardown()
         llm = _llm(args, spec, sampling=_samples(reqs, temps))
         _log(f"loaded {args.model}" + (f" with DFlash drafter {drafter}" if spec else "") + f"; {len(reqs)} requests")
+        if args.warmup and reqs:  # untimed, before any counter is read: first-call work stays out of the timing
+            w = dict(reqs[0], max_tokens=args.warmup, temperature=0.0)
+            llm.generate([{"prompt_token_ids": w["prompt_ids"]}], [_params(w)], use_tqdm=False)
         runs = []
         for temp in temps:
             rs = [dict(r, temperature=temp) if temp is not None else r for r in reqs]
@@ -302,6 +305,8 @@ def main(argv=None) -> int:
                         "k_norm); runs the engine in this process")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests run together (vLLM's max_num_seqs)")
     p.add_argument("--temperatures", default=None, help="judge: comma-separated, e.g. 0,1 (default: each request's)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="judge: first generate the first request for this many tokens, untimed (0: none)")
     args = p.parse_args(argv)
     return generate(args) if args.what == "generate" else judge(args)
 

@@ -34,7 +34,7 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
               temperatures: Sequence[float], stop_token_ids: Sequence[int], dtype: str = "float32",
               num_speculative_tokens: Optional[int] = None, seed: int = 0, work_dir: Optional[str] = None,
               max_model_len: Optional[int] = None, draft_sample_method: str = "probabilistic",
-              max_num_seqs: Optional[int] = None, patch_cpu: bool = True) -> dict:
+              max_num_seqs: Optional[int] = None, patch_cpu: bool = True, warmup: int = 0) -> dict:
     """vLLM generates ``prompts`` at each temperature, with ``drafter_dir`` as DFlash or, with None, plain.
 
     Args:
@@ -58,6 +58,8 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
             uninitialised memory at T > 0, so its T > 0 speculative decoding is not lossless) and its context-K
             norm of a multi-layer drafter (its ``rms_norm`` gives every draft layer layer 0's k_norm weight, so
             vLLM's drafts are not the drafter's at any T; specopd/engines/DESIGN.md).
+        warmup: first generate the first prompt for this many tokens, untimed and uncounted, in each engine (0:
+            none): for timings, so that first-call work is not charged to the first run.
 
     Returns:
         {runs: [{temperature, outputs: [{token_ids, finish}], counters: {num_drafts, num_draft_tokens,
@@ -66,15 +68,15 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
     """
     return run_judge_drafters(target_dir, [drafter_dir], prompts, max_new_tokens, temperatures, stop_token_ids,
                               dtype, num_speculative_tokens, seed, work_dir, max_model_len, draft_sample_method,
-                              max_num_seqs, patch_cpu)[0]
+                              max_num_seqs, patch_cpu, warmup)[0]
 
 
 def run_judge_drafters(target_dir: str, drafter_dirs: Sequence[Optional[str]], prompts: Sequence,
                        max_new_tokens: int, temperatures: Sequence[float], stop_token_ids: Sequence[int],
-                       dtype: str = "float32", num_speculative_tokens: Optional[int] = None, seed: int = 0,
+                       dtype: str = "float32", num_speculative_tokens=None, seed: int = 0,
                        work_dir: Optional[str] = None, max_model_len: Optional[int] = None,
                        draft_sample_method: str = "probabilistic", max_num_seqs: Optional[int] = None,
-                       patch_cpu: bool = True) -> list:
+                       patch_cpu: bool = True, warmup: int = 0) -> list:
     """``run_judge`` for several drafters in one vLLM process, one engine after another: vLLM's import and first
     start-up are paid once.
 
@@ -82,8 +84,9 @@ def run_judge_drafters(target_dir: str, drafter_dirs: Sequence[Optional[str]], p
         target_dir: the target's Hugging Face folder.
         drafter_dirs: released-layout exports, or [None] (plain decoding).
         prompts, max_new_tokens, temperatures, stop_token_ids, dtype, seed, max_model_len, draft_sample_method,
-            max_num_seqs, patch_cpu: as in ``run_judge``, for every drafter.
-        num_speculative_tokens: k for every drafter (default: each export's block_size - 1).
+            max_num_seqs, patch_cpu, warmup: as in ``run_judge``, for every drafter.
+        num_speculative_tokens: k for every drafter, or a list of one k per drafter (the same export may appear
+            with several k); default: each export's block_size - 1.
         work_dir: where the requests, outputs and the one log go (default: a tmp dir).
 
     Returns:
@@ -99,13 +102,18 @@ def run_judge_drafters(target_dir: str, drafter_dirs: Sequence[Optional[str]], p
         f"-{len(drafters)}" if len(drafters) > 1 else "")
     req, out, log = (os.path.join(work, f"{tag}.{x}") for x in ("requests.jsonl", "json", "log"))
     longest = max(len(p) for p in prompts)
+    given = (list(num_speculative_tokens) if isinstance(num_speculative_tokens, (list, tuple))
+             else [num_speculative_tokens] * len(drafters))
+    if len(given) != len(drafters):
+        raise ValueError(f"run_judge_drafters: {len(given)} num_speculative_tokens for {len(drafters)} drafters (give "
+                         f"one k, or one per drafter)")
     ks = []
-    for d in drafters if spec else []:
-        if num_speculative_tokens is None:
+    for d, k in zip(drafters if spec else [], given):
+        if k is None:
             with open(os.path.join(d, "config.json")) as f:
                 ks.append(int(json.load(f)["block_size"]) - 1)
         else:
-            ks.append(int(num_speculative_tokens))
+            ks.append(int(k))
     with open(req, "w") as f:
         for i, p in enumerate(prompts):
             f.write(json.dumps({"id": str(i), "prompt_ids": [int(t) for t in p], "max_tokens": int(max_new_tokens),
@@ -122,6 +130,8 @@ def run_judge_drafters(target_dir: str, drafter_dirs: Sequence[Optional[str]], p
         args += ["--draft-sample-method", draft_sample_method]
     if patch_cpu:
         args += ["--patch-cpu-expand", "--patch-cpu-norm"]
+    if warmup:
+        args += ["--warmup", str(int(warmup))]
     run_vllm(args, log_path=log)
     with open(out) as f:
         res = json.load(f)
