@@ -28,14 +28,17 @@ that tells a user whether to regenerate their data or train on-policy.
              takes the budget (its row is then the starting drafter, at the regeneration's wall time)
 4. evaluate  every checkpoint (and the starting drafter, step 0) on each of ``--benches`` x ``--prompts`` prompts x
              ``--max-new-tokens`` new tokens: mt-bench (its first turns, the same number per category; never
-             trained on), sharegpt (held-out conversations of data.path, split by id as training splits them,
-             ``heldout_conversation_prompts``), chat (held-out chitchat prompts: the chitchat recipe). T=0 AL
-             replayed exactly on the target's greedy continuation (``specopd.eval.replay``: cheap, equal to real
-             T=0 decoding) at every checkpoint; real speculative decoding (``evaluate_al``) at each
-             ``--temperatures`` on the checkpoints ``--real-at`` names (final: the starting drafter and each run's
-             last one; all: every checkpoint)
+             trained on), mt-bench-2 (its second turns after the target's own greedy first answer of at most
+             eval.max_new_tokens tokens, as ``specopd eval --turn 2`` builds them), sharegpt (held-out
+             conversations of data.path, split by id as training splits them, ``heldout_conversation_prompts``),
+             chat (held-out chitchat prompts: the chitchat recipe). T=0 AL replayed exactly on the target's
+             greedy continuation (``specopd.eval.replay``: cheap, equal to real T=0 decoding) at every checkpoint;
+             real speculative decoding (``evaluate_al``) at each ``--temperatures`` on the checkpoints ``--real-at``
+             names (final: the starting drafter and each run's last one; all: every checkpoint)
 5. compare   per prompt, SpecOPD's AL minus each other row's on the same prompts: mean +- its paired standard
-             error, at equal steps and at equal wall time, and whether it exceeds two standard errors
+             error, at equal steps and at equal wall time, and whether it exceeds two standard errors; with more
+             than one set, also over all their prompts pooled (one ratio estimate over the union); and at every
+             step both evaluated (equal steps along the curve: ``specopd_minus_along_curve``)
 
 ``--references dataset`` (prepared data only): every method trains on the dataset's own replies to the same prompts
 (the next turn of each train conversation, ``write_dataset_replies``) instead of the target's answers.
@@ -60,7 +63,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 METHODS = ("specopd", "offpolicy_ce", "offpolicy_e2e_tv", "draft_opd", "regen_ce")
-BENCH_NAMES = {"mt-bench": "MT-Bench first turns", "sharegpt": "held-out ShareGPT conversations",
+BENCH_NAMES = {"mt-bench": "MT-Bench first turns", "mt-bench-2": "MT-Bench second turns",
+               "sharegpt": "held-out ShareGPT conversations",
                "chat": "held-out chat prompts"}
 SPECFORGE_REGEN_TEMPERATURE = 0.7  # scripts/regenerate_train_data.py's --temperature default (top-p unset: 1)
 
@@ -119,6 +123,26 @@ class Evaluator:
             ids, meta = mtbench_prompts(target_dir, self.target.vocab_size)
             keep = stratified(meta, args.prompts)
             self.prompts, self.meta = [ids[i] for i in keep], [meta[i] for i in keep]
+        elif bench == "mt-bench-2":  # second turns after the target's own greedy first answers (cached: they cost)
+            from specopd.eval.bench import first_answer_texts, mtbench_prompts, stratified
+
+            n_first = int(cfg.eval.max_new_tokens)
+            path = os.path.join(out, f"mtbench_first_answers_{n_first}.json")
+            if os.path.isfile(path):
+                answers = json.load(open(path))
+            else:
+                first, _ = mtbench_prompts(target_dir, self.target.vocab_size)
+                print(f"[bench_al] the target answers MT-Bench's {len(first)} first turns (greedy, <= {n_first} "
+                      f"tokens): the context of the second turns", flush=True)
+                answers = first_answer_texts(self.target, target_dir, first, n_first,
+                                             stop_token_ids(load_tokenizer(target_dir, self.target.vocab_size),
+                                                            self.target))
+                with open(path + ".tmp", "w") as f:
+                    json.dump(answers, f, indent=1)
+                os.replace(path + ".tmp", path)
+            ids, meta = mtbench_prompts(target_dir, self.target.vocab_size, turn=2, first_answers=answers)
+            keep = stratified(meta, args.prompts)
+            self.prompts, self.meta = [ids[i] for i in keep], [meta[i] for i in keep]
         elif bench == "sharegpt":
             from specopd.eval.bench import heldout_conversation_prompts
 
@@ -174,7 +198,7 @@ class Evaluator:
                                                 "spec_tokens_per_s", "accept_lengths")},
                            "se": al_stderr(r["accept_lengths"])}
                 self._save()
-        if self.bench == "mt-bench":
+        if self.bench in ("mt-bench", "mt-bench-2"):
             for v in res.values():
                 v["by_category"] = by_category(v["accept_lengths"], self.meta)
         return res
@@ -291,9 +315,10 @@ def _cols(temps: list) -> list:
 
 
 def _row(label: str, method: str, setting: str, steps: int, train_s: float, regen_s: float, res: dict,
-         loss=None) -> dict:
-    """One table row: ``res`` = {bench: that checkpoint's cached results}."""
-    return {"method": label, "base": method, "setting": setting, "steps": steps, "train_wall_s": round(train_s, 1),
+         loss=None, checkpoint: str = None) -> dict:
+    """One table row: ``res`` = {bench: that checkpoint's cached results}; ``checkpoint``: its folder."""
+    return {"method": label, "base": method, "setting": setting, "steps": steps, "checkpoint": checkpoint,
+            "train_wall_s": round(train_s, 1),
             "regen_s": round(regen_s, 1), "wall_s": round(train_s + regen_s, 1), "loss": loss,
             "al": {b: {k: {"mean_al": v["mean_al"], "se": v.get("se")} for k, v in r.items()} for b, r in res.items()},
             "_res": res}
@@ -397,12 +422,60 @@ def _tables(rows: list, evs: dict, temps: list, w: int) -> list:
             for r in rows:
                 if k in r["_res"][bench]:
                     print(f"  {r['method']:<42}" + "  ".join(acceptance_cells(r["_res"][bench][k])))
-        if bench == "mt-bench":
+        if bench in ("mt-bench", "mt-bench-2"):
             for k, title in cols:
                 cats = [(r["method"], r["_res"][bench][k]["by_category"]) for r in rows if k in r["_res"][bench]]
                 if cats:
                     print(f"{title}, per category\n" + format_categories(cats))
+    if len(evs) > 1:  # every set's prompts pooled: the finest comparison the evaluated prompts allow
+        names = " + ".join(f"{BENCH_NAMES[b]} ({len(e.prompts)})" for b, e in evs.items())
+        print(f"\n== all sets pooled: {names}\nSpecOPD minus each row, paired over the pooled prompts, T=0 (replay)")
+        a = [x for b in evs for x in ref["_res"][b]["replay_t0"]["accept_lengths"]]
+        for r in rows:
+            if r is ref or any("replay_t0" not in r["_res"][b] for b in evs):
+                continue
+            bl = [x for b in evs for x in r["_res"][b]["replay_t0"]["accept_lengths"]]
+            d = sum(map(sum, a)) / sum(map(len, a)) - sum(map(sum, bl)) / sum(map(len, bl))
+            se = al_diff_stderr(a, bl)
+            beyond = abs(d) > 2 * se
+            diffs.append({"bench": "pooled", "what": "replay_t0", "method": r["method"], "setting": r["setting"],
+                          "steps": r["steps"], "wall_s": r["wall_s"], "diff": d, "se": se, "beyond_2se": beyond})
+            n_se = f"{abs(d) / se:.1f} SE" if se > 0 else "no spread"
+            print(f"{r['method']:<40}{'':>41}{d:>+11.3f} +- {se:.3f}{'*' if beyond else ' '} ({n_se})")
     return diffs
+
+
+def _curve_diffs(runs: dict, evs: dict) -> list:
+    """SpecOPD minus each other method at every step both evaluated (equal steps along the curve), T=0 replay, per
+    set and, with more than one set, pooled: whether a lead holds, grows or fades with training."""
+    from specopd.eval.cli import al_diff_stderr
+
+    def lengths(folder, bench):
+        return evs[bench].cache[os.path.abspath(folder)]["replay_t0"]["accept_lengths"]
+
+    sets = list(evs) + (["pooled"] if len(evs) > 1 else [])
+    ours = dict(runs["specopd"]["checkpoints"])
+    out = []
+    print("\n== SpecOPD minus each method at equal steps along the curve, T=0 (replay), paired over prompts; "
+          "'*': beyond two standard errors")
+    print(f"{'step':>6}  {'method':<18}" + "".join(f"{b:>22}" for b in sets))
+    for m, r in runs.items():
+        if m == "specopd":
+            continue
+        for step, folder in r["checkpoints"]:
+            if step not in ours:
+                continue
+            cells = []
+            for b in sets:
+                bs = list(evs) if b == "pooled" else [b]
+                a = [x for s in bs for x in lengths(ours[step], s)]
+                o = [x for s in bs for x in lengths(folder, s)]
+                d = sum(map(sum, a)) / sum(map(len, a)) - sum(map(sum, o)) / sum(map(len, o))
+                se = al_diff_stderr(a, o)
+                out.append({"step": step, "method": m, "bench": b, "diff": d, "se": se, "beyond_2se": abs(d) > 2 * se})
+                cells.append(f"{d:>+12.3f} +- {se:.3f}{'*' if abs(d) > 2 * se else ' '}")
+            print(f"{step:>6}  {m:<18}" + "".join(cells))
+    return out
 
 
 def main(argv=None) -> int:
@@ -494,7 +567,8 @@ def main(argv=None) -> int:
         return {f"{b}/{k}": v["mean_al"] for b, r in res.items() for k, v in r.items()}
 
     warm_res = ev(prep["warm"], real=True)
-    rows = [_row("starting drafter (every method's step 0)", "warm", "start", 0, 0.0, 0.0, warm_res)]
+    rows = [_row("starting drafter (every method's step 0)", "warm", "start", 0, 0.0, 0.0, warm_res,
+                 checkpoint=prep["warm"])]
     curves = {}
     for m, r in runs.items():
         pts = [{"step": 0, "wall_s": r["regen_s"], "checkpoint": prep["warm"], **flat(warm_res)}]
@@ -507,7 +581,7 @@ def main(argv=None) -> int:
             if step == last:
                 label = "specopd (its wall time: the budget)" if m == "specopd" else f"{m} (equal steps)"
                 rows.append(_row(label, m, "equal_steps", step, r["wall_at"].get(step, 0.0), r["regen_s"], res,
-                                 r["loss_at"].get(step)))
+                                 r["loss_at"].get(step), checkpoint=folder))
         curves[m] = pts
     equal_time = {}
     for m, r in equal_time_runs.items():
@@ -520,13 +594,14 @@ def main(argv=None) -> int:
         res = ev(folder, real=True)
         equal_time[m] = {"step": step, "wall_s": regen_s + train_s, "train_wall_s": train_s, "regen_s": regen_s,
                          "checkpoint": folder, "budget_s": budget, **flat(res)}
-        rows.append(_row(f"{m} (equal time)", m, "equal_time", step, train_s, regen_s, res, loss))
+        rows.append(_row(f"{m} (equal time)", m, "equal_time", step, train_s, regen_s, res, loss, checkpoint=folder))
 
     title = (f"{os.path.basename(args.recipe)}: every method from {prep['warm']}, "
              f"{', '.join(f'{BENCH_NAMES[b]} ({len(e.prompts)})' for b, e in evs.items())} x {args.max_new_tokens} "
              f"tokens, W={W}; AL incl. bonus")
     print(f"\n{provenance_line()}\n{cmd}\n{title}")
     diffs = _tables(rows, evs, args.temperatures, W)
+    curve_diffs = _curve_diffs(runs, evs)
     print("trainer.ce_weight (a CE term beside E2E-TV): " + ", ".join(f"{m} {r['ce_weight']:g}"
                                                                       for m, r in runs.items()))
     if regen:
@@ -539,6 +614,7 @@ def main(argv=None) -> int:
             "prepare": {k: v for k, v in prep.items() if k != "cfg"}, "warm": flat(warm_res),
             "curves": curves, "equal_time": equal_time, "budget_s": budget, "regen": regen,
             "rows": [{k: v for k, v in r.items() if k != "_res"} for r in rows], "specopd_minus": diffs,
+            "specopd_minus_along_curve": curve_diffs,
             "temperatures": args.temperatures, "ce_weight": {m: r["ce_weight"] for m, r in runs.items()},
             "prompts": {b: len(e.prompts) for b, e in evs.items()},
             "prompt_ids": {b: [m["id"] for m in e.meta] for b, e in evs.items() if e.meta},

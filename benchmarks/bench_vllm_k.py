@@ -10,8 +10,9 @@ greedy, one request at a time (``max_num_seqs`` 1), no stop tokens (every reques
 block attention is non-causal, so the first k drafts at k < W need not equal the first k of a W-token block).
 
 Each repeat runs plain decoding in one vLLM process, then every (drafter, k) in a second one (vLLM's start-up paid
-once; only ``generate`` is timed, after an untimed warm-up request in each engine); a row's ratio divides by the plain rate of the same repeat, so load that
-changes between repeats hits both sides alike. AL is vLLM's (1 + accepted / rounds).
+once; only ``generate`` is timed, after an untimed warm-up request in each engine); odd repeats run the speculative
+process first. A row's ratio divides by the plain rate of the same repeat, so load that changes between repeats hits
+both sides alike. AL is vLLM's (1 + accepted / rounds).
 
     python benchmarks/bench_vllm_k.py [--drafters DIR,DIR] [--ks 1,2,3,4] [--prompts 16] [--max-new-tokens 64]
                                       [--dtype bfloat16] [--repeats 2] [--json out.json]
@@ -42,22 +43,29 @@ def measure(target: str, drafters: list, ks: list, prompts: list, n_new: int, dt
     pairs = [(d, k) for d in drafters for k in ks]
     rows = []
     for rep in range(repeats):
-        r = run_judge(target, None, prompts, n_new, [0.0], [], dtype, work_dir=os.path.join(work, f"plain{rep}"),
-                      max_num_seqs=1, warmup=WARMUP)["runs"][0]
-        rows.append(dict(repeat=rep, drafter=None, k=0, tokens_per_s=r["tokens_per_s"], al=None,
-                         accepted_per_pos=None))
-        print(f"  repeat {rep}: plain {r['tokens_per_s']:.2f} tok/s", flush=True)
-        res = run_judge_drafters(target, [d for d, _ in pairs], prompts, n_new, [0.0], [], dtype,
-                                 num_speculative_tokens=[k for _, k in pairs],
-                                 work_dir=os.path.join(work, f"spec{rep}"), max_num_seqs=1, warmup=WARMUP)
-        for (d, k), x in zip(pairs, res):
-            run = x["runs"][0]
-            c = run["counters"]
-            al = 1 + c["num_accepted_tokens"] / c["num_drafts"] if c and c["num_drafts"] else None
-            rows.append(dict(repeat=rep, drafter=d, k=k, tokens_per_s=run["tokens_per_s"], al=al,
-                             accepted_per_pos=c["accepted_per_pos"] if c else None, rounds=c["num_drafts"] if c else 0))
-            print(f"  repeat {rep}: {os.path.relpath(d, ROOT)} k={k}: {run['tokens_per_s']:.2f} tok/s, AL "
-                  f"{al:.3f}", flush=True)
+        # odd repeats run the speculative process first, so a drift in the machine's speed over a repeat (or the
+        # first engine of a run paying for cold caches) favours neither side
+        order = ("plain", "spec") if rep % 2 == 0 else ("spec", "plain")
+        for side in order:
+            if side == "plain":
+                r = run_judge(target, None, prompts, n_new, [0.0], [], dtype,
+                              work_dir=os.path.join(work, f"plain{rep}"), max_num_seqs=1, warmup=WARMUP)["runs"][0]
+                rows.append(dict(repeat=rep, drafter=None, k=0, tokens_per_s=r["tokens_per_s"], al=None,
+                                 accepted_per_pos=None))
+                print(f"  repeat {rep}: plain {r['tokens_per_s']:.2f} tok/s", flush=True)
+                continue
+            res = run_judge_drafters(target, [d for d, _ in pairs], prompts, n_new, [0.0], [], dtype,
+                                     num_speculative_tokens=[k for _, k in pairs],
+                                     work_dir=os.path.join(work, f"spec{rep}"), max_num_seqs=1, warmup=WARMUP)
+            for (d, k), x in zip(pairs, res):
+                run = x["runs"][0]
+                c = run["counters"]
+                al = 1 + c["num_accepted_tokens"] / c["num_drafts"] if c and c["num_drafts"] else None
+                rows.append(dict(repeat=rep, drafter=d, k=k, tokens_per_s=run["tokens_per_s"], al=al,
+                                 accepted_per_pos=c["accepted_per_pos"] if c else None,
+                                 rounds=c["num_drafts"] if c else 0))
+                print(f"  repeat {rep}: {os.path.relpath(d, ROOT)} k={k}: {run['tokens_per_s']:.2f} tok/s, AL "
+                      f"{al:.3f}", flush=True)
     return rows
 
 
@@ -69,9 +77,11 @@ def table(rows: list) -> str:
     for r in rows:
         if r["drafter"] is not None and (r["drafter"], r["k"]) not in keys:
             keys.append((r["drafter"], r["k"]))
-    lines = ["| decoding | k | tokens/s | AL (vLLM) | speculative / plain | per repeat | acceptance at position 1..k |",
+    lines = ["| decoding | k | tokens/s | AL (vLLM) | speculative / plain (mean, median) | per repeat "
+             "| acceptance at position 1..k |",
              "|---|---:|---:|---:|---:|---|---|"]
-    lines.append(f"| plain | - | {statistics.mean(plain.values()):.2f} | - | 1.00x | - | - |")
+    lines.append(f"| plain | - | {statistics.mean(plain.values()):.2f} | - | 1.00x | "
+                 f"{' '.join(f'{x:.1f}' for x in plain.values())} tok/s | - |")
     for d, k in keys:
         rs = [r for r in rows if (r["drafter"], r["k"]) == (d, k)]
         ratios = [r["tokens_per_s"] / plain[r["repeat"]] for r in rs]
@@ -83,7 +93,8 @@ def table(rows: list) -> str:
         reached = [rounds] + acc[:-1]
         pos = " ".join(f"{a / n:.2f}" if n else "-" for a, n in zip(acc, reached))
         lines.append(f"| {os.path.relpath(d, ROOT)} | {k} | {statistics.mean(r['tokens_per_s'] for r in rs):.2f} | "
-                     f"{statistics.mean(r['al'] for r in rs):.3f} | {statistics.mean(ratios):.2f}x | "
+                     f"{statistics.mean(r['al'] for r in rs):.3f} | "
+                     f"{statistics.mean(ratios):.2f}x, {statistics.median(ratios):.2f}x | "
                      f"{' '.join(f'{x:.2f}' for x in ratios)} | {pos} |")
     return "\n".join(lines)
 

@@ -1,8 +1,8 @@
 """benchmarks/bench_al.py end to end on a tiny target (slow): the main recipe's shape (conversations as trunks, one
 starting drafter), every method including regen_ce (the target regenerates the replies of the conversations the
-runs draw, then CE), MT-Bench and held-out ShareGPT-style prompts, paired differences, figures, JSON, and a rerun
-that reuses everything. The script runs in its own process, as a user runs it: tests import nothing from
-benchmarks/."""
+runs draw, then CE), MT-Bench first and second turns and held-out ShareGPT-style prompts, paired differences (per
+set and pooled), figures, JSON, and a rerun that reuses everything. The script runs in its own process, as a user
+runs it: tests import nothing from benchmarks/."""
 from __future__ import annotations
 
 import json
@@ -24,11 +24,11 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
     target_dir = char_target(tmp_path / "t", max_position_embeddings=1024)
     write_conversations(tmp_path / "c.jsonl", 40)
     out = tmp_path / "bench"
-    args = ["--steps", "2", "--eval-every", "1", "--prompts", "8", "--max-new-tokens", "4", "--regen-engine",
-            "builtin", "--regen-max-new-tokens", "16", "--out", str(out), f"model.target={target_dir}",
-            f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.3", "data.seq_len=200", "runtime.backend=local",
-            "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2", "drafter.init_from=null",
-            "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2", "drafter.block_size=3",
+    args = ["--steps", "2", "--eval-every", "1", "--benches", "mt-bench,mt-bench-2,sharegpt", "--prompts", "8",
+            "--max-new-tokens", "4", "--regen-engine", "builtin", "--regen-max-new-tokens", "16", "--out", str(out),
+            f"model.target={target_dir}", f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.3", "data.seq_len=200",
+            "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2",
+            "drafter.init_from=null", "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2", "drafter.block_size=3",
             "drafter.feature_layers=[0]", "trainer.ce_weight=0.3"]
     env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
 
@@ -41,11 +41,12 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
     text = run()
     assert text.startswith("python benchmarks/bench_al.py --steps 2") and "\nmeasured " in text
     data = json.loads((out / "bench_al.json").read_text())
-    assert sorted(data["curves"]) == sorted(METHODS) and data["benches"] == ["mt-bench", "sharegpt"]
+    assert sorted(data["curves"]) == sorted(METHODS) and data["benches"] == ["mt-bench", "mt-bench-2", "sharegpt"]
     # a CE term goes to the methods that take one; CE, Draft-OPD and regen_ce (CE) train without it
     assert data["ce_weight"] == {"specopd": 0.3, "offpolicy_e2e_tv": 0.3, "offpolicy_ce": 0.0, "draft_opd": 0.0,
                                  "regen_ce": 0.0}
-    assert data["prompts"]["mt-bench"] == 8 and data["prompts"]["sharegpt"] >= 2
+    assert data["prompts"]["mt-bench"] == data["prompts"]["mt-bench-2"] == 8 and data["prompts"]["sharegpt"] >= 2
+    assert data["prompt_ids"]["mt-bench"] == data["prompt_ids"]["mt-bench-2"]  # the same questions' second turns
     held = {json.loads(x)["id"] for x in open(tmp_path / "c.jsonl")} - set(data["regen"]["trained_ids"])
     assert set(data["prompt_ids"]["sharegpt"]) <= held  # held-out conversations were never trained on
     regen = data["regen"]
@@ -54,7 +55,7 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
     for method, pts in data["curves"].items():
         assert [p["step"] for p in pts] == [0, 1, 2]  # the starting drafter, then every checkpoint
         assert pts[0]["checkpoint"] == data["prepare"]["warm"]  # every method starts from the same drafter
-        for b in ("mt-bench", "sharegpt"):
+        for b in ("mt-bench", "mt-bench-2", "sharegpt"):
             assert all(p[f"{b}/replay_t0"] >= 1.0 for p in pts) and f"{b}/real_t1" in pts[-1]
         assert pts[-1]["wall_s"] > pts[0]["wall_s"] == (regen["regen_s"] if method == "regen_ce" else 0.0)
     assert sorted(data["equal_time"]) == sorted(set(METHODS) - {"specopd"})
@@ -63,8 +64,35 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
     assert data["equal_time"]["regen_ce"]["wall_s"] >= regen["regen_s"]
     # SpecOPD against every other row (4 methods x 2 settings + the starting drafter), per set and AL column
     diffs = data["specopd_minus"]
-    assert len(diffs) == 9 * 2 * 2 and all(d["se"] >= 0 and d["beyond_2se"] == (abs(d["diff"]) > 2 * d["se"])
-                                           for d in diffs)
+    per_set = [d for d in diffs if d["bench"] != "pooled"]
+    assert len(per_set) == 9 * 3 * 2 and all(d["se"] >= 0 and d["beyond_2se"] == (abs(d["diff"]) > 2 * d["se"])
+                                             for d in diffs)
+    # pooled over the three sets' prompts: one ratio estimate over the union, recomputed here from the caches
+    from specopd.eval.cli import al_diff_stderr
+
+    pooled = [d for d in diffs if d["bench"] == "pooled"]
+    assert len(pooled) == 9
+    ev = data["evaluations_by_bench"]
+    row_ckpt = {r["method"]: r["checkpoint"] for r in data["rows"]}
+    sets = ("mt-bench", "mt-bench-2", "sharegpt")
+
+    def lengths(folder):
+        return [x for b in sets for x in ev[b][os.path.abspath(folder)]["replay_t0"]["accept_lengths"]]
+
+    a = lengths(row_ckpt[next(m for m in row_ckpt if m.startswith("specopd"))])
+    for d in pooled:
+        bl = lengths(row_ckpt[d["method"]])
+        want = sum(map(sum, a)) / sum(map(len, a)) - sum(map(sum, bl)) / sum(map(len, bl))
+        assert abs(d["diff"] - want) < 1e-12 and abs(d["se"] - al_diff_stderr(a, bl)) < 1e-12
+    # along the curve: every step both runs evaluated, per set and pooled; the last step is the equal-steps table's
+    curve = data["specopd_minus_along_curve"]
+    assert len(curve) == 4 * 2 * 4 and {d["step"] for d in curve} == {1, 2}
+    final = {(d["method"].split(" ")[0], d["bench"]): d for d in diffs
+             if d["setting"] == "equal_steps" and d["what"] == "replay_t0"}
+    for d in curve:
+        if d["step"] == 2:
+            f = final[(d["method"], d["bench"])]
+            assert abs(d["diff"] - f["diff"]) < 1e-9 and abs(d["se"] - f["se"]) < 1e-9
     assert "regen_ce (equal time)" in text and "beyond two standard errors" in text and "AL per category" in text
     assert (out / "al_vs_steps.png").stat().st_size > 0 and (out / "al_vs_wall.png").stat().st_size > 0
 
