@@ -70,18 +70,19 @@ def measure(target: str, drafters: list, ks: list, prompts: list, n_new: int, dt
 
 
 def table(rows: list) -> str:
-    """One line per (drafter, k): tokens/s (mean over repeats), AL, speculative / plain of the same repeat (mean and
-    the range over repeats), acceptance per position."""
+    """One line per (drafter, k): tokens/s (mean over repeats), AL, speculative / plain of the same repeat (mean,
+    median and each repeat's), what a round costs in plain decoding steps (AL / ratio: speculative decoding pays
+    only where the AL exceeds it), acceptance per position."""
     plain = {r["repeat"]: r["tokens_per_s"] for r in rows if r["drafter"] is None}
     keys = []
     for r in rows:
         if r["drafter"] is not None and (r["drafter"], r["k"]) not in keys:
             keys.append((r["drafter"], r["k"]))
     lines = ["| decoding | k | tokens/s | AL (vLLM) | speculative / plain (mean, median) | per repeat "
-             "| acceptance at position 1..k |",
-             "|---|---:|---:|---:|---:|---|---|"]
+             "| a round in plain steps | acceptance at position 1..k |",
+             "|---|---:|---:|---:|---:|---|---:|---|"]
     lines.append(f"| plain | - | {statistics.mean(plain.values()):.2f} | - | 1.00x | "
-                 f"{' '.join(f'{x:.1f}' for x in plain.values())} tok/s | - |")
+                 f"{' '.join(f'{x:.1f}' for x in plain.values())} tok/s | 1 | - |")
     for d, k in keys:
         rs = [r for r in rows if (r["drafter"], r["k"]) == (d, k)]
         ratios = [r["tokens_per_s"] / plain[r["repeat"]] for r in rs]
@@ -95,7 +96,8 @@ def table(rows: list) -> str:
         lines.append(f"| {os.path.relpath(d, ROOT)} | {k} | {statistics.mean(r['tokens_per_s'] for r in rs):.2f} | "
                      f"{statistics.mean(r['al'] for r in rs):.3f} | "
                      f"{statistics.mean(ratios):.2f}x, {statistics.median(ratios):.2f}x | "
-                     f"{' '.join(f'{x:.2f}' for x in ratios)} | {pos} |")
+                     f"{' '.join(f'{x:.2f}' for x in ratios)} | "
+                     f"{statistics.mean(r['al'] / x for r, x in zip(rs, ratios)):.2f} | {pos} |")
     return "\n".join(lines)
 
 
