@@ -5,7 +5,7 @@ that tells a user whether to regenerate their data or train on-policy.
         [--methods specopd,offpolicy_ce,offpolicy_e2e_tv,draft_opd,regen_ce] [--benches mt-bench,sharegpt]
         [--prompts 32] [--max-new-tokens 64] [--temperatures 1|none] [--real-at final|all] [--no-equal-time]
         [--regen-engine auto|vllm|builtin] [--regen-temperature 0.7] [--regen-max-new-tokens N]
-        [--references target|dataset] [--out runs/bench-al] [key=value ...]
+        [--references target|dataset] [--no-keep-trunks] [--out runs/bench-al] [key=value ...]
 
 1. prepare   the recipe's main-job stages 1-3 (``specopd.mainjob.prepare``: target, data, starting drafter; cached).
              The main recipe: the shipped drafter (``drafter.init_from``) and ShareGPT's conversations as trunks
@@ -280,17 +280,19 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
             "engine": engine, "dtype": dtype, "temperature": args.regen_temperature, "max_new_tokens": n_new}
 
 
-def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str, regen: dict = None) -> dict:
+def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str, regen: dict = None,
+              keep_trunks: bool = True) -> dict:
     """Train ``method`` from the starting drafter for ``steps`` (resumable); regen_ce: off-policy CE on
     ``regen``'s references -> {steps, wall_at, checkpoints, ...}. The runs skip the trainer's own held-out
-    evaluation (the benchmark evaluates every checkpoint itself; it does not change the training numbers)."""
+    evaluation (the benchmark evaluates every checkpoint itself; it does not change the training numbers).
+    ``keep_trunks``: off-policy runs keep every trunk's features (``trainer.cache_trunks``), as fast as they go."""
     from specopd.mainjob import stage_cfg
     from specopd.train.loop import train
 
     c = stage_cfg(cfg, prep, method="offpolicy_ce" if method == "regen_ce" else method, output_dir=out_dir,
                   max_steps=steps, save_every=save_every, keep_last=max(2, steps // max(1, save_every) + 1),
                   eval_every=0, eval_heldout=False,
-                  cache_trunks=method.startswith("offpolicy") or method == "regen_ce")  # off-policy: as fast as they go
+                  cache_trunks=keep_trunks and (method.startswith("offpolicy") or method == "regen_ce"))
     if method == "regen_ce":  # every regenerated reference is trained on (none held out)
         c.data.source, c.data.path, c.data.heldout = "prepared", regen["path"], 0.0
     done = [s for s, _ in _checkpoints(out_dir)]
@@ -498,6 +500,10 @@ def main(argv=None) -> int:
     ap.add_argument("--references", choices=["target", "dataset"], default="target",
                     help="prepared data: train on the target's answers (the pipeline's references) or the dataset's "
                          "own replies")
+    ap.add_argument("--no-keep-trunks", action="store_true",
+                    help="off-policy runs prefill each trunk whenever it is drawn instead of keeping every trunk's "
+                         "features (trainer.cache_trunks: ~1 MB a sequence for SmolLM2-135M, all of them on a long "
+                         "run; the numbers are the same, the steps slower)")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-al"))
     ap.add_argument("overrides", nargs="*", help="recipe overrides section.key=value")
     args = ap.parse_args(argv)
@@ -544,7 +550,7 @@ def main(argv=None) -> int:
         if m == "regen_ce":
             regen = regenerate(cfg, prep, args, args.out)
         runs[m] = train_run(cfg, prep, m, args.steps, args.eval_every, run_dir(args.out, "equal-steps", m, regen),
-                            regen if m == "regen_ce" else None)
+                            regen if m == "regen_ce" else None, keep_trunks=not args.no_keep_trunks)
     equal_time_runs = {}
     budget = runs["specopd"]["wall_at"][args.steps]
     if not args.no_equal_time:
@@ -554,7 +560,8 @@ def main(argv=None) -> int:
             left = budget - runs[m]["regen_s"]
             n = max(0 if m == "regen_ce" else 1, round(left / max(runs[m]["mean_step_s"], 1e-9)))
             equal_time_runs[m] = (train_run(cfg, prep, m, n, n, run_dir(args.out, "equal-time", m, regen),
-                                            regen if m == "regen_ce" else None) if n > 0 else None)
+                                            regen if m == "regen_ce" else None, keep_trunks=not args.no_keep_trunks)
+                                  if n > 0 else None)
 
     target = load_target(prep["target_dir"])
     scfg = stage_cfg(cfg, prep)  # model.target: the prepared folder
