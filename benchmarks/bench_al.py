@@ -117,6 +117,7 @@ class Evaluator:
         self.bench = bench = bench or getattr(args, "bench", "chat")
         self.meta = None
         tag = "" if bench == "chat" else f"{bench}_"  # one cache per evaluation set: results never mix
+        self.stops = sorted(stop_token_ids(load_tokenizer(target_dir, self.target.vocab_size), self.target))
         if bench == "mt-bench":  # MT-Bench's first turns: all 80, or --prompts of them, the same number per category
             from specopd.eval.bench import mtbench_prompts, stratified
 
@@ -134,9 +135,7 @@ class Evaluator:
                 first, _ = mtbench_prompts(target_dir, self.target.vocab_size)
                 print(f"[bench_al] the target answers MT-Bench's {len(first)} first turns (greedy, <= {n_first} "
                       f"tokens): the context of the second turns", flush=True)
-                answers = first_answer_texts(self.target, target_dir, first, n_first,
-                                             stop_token_ids(load_tokenizer(target_dir, self.target.vocab_size),
-                                                            self.target))
+                answers = first_answer_texts(self.target, target_dir, first, n_first, self.stops)
                 with open(path + ".tmp", "w") as f:
                     json.dump(answers, f, indent=1)
                 os.replace(path + ".tmp", path)
@@ -154,7 +153,6 @@ class Evaluator:
             tag += hashlib.sha1(json.dumps([m["id"] for m in self.meta]).encode()).hexdigest()[:8] + "_"
         else:
             self.prompts = heldout_prompt_ids(target_dir, self.target.vocab_size, args.prompts)
-        self.stops = sorted(stop_token_ids(load_tokenizer(target_dir, self.target.vocab_size), self.target))
         self.cache_path = os.path.join(out, f"eval_cache_{tag}{args.prompts}x{args.max_new_tokens}.json")
         self.cache = json.load(open(self.cache_path)) if os.path.isfile(self.cache_path) else {}
         cont_path = os.path.join(out, f"greedy_continuations_{tag}{args.prompts}x{args.max_new_tokens + 32}.pt")
@@ -436,9 +434,7 @@ def _tables(rows: list, evs: dict, temps: list, w: int) -> list:
         for r in rows:
             if r is ref or any("replay_t0" not in r["_res"][b] for b in evs):
                 continue
-            bl = [x for b in evs for x in r["_res"][b]["replay_t0"]["accept_lengths"]]
-            d = sum(map(sum, a)) / sum(map(len, a)) - sum(map(sum, bl)) / sum(map(len, bl))
-            se = al_diff_stderr(a, bl)
+            d, se = _paired_diff(a, [x for b in evs for x in r["_res"][b]["replay_t0"]["accept_lengths"]])
             beyond = abs(d) > 2 * se
             diffs.append({"bench": "pooled", "what": "replay_t0", "method": r["method"], "setting": r["setting"],
                           "steps": r["steps"], "wall_s": r["wall_s"], "diff": d, "se": se, "beyond_2se": beyond})
@@ -447,11 +443,17 @@ def _tables(rows: list, evs: dict, temps: list, w: int) -> list:
     return diffs
 
 
+def _paired_diff(a: list, b: list) -> tuple:
+    """AL(a) - AL(b) over the same prompts (each AL one ratio over all of its prompts' rounds) and its paired
+    standard error; ``a``, ``b``: accept_lengths [prompts][rounds], several sets' prompts concatenated."""
+    from specopd.eval.cli import al_diff_stderr
+
+    return sum(map(sum, a)) / sum(map(len, a)) - sum(map(sum, b)) / sum(map(len, b)), al_diff_stderr(a, b)
+
+
 def _curve_diffs(runs: dict, evs: dict) -> list:
     """SpecOPD minus each other method at every step both evaluated (equal steps along the curve), T=0 replay, per
     set and, with more than one set, pooled: whether a lead holds, grows or fades with training."""
-    from specopd.eval.cli import al_diff_stderr
-
     def lengths(folder, bench):
         return evs[bench].cache[os.path.abspath(folder)]["replay_t0"]["accept_lengths"]
 
@@ -470,10 +472,8 @@ def _curve_diffs(runs: dict, evs: dict) -> list:
             cells = []
             for b in sets:
                 bs = list(evs) if b == "pooled" else [b]
-                a = [x for s in bs for x in lengths(ours[step], s)]
-                o = [x for s in bs for x in lengths(folder, s)]
-                d = sum(map(sum, a)) / sum(map(len, a)) - sum(map(sum, o)) / sum(map(len, o))
-                se = al_diff_stderr(a, o)
+                d, se = _paired_diff([x for s in bs for x in lengths(ours[step], s)],
+                                     [x for s in bs for x in lengths(folder, s)])
                 out.append({"step": step, "method": m, "bench": b, "diff": d, "se": se, "beyond_2se": abs(d) > 2 * se})
                 cells.append(f"{d:>+12.3f} +- {se:.3f}{'*' if abs(d) > 2 * se else ' '}")
             print(f"{step:>6}  {m:<18}" + "".join(cells))

@@ -42,30 +42,32 @@ def measure(target: str, drafters: list, ks: list, prompts: list, n_new: int, dt
 
     pairs = [(d, k) for d in drafters for k in ks]
     rows = []
+
+    def plain(rep: int):
+        r = run_judge(target, None, prompts, n_new, [0.0], [], dtype, work_dir=os.path.join(work, f"plain{rep}"),
+                      max_num_seqs=1, warmup=WARMUP)["runs"][0]
+        rows.append(dict(repeat=rep, drafter=None, k=0, tokens_per_s=r["tokens_per_s"], al=None,
+                         accepted_per_pos=None))
+        print(f"  repeat {rep}: plain {r['tokens_per_s']:.2f} tok/s", flush=True)
+
+    def speculative(rep: int):
+        res = run_judge_drafters(target, [d for d, _ in pairs], prompts, n_new, [0.0], [], dtype,
+                                 num_speculative_tokens=[k for _, k in pairs],
+                                 work_dir=os.path.join(work, f"spec{rep}"), max_num_seqs=1, warmup=WARMUP)
+        for (d, k), x in zip(pairs, res):
+            run = x["runs"][0]
+            c = run["counters"]
+            al = 1 + c["num_accepted_tokens"] / c["num_drafts"] if c and c["num_drafts"] else None
+            rows.append(dict(repeat=rep, drafter=d, k=k, tokens_per_s=run["tokens_per_s"], al=al,
+                             accepted_per_pos=c["accepted_per_pos"] if c else None, rounds=c["num_drafts"] if c else 0))
+            print(f"  repeat {rep}: {os.path.relpath(d, ROOT)} k={k}: {run['tokens_per_s']:.2f} tok/s, AL "
+                  f"{al:.3f}", flush=True)
+
     for rep in range(repeats):
         # odd repeats run the speculative process first, so a drift in the machine's speed over a repeat (or the
         # first engine of a run paying for cold caches) favours neither side
-        order = ("plain", "spec") if rep % 2 == 0 else ("spec", "plain")
-        for side in order:
-            if side == "plain":
-                r = run_judge(target, None, prompts, n_new, [0.0], [], dtype,
-                              work_dir=os.path.join(work, f"plain{rep}"), max_num_seqs=1, warmup=WARMUP)["runs"][0]
-                rows.append(dict(repeat=rep, drafter=None, k=0, tokens_per_s=r["tokens_per_s"], al=None,
-                                 accepted_per_pos=None))
-                print(f"  repeat {rep}: plain {r['tokens_per_s']:.2f} tok/s", flush=True)
-                continue
-            res = run_judge_drafters(target, [d for d, _ in pairs], prompts, n_new, [0.0], [], dtype,
-                                     num_speculative_tokens=[k for _, k in pairs],
-                                     work_dir=os.path.join(work, f"spec{rep}"), max_num_seqs=1, warmup=WARMUP)
-            for (d, k), x in zip(pairs, res):
-                run = x["runs"][0]
-                c = run["counters"]
-                al = 1 + c["num_accepted_tokens"] / c["num_drafts"] if c and c["num_drafts"] else None
-                rows.append(dict(repeat=rep, drafter=d, k=k, tokens_per_s=run["tokens_per_s"], al=al,
-                                 accepted_per_pos=c["accepted_per_pos"] if c else None,
-                                 rounds=c["num_drafts"] if c else 0))
-                print(f"  repeat {rep}: {os.path.relpath(d, ROOT)} k={k}: {run['tokens_per_s']:.2f} tok/s, AL "
-                      f"{al:.3f}", flush=True)
+        for side in (plain, speculative) if rep % 2 == 0 else (speculative, plain):
+            side(rep)
     return rows
 
 
