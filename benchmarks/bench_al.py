@@ -125,21 +125,11 @@ class Evaluator:
             keep = stratified(meta, args.prompts)
             self.prompts, self.meta = [ids[i] for i in keep], [meta[i] for i in keep]
         elif bench == "mt-bench-2":  # second turns after the target's own greedy first answers (cached: they cost)
-            from specopd.eval.bench import first_answer_texts, mtbench_prompts, stratified
+            from specopd.eval.bench import mtbench_second_turns, stratified
 
             n_first = int(cfg.eval.max_new_tokens)
-            path = os.path.join(out, f"mtbench_first_answers_{n_first}.json")
-            if os.path.isfile(path):
-                answers = json.load(open(path))
-            else:
-                first, _ = mtbench_prompts(target_dir, self.target.vocab_size)
-                print(f"[bench_al] the target answers MT-Bench's {len(first)} first turns (greedy, <= {n_first} "
-                      f"tokens): the context of the second turns", flush=True)
-                answers = first_answer_texts(self.target, target_dir, first, n_first, self.stops)
-                with open(path + ".tmp", "w") as f:
-                    json.dump(answers, f, indent=1)
-                os.replace(path + ".tmp", path)
-            ids, meta = mtbench_prompts(target_dir, self.target.vocab_size, turn=2, first_answers=answers)
+            ids, meta = mtbench_second_turns(self.target, target_dir, n_first, self.stops,
+                                             os.path.join(out, f"mtbench_first_answers_{n_first}.json"))
             keep = stratified(meta, args.prompts)
             self.prompts, self.meta = [ids[i] for i in keep], [meta[i] for i in keep]
         elif bench == "sharegpt":

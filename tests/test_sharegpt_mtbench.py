@@ -169,6 +169,21 @@ def test_eval_bench_mt_bench_first_and_second_turns(tmp_path, monkeypatch, capsy
                                                      {"role": "user", "content": "and 1?"}])
     r2 = main_eval(cfg, ["--bench", "mt-bench", "--turn", "2", "--temperatures", "0", "--no-baseline"])
     assert r2["num_prompts"] == 4 and "second turns" in r2["prompts"]
+    # the first answers cached in a file (bench_al reruns): written once, then read instead of decoded again
+    from specopd.models import load_target
+    target = load_target(target_dir)
+    cache = str(tmp_path / "answers.json")
+    s1, m1 = bench.mtbench_second_turns(target, target_dir, 5, [2], cache)
+    answers = json.load(open(cache))
+    assert answers == bench.first_answer_texts(target, target_dir, ids, 5, [2]) and len(answers) == 4
+    assert [x.tolist() for x in s1] == [x.tolist() for x in
+                                        bench.mtbench_prompts(target_dir, 128, turn=2, first_answers=answers)[0]]
+    monkeypatch.setattr(bench, "first_answer_texts", lambda *a: pytest.fail("the cached answers were not used"))
+    json.dump(["X0", "X1", "X2", "X3"], open(cache, "w"))
+    s2, m2 = bench.mtbench_second_turns(target, target_dir, 5, [2], cache)
+    assert m2 == m1 and s2[1].tolist() == encode_prompt(tok, [{"role": "user", "content": "q1 writing"},
+                                                              {"role": "assistant", "content": "X1"},
+                                                              {"role": "user", "content": "and 1?"}])
     with pytest.raises(ValueError, match="--bench or --prompts"):
         main_eval(cfg, ["--bench", "mt-bench", "--prompts", str(tmp_path / "p.txt")])
 

@@ -6,6 +6,7 @@ evaluation only and never reach training.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -90,6 +91,31 @@ def first_answer_texts(target, target_dir: str, prompts: Sequence[torch.Tensor],
         cut = next((j for j, t in enumerate(ids) if t in stops), len(ids))
         out.append(tok.decode(ids[:cut], skip_special_tokens=True))
     return out
+
+
+def mtbench_second_turns(target, target_dir: str, max_new_tokens: int, stop_token_ids: Sequence[int],
+                         answers_path: Optional[str] = None) -> tuple:
+    """MT-Bench's second turns after the target's own greedy first answers -> (ids list, meta list), as
+    ``mtbench_prompts(turn=2)``.
+
+    Args:
+        target, target_dir, max_new_tokens, stop_token_ids: as ``first_answer_texts`` (the first answers' budget).
+        answers_path: a JSON file of the first answers: read when it exists, else written (atomically) after the
+            target answers; the answers cost 80 greedy decodes, and reruns reuse them.
+    """
+    if answers_path and os.path.isfile(answers_path):
+        with open(answers_path) as f:
+            answers = json.load(f)
+    else:
+        first, _ = mtbench_prompts(target_dir, target.vocab_size)
+        print(f"[eval] the target answers MT-Bench's {len(first)} first turns (greedy, <= {max_new_tokens} tokens): "
+              f"the context of the second turns", flush=True)
+        answers = first_answer_texts(target, target_dir, first, max_new_tokens, stop_token_ids)
+        if answers_path:
+            with open(answers_path + ".tmp", "w") as f:
+                json.dump(answers, f, indent=1)
+            os.replace(answers_path + ".tmp", answers_path)
+    return mtbench_prompts(target_dir, target.vocab_size, turn=2, first_answers=answers)
 
 
 def by_category(accept_lengths: Sequence[Sequence[int]], meta: Sequence[dict]) -> dict:

@@ -21,7 +21,7 @@ from specopd.data.prepare import MODELS, encode_prompt, load_tokenizer
 from specopd.data.references import read_prompts
 from specopd.drafters import build_drafter, load_drafter
 from specopd.errors import DamagedFolderError
-from specopd.eval.bench import (BENCHES, by_category, first_answer_texts, format_categories, mtbench_prompts,
+from specopd.eval.bench import (BENCHES, by_category, format_categories, mtbench_prompts, mtbench_second_turns,
                                  provenance, provenance_line)
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
 from specopd.models import load_target
@@ -341,13 +341,10 @@ def bench_prompt_ids(ns, cfg, target_dir: str, target, stops) -> tuple:
             first answer of at most ``eval.max_new_tokens`` tokens).
         cfg: the recipe; target_dir, target: the target's folder and model; stops: stop token ids.
     """
-    first, meta = mtbench_prompts(target_dir, target.vocab_size)
     if ns.turn == 1:
+        first, meta = mtbench_prompts(target_dir, target.vocab_size)
         return first, meta, f"MT-Bench first turns ({len(first)})"
-    print(f"[eval] the target answers MT-Bench's {len(first)} first turns (greedy, <= {cfg.eval.max_new_tokens} "
-          f"tokens): the context of the second turns", flush=True)
-    answers = first_answer_texts(target, target_dir, first, cfg.eval.max_new_tokens, stops)
-    second, meta = mtbench_prompts(target_dir, target.vocab_size, turn=2, first_answers=answers)
+    second, meta = mtbench_second_turns(target, target_dir, cfg.eval.max_new_tokens, stops)
     return second, meta, f"MT-Bench second turns ({len(second)}) after the target's own first answers"
 
 
