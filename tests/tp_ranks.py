@@ -2,6 +2,8 @@
 same prefill / score / verify / commit on both, and rank 0 writes the largest relative differences per case."""
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import os
 
@@ -65,26 +67,32 @@ def compare(full, shard) -> dict:
     return err
 
 
-def _init_group(rank: int, world: int, init_file: str, device: str):
-    """(TensorParallel over ``world`` ranks, this rank's device): "cpu" over gloo, "cuda" over NCCL with one GPU
-    per rank."""
+@contextlib.contextmanager
+def _group(rank: int, world: int, init_file: str, device: str):
+    """(TensorParallel over ``world`` ranks, this rank's device) for the block: "cpu" over gloo, "cuda" over NCCL
+    with one GPU per rank. A rank that finishes waits at a barrier before the group is torn down, so no rank
+    closes its connections while another still runs; a crash prints every thread's Python stack."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from specopd.models.tensor_parallel import TensorParallel
 
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     if device == "cuda":  # one GPU per rank, NCCL
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    return TensorParallel(init_device_mesh(device, (world,))), (f"cuda:{rank}" if device == "cuda" else "cpu")
+    try:
+        yield TensorParallel(init_device_mesh(device, (world,))), (f"cuda:{rank}" if device == "cuda" else "cpu")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def run(rank: int, world: int, init_file: str, cases: list, out: str, device: str = "cpu") -> None:
     from specopd.models import load_target
 
-    tp, dev = _init_group(rank, world, init_file, device)
-    try:
+    with _group(rank, world, init_file, device) as (tp, dev):
         res = {}
         for name, path in cases:
             full = load_target(path, device=dev)
@@ -93,8 +101,6 @@ def run(rank: int, world: int, init_file: str, cases: list, out: str, device: st
             n_shard = sum(p.numel() for p in shard.parameters())
             res[name] = {"err": compare(full, shard), "params": [n_full, n_shard]}
         _write_result(rank, res, out)
-    finally:
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ the vocabulary-parallel loss and sampler
@@ -177,8 +183,7 @@ def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96, d
     """Every ``LOSS_CASES`` case whole and over the vocabulary split across ``world`` ranks (``device`` "cpu": gloo,
     "cuda": NCCL): rank 0 writes the largest relative differences of the loss, alpha, nll and every input's
     gradient, whether every rank got the same bits, and the sampler's agreement."""
-    tp, dev = _init_group(rank, world, init_file, device)
-    try:
+    with _group(rank, world, init_file, device) as (tp, dev):
         lo, hi = tp.vocab_block(vocab)
         res = {"loss": {}, "same_on_ranks": {}}
         for case in LOSS_CASES:
@@ -197,8 +202,6 @@ def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96, d
             res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
         res["sampler"] = _sampler_errs(tp, lo, hi, vocab, dev)
         _write_result(rank, res, out)
-    finally:
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ DFlash V2 over a split vocabulary
@@ -341,8 +344,7 @@ def run_v2(rank: int, world: int, init_file: str, path: str, out: str, device: s
     from specopd.models import load_target
     from specopd.models.tensor_parallel import vocab_group
 
-    tp, dev = _init_group(rank, world, init_file, device)
-    try:
+    with _group(rank, world, init_file, device) as (tp, dev):
         vocab = 96
         lo, hi = tp.vocab_block(vocab)
         res = {"topk": _v2_topk(tp, lo, hi, vocab, dev), "candidate_p": _v2_candidate_p(tp, lo, hi, vocab, dev),
@@ -356,5 +358,3 @@ def run_v2(rank: int, world: int, init_file: str, path: str, out: str, device: s
             res["loss"][case], res["flags"][case] = err, flags
             res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
         _write_result(rank, res, out)
-    finally:
-        dist.destroy_process_group()
