@@ -252,6 +252,11 @@ class TrainerConfig:
     anchor (the same drafter pass, uniform over positions) to E2E-TV. E2E-TV at T = 1 lowers greedy acceptance
     from a CE-trained plateau (benchmarks/results/2026-12-01-smollm2-135m-plateau-experiment-dev-cpu.md); on greedy references the CE's labels
     are the target's argmax. 0: E2E-TV alone (the paper's loss)."""
+    ce_labels: str = setting("reference", resume=FROM_HERE)
+    """The labels of the ce_weight term. reference: the trunk's tokens after each anchor. target: the target's own
+    argmax at each scored position (specopd: on the branch's history; offpolicy_e2e_tv: on the reference), what
+    greedy verification accepts there: distillation for T = 0 serving from references the target did not write,
+    with no decoding (losses.target_argmax)."""
     vocab_ce_weight: float = setting(0.0, resume=FROM_HERE)
     """DFlash V2 (``drafter.kind: dflash2``), trainer.method offpolicy_ce only: add vocab_ce_weight x the CE of the
     drafter's raw lm_head logits over the whole vocabulary (DFlash's own pretraining loss) to the CE over the
@@ -335,6 +340,11 @@ class TrainerConfig:
                               f"{' and '.join(CE_TERM_METHODS)}); trainer.method={self.method} "
                               + ("is CE already" if self.method == "offpolicy_ce" else
                                  "has no reference block per rollout round") + ": set trainer.ce_weight=0")
+        if self.ce_labels not in CE_LABELS:
+            raise RecipeError(f"trainer.ce_labels={self.ce_labels!r} is not one of {', '.join(CE_LABELS)}")
+        if self.ce_labels != "reference" and self.ce_weight == 0:
+            raise RecipeError(f"trainer.ce_labels={self.ce_labels} chooses the labels of the CE term, which "
+                              f"trainer.ce_weight=0 turns off: set trainer.ce_weight > 0, or drop ce_labels")
         _check_range("trainer", "vocab_ce_weight", self.vocab_ce_weight, lo=0)
         if self.vocab_ce_weight > 0 and self.method != "offpolicy_ce":
             raise RecipeError(f"trainer.vocab_ce_weight={self.vocab_ce_weight} adds a full-vocabulary CE to DFlash "
@@ -543,6 +553,7 @@ def recorded_recipe(d: Optional[dict]) -> Optional[dict]:
 
 
 CE_TERM_METHODS = ("specopd", "offpolicy_e2e_tv")  # the methods trainer.ce_weight adds a CE term to
+CE_LABELS = ("reference", "target")  # trainer.ce_labels
 
 
 def eval_dtype(cfg) -> str:

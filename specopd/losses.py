@@ -1018,6 +1018,40 @@ def candidate_ce(ids: torch.Tensor, scores: torch.Tensor, targets: torch.Tensor,
 
 
 @torch.no_grad()
+def target_argmax(hp: torch.Tensor, p_weight: torch.Tensor, *, chunk_rows="auto", tp=None) -> torch.Tensor:
+    """The target's greedy token at every scored position: argmax of ``hp @ p_weight^T`` (the first index of the
+    maximum, as ``torch.argmax``), ``chunk_rows`` rows at a time, never [N, W, V]. The labels of
+    ``trainer.ce_labels: target``: what greedy verification accepts at each position of the scored history.
+
+    Args:
+        hp: [N, W, D] the target's hidden state before lm_head.
+        p_weight: [V, D] the target's lm_head (this rank's block [V / N, D] with ``tp``).
+        chunk_rows: rows of [rows, V] logits per chunk, or "auto".
+        tp: the group the vocabulary is split over (as in ``fused_e2e_tv``): the first index of the maximum over
+            the whole vocabulary, the same on every rank; None: whole.
+
+    Returns:
+        [N, W] int64 token ids.
+    """
+    n, w, d = hp.shape
+    vp = tp is not None and tp.size > 1
+    lo = tp.vocab_block(p_weight.shape[0] * tp.size)[0] if vp else 0
+    flat = hp.reshape(n * w, d)
+    out = torch.empty(n * w, dtype=torch.long, device=hp.device)
+    chunk = even_chunk(n * w, resolve_chunk_rows(chunk_rows, p_weight.shape[0], hp.device))
+    for s in range(0, n * w, chunk):
+        r = torch.arange(s, min(s + chunk, n * w), device=hp.device)
+        z = chunk_logits((flat,), (p_weight,), r)
+        li = z.argmax(-1)
+        if vp:
+            m = z.gather(1, li[:, None]).squeeze(1)  # ties across blocks: the lowest index at the global maximum
+            gm = tp.all_reduce_(m.clone(), "max")
+            li = tp.all_reduce_(torch.where(m == gm, li + lo, torch.iinfo(torch.long).max), "min")
+        out[s: s + r.numel()] = li
+    return out.view(n, w)
+
+
+@torch.no_grad()
 def logits_at(h: torch.Tensor, weight: torch.Tensor, index: Optional[torch.Tensor] = None, *,
               temperature: float = 1.0) -> torch.Tensor:
     """fp32 logits of a few rows of hidden states (e.g. the target's p at some anchors); the result is materialised.

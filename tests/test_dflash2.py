@@ -364,28 +364,31 @@ def _full_logit_reference(w, prop, denom):
             loss = loss + t.vocab_ce_weight * full.mean(1).sum() / denom
     else:
         loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
-    if t.ce_weight > 0 and t.method != "offpolicy_ce":
-        loss = loss + t.ce_weight * nll(ref).mean(1).sum() / denom
+    if t.ce_weight > 0 and t.method != "offpolicy_ce":  # trainer.ce_labels=target: the plain forwards' argmax
+        loss = loss + t.ce_weight * nll(p.argmax(-1) if t.ce_labels == "target" else ref).mean(1).sum() / denom
     return loss, tv_alpha(q.detach(), p, temperature=t.temperature)
 
 
 @pytest.mark.parametrize("method,temp", [("specopd", 0.8), ("specopd", 0.0), ("offpolicy_e2e_tv", 0.8),
                                          ("offpolicy_ce", 0.8), ("offpolicy_ce+vce", 0.8), ("specopd+ce", 0.8),
-                                         ("offpolicy_e2e_tv+ce", 0.0)])
+                                         ("offpolicy_e2e_tv+ce", 0.0), ("specopd+tce", 0.8)])
 def test_one_forward_step_equals_full_logit_reference(tmp_path, method, temp):
     """The step's one drafter forward (branches walked from its detached hidden state; the loss on candidates,
     chunked, never [N, W, V]) gives the loss, alpha and gradients of the full-logit step; top K = 6 of vocab 256,
     so references miss the candidates often (the CE's joined token); "+vce": trainer.vocab_ce_weight, the
-    full-vocabulary CE on the raw logits beside it; off-policy CE and T = 0: K = 64, so that the
+    full-vocabulary CE on the raw logits beside it; "+tce": the CE on the target's argmax (trainer.ce_labels=target);
+    off-policy CE and T = 0: K = 64, so that the
     references (the target's argmax) are candidates in some slots and not in others (where the argmax is in none,
     greedy alpha and its gradient are 0)."""
     from specopd.train.tiny import tiny_recipe
     from specopd.train.worker import Worker
 
-    method, ce, vce = method.split("+")[0], 0.4 if method.endswith("+ce") else 0.0, 0.5 if method.endswith("+vce") else 0.0
+    method, extra = method.split("+")[0], method.split("+")[1:]
+    ce, vce = 0.4 if extra in (["ce"], ["tce"]) else 0.0, 0.5 if extra == ["vce"] else 0.0
+    labels = ["trainer.ce_labels=target"] if extra == ["tce"] else []
     cfg = tiny_recipe(str(tmp_path), ["drafter.kind=dflash2", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
                                       f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}",
-                                      f"trainer.vocab_ce_weight={vce}"])
+                                      f"trainer.vocab_ce_weight={vce}"] + labels)
     w = Worker(cfg)
     with torch.no_grad():  # a drafter whose convolutions and selector matter, with a top K of 6
         w.drafter.config.selector_top_k = 64 if temp == 0 or method == "offpolicy_ce" else 6

@@ -166,7 +166,7 @@ def test_align_p_logits():
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from specopd.losses import (auto_chunk_rows, check_chunk_rows, e2e_tv_from_alpha, fused_ce,  # noqa: E402
-                            fused_e2e_tv, logits_at, position_weights)
+                            fused_e2e_tv, logits_at, position_weights, target_argmax)
 from specopd.sampling import sample_from_hidden  # noqa: E402
 
 
@@ -323,6 +323,23 @@ def test_fused_e2e_tv_with_ce_term_equals_full_logits(n, w, temp, chunk, rank, m
     assert out.nll is not None and alone.nll is None
     if bool(valid.any()):
         assert float((g[0] - _grads(alone.loss, [hq])[0]).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("n,w,chunk", [(1, 1, "auto"), (3, 4, 1), (5, 3, 4), (4, 5, 7), (2, 6, "auto")])
+def test_target_argmax_equals_full_logits(n, w, chunk):
+    """trainer.ce_labels=target: the target's argmax at every scored position, chunk by chunk (one row, chunks that
+    cut rows unevenly, one chunk), equals argmax of the full [N, W, V] logits; on a tie the first index wins (a
+    duplicated lm_head row; a hidden state of zeros ties every token and gives 0), as torch.argmax."""
+    _, weight, hp, _ = _hidden(7 * n + w, n, w, v=13)
+    weight[9] = weight[4]  # tokens 4 and 9 tie wherever one of them is the maximum
+    hp[0, 0] = weight[4] * 4  # ... which it is here: the label is 4, not 9
+    if w > 1:
+        hp[-1, -1] = 0.0  # every logit 0: the label is 0
+    got = target_argmax(hp, weight, chunk_rows=chunk)
+    full = (hp @ weight.t()).argmax(-1)
+    assert got.dtype == torch.long and tuple(got.shape) == (n, w)
+    assert torch.equal(got, full)
+    assert int(got[0, 0]) == 4 and (w == 1 or int(got[-1, -1]) == 0)
 
 
 def test_fused_e2e_tv_ce_term_needs_its_labels():

@@ -115,6 +115,20 @@ def test_vocab_parallel_loss_equals_whole_on_two_gpus(loss_results_cuda, case):
     _check_loss(loss_results_cuda, case)
 
 
+ARGMAX_OK = {"equal_whole": True, "equal_full_logits": True, "tie_to_lower": True, "equal_logits_to_0": True}
+
+
+def test_vocab_parallel_target_argmax_equals_whole(loss_results):
+    """trainer.ce_labels=target over a split vocabulary: the labels equal the whole vocabulary's argmax, a tie
+    between two ranks' blocks goes to the lower index and a row of equal logits to token 0."""
+    assert loss_results["target_argmax"] == ARGMAX_OK
+
+
+@two_gpus
+def test_vocab_parallel_target_argmax_on_two_gpus(loss_results_cuda):
+    assert loss_results_cuda["target_argmax"] == ARGMAX_OK
+
+
 def test_vocab_parallel_sampler_draws_the_whole_vocabularys_tokens(loss_results):
     _check_sampler(loss_results)
 

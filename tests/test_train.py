@@ -142,7 +142,9 @@ def _reference_step(w, prop, denom):
         loss = ce_loss(q, prop.tokens, denom=denom)
     else:
         loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
-    if t.ce_weight > 0:  # the reference tokens after each anchor, read from the trunk here
+    if t.ce_weight > 0 and t.ce_labels == "target":  # the target's argmax on the scored history
+        loss = loss + t.ce_weight * ce_loss(q, p.argmax(-1), denom=denom)
+    elif t.ce_weight > 0:  # the reference tokens after each anchor, read from the trunk here
         ref = torch.stack([w.sample(prop.sample_ids[int(prop.trunk_index[b])])["input_ids"][
             int(prop.anchors[b]) + 1: int(prop.anchors[b]) + 1 + w.W] for b in range(q.shape[0])])
         loss = loss + t.ce_weight * ce_loss(q, ref, denom=denom)
@@ -156,15 +158,20 @@ def _reference_step(w, prop, denom):
                                               ("dflash", "offpolicy_ce", 0.8), ("dspark", "offpolicy_e2e_tv", 0.8),
                                               ("dflash", "specopd", 0.0), ("dspark", "specopd", 0.0),
                                               ("dflash", "offpolicy_e2e_tv", 0.0), ("dflash", "specopd+ce", 0.8),
-                                              ("dspark", "specopd+ce", 0.0), ("dflash", "offpolicy_e2e_tv+ce", 0.8)])
+                                              ("dspark", "specopd+ce", 0.0), ("dflash", "offpolicy_e2e_tv+ce", 0.8),
+                                              ("dflash", "specopd+tce", 0.8), ("dspark", "offpolicy_e2e_tv+tce", 1.0)])
 def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method, temp):
     """The step's one drafter forward (branches sampled from its detached hidden state, the fused chunked loss on
     the same graph; DSpark teacher-forcing its own samples) gives the loss, alpha and gradients of the v0.1
     full-logit step with a second forward. temp 0: greedy branches, alpha = q(argmax p). "+ce": trainer.ce_weight
-    adds the CE on the reference tokens after each anchor."""
-    method, ce = method.split("+")[0], 0.4 if method.endswith("+ce") else 0.0
+    adds the CE on the reference tokens after each anchor; "+tce" the CE on the target's argmax of the plain forwards
+    (trainer.ce_labels=target)."""
+    method, extra = method.split("+")[0], method.split("+")[1:]
+    ce = 0.4 if extra else 0.0
+    labels = ["trainer.ce_labels=target"] if extra == ["tce"] else []
     cfg = tiny_recipe(str(tmp_path), [f"drafter.kind={kind}", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
-                                      f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}"])
+                                      f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}"]
+                      + labels)
     w = Worker(cfg)
     ids = w.train_ids[:2]
     caches = w.prefill(ids)

@@ -179,6 +179,24 @@ def _sampler_errs(tp, lo, hi, vocab, dev="cpu"):
     return res
 
 
+def _argmax_errs(tp, lo, hi, vocab, dev="cpu") -> dict:
+    """target_argmax over the split vocabulary against the whole one: random rows, a tie between a token of each
+    rank's block (the lower index wins), a row of equal logits (token 0), chunks that cut the rows unevenly."""
+    from specopd.losses import target_argmax
+
+    g = torch.Generator().manual_seed(9)
+    hp, w = torch.randn(5, 3, 16, generator=g), torch.randn(vocab, 16, generator=g)
+    w[vocab - 2] = w[1]  # token 1 (rank 0's block) and vocab - 2 (the last rank's) tie ...
+    hp[0, 0] = w[1] * 4  # ... at the maximum here
+    hp[1, 2] = 0.0
+    hp, w = hp.to(dev), w.to(dev)
+    full = target_argmax(hp, w, chunk_rows=4)
+    shard = target_argmax(hp, w[lo:hi], chunk_rows=4, tp=tp)
+    return {"equal_whole": bool(torch.equal(full, shard)),
+            "equal_full_logits": bool(torch.equal(full, (hp @ w.t()).argmax(-1))),
+            "tie_to_lower": int(shard[0, 0]) == 1, "equal_logits_to_0": int(shard[1, 2]) == 0}
+
+
 def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96, device: str = "cpu") -> None:
     """Every ``LOSS_CASES`` case whole and over the vocabulary split across ``world`` ranks (``device`` "cpu": gloo,
     "cuda": NCCL): rank 0 writes the largest relative differences of the loss, alpha, nll and every input's
@@ -201,6 +219,7 @@ def run_loss(rank: int, world: int, init_file: str, out: str, vocab: int = 96, d
             dist.all_gather(every, mine)
             res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
         res["sampler"] = _sampler_errs(tp, lo, hi, vocab, dev)
+        res["target_argmax"] = _argmax_errs(tp, lo, hi, vocab, dev)
         _write_result(rank, res, out)
 
 

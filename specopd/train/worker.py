@@ -20,7 +20,7 @@ from kernels import paths
 from specopd.drafters import build_drafter, load_drafter, shift_tokens
 from specopd.errors import BadInputError
 from specopd.losses import (candidate_ce, candidate_e2e_tv, confidence_loss, FusedOut, fused_ce, fused_e2e_tv,
-                            prefix_survival)
+                            prefix_survival, target_argmax)
 from specopd.models import load_target
 from specopd.models.loading import resolve_dtype
 from specopd.models.tensor_parallel import vocab_group
@@ -291,6 +291,14 @@ class Worker:
         markov = None if head is None else (self.drafter.markov_features(prev), head.markov_w2.weight)
         return self.target.lm_head.weight, markov, prev
 
+    def _ce_targets(self, proposals: Proposals, hp: torch.Tensor) -> Optional[torch.Tensor]:
+        """The labels of the ``trainer.ce_weight`` term [N, W]: the reference's tokens, or with ``trainer.ce_labels:
+        target`` the target's argmax at each scored position of hp (None without the term)."""
+        t = self.cfg.trainer
+        if t.ce_weight > 0 and t.ce_labels == "target":
+            return target_argmax(hp, self.target.lm_head.weight, chunk_rows=t.loss_chunk_rows, tp=self.vocab_tp)
+        return proposals.reference_tokens
+
     def _selector_loss(self, proposals: Proposals, h: torch.Tensor, hp: torch.Tensor, denom, method: str):
         """DFlash V2's loss (``FusedOut``): q = the realized candidate scores given each slot's previous token (the
         branch's own sampled tokens, or the reference's off-policy), alpha over the candidates, the CE over the
@@ -299,7 +307,7 @@ class Worker:
         t = self.cfg.trainer
         prev = shift_tokens(proposals.anchor_tokens, proposals.tokens)
         ce, ce_weight = method == "offpolicy_ce", t.ce_weight if method != "eval" else 0.0
-        extra = proposals.tokens if ce else (proposals.reference_tokens if ce_weight > 0 else None)
+        extra = proposals.tokens if ce else (self._ce_targets(proposals, hp) if ce_weight > 0 else None)
         with self.autocast():
             r = self.drafter.realized(h, prev, extra, chunk_rows=t.loss_chunk_rows)
         kw = dict(p_weight=self.target.lm_head.weight, denom=denom, temperature=t.temperature,
@@ -335,7 +343,8 @@ class Worker:
             elif method == "offpolicy_ce":
                 out = fused_ce(h, weight, tokens, hp=hp, **kw)
             else:
-                out = fused_e2e_tv(h, weight, hp, ce_targets=proposals.reference_tokens, ce_weight=t.ce_weight, **kw)
+                out = fused_e2e_tv(h, weight, hp, ce_targets=self._ce_targets(proposals, hp), ce_weight=t.ce_weight,
+                                   **kw)
             loss, alpha = out.loss, out.alpha
             if getattr(self.drafter, "has_confidence", False) and self.cfg.drafter.confidence_weight > 0:
                 with self.autocast():
