@@ -256,7 +256,8 @@ class TrainerConfig:
     """The labels of the ce_weight term. reference: the trunk's tokens after each anchor. target: the target's own
     argmax at each scored position (specopd: on the branch's history; offpolicy_e2e_tv: on the reference), what
     greedy verification accepts there: distillation for T = 0 serving from references the target did not write,
-    with no decoding (losses.target_argmax)."""
+    with no decoding (losses.target_argmax). Measured from the shipped ShareGPT drafter: no faster T = 0 lift than
+    E2E-TV alone (benchmarks/results/2026-12-07-smollm2-135m-greedy-labels-for-t0-avx2-epyc.md)."""
     vocab_ce_weight: float = setting(0.0, resume=FROM_HERE)
     """DFlash V2 (``drafter.kind: dflash2``), trainer.method offpolicy_ce only: add vocab_ce_weight x the CE of the
     drafter's raw lm_head logits over the whole vocabulary (DFlash's own pretraining loss) to the CE over the
