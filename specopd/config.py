@@ -341,8 +341,7 @@ class TrainerConfig:
                               f"{' and '.join(CE_TERM_METHODS)}); trainer.method={self.method} "
                               + ("is CE already" if self.method == "offpolicy_ce" else
                                  "has no reference block per rollout round") + ": set trainer.ce_weight=0")
-        if self.ce_labels not in CE_LABELS:
-            raise RecipeError(f"trainer.ce_labels={self.ce_labels!r} is not one of {', '.join(CE_LABELS)}")
+        _check_choice("trainer", "ce_labels", self.ce_labels, CE_LABELS)
         if self.ce_labels != "reference" and self.ce_weight == 0:
             raise RecipeError(f"trainer.ce_labels={self.ce_labels} chooses the labels of the CE term, which "
                               f"trainer.ce_weight=0 turns off: set trainer.ce_weight > 0, or drop ce_labels")

@@ -107,7 +107,8 @@ def stage_cfg(cfg, prep: dict, **kw):
     """The recipe of one training stage: a copy of the main recipe with the pipeline off, the prepared target
     and data, the drafter initialised from the warm drafter (``prep["warm"]``, if any), and ``kw`` as trainer
     overrides (e.g. method=..., output_dir=..., max_steps=..., lr=...). A stage whose method takes no CE term
-    (off-policy CE, Draft-OPD: ``CE_TERM_METHODS``) trains with ``trainer.ce_weight`` 0."""
+    (off-policy CE, Draft-OPD: ``CE_TERM_METHODS``) trains with ``trainer.ce_weight`` 0 (and reference labels, so
+    that its recorded recipe loads again)."""
     c = copy.deepcopy(cfg)
     c.pipeline.enabled = False
     c.model.target = prep["target_dir"]
@@ -118,7 +119,7 @@ def stage_cfg(cfg, prep: dict, **kw):
             raise KeyError(f"stage_cfg: trainer has no key {k!r}")
         setattr(c.trainer, k, v)
     if c.trainer.method not in CE_TERM_METHODS:
-        c.trainer.ce_weight = 0.0
+        c.trainer.ce_weight, c.trainer.ce_labels = 0.0, "reference"
     return c
 
 

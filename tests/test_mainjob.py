@@ -159,3 +159,20 @@ def test_main_job_on_conversations_scores_mtbench_per_category(tmp_path, monkeyp
                                                                                if c in bc]
             assert all(c["al"] is None or c["al"] >= 1.0 for c in bc.values())
     assert "MT-Bench first turns: ours on 4" in text and "AL per category" in text and "measured " in text
+
+
+def test_a_stage_without_a_ce_term_records_a_recipe_that_loads(tmp_path):
+    """stage_cfg turns the CE term off for off-policy CE and Draft-OPD stages; with trainer.ce_labels=target in the
+    main recipe the stage's recorded recipe must still load (ce_labels needs ce_weight > 0)."""
+    from specopd.config import load_recipe, to_yaml
+    from specopd.mainjob import stage_cfg
+
+    cfg = load_recipe(None, ["trainer.ce_weight=0.3", "trainer.ce_labels=target"])
+    for method in ("offpolicy_ce", "draft_opd"):
+        c = stage_cfg(cfg, {"target_dir": str(tmp_path)}, method=method)
+        assert (c.trainer.ce_weight, c.trainer.ce_labels) == (0.0, "reference")
+        path = tmp_path / f"{method}.yaml"
+        path.write_text(to_yaml(c))
+        assert load_recipe(str(path)).trainer.method == method
+    kept = stage_cfg(cfg, {"target_dir": str(tmp_path)}, method="specopd")
+    assert (kept.trainer.ce_weight, kept.trainer.ce_labels) == (0.3, "target")
