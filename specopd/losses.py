@@ -540,6 +540,17 @@ class _ChunkedHead(torch.autograd.Function):
                 dw[k].add_(g.t() @ x[r].float())  # fp32 accumulation over chunks
 
 
+def _split_argmax(z: torch.Tensor, lo: int, tp, gmax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch.argmax's rule over a vocabulary split across ``tp``: the first index of each row's maximum, i.e. the
+    smallest global index among the ranks holding the global maximum. z [R, V / N] this rank's logits (columns
+    lo ..); gmax [R] the rows' global maxima when already reduced. Returns [R] global ids, the same on every rank."""
+    li = z.argmax(-1)
+    if gmax is None:
+        gmax = tp.all_reduce_(z.amax(-1), "max")
+    gi = torch.where(z.gather(1, li[:, None]).squeeze(1) == gmax, li + lo, torch.iinfo(torch.long).max)
+    return tp.all_reduce_(gi, "min")
+
+
 class _VocabParallelHead(torch.autograd.Function):
     """``_ChunkedHead``'s alpha and nll over a vocabulary split across the ranks of ``tp`` (equal blocks): each rank
     holds rows [first, end) of the lm_head and computes [R, V / N] logits per chunk, never [R, V]. Per chunk the
@@ -578,7 +589,7 @@ class _VocabParallelHead(torch.autograd.Function):
         with ChunkBuffers.pooled(min(chunk, n), vl, dev) as bufs:  # slots: 0 zq, 1 zp, 2 exp at T = 1
             for s in range(0, n, chunk):
                 r = rows[s: s + chunk]
-                k, ar = r.numel(), torch.arange(r.numel(), device=dev)
+                k = r.numel()
                 zq = chunk_logits(xs, ws, r, bufs, slot=0)  # [R, V / N] fp32
                 zp = chunk_logits((hp,), (wp,), r, bufs, slot=1) if has_a else None
                 if has_a and not greedy:
@@ -587,9 +598,7 @@ class _VocabParallelHead(torch.autograd.Function):
                 tp.all_reduce_(mx, "max")
                 m1, mp = mx[:, 0], mx[:, 1]  # max(z / T) = max(z) / T: x -> x / T is monotone
                 if greedy:  # the first index of p's maximum over the whole vocabulary
-                    li = zp.argmax(-1)
-                    gi = torch.where(zp[ar, li] == mp, li + lo, torch.iinfo(torch.long).max)
-                    gidx[s: s + k] = tp.all_reduce_(gi, "min")
+                    gidx[s: s + k] = _split_argmax(zp, lo, tp, mp)
                 sm = zq.new_zeros(k, 5)  # s1, sq, sp, the target's logit, exp(zq - m1) at argmax p
                 if has_n:
                     t = targets[r].long() - lo
@@ -901,10 +910,7 @@ def _candidate_p_split(z: torch.Tensor, ids: torch.Tensor, temperature: float, t
     own = (loc >= 0) & (loc < vl)
     loc = loc.clamp(0, vl - 1)
     if temperature == GREEDY:
-        mx = tp.all_reduce_(z.amax(-1), "max")
-        li = z.argmax(-1)
-        gi = torch.where(z.gather(1, li[:, None]).squeeze(1) == mx, li + lo, torch.iinfo(torch.long).max)
-        return (ids == tp.all_reduce_(gi, "min")[:, None]).float()
+        return (ids == _split_argmax(z, lo, tp)[:, None]).float()
     if temperature != 1.0:
         z.div_(temperature)
     m = tp.all_reduce_(z.amax(-1, keepdim=True), "max")
@@ -1042,12 +1048,7 @@ def target_argmax(hp: torch.Tensor, p_weight: torch.Tensor, *, chunk_rows="auto"
     for s in range(0, n * w, chunk):
         r = torch.arange(s, min(s + chunk, n * w), device=hp.device)
         z = chunk_logits((flat,), (p_weight,), r)
-        li = z.argmax(-1)
-        if vp:
-            m = z.gather(1, li[:, None]).squeeze(1)  # ties across blocks: the lowest index at the global maximum
-            gm = tp.all_reduce_(m.clone(), "max")
-            li = tp.all_reduce_(torch.where(m == gm, li + lo, torch.iinfo(torch.long).max), "min")
-        out[s: s + r.numel()] = li
+        out[s: s + r.numel()] = _split_argmax(z, lo, tp) if vp else z.argmax(-1)
     return out.view(n, w)
 
 
