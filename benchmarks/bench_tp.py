@@ -281,6 +281,8 @@ def loss_rank(rank: int, world: int, init: str, spec: dict, out: str) -> None:
         peak = _status("VmHWM") - base
         torch.save({"times": times[1:], "peak": peak, "lm_head_bytes": w.numel() * w.element_size(), "loss": loss,
                     "grad": hq.grad.clone()}, f"{out}.{rank}")
+        if tp is not None:  # no rank tears the group down while the other still runs
+            dist.barrier()
     finally:
         if tp is not None:
             dist.destroy_process_group()
