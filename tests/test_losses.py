@@ -61,7 +61,7 @@ def test_tv_alpha_greedy_is_q_at_the_target_argmax():
         for j in range(W):
             qs = [math.exp(x) for x in q[b, j].tolist()]
             g = max(range(V), key=lambda v: float(p[b, j, v]))
-            assert abs(float(a[b, j]) - qs[g] / sum(qs)) < 1e-6
+            assert abs(float(a[b, j].detach()) - qs[g] / sum(qs)) < 1e-6
     (gq,) = torch.autograd.grad(a.sum(), q)
     sq = torch.softmax(q.detach(), -1)
     onehot = torch.nn.functional.one_hot(p.argmax(-1), V).float()
