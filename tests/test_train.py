@@ -219,11 +219,13 @@ class _MaxVocabTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("kind,method", [("dflash", "specopd"), ("dspark", "specopd"), ("dflash", "draft_opd"),
-                                         ("dflash", "offpolicy_ce")])
+                                         ("dflash", "offpolicy_ce"), ("dflash2", "specopd"),
+                                         ("dflash2", "draft_opd"), ("dflash2", "offpolicy_ce")])
 def test_step_never_holds_branch_logits(tmp_path, kind, method):
     """No op of a whole training step (prefill, propose, score, loss, backward, optimizer) or of the held-out
-    evaluation outputs a vocabulary-sized tensor (other than weights) larger than one [chunk, V] chunk: no
-    [N, W, V], [N, V] (DSpark's slot logits), [M, V] (scored nodes) or [T, V] (trunk logits)."""
+    evaluation outputs a vocabulary-sized tensor (other than weights, V2's codebooks [V, r] among them) larger than
+    one [chunk, V] chunk: no [N, W, V], [N, V] (DSpark's slot logits), [M, V] (scored nodes) or [T, V] (trunk
+    logits)."""
     v, chunk = 997, 4  # a prime vocabulary: no other size equals it
     cfg = tiny_recipe(str(tmp_path), [f"drafter.kind={kind}", f"trainer.method={method}",
                                       f"trainer.loss_chunk_rows={chunk}", f"model.tiny.vocab_size={v}",
