@@ -32,6 +32,11 @@ class FolderNotEmptyError(UserError, FileExistsError):
     """An output folder already holds files that a write would replace or mix with."""
 
 
+class MissingPackageError(UserError, ImportError):
+    """A package the user's input needs (a packaged dataset, a file format's reader) is not installed; the message
+    names it and the pip command."""
+
+
 def is_finite_number(x) -> bool:
     """False for float NaN / +-inf; True for every other value (ints, strings, ...)."""
     return not (isinstance(x, float) and not math.isfinite(x))

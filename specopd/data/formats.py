@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from specopd.data.references import split_of
 from specopd.drafters.layout import sha256_file
-from specopd.errors import UTF8_BOM, BadInputError, MissingInputError
+from specopd.errors import UTF8_BOM, BadInputError, MissingInputError, MissingPackageError
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecForge / OpenAI
          "human": "user", "gpt": "assistant"}                           # ShareGPT
@@ -183,7 +183,8 @@ def _parquet_records(path: str) -> list:
     try:
         import pyarrow.parquet as pq  # optional extra (.[parquet])
     except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow: `pip install -e .[parquet]` (or give JSONL / JSON)") from None
+        raise MissingPackageError(f"reading {path} needs pyarrow: `pip install -e .[parquet]` (or give JSONL / "
+                                  f"JSON)") from None
     rows = pq.read_table(path).to_pylist()
     return [(f"{path}:row {i}", r) for i, r in enumerate(rows, 1)]
 

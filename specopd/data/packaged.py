@@ -8,6 +8,8 @@ import importlib.util
 import json
 import os
 
+from specopd.errors import MissingPackageError
+
 SHAREGPT = "sharegpt"
 MTBENCH = "mt-bench"
 _FILES = {  # name -> (package, file inside it, the install line that provides it)
@@ -20,11 +22,13 @@ MTBENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "ext
 
 
 def packaged_file(name: str) -> str:
-    """The file a packaged dataset name stands for (``sharegpt`` | ``mt-bench``); ImportError naming the install."""
+    """The file a packaged dataset name stands for (``sharegpt`` | ``mt-bench``); ``MissingPackageError`` (a user's
+    error: exit 2, no traceback) naming the install line when its package is not installed."""
     pkg, rel, how = _FILES[name]
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"{name!r} comes from a PyPI package that is not installed: `{how}` (`make setup` does it)")
+        raise MissingPackageError(f"{name!r} comes from a PyPI package that is not installed (no module {pkg}): run "
+                                  f"`{how}` (`make setup` does it)")
     path = os.path.join(list(spec.submodule_search_locations)[0], rel)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{name!r}: the package {pkg} has no {rel}; reinstall it: `{how} --force-reinstall`")

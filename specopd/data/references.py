@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from specopd.errors import read_text_lines
+from specopd.errors import MissingPackageError, read_text_lines
 
 DATA_FILE = "data.jsonl"
 META_FILE = "meta.json"
@@ -84,8 +84,8 @@ def chitchat_data() -> dict:
     try:
         import chitchat_dataset  # optional data package
     except ImportError:
-        raise ImportError("the chat text comes from the PyPI package chitchat-dataset; run "
-                          "`pip install --no-deps chitchat-dataset`, or pass --prompts FILE.jsonl") from None
+        raise MissingPackageError("the chat text comes from the PyPI package chitchat-dataset; run "
+                                  "`pip install --no-deps chitchat-dataset`, or pass --prompts FILE.jsonl") from None
     with open(os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json")) as f:
         return json.load(f)
 
