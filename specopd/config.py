@@ -202,6 +202,10 @@ class DataConfig:
     """conversations: a bad record (not JSON / not UTF-8, unknown role, empty, no assistant turn, longer than the
     target's context, ...) stops the run with its file and line (error), or is skipped and counted by reason in
     train_summary.json (skip)."""
+    duplicate_ids: str = setting("keep", resume=REFUSE)
+    """conversations: a record whose id an earlier record has (with another conversation, or an exact copy) is
+    trained too (keep), left out (drop_repeats: the first of each id is kept), or stops the run naming both lines
+    (error); repeats are counted in train_summary.json and printed in every case."""
 
     def __post_init__(self):
         _check_choice("data", "source", self.source, ["synthetic", "prepared", "conversations"])
@@ -213,6 +217,7 @@ class DataConfig:
                               "conversations (SpecForge, ShareGPT or OpenAI messages)")
         _check_choice("data", "overlong", self.overlong, ["truncate", "drop"])
         _check_choice("data", "bad_lines", self.bad_lines, ["error", "skip"])
+        _check_choice("data", "duplicate_ids", self.duplicate_ids, ["keep", "drop_repeats", "error"])
         _check_range("data", "num_samples", self.num_samples, lo=2)
         _check_range("data", "prompt_len", self.prompt_len, lo=2)
         _check_range("data", "seq_len", self.seq_len, lo=4)

@@ -21,6 +21,7 @@ ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecFo
          "human": "user", "gpt": "assistant"}                           # ShareGPT
 CACHE_VERSION = 2  # 2: a record's unknown "split" is bad data (1 re-split it by id)
 BAD_LINES = ("error", "skip")
+DUPLICATE_IDS = ("keep", "drop_repeats", "error")  # data.duplicate_ids
 TOKENISE_BATCH = 512  # conversations a fast tokenizer encodes in one call (on every core)
 SPLITS = ("train", "heldout")
 FIX = "fix or remove it, or set data.bad_lines=skip to skip bad records and count them"
@@ -536,7 +537,7 @@ def build_cache(path: str, tok, target_dir: str, output_dir: str) -> dict:
 
 def conversation_samples(path: str, tok, target_dir: str, output_dir: str, seq_len: int, context: Optional[int],
                          overlong: str = "truncate", bad_lines: str = "error", seed: int = 1234,
-                         heldout: float = 0.125, stats: Optional[dict] = None) -> list:
+                         heldout: float = 0.125, stats: Optional[dict] = None, duplicate_ids: str = "keep") -> list:
     """The trainer's samples of a conversations file: [{"input_ids" [T] long, "prompt_len" (the first assistant
     token), "loss_mask" [T] bool, "split", "id"}].
 
@@ -549,18 +550,24 @@ def conversation_samples(path: str, tok, target_dir: str, output_dir: str, seq_l
             bad data (``bad_lines`` decides: error or skip + count).
         seed, heldout: split by conversation id (``references.split_of``) unless the record carries ``split``.
         stats: filled with the counts (``records``, ``bad`` by reason, ``truncated``, ``dropped_overlong``,
-            ``cache``); nothing is dropped without a count there.
+            ``duplicate_id_other_content``, ``duplicate_exact``, ``dropped_duplicates``, ``cache``); nothing is
+            dropped without a count there.
+        duplicate_ids: a record whose id an earlier one has (``DUPLICATE_IDS``): trained too (``keep``), left out
+            (``drop_repeats``), or a ``DataError`` naming both lines (``error``); counted in every case.
 
     Returns:
         list of sample dicts (indexed by sample id).
     """
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"data.overlong={overlong!r}: use truncate or drop")
+    if duplicate_ids not in DUPLICATE_IDS:
+        raise ValueError(f"data.duplicate_ids={duplicate_ids!r}: use one of {list(DUPLICATE_IDS)}")
     st = stats if stats is not None else {}
-    st.update(source="conversations", path=os.path.abspath(path), records=0, truncated=0, dropped_overlong=0)
+    st.update(source="conversations", path=os.path.abspath(path), records=0, truncated=0, dropped_overlong=0,
+              duplicate_id_other_content=0, duplicate_exact=0, dropped_duplicates=0, duplicate_ids=duplicate_ids)
     items = _cached_tokenise(path, tok, target_dir, output_dir, st)
     limit = min(seq_len, context) if context else seq_len
-    out = []
+    out, seen = [], {}  # seen: id -> its first record (where, split, ids, mask)
     for item in items:
         w = item[0]
         st["records"] += 1
@@ -568,6 +575,9 @@ def conversation_samples(path: str, tok, target_dir: str, output_dir: str, seq_l
             _bad(st, w, item[2], item[3], bad_lines)
             continue
         _, _, rid, split, ids, mask = item
+        if rid in seen and not _first_of_id(st, seen[rid], item, duplicate_ids):
+            continue
+        seen.setdefault(rid, (w, split, ids, mask))
         if context and ids.numel() > context:
             _bad(st, w, "longer_than_context", f"the conversation is {ids.numel()} tokens after the chat template, "
                                                f"longer than the target's context ({context} tokens, "
@@ -591,6 +601,24 @@ def conversation_samples(path: str, tok, target_dir: str, output_dir: str, seq_l
     return out
 
 
+def _first_of_id(st: dict, first: tuple, item: tuple, policy: str) -> bool:
+    """Count ``item`` (a tokenised record, see ``tokenise_file``) as a repeat of the id of ``first`` (where,
+    split, ids, mask), exact or with other content; -> whether to keep it (``data.duplicate_ids``)."""
+    w, _, rid, split, ids, mask = item
+    same = first[1] == split and torch.equal(first[2], ids) and torch.equal(first[3], mask)
+    st["duplicate_exact" if same else "duplicate_id_other_content"] += 1
+    how = "the same conversation" if same else "another conversation"
+    st.setdefault("first_duplicate", f"{w}: id {rid!r} again ({how}; first at {first[0]})")
+    if policy == "error":
+        raise DataError(w, "duplicate_id", f"id {rid!r} repeats the id of the record at {first[0]} ({how})",
+                        fix="give every record its own id, or set data.duplicate_ids=drop_repeats (keep the first "
+                            "of each id) or data.duplicate_ids=keep (train every record)")
+    if policy == "drop_repeats":
+        st["dropped_duplicates"] += 1
+        return False
+    return True
+
+
 def _note(st: dict) -> str:
     said = [f"{n} bad ({r})" for r, n in sorted((st.get("bad") or {}).items())]
     if st.get("truncated"):
@@ -599,14 +627,21 @@ def _note(st: dict) -> str:
         said.append(f"{st['dropped_overlong']} dropped as longer than the limit (data.overlong=drop)")
     if st.get("dropped_no_assistant_in_limit"):
         said.append(f"{st['dropped_no_assistant_in_limit']} dropped: no assistant token within the limit")
+    other, exact = st.get("duplicate_id_other_content", 0), st.get("duplicate_exact", 0)
+    if other or exact:
+        said.append(f"repeated ids: {other} with another conversation, {exact} exact copies " + (
+            f"({st['dropped_duplicates']} dropped: data.duplicate_ids=drop_repeats keeps the first of each id)"
+            if st.get("dropped_duplicates")
+            else "(trained too: data.duplicate_ids=keep; drop_repeats keeps the first of each id)"))
     return "; ".join(said) or "nothing dropped"
 
 
 def stats_note(st: dict, limit: int) -> Optional[str]:
-    """One line of what ``conversation_samples`` skipped, cut or dropped (None when nothing)."""
+    """One line of what ``conversation_samples`` skipped, cut, dropped or found repeated (None when nothing)."""
     n = _note(st)
     if n == "nothing dropped":
         return None
     ex = st.get("bad_examples") or []
     return (f"[data] {st['records']} conversations in {st.get('path')}: {n} (limit {limit} tokens)"
-            + (f"; first bad: {ex[0]}" if ex else ""))
+            + (f"; first bad: {ex[0]}" if ex else "") + (f"; first repeat: {st['first_duplicate']}"
+                                                          if st.get("first_duplicate") else ""))

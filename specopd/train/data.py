@@ -186,7 +186,7 @@ def load_conversations(cfg, target, stats: dict) -> list:
     d = cfg.data
     return conversation_samples(conversations_file(d.path), tok, cfg.model.target, cfg.trainer.output_dir, d.seq_len,
                                 target_context(target), overlong=d.overlong, bad_lines=d.bad_lines, seed=d.seed,
-                                heldout=d.heldout, stats=stats)
+                                heldout=d.heldout, stats=stats, duplicate_ids=d.duplicate_ids)
 
 
 def warm_conversation_cache(cfg) -> Optional[dict]:
@@ -264,7 +264,8 @@ def conversation_split(cfg) -> tuple:
     d, ctx = cfg.data, conf.get("max_position_embeddings")
     samples = conversation_samples(conversations_file(d.path), tok, cfg.model.target, cfg.trainer.output_dir,
                                    d.seq_len, int(ctx) if ctx else None, overlong=d.overlong,
-                                   bad_lines=d.bad_lines, seed=d.seed, heldout=d.heldout)
+                                   bad_lines=d.bad_lines, seed=d.seed, heldout=d.heldout,
+                                   duplicate_ids=d.duplicate_ids)
     return (samples, *split_dataset(samples, d.heldout, d.seed))
 
 
