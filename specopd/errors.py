@@ -37,6 +37,21 @@ class MissingPackageError(UserError, ImportError):
     names it and the pip command."""
 
 
+# a JSON value nested deeper than the parser's recursion limit (json raises RecursionError): bad data, not a bug
+TOO_DEEP = "lists / objects nested too deeply to read (more levels than the JSON reader's recursion limit)"
+
+
+def lone_surrogate(text: str) -> Optional[str]:
+    """Where ``text`` holds half of a UTF-16 surrogate pair (a JSON escape such as ``\\ud800`` alone: no character,
+    and not UTF-8, so a tokenizer refuses it) and the fix, in words; None for proper text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"a lone UTF-16 surrogate ({text[e.start]!r}, half a character pair) at character {e.start + 1}: "
+                f"not text a tokenizer can read (write the character itself, or a whole \\ud83d\\ude00-style pair)")
+    return None
+
+
 def is_finite_number(x) -> bool:
     """False for float NaN / +-inf; True for every other value (ints, strings, ...)."""
     return not (isinstance(x, float) and not math.isfinite(x))

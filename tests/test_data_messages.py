@@ -1,6 +1,8 @@
 """Data and evaluation inputs that ended in a traceback or answered silently, each through the CLI: a missing data
 package is a message naming it and its pip command, not a traceback; repeated conversation ids are counted and
-printed, and ``data.duplicate_ids`` keeps, drops or refuses them."""
+printed, and ``data.duplicate_ids`` keeps, drops or refuses them; a record nested too deeply for the JSON reader
+and a lone UTF-16 surrogate are named by file and line (and skipped and counted with ``data.bad_lines=skip`` /
+``--bad-lines skip``)."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,10 +13,14 @@ import pytest
 
 from specopd.cli import main
 from specopd.config import REFUSE, resume_policies
+from specopd.data import formats as F
 from test_data import char_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
+DEEP = '{"conversations": ' + "[" * 100_000 + "]" * 100_000 + "}"  # deeper than the JSON reader can go
+SURROGATE = json.dumps({"id": "s", "conversations": [{"role": "user", "content": "caf\ud800"},
+                                                     {"role": "assistant", "content": "ok"}]})  # "\\ud800" alone
 
 
 def conv(i: int, text: str = "") -> dict:
@@ -89,3 +95,59 @@ def test_repeated_ids_are_counted_printed_and_kept_dropped_or_refused(target_dir
     rc, _, err = _run(capsys, ["train", RECIPE, "data.duplicate_ids=first", "--dry-run"])
     assert rc == 2 and "data.duplicate_ids='first' is not valid; choose one of ['keep', 'drop_repeats', 'error']" in err
     assert resume_policies()["data.duplicate_ids"] == REFUSE  # another choice trains other data
+
+
+# ---------------------------------------------------------------------------------------------- deep, surrogates
+def test_deep_nesting_and_a_lone_surrogate_are_named_by_line_and_skippable(target_dir, tmp_path, capsys):
+    data = _lines(tmp_path / "c.jsonl", [json.dumps(conv(0)), DEEP, json.dumps(conv(1)), SURROGATE,
+                                         *[json.dumps(conv(i)) for i in range(2, 6)]])
+    rc, _, err = _run(capsys, _train_args(target_dir, data, tmp_path / "r1"))
+    assert rc == 2 and f"{data}:2: lists / objects nested too deeply" in err and "data.bad_lines=skip" in err
+    assert not os.path.exists(tmp_path / "r1" / "checkpoints")
+    one_bad = _lines(tmp_path / "s.jsonl", [json.dumps(conv(0)), SURROGATE, json.dumps(conv(1))])
+    rc, _, err = _run(capsys, _train_args(target_dir, one_bad, tmp_path / "r2"))
+    assert rc == 2 and f"{one_bad}:2: message 0's content holds a lone UTF-16 surrogate ('\\ud800'" in err
+    rc, out, _ = _run(capsys, _train_args(target_dir, data, tmp_path / "r3", "data.bad_lines=skip"))
+    d = _summary(tmp_path / "r3")
+    assert rc == 0 and d["bad"] == {"too_deep": 1, "bad_unicode": 1} and d["records"] == 8
+    assert d["conversations"] == 6 and "2 bad" not in out and "1 bad (bad_unicode); 1 bad (too_deep)" in out
+    # prepare data --from: the same records named, then skipped and counted with --bad-lines skip
+    base = ["prepare", "data", "--target", target_dir, "--from", data, "--max-new-tokens", "2", "--temperature", "0",
+            "--num", "1", "--out"]
+    rc, _, err = _run(capsys, base + [tmp_path / "p1"])
+    assert rc == 2 and f"{data}:2: lists / objects nested too deeply" in err and "--bad-lines skip" in err
+    rc, out, _ = _run(capsys, base + [tmp_path / "p2", "--bad-lines", "skip"])
+    assert rc == 0 and "skipped 1 bad_unicode, 1 too_deep" in out
+
+
+def test_a_deep_record_in_a_json_array_is_skipped_and_the_rest_read(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text("[\n" + json.dumps(conv(0)) + ",\n" + DEEP + ",\n" + json.dumps(conv(1)) + "\n]\n")
+    with pytest.raises(F.DataError, match=r"c\.json:3: lists / objects nested too deeply.*data\.bad_lines=skip"):
+        F.read_conversations(str(p))
+    st: dict = {}
+    assert [r[1] for r in F.read_conversations(str(p), "skip", st)] == ["c0", "c1"] and st["bad"] == {"too_deep": 1}
+    p.write_text("[\n" + json.dumps(conv(0)) + ",\n" + DEEP[:-5])  # cut inside the deep record: nothing after it
+    with pytest.raises(F.DataError, match=r"c\.json:3: .*file ends inside it") as e:
+        F.read_conversations(str(p), "skip")
+    assert "bad_lines=skip" not in str(e.value)
+
+
+def test_prompts_files_and_prepared_data_name_deep_and_surrogate_lines(target_dir, tmp_path, capsys):
+    ev = ["eval", RECIPE, f"model.target={target_dir}", f"trainer.output_dir={tmp_path / 'e'}", "eval.checkpoint=none",
+          "eval.max_new_tokens=2", "--no-baseline", "--prompts"]
+    for bad, says in ((DEEP, "lists / objects nested too deeply"),
+                      (json.dumps({"prompt": "caf\ud800"}), "message 0's content holds a lone UTF-16 surrogate"),
+                      (json.dumps({"id": "x\udc00", "prompt": "hi"}), "'id' holds a lone UTF-16 surrogate")):
+        pf = _lines(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"}), bad])
+        rc, _, err = _run(capsys, ev + [pf])
+        assert rc == 2 and f"{pf}:2: {says}" in err, err
+    arr = tmp_path / "a.jsonl"
+    arr.write_text("[" * 100_000 + "]" * 100_000)  # one JSON array, too deep
+    rc, _, err = _run(capsys, ev + [arr])
+    assert rc == 2 and f"prompts file {arr}: lists / objects nested too deeply" in err
+    good = json.dumps({"input_ids": list(range(10, 30)), "prompt_len": 4})
+    prepared = _lines(tmp_path / "d.jsonl", [good, good, '{"input_ids": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+    rc, _, err = _run(capsys, ["train", RECIPE, "data.source=prepared", f"data.path={prepared}",
+                               f"trainer.output_dir={tmp_path / 'r'}", "trainer.max_steps=1"])
+    assert rc == 2 and f"{prepared}:3: " in err and "nested too deeply" in err

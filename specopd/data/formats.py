@@ -15,11 +15,12 @@ from tqdm import tqdm
 
 from specopd.data.references import split_of
 from specopd.drafters.layout import sha256_file
-from specopd.errors import UTF8_BOM, BadInputError, MissingInputError, MissingPackageError
+from specopd.errors import (TOO_DEEP, UTF8_BOM, BadInputError, MissingInputError, MissingPackageError,
+                            lone_surrogate)
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecForge / OpenAI
          "human": "user", "gpt": "assistant"}                           # ShareGPT
-CACHE_VERSION = 2  # 2: a record's unknown "split" is bad data (1 re-split it by id)
+CACHE_VERSION = 3  # 3: lone surrogates and too-deep nesting are bad records; 2: an unknown "split" is bad data
 BAD_LINES = ("error", "skip")
 DUPLICATE_IDS = ("keep", "drop_repeats", "error")  # data.duplicate_ids
 TOKENISE_BATCH = 512  # conversations a fast tokenizer encodes in one call (on every core)
@@ -107,6 +108,8 @@ def _raw_records(path: str) -> list:
             out.append((where, json.loads(text)))
         except json.JSONDecodeError as e:
             out.append((where, _Bad("not_json", f"not valid JSON ({e.msg} at column {e.colno})")))
+        except RecursionError:
+            out.append((where, _Bad("too_deep", TOO_DEEP)))
     return out
 
 
@@ -148,6 +151,12 @@ def _json_array_records(path: str, raw: bytes) -> list:
             return out
         try:
             rec, j = dec.raw_decode(text, i)
+        except RecursionError:  # too deep for the parser: its brackets still say where it ends
+            j = _value_end(text, i)
+            if j < 0:
+                raise DataError(f"{path}:{line(i)}", "too_deep", f"{TOO_DEEP}, and the file ends inside it",
+                                skippable=False) from None
+            rec = _Bad("too_deep", TOO_DEEP)
         except json.JSONDecodeError as e:
             if not _cut_off(text, e):
                 raise DataError(f"{path}:{e.lineno}", "not_json", f"not valid JSON ({e.msg} at column {e.colno})",
@@ -173,6 +182,26 @@ def _json_array_records(path: str, raw: bytes) -> list:
         elif text[i:i + 1] != "]":
             raise DataError(f"{path}:{_line_of(text, i)}", "not_json", "not valid JSON (expected ',' or ']' after a "
                                                                      "record of the array)", skippable=False)
+
+
+def _value_end(text: str, i: int) -> int:
+    """The end of the JSON array / object that starts at ``text[i]``, by counting brackets outside strings (no
+    recursion, no validation), or -1 when the text ends first."""
+    depth, k, n = 0, i, len(text)
+    while k < n:
+        c = text[k]
+        if c == '"':
+            k += 1
+            while k < n and text[k] != '"':
+                k += 2 if text[k] == "\\" else 1
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return k + 1
+        k += 1
+    return -1
 
 
 def _cut_off(text: str, e: json.JSONDecodeError) -> bool:
@@ -224,9 +253,24 @@ def _content(m: dict, key: str) -> str:
     raise _Bad("bad_message", f"a message has no string {key!r} (got {type(c).__name__})")
 
 
+def _text(s: str, what: str) -> str:
+    """``s``, or ``_Bad`` when it is not text a tokenizer can read (a lone surrogate)."""
+    bad = lone_surrogate(s)
+    if bad is not None:
+        raise _Bad("bad_unicode", f"{what} holds {bad}")
+    return s
+
+
 def normalise(rec) -> tuple:
     """One record -> (id or None, [{"role": system|user|assistant, "content": str}], split or None); raises
     ``_Bad`` (reason, message) for a record that cannot be trained on."""
+    try:
+        return _normalise(rec)
+    except RecursionError:  # a value nested nearly as deep as the parser allows (repr, str of it)
+        raise _Bad("too_deep", TOO_DEEP) from None
+
+
+def _normalise(rec) -> tuple:
     if not isinstance(rec, dict):
         raise _Bad("not_an_object", f"expected a JSON object with 'conversations' or 'messages', got "
                                     f"{type(rec).__name__}")
@@ -250,10 +294,12 @@ def normalise(rec) -> tuple:
         if role is None:
             raise _Bad("unknown_role", f"message {k} has role {role_raw!r}; known roles: system, user, assistant "
                                        f"(ShareGPT: system, human, gpt)")
-        msgs.append({"role": role, "content": content})
+        msgs.append({"role": role, "content": _text(content, f"message {k}'s content")})
     if not any(m["role"] == "assistant" for m in msgs):
         raise _Bad("no_assistant_turn", "the conversation has no assistant turn (nothing to train on)")
     rid = rec.get("id")
+    if isinstance(rid, str):
+        _text(rid, "the record's 'id'")
     split = rec.get("split")
     if split is not None and split not in SPLITS:
         raise _Bad("unknown_split", f"'split' is {split!r}; records may say 'train' or 'heldout' (or leave 'split' "

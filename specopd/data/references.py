@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from specopd.errors import MissingPackageError, read_text_lines
+from specopd.errors import TOO_DEEP, BadInputError, MissingPackageError, lone_surrogate, read_text_lines
 
 DATA_FILE = "data.jsonl"
 META_FILE = "meta.json"
@@ -36,47 +36,71 @@ def read_prompts(path: str) -> list:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} " + ("is a folder; give a JSONL or text file"
                                                             if os.path.isdir(path) else "does not exist"))
-    lines = [(ln, line.rstrip("\r\n")) for ln, line in read_text_lines(path, "prompts file") if line.strip()]
-    if not lines:
-        raise ValueError(f"prompts file {path!r} holds no prompts (empty file?)")
-    if lines[0][1].lstrip().startswith("["):  # one JSON array, not one record a line
+    lines = ((ln, line.rstrip("\r\n")) for ln, line in read_text_lines(path, "prompts file") if line.strip())
+    first = next(lines, None)
+    if first is None:
+        raise BadInputError(f"prompts file {path!r} holds no prompts (empty file?)")
+    if first[1].lstrip().startswith("["):  # one JSON array, not one record a line
+        text = "\n".join(t for _, t in [first, *lines])
         try:
-            arr = json.loads("\n".join(t for _, t in lines))
+            arr = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: the file starts with '[' but is not a JSON array ({e.msg}); give "
-                             f"JSONL (one JSON object a line), a JSON array of objects, or plain text") from None
+            raise BadInputError(f"{path}:{e.lineno}: the file starts with '[' but is not a JSON array ({e.msg}); "
+                                f"give JSONL (one JSON object a line), a JSON array of objects, or plain text") from None
+        except RecursionError:
+            raise BadInputError(f"prompts file {path}: {TOO_DEEP}; give one JSON object a prompt") from None
         if not isinstance(arr, list) or not arr:
-            raise ValueError(f"prompts file {path!r} holds an empty JSON array; nothing to answer")
+            raise BadInputError(f"prompts file {path!r} holds an empty JSON array; nothing to answer")
         print(f"[specopd] prompts file {path} holds one JSON array, not one object a line: read as {len(arr)} "
               f"records", file=sys.stderr, flush=True)
-        lines = [(k, json.dumps(rec)) for k, rec in enumerate(arr, 1)]
-    elif not lines[0][1].lstrip().startswith("{"):
-        return [(f"line{ln}", [{"role": "user", "content": text}]) for ln, text in lines]
+        records = list(enumerate(arr, 1))
+    else:
+        taken = [first, *lines]
+        if not first[1].lstrip().startswith("{"):
+            return [(f"line{ln}", [{"role": "user", "content": text}]) for ln, text in taken]
+        records = [(ln, _json_line(path, ln, line)) for ln, line in taken]
     out = []
-    for ln, line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg}); a JSONL prompts file needs one JSON object "
-                             f"a line (or give plain text, one prompt a line, with no line starting with '{{')") from None
-        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-            msgs = [{"role": "user", "content": rec["prompt"]}]
-        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
-            msgs = [dict(m) for m in rec["messages"]]
-            if any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in msgs):
-                raise ValueError(f"{path}:{ln}: every message needs string 'role' and 'content'")
-            while msgs and msgs[-1]["role"] == "assistant":
-                msgs.pop()
-            if not msgs:
-                raise ValueError(f"{path}:{ln}: 'messages' holds only assistant turns; nothing to answer")
-        else:
-            raise ValueError(f"{path}:{ln}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}; got keys "
-                             f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}")
-        out.append((str(rec.get("id", f"line{ln}")), msgs))
+    for ln, rec in records:
+        prompt = _prompt(path, ln, rec)  # checks rec first
+        out.append((str(rec.get("id", f"line{ln}")), prompt))
     ids = [i for i, _ in out]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"prompts file {path!r} repeats ids; ids must be unique (resuming skips finished ids)")
+        raise BadInputError(f"prompts file {path!r} repeats ids; ids must be unique (resuming skips finished ids)")
     return out
+
+
+def _json_line(path: str, ln: int, line: str):
+    """One line of a JSONL prompts file, parsed; ``BadInputError`` naming ``path:ln`` when it cannot be."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadInputError(f"{path}:{ln}: not valid JSON ({e.msg}); a JSONL prompts file needs one JSON object a "
+                            f"line (or give plain text, one prompt a line, with no line starting with '{{')") from None
+    except RecursionError:
+        raise BadInputError(f"{path}:{ln}: {TOO_DEEP}; a prompt is one JSON object") from None
+
+
+def _prompt(path: str, ln: int, rec) -> list:
+    """One JSONL prompt record -> its messages; ``BadInputError`` naming ``path:ln`` for a bad one."""
+    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+        msgs = [{"role": "user", "content": rec["prompt"]}]
+    elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
+        msgs = [dict(m) if isinstance(m, dict) else {} for m in rec["messages"]]
+        if any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in msgs):
+            raise BadInputError(f"{path}:{ln}: every message needs string 'role' and 'content'")
+        while msgs and msgs[-1]["role"] == "assistant":
+            msgs.pop()
+        if not msgs:
+            raise BadInputError(f"{path}:{ln}: 'messages' holds only assistant turns; nothing to answer")
+    else:
+        raise BadInputError(f"{path}:{ln}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}; got keys "
+                            f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}")
+    for what, text in [("'id'", rec.get("id"))] + [(f"message {k}'s content", m["content"]) for k, m in
+                                                   enumerate(msgs)]:
+        bad = lone_surrogate(text) if isinstance(text, str) else None
+        if bad is not None:
+            raise BadInputError(f"{path}:{ln}: {what} holds {bad}")
+    return msgs
 
 
 def chitchat_data() -> dict:
@@ -108,16 +132,21 @@ def split_of(prompt_id: str, seed: int, heldout_fraction: float) -> str:
 
 # ---------------------------------------------------------------------------------------------- shard I/O
 def read_records(path: str) -> list:
-    """All complete records of a data.jsonl (a torn last line, from a killed run, is ignored)."""
+    """All complete records of a data.jsonl (a torn last line, from a killed run, is ignored); a line that is not
+    JSON is a ``BadInputError`` naming file:line."""
     recs = []
     if not os.path.isfile(path):
         return recs
-    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (a file a user saved) is read as nothing
-        for line in f:
-            if not line.endswith("\n"):
-                break  # torn write
-            if line.strip():
+    for ln, line in read_text_lines(path, "reference data"):  # a byte-order mark is read as nothing
+        if not line.endswith("\n"):
+            break  # torn write
+        if line.strip():
+            try:
                 recs.append(json.loads(line))
+            except (json.JSONDecodeError, RecursionError) as e:
+                why = TOO_DEEP if isinstance(e, RecursionError) else f"not valid JSON ({e.msg})"
+                raise BadInputError(f"{path}:{ln}: {why}; a data.jsonl holds one JSON record a line (`specopd "
+                                    f"prepare data` writes it; prepare it again)") from None
     return recs
 
 

@@ -16,7 +16,7 @@ from specopd.config import RecipeError
 from specopd.data.formats import build_cache, conversation_samples, stats_note
 from specopd.data.packaged import conversations_file
 from specopd.data.prepare import load_tokenizer
-from specopd.errors import BadInputError, read_text_lines
+from specopd.errors import TOO_DEEP, BadInputError, read_text_lines
 from specopd.models.loading import read_config
 from specopd.train.tiny import TINY_VERSION
 
@@ -116,8 +116,9 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, con
             rec = json.loads(line)
             ids = rec["input_ids"]
             pl = rec["response_start"] if "response_start" in rec else rec["prompt_len"]
-        except (ValueError, KeyError, TypeError) as e:
-            what = f"no key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            what = (f"no key {e}" if isinstance(e, KeyError) else TOO_DEEP if isinstance(e, RecursionError) else
+                    f"{type(e).__name__}: {e}")
             raise BadInputError(f"{fp}:{ln}: expected a JSON object with input_ids (list of ints) and "
                                 f"prompt_len (int): {what}") from None
         bad = _bad_token(ids, vocab_size)

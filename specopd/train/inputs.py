@@ -72,7 +72,7 @@ def _records_sha256(path: str) -> dict:
                 rec = json.loads(raw)
                 used = [rec["input_ids"], rec.get("response_start", rec.get("prompt_len")), rec.get("split")]
                 h.update(json.dumps(used, separators=(",", ":")).encode() + b"\n")
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deeply
                 h.update(b"raw:" + raw.rstrip(b"\r\n") + b"\n")
     return {"records": n, "sha256": h.hexdigest()}
 
