@@ -423,7 +423,8 @@ class RuntimeConfig:
 @dataclass
 class EvalConfig:
     prompts: int = setting(8, resume=SAME_RUN)
-    """Number of held-out prompts decoded by ``specopd eval``."""
+    """Number of held-out prompts decoded by ``specopd eval`` (with ``--prompts FILE``: its first N, the only lines
+    read)."""
     max_new_tokens: int = setting(32, resume=SAME_RUN)
     """Tokens generated per prompt."""
     temperature: float = setting(0.0, resume=SAME_RUN)

@@ -2,7 +2,8 @@
 package is a message naming it and its pip command, not a traceback; repeated conversation ids are counted and
 printed, and ``data.duplicate_ids`` keeps, drops or refuses them; a record nested too deeply for the JSON reader
 and a lone UTF-16 surrogate are named by file and line (and skipped and counted with ``data.bad_lines=skip`` /
-``--bad-lines skip``)."""
+``--bad-lines skip``); ``eval.prompts`` limits a ``--prompts`` file (only those lines are read); a target without
+a tokenizer is named with what to do (and token-id prompts need none)."""
 from __future__ import annotations
 
 import importlib.util
@@ -151,3 +152,32 @@ def test_prompts_files_and_prepared_data_name_deep_and_surrogate_lines(target_di
     rc, _, err = _run(capsys, ["train", RECIPE, "data.source=prepared", f"data.path={prepared}",
                                f"trainer.output_dir={tmp_path / 'r'}", "trainer.max_steps=1"])
     assert rc == 2 and f"{prepared}:3: " in err and "nested too deeply" in err
+
+
+# ---------------------------------------------------------------------------------------------- eval inputs
+def test_eval_prompts_limits_a_prompts_file_and_reads_only_those_lines(target_dir, tmp_path, capsys):
+    lines = [json.dumps({"prompt": f"question {i}"}) for i in range(10_000)]
+    lines[5_000] = "{not json"  # past the limit: never parsed
+    pf = _lines(tmp_path / "p.jsonl", lines)
+    rc, out, _ = _run(capsys, ["eval", RECIPE, f"model.target={target_dir}", f"trainer.output_dir={tmp_path / 'e'}",
+                               "eval.checkpoint=none", "eval.max_new_tokens=3", "eval.prompts=2", "--no-baseline",
+                               "--prompts", pf, "--json", tmp_path / "r.json"])
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and r["num_prompts"] == 2 and len(r["accept_lengths"]) == 2
+    assert f"--prompts {pf}: decoding the first 2 of its 10000 prompts (eval.prompts=2; raise it" in out
+    assert "2 prompts (" in out and "the first 2 of 10000" in r["prompts"]
+
+
+def test_a_target_without_a_tokenizer_is_named_with_what_to_do(tmp_path, capsys):
+    ev = ["eval", RECIPE, f"trainer.output_dir={tmp_path}", "eval.checkpoint=none", "eval.max_new_tokens=2",
+          "--no-baseline"]
+    rc, _, err = _run(capsys, ev + ["--bench", "mt-bench"])
+    assert rc == 2 and f"the target folder {tmp_path / 'tiny-target-llama'} has no tokenizer" in err
+    assert "model.target=tiny:llama is built without a tokenizer" in err and '{"input_ids": [...]}' in err
+    assert "sentencepiece" not in err and "tiktoken" not in err
+    ids = _lines(tmp_path / "ids.jsonl", [json.dumps({"input_ids": [1, 2, 3]}), json.dumps({"input_ids": [4, 5]})])
+    rc, out, _ = _run(capsys, ev + ["--prompts", ids, "--json", tmp_path / "r.json"])
+    assert rc == 0 and json.loads((tmp_path / "r.json").read_text())["num_prompts"] == 2  # token ids need none
+    bad = _lines(tmp_path / "bad.jsonl", [json.dumps({"input_ids": [1, 99999]})])
+    rc, _, err = _run(capsys, ev + ["--prompts", bad])
+    assert rc == 2 and f"{bad}:1: input_ids[1] = 99999: token id 99999 >= target vocab" in err

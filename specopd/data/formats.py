@@ -455,18 +455,23 @@ def _prefix_starts(tok, text: str, ids: list, spans: list) -> list:
     return starts[: len(ids)]
 
 
+def tokenizer_files(target_dir: str) -> list:
+    """The names of the tokenizer's files in ``target_dir`` (vocabulary, merges, config, chat template), sorted."""
+    return [n for n in sorted(os.listdir(target_dir))
+            if n.startswith(("tokenizer", "special_tokens_map", "added_tokens", "chat_template", "vocab", "merges"))
+            or n.endswith((".model", ".tiktoken"))]
+
+
 def tokenizer_hash(target_dir: str) -> str:
-    """sha256 over the tokenizer's files in ``target_dir`` (vocabulary, merges, config, chat template) and the
-    transformers version (which renders the template)."""
+    """sha256 over the tokenizer's files in ``target_dir`` (``tokenizer_files``) and the transformers version
+    (which renders the template)."""
     import transformers  # optional (dev / demo extra)
 
     h = hashlib.sha256(f"transformers {transformers.__version__}\n".encode())
-    for n in sorted(os.listdir(target_dir)):
-        if n.startswith(("tokenizer", "special_tokens_map", "added_tokens", "chat_template", "vocab", "merges")) \
-                or n.endswith((".model", ".tiktoken")):
-            h.update(n.encode())
-            with open(os.path.join(target_dir, n), "rb") as f:
-                h.update(hashlib.sha256(f.read()).digest())
+    for n in tokenizer_files(target_dir):
+        h.update(n.encode())
+        with open(os.path.join(target_dir, n), "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
     return h.hexdigest()
 
 

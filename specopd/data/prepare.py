@@ -19,13 +19,14 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from specopd.data.formats import DataError, conversation_prompts
+from specopd.data.formats import DataError, conversation_prompts, tokenizer_files
 from specopd.data.packaged import conversations_file
 from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitchat_prompts, read_prompts, read_records,
                                      repair_tail, split_of)
 from specopd.data.smollm2 import MODEL_NAME, cache_root, default_model_dir, is_prepared, prepare_smollm2
 from specopd.engines import EngineFailed, check_engine, run_vllm
 from specopd.engines.openai_api import RequestFailed, check_ids, generate_openai
+from specopd.errors import MissingInputError
 from specopd.models import load_target
 from specopd.models.loading import read_config
 from specopd.train.lock import run_lock
@@ -121,8 +122,22 @@ def _seed_of(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") & (2**63 - 1)
 
 
+TOKENIZER_FIX = "use a target folder that has its tokenizer files (e.g. `specopd prepare model smollm2-135m`)"
+
+
+def check_tokenizer(target_dir: str, fix: str = TOKENIZER_FIX) -> None:
+    """A ``MissingInputError`` naming ``target_dir`` and ``fix`` when the folder holds no tokenizer file at all
+    (a ``tiny:`` target is built without one): text cannot become its token ids."""
+    if os.path.isdir(target_dir) and not tokenizer_files(target_dir):
+        raise MissingInputError(f"the target folder {target_dir} has no tokenizer (no tokenizer.json, "
+                                f"tokenizer.model, vocab.json or other tokenizer file), so text cannot be turned into "
+                                f"its token ids; {fix}")
+
+
 def load_tokenizer(target_dir: str, vocab_size: int):
-    """The target's own tokenizer (with its chat template); refuses one whose ids exceed the target's vocab."""
+    """The target's own tokenizer (with its chat template); refuses one whose ids exceed the target's vocab, and a
+    folder without one (``check_tokenizer``)."""
+    check_tokenizer(target_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         from transformers import AutoTokenizer  # optional (dev / demo extra)
@@ -217,7 +232,7 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
     vocab_size = int(config["vocab_size"])
     tok = load_tokenizer(target_dir, vocab_size)
     if prompts is None:
-        prompts = read_prompts(prompts_file) if prompts_file else chitchat_prompts()
+        prompts = read_prompts(prompts_file, num) if prompts_file else chitchat_prompts()
         prompts_label = os.path.abspath(prompts_file) if prompts_file else "chitchat"
     if num is not None:
         prompts = prompts[:num]

@@ -7,6 +7,7 @@ Record: ``{"id", "split": "train" | "heldout", "input_ids": [prompt + response],
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -23,19 +24,29 @@ SPLITS = ("train", "heldout", "all")
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-def read_prompts(path: str) -> list:
+def read_prompts(path: str, limit: Optional[int] = None, vocab_size: Optional[int] = None,
+                 stats: Optional[dict] = None) -> list:
     """A prompts file -> list of (id, messages). Two formats, told apart by the first non-empty line:
 
     - JSONL (that line is a JSON object): one ``{"prompt": str}`` or ``{"messages": [{"role", "content"}, ...]}``
-      a line, optional "id"; a trailing assistant message is dropped (the target answers it).
+      a line, optional "id"; a trailing assistant message is dropped (the target answers it). With ``vocab_size``
+      a record may give token ids instead, ``{"input_ids": [int, ...]}`` (no chat template: for a target without
+      a tokenizer): that prompt is (id, [int]).
     - plain text (anything else): every non-empty line is one user prompt, id ``line<N>``.
 
     A file that is one JSON array of such objects (pretty-printed, ``[`` on its first line) is read as those
     records, with a note; a byte-order mark is read as nothing.
+
+    Args:
+        path: the prompts file.
+        limit: read only the first ``limit`` prompts (the rest of the file is counted, not parsed); None: all.
+        vocab_size: the target's vocabulary, with which token-id records are accepted (None: text only).
+        stats: filled with ``total``, the prompts in the file.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} " + ("is a folder; give a JSONL or text file"
                                                             if os.path.isdir(path) else "does not exist"))
+    st = stats if stats is not None else {}
     lines = ((ln, line.rstrip("\r\n")) for ln, line in read_text_lines(path, "prompts file") if line.strip())
     first = next(lines, None)
     if first is None:
@@ -53,20 +64,28 @@ def read_prompts(path: str) -> list:
             raise BadInputError(f"prompts file {path!r} holds an empty JSON array; nothing to answer")
         print(f"[specopd] prompts file {path} holds one JSON array, not one object a line: read as {len(arr)} "
               f"records", file=sys.stderr, flush=True)
-        records = list(enumerate(arr, 1))
+        st["total"] = len(arr)
+        records = list(enumerate(arr[:limit], 1))
     else:
-        taken = [first, *lines]
+        taken = [first, *itertools.islice(lines, None if limit is None else max(0, limit - 1))]
+        st["total"] = len(taken) if limit is None or len(taken) < limit else _nonempty_lines(path)
         if not first[1].lstrip().startswith("{"):
             return [(f"line{ln}", [{"role": "user", "content": text}]) for ln, text in taken]
         records = [(ln, _json_line(path, ln, line)) for ln, line in taken]
     out = []
     for ln, rec in records:
-        prompt = _prompt(path, ln, rec)  # checks rec first
+        prompt = _prompt(path, ln, rec, vocab_size)  # checks rec first
         out.append((str(rec.get("id", f"line{ln}")), prompt))
     ids = [i for i, _ in out]
     if len(set(ids)) != len(ids):
         raise BadInputError(f"prompts file {path!r} repeats ids; ids must be unique (resuming skips finished ids)")
     return out
+
+
+def _nonempty_lines(path: str) -> int:
+    """The prompts of a JSONL / text prompts file, counted without decoding or parsing them."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def _json_line(path: str, ln: int, line: str):
@@ -80,8 +99,19 @@ def _json_line(path: str, ln: int, line: str):
         raise BadInputError(f"{path}:{ln}: {TOO_DEEP}; a prompt is one JSON object") from None
 
 
-def _prompt(path: str, ln: int, rec) -> list:
-    """One JSONL prompt record -> its messages; ``BadInputError`` naming ``path:ln`` for a bad one."""
+def _prompt(path: str, ln: int, rec, vocab_size: Optional[int]):
+    """One JSONL prompt record -> its messages (or token ids, see ``read_prompts``); ``BadInputError`` naming
+    ``path:ln`` for a bad one."""
+    if isinstance(rec, dict) and "input_ids" in rec:
+        if vocab_size is None:
+            raise BadInputError(f"{path}:{ln}: a prompt given as token ids (input_ids) is read by `specopd eval "
+                                f"--prompts` only; give text here ('prompt' or 'messages')")
+        bad = token_ids_problem(rec["input_ids"], vocab_size)
+        if bad is None and not rec["input_ids"]:
+            bad = "input_ids is empty"
+        if bad is not None:
+            raise BadInputError(f"{path}:{ln}: {bad}; give the prompt's token ids in the target's vocabulary")
+        return list(rec["input_ids"])
     if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
         msgs = [{"role": "user", "content": rec["prompt"]}]
     elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
@@ -93,7 +123,8 @@ def _prompt(path: str, ln: int, rec) -> list:
         if not msgs:
             raise BadInputError(f"{path}:{ln}: 'messages' holds only assistant turns; nothing to answer")
     else:
-        raise BadInputError(f"{path}:{ln}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}; got keys "
+        raise BadInputError(f"{path}:{ln}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}"
+                            + (" or {\"input_ids\": [...]}" if vocab_size is not None else "") + "; got keys "
                             f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}")
     for what, text in [("'id'", rec.get("id"))] + [(f"message {k}'s content", m["content"]) for k, m in
                                                    enumerate(msgs)]:
@@ -101,6 +132,21 @@ def _prompt(path: str, ln: int, rec) -> list:
         if bad is not None:
             raise BadInputError(f"{path}:{ln}: {what} holds {bad}")
     return msgs
+
+
+def token_ids_problem(ids, vocab_size: Optional[int]) -> Optional[str]:
+    """What is wrong with a record's input_ids (None when they are valid token ids)."""
+    if not isinstance(ids, list):
+        return f"input_ids is a {type(ids).__name__}, not a list of token ids"
+    for j, x in enumerate(ids):
+        if type(x) is not int:  # noqa: E721  (bool and 3.0 / 3.7 are not token ids)
+            return f"input_ids[{j}] = {json.dumps(x)} is not an integer token id"
+        if x < 0:
+            return f"input_ids[{j}] = {x} is negative"
+        if vocab_size is not None and x >= vocab_size:
+            return (f"input_ids[{j}] = {x}: token id {x} >= target vocab {vocab_size} (data prepared with another "
+                    f"tokenizer?)")
+    return None
 
 
 def chitchat_data() -> dict:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from kernels import paths
 from specopd.config import eval_dtype
 from specopd.data.conversations import heldout_prompt_ids
-from specopd.data.prepare import MODELS, encode_prompt, load_tokenizer
+from specopd.data.prepare import MODELS, check_tokenizer, encode_prompt, load_tokenizer
 from specopd.data.references import read_prompts
 from specopd.drafters import build_drafter, load_drafter
 from specopd.errors import DamagedFolderError
@@ -251,16 +251,31 @@ def _parse_args(args) -> argparse.Namespace:
     return ns
 
 
-def file_prompt_ids(path: str, target_dir: str, vocab_size: int) -> list:
-    """A prompts file (``specopd.data.references.read_prompts``: JSONL or plain text) through the target's
-    chat template -> prompt ids [T_i]."""
-    prompts = read_prompts(path)
+NO_TOKENIZER_FIX = ("give model.target a Hugging Face folder with its tokenizer files (e.g. `specopd prepare model "
+                    "smollm2-135m`), or --prompts FILE with the prompts as token ids (one {\"input_ids\": [...]} a "
+                    "line)")
+
+
+def file_prompt_ids(path: str, target_dir: str, vocab_size: int, limit: Optional[int] = None,
+                    stats: Optional[dict] = None) -> list:
+    """A prompts file (``specopd.data.references.read_prompts``: JSONL or plain text through the target's chat
+    template, or token ids as they are) -> prompt ids [T_i].
+
+    Args:
+        path: the prompts file; target_dir, vocab_size: the target (its tokenizer, for text prompts).
+        limit: only the first ``limit`` prompts are read (None: all).
+        stats: filled with ``total``, the prompts in the file.
+    """
+    prompts = [p for _, p in read_prompts(path, limit, vocab_size, stats)]  # messages, or token ids [int]
+    if all(isinstance(p[0], int) for p in prompts):  # token ids only: no tokenizer needed
+        return [torch.tensor(p, dtype=torch.long) for p in prompts]
+    check_tokenizer(target_dir, f"--prompts {path} holds text prompts: {NO_TOKENIZER_FIX}")
     try:
         tok = load_tokenizer(target_dir, vocab_size)
     except (OSError, ValueError) as e:
         raise ValueError(f"--prompts {path}: the target in {target_dir} needs a tokenizer with a chat template to "
                          f"format prompts ({e})") from None
-    return [torch.tensor(encode_prompt(tok, msgs)) for _, msgs in prompts]
+    return [torch.tensor(p if isinstance(p[0], int) else encode_prompt(tok, p), dtype=torch.long) for p in prompts]
 
 
 def main_eval(cfg, args=None, judge=None) -> dict:
@@ -289,6 +304,10 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     if prompts_file and not os.path.isfile(prompts_file):
         raise FileNotFoundError(f"--prompts {prompts_file!r} " + ("is a folder" if os.path.isdir(prompts_file) else
                                                                 "does not exist") + " (give a JSONL or text file)")
+    if getattr(ns, "bench", None):  # MT-Bench's questions are text: refused before the weights load
+        check_tokenizer(path, f"--bench {ns.bench} formats its questions with the target's tokenizer and chat template"
+                              + (f" (model.target={cfg.model.target} is built without a tokenizer)" if
+                                 cfg.model.is_tiny else "") + f": {NO_TOKENIZER_FIX}")
     target = load_target(path, dtype=eval_dtype(cfg), device=_device(cfg.model.device), kernels=cfg.model.kernels)
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)
@@ -296,8 +315,13 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     meta = None  # per prompt {"id", "category"}: a benchmark's prompts
     if getattr(ns, "bench", None):
         prompts, meta, where = bench_prompt_ids(ns, cfg, path, target, stops)
-    elif prompts_file:
-        prompts, where = file_prompt_ids(prompts_file, path, target.vocab_size), prompts_file
+    elif prompts_file:  # its first eval.prompts prompts
+        st: dict = {}
+        prompts = file_prompt_ids(prompts_file, path, target.vocab_size, cfg.eval.prompts, st)
+        where = f"{prompts_file}: the first {len(prompts)} of {st['total']}, eval.prompts={cfg.eval.prompts}"
+        print(f"[eval] --prompts {prompts_file}: decoding the first {len(prompts)} of its {st['total']} prompts "
+              f"(eval.prompts={cfg.eval.prompts}" + ("; raise it to decode more)" if st["total"] > len(prompts)
+                                                     else ")"), flush=True)
     elif getattr(getattr(cfg, "pipeline", None), "enabled", False):  # the main job's own held-out prompts
         prompts, where = heldout_prompt_ids(path, target.vocab_size, cfg.eval.prompts), "held-out chat prompts"
     else:

@@ -752,7 +752,7 @@ def main_serve_check(args) -> int:
     temps = parse_temperatures(args.temperatures)
     vocab = int(read_config(args.target)["vocab_size"])
     if args.prompts:
-        prompts = [p.tolist() for p in file_prompt_ids(args.prompts, args.target, vocab)]
+        prompts = [p.tolist() for p in file_prompt_ids(args.prompts, args.target, vocab, args.num)]
     else:
         prompts = [p.tolist() for p in heldout_prompt_ids(args.target, vocab, args.num)]
     prompts = prompts[: args.num]

@@ -16,6 +16,7 @@ from specopd.config import RecipeError
 from specopd.data.formats import build_cache, conversation_samples, stats_note
 from specopd.data.packaged import conversations_file
 from specopd.data.prepare import load_tokenizer
+from specopd.data.references import token_ids_problem
 from specopd.errors import TOO_DEEP, BadInputError, read_text_lines
 from specopd.models.loading import read_config
 from specopd.train.tiny import TINY_VERSION
@@ -66,21 +67,6 @@ def sample_references(target, num_samples: int, prompt_len: int, seq_len: int, t
     return out
 
 
-def _bad_token(ids, vocab_size: Optional[int]) -> Optional[str]:
-    """What is wrong with a record's input_ids (None when they are valid token ids)."""
-    if not isinstance(ids, list):
-        return f"input_ids is a {type(ids).__name__}, not a list of token ids"
-    for j, x in enumerate(ids):
-        if type(x) is not int:  # noqa: E721  (bool and 3.0 / 3.7 are not token ids)
-            return f"input_ids[{j}] = {json.dumps(x)} is not an integer token id"
-        if x < 0:
-            return f"input_ids[{j}] = {x} is negative"
-        if vocab_size is not None and x >= vocab_size:
-            return (f"input_ids[{j}] = {x}: token id {x} >= target vocab {vocab_size} (data prepared with another "
-                    f"tokenizer?)")
-    return None
-
-
 def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, context: Optional[int] = None,
                   stats: Optional[dict] = None) -> list:
     """Records of a prepared .jsonl, cut to ``min(seq_len, context)`` tokens. Every record is validated as it is
@@ -121,7 +107,7 @@ def read_prepared(path: str, seq_len: int, vocab_size: Optional[int] = None, con
                     f"{type(e).__name__}: {e}")
             raise BadInputError(f"{fp}:{ln}: expected a JSON object with input_ids (list of ints) and "
                                 f"prompt_len (int): {what}") from None
-        bad = _bad_token(ids, vocab_size)
+        bad = token_ids_problem(ids, vocab_size)
         if bad is None and type(pl) is not int:  # noqa: E721
             bad = f"prompt_len = {json.dumps(pl)} is not an integer"
         if bad is not None:
