@@ -244,26 +244,16 @@ class DFlashDrafter(nn.Module):
     config_class = DrafterConfig  # the config dataclass of this kind (DFlash V2 adds fields)
     layer_class = DraftLayer  # one draft decoder layer (DFlash V2 adds its convolutions)
 
-    def __init__(self, target, config: DrafterConfig, seed: int = 0):
+    def __init__(self, target, config: DrafterConfig, seed: Optional[int] = 0):
+        """seed: the weights' init seed; None leaves them as the modules make them (a shape-only skeleton, built on
+        the meta device by ``specopd.drafters.layout`` to check a folder's tensors)."""
         super().__init__()
         self.__dict__["target"] = target  # not a submodule: no target weights in state_dict / parameters
         self.config = c = config
         self.attention_backend = "auto"
-        ident = target_identity(target)
-        if c.hidden_size != ident["hidden_size"]:
-            raise ValueError(f"hidden_size mismatch: drafter {c.hidden_size}, target {ident['hidden_size']} (the "
-                             f"drafter uses the target's embedding and lm_head, so they must be equal)")
-        bad = [i for i in c.feature_layers if not 0 <= int(i) < ident["num_hidden_layers"]]
-        if not c.feature_layers or bad:
-            raise ValueError(f"feature_layers (target_layer_ids) {list(c.feature_layers)} must be non-empty layer "
-                             f"ids in [0, {ident['num_hidden_layers']}) of the target")
-        if c.block_size < 2 or c.num_layers < 1:
-            raise ValueError(f"block_size ({c.block_size}, counts the anchor: >= 2) and num_layers "
-                             f"({c.num_layers}, >= 1) are out of range")
-        if c.mask_token_id is None and not c.learned_mask:
-            raise ValueError("a drafter needs mask_token_id or learned_mask=True")
-        if c.mask_token_id is not None and not 0 <= int(c.mask_token_id) < ident["vocab_size"]:
-            raise ValueError(f"mask_token_id {c.mask_token_id} is outside the target's vocab [0, {ident['vocab_size']})")
+        bad = self.config_problems(c, target_identity(target))
+        if bad:
+            raise ValueError("drafter config out of range: " + "; ".join(f"{k}={v!r} ({rule})" for k, v, rule in bad))
         d = c.hidden_size
         self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(d, c.rms_norm_eps)
@@ -272,12 +262,45 @@ class DFlashDrafter(nn.Module):
         if c.learned_mask:
             self.mask_embedding = nn.Parameter(torch.zeros(d))
         self._build_extra()
-        self._init_weights(seed)
+        if seed is not None:
+            self._init_weights(seed)
         self.to(target.device)
         self._rope = rope_inv_freq(rope_parameters({"rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling}),
                                    c.head_dim)
         if self._rope.numel() * 2 != c.head_dim:
             raise ValueError("the drafter's RoPE must rotate the whole head (no partial_rotary_factor)")
+
+    @classmethod
+    def config_problems(cls, c: DrafterConfig, ident: dict) -> list:
+        """(field, value, what it must be) for every setting of ``c`` this kind cannot be built with, against the
+        target's ``ident`` (``target_identity``; a key it lacks is not checked). The one owner of these rules: the
+        constructor raises on them, ``specopd.drafters.layout`` names them as a folder's config.json keys."""
+        bad = []
+        hid, layers, vocab = ident.get("hidden_size"), ident.get("num_hidden_layers"), ident.get("vocab_size")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            if not getattr(c, name) >= 1:
+                bad.append((name, getattr(c, name), ">= 1"))
+        if hid is not None and c.hidden_size >= 1 and c.hidden_size != hid:
+            bad.append(("hidden_size", c.hidden_size, f"the target's hidden_size={hid}: the drafter uses the "
+                                                      f"target's embedding and lm_head"))
+        if not c.block_size >= 2:
+            bad.append(("block_size", c.block_size, "counts the anchor: >= 2"))
+        ids = list(c.feature_layers)
+        if not ids or any(not 0 <= i < (layers if layers is not None else i + 1) for i in ids):
+            bad.append(("feature_layers", ids, "non-empty layer ids in " + (f"[0, {layers}) of the target" if layers
+                                                                             is not None else "[0, target layers)")))
+        if c.num_heads >= 1 and c.num_kv_heads >= 1 and c.num_heads % c.num_kv_heads:
+            bad.append(("num_heads", c.num_heads, f"a multiple of num_kv_heads={c.num_kv_heads}"))
+        if not (c.head_dim >= 2 and c.head_dim % 2 == 0):
+            bad.append(("head_dim", c.head_dim, "even and >= 2: RoPE turns pairs of channels"))
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not getattr(c, name) > 0:
+                bad.append((name, getattr(c, name), "> 0"))
+        if c.mask_token_id is None and not c.learned_mask:
+            bad.append(("mask_token_id", None, "a token id, or learned_mask with a learned mask vector"))
+        elif c.mask_token_id is not None and not 0 <= c.mask_token_id < (vocab or c.mask_token_id + 1):
+            bad.append(("mask_token_id", c.mask_token_id, f"a token id in [0, {vocab or 'vocab_size'})"))
+        return bad
 
     def _build_extra(self) -> None:
         """Hook for subclasses (DSpark heads)."""

@@ -38,23 +38,22 @@ class DFlash2Config(DrafterConfig):
     final_logit_softcapping: float = 0.0  # cap * tanh(x / cap); 0 = none
 
 
-def check_v2_config(c: DFlash2Config, vocab: int) -> None:
-    """ValueErrors naming every V2 setting that vLLM would refuse or that cannot work with this target."""
+def v2_problems(c: DFlash2Config, vocab) -> list:
+    """(field, value, what it must be) for every V2 setting that vLLM would refuse or that cannot work with a
+    target of ``vocab`` tokens (None: not checked against it)."""
     bad = []
-    if int(c.conv_kernel_size) < 1:
-        bad.append(f"conv_kernel_size={c.conv_kernel_size} (>= 1)")
-    if int(c.conv_group_size) < 1 or c.hidden_size % int(c.conv_group_size):
-        bad.append(f"conv_group_size={c.conv_group_size} (must divide hidden_size={c.hidden_size})")
-    if int(c.selector_rank) < 1:
-        bad.append(f"selector_rank={c.selector_rank} (>= 1)")
-    if not 1 <= int(c.selector_top_k) <= int(vocab):
-        bad.append(f"selector_top_k={c.selector_top_k} (in [1, vocab_size={vocab}])")
-    if not float(c.output_multiplier) > 0:
-        bad.append(f"output_multiplier={c.output_multiplier} (> 0: vLLM's top-k reduction needs a positive scale)")
-    if float(c.final_logit_softcapping) < 0:
-        bad.append(f"final_logit_softcapping={c.final_logit_softcapping} (>= 0; 0 = none)")
-    if bad:
-        raise ValueError(f"DFlash V2 config out of range: {', '.join(bad)}")
+    for name in ("conv_kernel_size", "selector_rank"):
+        if not getattr(c, name) >= 1:
+            bad.append((name, getattr(c, name), ">= 1"))
+    if not c.conv_group_size >= 1 or c.hidden_size % c.conv_group_size:
+        bad.append(("conv_group_size", c.conv_group_size, f"must divide hidden_size={c.hidden_size}"))
+    if not 1 <= c.selector_top_k <= (vocab or c.selector_top_k):
+        bad.append(("selector_top_k", c.selector_top_k, f"in [1, vocab_size={vocab or '?'}]"))
+    if not c.output_multiplier > 0:
+        bad.append(("output_multiplier", c.output_multiplier, "> 0: vLLM's top-k reduction needs a positive scale"))
+    if not c.final_logit_softcapping >= 0:
+        bad.append(("final_logit_softcapping", c.final_logit_softcapping, ">= 0; 0 = none"))
+    return bad
 
 
 # ------------------------------------------------------------------------------------------- layers
@@ -298,10 +297,14 @@ class DFlash2Drafter(DFlashDrafter):
     layer_class = DraftLayer2
     has_selector = True
 
+    @classmethod
+    def config_problems(cls, c, ident: dict) -> list:
+        """DFlash's, and V2's own settings (``v2_problems``)."""
+        return super().config_problems(c, ident) + v2_problems(c, ident.get("vocab_size"))
+
     def _build_extra(self) -> None:
         c = self.config
         vocab_group(self.target.lm_head)  # a split head must be in equal blocks (ValueError naming the fix)
-        check_v2_config(c, int(self.target.vocab_size))
         self.candidate_selector = CandidateSelector(c.hidden_size, int(self.target.vocab_size), int(c.selector_rank))
 
     @torch.no_grad()

@@ -43,10 +43,14 @@ class DSparkDrafter(DFlashDrafter):
     def has_confidence(self) -> bool:
         return self.confidence_head is not None
 
+    @classmethod
+    def config_problems(cls, c, ident: dict) -> list:
+        """DFlash's, and the Markov head's rank r."""
+        return super().config_problems(c, ident) + ([] if c.markov_rank >= 1 else [("markov_rank", c.markov_rank,
+                                                                                   ">= 1")])
+
     def _build_extra(self) -> None:
         c, v = self.config, int(self.target.vocab_size)
-        if c.markov_rank < 1:
-            raise ValueError(f"markov_rank must be >= 1; got {c.markov_rank}")
         self.markov_head = MarkovHead(v, c.markov_rank)
         self.confidence_head = (ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0))
                                 if c.confidence_head else None)

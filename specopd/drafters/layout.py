@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import struct
 import warnings
+from types import SimpleNamespace
 from typing import Optional
 
 import safetensors.torch
@@ -18,7 +20,7 @@ from safetensors import SafetensorError
 from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
 from specopd.drafters.dflash2 import V2_KEYS
-from specopd.errors import DamagedFolderError, FolderNotEmptyError, make_dir, read_text
+from specopd.errors import BadInputError, DamagedFolderError, FolderNotEmptyError, make_dir, read_text
 
 ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
 KINDS = tuple(ARCH)
@@ -35,6 +37,13 @@ DRAFTER_FOLDER = ("a drafter folder holds config.json + safetensors weights, eit
                   "DSpark / DFlash V2 layout (config.json with architectures [\"DFlashDraftModel\"], "
                   "[\"DSparkDraftModel\"] or [\"DFlash2DraftModel\"] and dflash_config, model.safetensors or "
                   "shards + index, optional mask_embedding.pt)")
+
+
+class DrafterFolderError(BadInputError):
+    """A drafter folder whose config.json holds a value of the wrong type or out of range, whose tensors do not
+    match it (names, shapes, dtypes), or (``check_against_target``) that does not fit the target it is loaded for.
+    The message names the file, the key or tensor, and the fix; ``specopd export``, ``eval.checkpoint`` and
+    ``drafter.init_from`` refuse such a folder alike (``check_drafter``)."""
 
 
 class NotADrafterError(ValueError):
@@ -212,14 +221,84 @@ def read_mask_file(path: str) -> Optional[tuple]:
     return None, state.reshape(-1)
 
 
-def _get(raw: dict, name: str, default=None):
-    """A field from dflash_config first, then the top level (as z-lab's ``_draft_value``)."""
-    dc = raw.get("dflash_config") or {}
-    return dc[name] if name in dc else raw.get(name, default)
+JSON_TYPES = {str: "a string", bool: "a boolean", list: "a list", dict: "an object", type(None): "null"}
+TARGET_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings")  # target_identity's
+
+
+class ConfigFields:
+    """Typed values of a drafter's config.json: each value that is not of its type is a ``DrafterFolderError``
+    naming the file, the key and the type expected (never ``int()``'s "invalid literal")."""
+
+    def __init__(self, raw: dict, path: str):
+        self.raw, self.file = raw, os.path.join(path, "config.json")
+        dc = raw.get("dflash_config")
+        if dc is not None and not isinstance(dc, dict):
+            raise DrafterFolderError(f"{self.file}: \"dflash_config\" is {JSON_TYPES.get(type(dc), type(dc).__name__)},"
+                                     f" not an object; it holds the drafter's keys (mask_token_id, target_layer_ids, "
+                                     f"...)")
+        self.dc = dc or {}
+
+    def key(self, name: str, nested: bool = True) -> str:
+        """Where ``name`` is read: ``dflash_config.name`` (released drafters' keys, read there first as z-lab's
+        ``_draft_value`` does) or the top level."""
+        return f"dflash_config.{name}" if nested and name in self.dc else name
+
+    def value(self, name: str, default=None, nested: bool = True):
+        return self.dc[name] if nested and name in self.dc else self.raw.get(name, default)
+
+    def wrong(self, key: str, value, want: str) -> DrafterFolderError:
+        got = JSON_TYPES.get(type(value), type(value).__name__)
+        shown = json.dumps(value) if isinstance(value, (str, bool, type(None))) else repr(value)
+        return DrafterFolderError(f"{self.file}: \"{key}\" is {shown} ({got}); it must be {want}. Correct it in "
+                                  f"config.json (the value the drafter was built with) or give another drafter folder")
+
+    def typed(self, key: str, value, typ):
+        """``value`` (of ``key``) as ``typ``: int (a JSON integer; 2.0 is 2), float (a finite number) or bool."""
+        if typ is bool:
+            if not isinstance(value, bool):
+                raise self.wrong(key, value, "true or false")
+            return value
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if typ is int and not (ok and float(value).is_integer()):
+            raise self.wrong(key, value, "an integer (a JSON number without quotes)")
+        if not ok:
+            raise self.wrong(key, value, "a finite number (a JSON number without quotes)")
+        return typ(value)
+
+    def get(self, name: str, typ, default=None, nested: bool = True):
+        """The field ``name`` as ``typ``.
+
+        Args:
+            name: the key (in dflash_config first when ``nested``, then at the top level).
+            typ: int, float or bool (``typed``).
+            default: when the key is absent or null.
+            nested: whether dflash_config may hold it.
+        """
+        v = self.value(name, None, nested)
+        return default if v is None else self.typed(self.key(name, nested), v, typ)
+
+    def need(self, name: str, typ, nested: bool = False):
+        """A required field (a ``KeyError`` naming it when absent: ``read_config`` words it)."""
+        if (name not in self.dc or not nested) and name not in self.raw:
+            raise KeyError(name)
+        return self.typed(self.key(name, nested), self.value(name, None, nested), typ)
+
+    def ints(self, key: str, value) -> tuple:
+        """A list of integers (target layer ids)."""
+        if not isinstance(value, (list, tuple)):
+            raise self.wrong(key, value, "a list of integers (target layer ids)")
+        return tuple(self.typed(f"{key}[{i}]", v, int) for i, v in enumerate(value))
+
+    def target(self, key: str, value) -> dict:
+        """The target identity recorded with a drafter (``target_identity``), its sizes typed."""
+        if not isinstance(value, dict):
+            raise self.wrong(key, value, "an object (the target's model_type, vocab_size, hidden_size, ...)")
+        return {k: self.typed(f"{key}.{k}", v, int) if k in TARGET_SIZES else v for k, v in value.items()}
 
 
 def config_from_released(raw: dict, path: str, target_layers: Optional[int] = None) -> DrafterConfig:
     """A released config.json -> DrafterConfig (refuses the features we do not implement, naming them)."""
+    f = ConfigFields(raw, path)
     archs = raw.get("architectures") or []
     kinds = [KIND_OF_ARCH[a] for a in archs if a in KIND_OF_ARCH]
     if not kinds:
@@ -232,73 +311,82 @@ def config_from_released(raw: dict, path: str, target_layers: Optional[int] = No
     unsupported = []
     if raw.get("attention_bias"):
         unsupported.append("attention_bias=true")
-    if any(t != "full_attention" for t in raw.get("layer_types") or []) or _get(raw, "use_swa"):
+    if any(t != "full_attention" for t in raw.get("layer_types") or []) or f.value("use_swa"):
         unsupported.append("sliding_attention layers")
-    if raw.get("is_causal") or _get(raw, "causal"):
+    if raw.get("is_causal") or f.value("causal"):
         unsupported.append("causal draft attention")
     if kind != "dflash2":  # V2's own keys (vLLM reads them for DFlash2DraftModel only)
         for name in ("input_embedding_scale", "output_multiplier"):
-            if float(_get(raw, name, 1.0) or 1.0) != 1.0:
-                unsupported.append(f"{name}={_get(raw, name)}")
-        if _get(raw, "final_logit_softcapping"):
+            if (f.get(name, float, 1.0) or 1.0) != 1.0:
+                unsupported.append(f"{name}={f.value(name)}")
+        if f.get("final_logit_softcapping", float):
             unsupported.append("final_logit_softcapping")
     else:
-        missing = [k for k in V2_REQUIRED if _get(raw, k) is None]
+        missing = [k for k in V2_REQUIRED if f.value(k) is None]
         if missing:
             raise ValueError(f"{path}/config.json: a DFlash2DraftModel needs dflash_config {missing} (vLLM reads "
                              f"them without defaults)")
-    if kind == "dspark" and str(_get(raw, "markov_head_type", "vanilla")).lower() != "vanilla":
-        unsupported.append(f"markov_head_type={_get(raw, 'markov_head_type')!r}")
-    if _get(raw, "use_aux_hidden_state", True) is False:
+    if kind == "dspark" and str(f.value("markov_head_type", "vanilla")).lower() != "vanilla":
+        unsupported.append(f"markov_head_type={f.value('markov_head_type')!r}")
+    if f.value("use_aux_hidden_state", True) is False:
         unsupported.append("use_aux_hidden_state=false")
-    ths = raw.get("target_hidden_size")
-    if ths is not None and int(ths) != int(raw["hidden_size"]):
+    ths = f.get("target_hidden_size", int, nested=False)
+    if ths is not None and ths != f.need("hidden_size", int):
         unsupported.append(f"target_hidden_size={ths} != hidden_size={raw['hidden_size']}")
     if unsupported:
         raise ValueError(f"{path}/config.json uses {', '.join(unsupported)}, which SpecOPD's DFlash does not implement")
-    n = int(raw["num_hidden_layers"])
-    ntl = raw.get("num_target_layers", target_layers)
-    ids = _get(raw, "target_layer_ids")
+    n, hidden = f.need("num_hidden_layers", int), f.need("hidden_size", int)
+    ntl = f.get("num_target_layers", int, target_layers, nested=False)
+    ids = f.value("target_layer_ids")
     if ids is None:
         if ntl is None:
             raise ValueError(f"{path}/config.json has neither dflash_config.target_layer_ids nor num_target_layers")
-        ids = default_target_layer_ids(int(ntl), n)
-    heads = int(raw["num_attention_heads"])
-    rank = int(_get(raw, "markov_rank", 256) or 0)
+        ids = default_target_layer_ids(ntl, n)
+    ids = f.ints(f.key("target_layer_ids"), ids)
+    heads = f.need("num_attention_heads", int)
+    rank = f.get("markov_rank", int, 256) or 0
     if kind == "dspark" and rank < 1:
         raise ValueError(f"{path}/config.json: a DSpark drafter without a Markov head (markov_rank {rank}) is a "
                          f"DFlash drafter; set architectures to DFlashDraftModel")
-    conf_alpha = float(_get(raw, "confidence_head_alpha", 0.0) or 0.0)
+    conf_alpha = f.get("confidence_head_alpha", float, 0.0) or 0.0
     rope_scaling = raw.get("rope_scaling")
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise f.wrong("rope_scaling", rope_scaling, "an object or null")
     spec = raw.get("specopd") or {}
-    mask_id = _get(raw, "mask_token_id")
+    rope = raw.get("rope_parameters") if "rope_theta" not in raw else None
+    rope = rope if isinstance(rope, dict) else {}
     v2 = {}
     if kind == "dflash2":
-        v2 = dict(conv_kernel_size=int(_get(raw, "conv_kernel_size")),
-                  conv_group_size=int(_get(raw, "conv_group_size")),
-                  selector_rank=int(_get(raw, "selector_rank")), selector_top_k=int(_get(raw, "selector_top_k")),
-                  input_embedding_scale=float(_get(raw, "input_embedding_scale", 1.0) or 1.0),
-                  output_multiplier=float(_get(raw, "output_multiplier", 1.0) or 1.0),
-                  final_logit_softcapping=float(_get(raw, "final_logit_softcapping", 0.0) or 0.0))
+        v2 = dict({k: f.get(k, int) for k in V2_REQUIRED},
+                  input_embedding_scale=f.get("input_embedding_scale", float, 1.0) or 1.0,
+                  output_multiplier=f.get("output_multiplier", float, 1.0) or 1.0,
+                  final_logit_softcapping=f.get("final_logit_softcapping", float, 0.0) or 0.0)
+    target = (f.target("specopd.target", spec["target"]) if isinstance(spec, dict) and spec.get("target") else
+              {"vocab_size": f.need("vocab_size", int), "hidden_size": hidden,
+               **({"num_hidden_layers": ntl} if ntl is not None else {})})
     return DRAFTERS[kind].config_class(**v2,
-        kind=kind, num_layers=n, block_size=int(_get(raw, "block_size", 16)),
-        feature_layers=tuple(int(i) for i in ids), hidden_size=int(raw["hidden_size"]), num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
-        intermediate_size=int(raw["intermediate_size"]), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        kind=kind, num_layers=n, block_size=f.get("block_size", int, 16),
+        feature_layers=ids, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=f.get("num_key_value_heads", int, heads, nested=False),
+        head_dim=f.get("head_dim", int, hidden // max(heads, 1), nested=False),
+        intermediate_size=f.need("intermediate_size", int), rms_norm_eps=f.get("rms_norm_eps", float, 1e-6, False),
+        rope_theta=(f.get("rope_theta", float, 10000.0, False) if not rope else
+                    f.typed("rope_parameters.rope_theta", rope.get("rope_theta", 10000.0), float)),
         rope_scaling=dict(rope_scaling) if rope_scaling else None, hidden_act=str(raw.get("hidden_act", "silu")),
-        mask_token_id=None if mask_id is None else int(mask_id), learned_mask=False,
+        mask_token_id=f.get("mask_token_id", int), learned_mask=False,
         markov_rank=rank if kind == "dspark" else 256,
-        confidence_head=bool(_get(raw, "enable_confidence_head", conf_alpha > 0)),
-        confidence_with_markov=bool(_get(raw, "confidence_head_with_markov", False)),
-        target=dict(spec.get("target") or {"vocab_size": int(raw["vocab_size"]), "hidden_size": int(raw["hidden_size"]),
-                                           **({"num_hidden_layers": int(ntl)} if ntl is not None else {})}))
+        confidence_head=f.get("enable_confidence_head", bool, conf_alpha > 0),
+        confidence_with_markov=f.get("confidence_head_with_markov", bool, False), target=target)
+
+
+FIELD_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "tuple": tuple}
 
 
 def config_from_ours(raw: dict, path: str) -> DrafterConfig:
-    """Our config.json -> DrafterConfig (refuses v0.1 folders, whose block_size and head differ)."""
-    if int(raw.get("format", 1)) != FORMAT:
+    """Our config.json -> DrafterConfig, each field of its type (refuses v0.1 folders, whose block_size and head
+    differ)."""
+    f = ConfigFields(raw, path)
+    if f.get("format", int, 1, nested=False) != FORMAT:
         raise ValueError(f"{path}/config.json was written by SpecOPD v0.1 (block_size counted drafted tokens only, "
                          f"learned mask vector, the target's final norm before lm_head): that drafter computes "
                          f"something else and cannot be loaded; train it again")
@@ -308,9 +396,21 @@ def config_from_ours(raw: dict, path: str) -> DrafterConfig:
                and fl.default_factory is dataclasses.MISSING]
     if missing:
         raise NotADrafterError(path, f"its config.json has \"kind\": {raw.get('kind')!r} but lacks {missing}")
-    cfg = cls(**{k: v for k, v in raw.items() if k in {fl.name for fl in fields}})
-    cfg.feature_layers = tuple(int(i) for i in cfg.feature_layers)
-    return cfg
+    values = {fl.name: raw[fl.name] for fl in fields if fl.name in raw}
+    for fl in fields:  # each field of its declared type (DrafterConfig's annotations)
+        optional = fl.type.startswith("Optional[")
+        typ, v = FIELD_TYPES.get(fl.type[9:-1] if optional else fl.type), values.get(fl.name)
+        if typ is None or fl.name not in values or (v is None and optional):
+            continue
+        if typ is tuple:
+            values[fl.name] = f.ints(fl.name, v)
+        elif typ in (str, dict) and not isinstance(v, typ):
+            raise f.wrong(fl.name, v, ("a string" if typ is str else "an object") + (" or null" if optional else ""))
+        elif typ not in (str, dict):
+            values[fl.name] = f.typed(fl.name, v, typ)
+    if isinstance(values.get("target"), dict):
+        values["target"] = f.target("target", values["target"])
+    return cls(**values)
 
 
 def read_config(path: str, target_layers: Optional[int] = None) -> tuple:
@@ -351,25 +451,27 @@ def check_against_target(cfg: DrafterConfig, target, path: str, sd: Optional[dic
         sd: its state dict, to check the tensors' shapes too.
 
     Raises:
-        ValueError naming the mismatch.
+        DrafterFolderError (a ValueError) naming the mismatch.
     """
     have = target_identity(target)
     saved = cfg.target or {}
     for key, what in (("hidden_size", "hidden size"), ("vocab_size", "vocab size"),
                       ("num_hidden_layers", "number of target layers")):
         if key in saved and int(saved[key]) != have[key]:
-            raise ValueError(f"{path}: {what} mismatch: the drafter was built for a target with {key}={saved[key]}, "
-                             f"this target has {key}={have[key]}; load it with the target it was trained for")
+            raise DrafterFolderError(f"{path}: {what} mismatch: the drafter was built for a target with "
+                                     f"{key}={saved[key]}, this target has {key}={have[key]}; load it with the target "
+                                     f"it was trained for")
     if cfg.hidden_size != have["hidden_size"]:
-        raise ValueError(f"{path}: hidden size mismatch: drafter hidden_size={cfg.hidden_size}, target "
-                         f"hidden_size={have['hidden_size']}")
+        raise DrafterFolderError(f"{path}: hidden size mismatch: drafter hidden_size={cfg.hidden_size}, target "
+                                 f"hidden_size={have['hidden_size']}")
     bad = [i for i in cfg.feature_layers if not 0 <= int(i) < have["num_hidden_layers"]]
     if bad:
-        raise ValueError(f"{path}: target_layer_ids {list(cfg.feature_layers)} are out of range for this target "
-                         f"({have['num_hidden_layers']} layers: ids must be in [0, {have['num_hidden_layers']}))")
+        raise DrafterFolderError(f"{path}: target_layer_ids {list(cfg.feature_layers)} are out of range for this "
+                                 f"target ({have['num_hidden_layers']} layers: ids must be in "
+                                 f"[0, {have['num_hidden_layers']}))")
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < have["vocab_size"]:
-        raise ValueError(f"{path}: mask_token_id {cfg.mask_token_id} is outside the target's vocab "
-                         f"(vocab_size={have['vocab_size']})")
+        raise DrafterFolderError(f"{path}: mask_token_id {cfg.mask_token_id} is outside the target's vocab "
+                                 f"(vocab_size={have['vocab_size']})")
     if "model_type" in saved and saved["model_type"] != have["model_type"]:
         warnings.warn(f"{path}: the drafter was trained on a {saved['model_type']!r} target, this one is "
                       f"{have['model_type']!r}; continuing (sizes match)")
@@ -378,55 +480,150 @@ def check_against_target(cfg: DrafterConfig, target, path: str, sd: Optional[dic
     fc = sd.get("fc.weight")
     want = len(cfg.feature_layers) * have["hidden_size"]
     if fc is not None and tuple(fc.shape) != (cfg.hidden_size, want):
-        raise ValueError(f"{path}: fc width mismatch: fc.weight is {list(fc.shape)}, but {len(cfg.feature_layers)} "
-                         f"target_layer_ids x target hidden {have['hidden_size']} needs [{cfg.hidden_size}, {want}]")
+        raise DrafterFolderError(f"{path}: fc width mismatch: fc.weight is {list(fc.shape)}, but "
+                                 f"{len(cfg.feature_layers)} target_layer_ids x target hidden {have['hidden_size']} "
+                                 f"needs [{cfg.hidden_size}, {want}]")
     for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
                  "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
         t = sd.get(name)
         if t is not None and have["vocab_size"] not in t.shape:
-            raise ValueError(f"{path}: vocab mismatch: {name} is {list(t.shape)}, the target's vocab_size is "
-                             f"{have['vocab_size']}")
+            raise DrafterFolderError(f"{path}: vocab mismatch: {name} is {list(t.shape)}, the target's vocab_size "
+                                     f"is {have['vocab_size']}")
+
+
+@dataclasses.dataclass
+class DrafterFolder:
+    """A drafter folder as read (``read_drafter``): its config.json as written (``raw``) and as a DrafterConfig, its
+    tensors under our names (a learned mask vector as ``mask_embedding``), and which layout it is in."""
+    path: str
+    raw: dict
+    cfg: DrafterConfig
+    sd: dict
+    released: bool
+
+    def key(self, field: str) -> str:
+        """The config.json key that holds the DrafterConfig field ``field`` in this folder's layout."""
+        if not self.released:
+            return field
+        name = RELEASED_KEYS.get(field, field)
+        return ConfigFields(self.raw, self.path).key(name) if name in NESTED_KEYS else name
+
+    def states_kind(self, kind: str) -> str:
+        """How this folder's config.json states the drafter kind ``kind``."""
+        return f"architectures [\"{ARCH[kind]}\"]" if self.released else f"\"kind\": \"{kind}\""
+
+
+RELEASED_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads", "feature_layers": "target_layer_ids"}
+NESTED_KEYS = {"block_size", "target_layer_ids", "mask_token_id", "markov_rank", *V2_KEYS}  # read from dflash_config
+KIND_PARTS = {"dflash2": ("attention_conv", "mlp_conv", "candidate_selector"),
+              "dspark": ("markov_head", "confidence_head")}  # the tensors only that kind has
+
+
+def read_drafter(path: str, target_layers: Optional[int] = None, what: Optional[str] = None) -> DrafterFolder:
+    """Read a drafter folder (ours or released), verified against its manifest first (``check_folder``, its
+    errors naming the folder as ``what``, e.g. ``drafter.init_from``); a released folder's ``mask_embedding.pt``
+    becomes the ``mask_embedding`` tensor. Nothing is checked against the config yet: ``check_drafter`` does."""
+    if os.path.isdir(path):
+        check_folder(path, what or ("checkpoint" if os.path.isfile(os.path.join(path, MARKER)) else "drafter folder"))
+    cfg, released = read_config(path, target_layers)
+    raw, sd = read_json(path), read_weights(path)
+    if released:
+        mask = read_mask_file(path)
+        if mask is not None:  # a learned mask vector (ours, or e.g. MiMo's) replaces embed(mask_token_id)
+            mid, vec = mask
+            if mid is not None and cfg.mask_token_id is not None and int(mid) != cfg.mask_token_id:
+                raise DrafterFolderError(f"{path}: {MASK_FILE} is for mask_token_id {mid}, config.json says "
+                                         f"{cfg.mask_token_id}; give the {MASK_FILE} saved with this config.json")
+            cfg.learned_mask = True
+            sd["mask_embedding"] = vec
+        for k in list(sd):  # early SpecForge checkpoints nest the DSpark heads under logit_head.
+            if k.startswith("logit_head."):
+                sd[k[len("logit_head."):]] = sd.pop(k)
+    return DrafterFolder(path, raw, cfg, sd, released)
+
+
+def expected_tensors(cfg: DrafterConfig, ident: dict) -> dict:
+    """name -> tensor (on the meta device: no memory, no init) of every tensor a drafter of ``cfg`` holds, for a
+    target of ``ident`` (``target_identity``; needs hidden_size, vocab_size for DSpark / DFlash V2)."""
+    shape = SimpleNamespace(model_type=ident.get("model_type", "?"), config={}, device=torch.device("meta"),
+                            lm_head=None, hidden_size=cfg.hidden_size, vocab_size=ident.get("vocab_size") or 1 << 30,
+                            num_layers=ident.get("num_hidden_layers") or max(cfg.feature_layers) + 1)
+    with torch.device("meta"):
+        return DRAFTERS[cfg.kind](shape, cfg, seed=None).state_dict()
+
+
+def check_drafter(f: DrafterFolder, ident: Optional[dict] = None) -> None:
+    """The one check of a drafter folder that ``specopd export`` (before writing a byte), ``eval.checkpoint`` and
+    ``drafter.init_from`` (``load_drafter``) share: config.json's values in range (``config_problems`` of its
+    kind), its tensors exactly those of a drafter of that config (names; V2 or DSpark tensors under another kind's
+    config; shapes) and floating point (float32, bfloat16 or float16). A ``DrafterFolderError`` names the key or
+    tensor and the fix.
+
+    Args:
+        f: the folder (``read_drafter``).
+        ident: the target's ``target_identity`` (None: the one recorded in config.json).
+    """
+    cfg, where = f.cfg, os.path.join(f.path, "config.json")
+    ident = dict(cfg.target or {}) if ident is None else ident
+    bad = DRAFTERS[cfg.kind].config_problems(cfg, ident)
+    if bad:
+        raise DrafterFolderError(
+            f"{where}: " + "; ".join(f"\"{f.key(k)}\" = {json.dumps(v)} is out of range ({rule})" for k, v, rule in bad)
+            + ". Correct config.json (the values the drafter was trained with) or give another drafter folder")
+    if cfg.kind != "dflash" and not ident.get("vocab_size"):
+        raise DrafterFolderError(f"{where} does not record the target's vocab_size, which a {cfg.kind} drafter's "
+                                 f"tensors depend on: add \"vocab_size\" (the target's) to config.json")
+    try:
+        want = expected_tensors(cfg, ident)
+    except (ValueError, KeyError, TypeError) as e:  # e.g. an unsupported hidden_act or rope_scaling
+        raise DrafterFolderError(f"{where}: a {cfg.kind} drafter cannot be built from it ({type(e).__name__}: "
+                                 f"{e}); correct config.json or give another drafter folder") from None
+    sd = f.sd
     own = [k for k in sd if k.split(".")[0] in ("embed_tokens", "lm_head", "model") or "embed_tokens" in k]
     if own:
-        raise ValueError(f"{path}: the folder ships its own {own[0]!r}; DFlash drafters share the target's "
-                         f"embedding and lm_head (drafters with their own are not supported)")
+        raise DrafterFolderError(f"{f.path}: the folder ships its own {own[0]!r}; DFlash drafters share the "
+                                 f"target's embedding and lm_head (drafters with their own are not supported)")
+    missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    if missing or extra:
+        has = next((k for k, parts in KIND_PARTS.items() if any(p in n.split(".") for n in sd for p in parts)),
+                   "dflash")
+        if has != cfg.kind:
+            theirs = [n for n in sd if any(p in n.split(".") for p in KIND_PARTS.get(has, ()))][:2]
+            raise DrafterFolderError(
+                f"{f.path}: the weights are a {has} drafter's (" + (f"{', '.join(theirs)}, ..." if theirs else
+                                                                      f"without {', '.join(missing[:2])}, ...")
+                + f"), but config.json describes "
+                f"a {cfg.kind} drafter ({f.states_kind(cfg.kind)}): give the config.json saved with these weights "
+                f"(it states {f.states_kind(has)}" + (f" and has the V2 keys {', '.join(V2_REQUIRED)}"
+                                                      if has == "dflash2" and f.released else "") + ")")
+        diff = [f"{what} {names[:5]}{'...' if len(names) > 5 else ''}" for what, names in
+                (("missing", missing), ("unexpected", extra)) if names]
+        raise DrafterFolderError(f"{f.path}: the weights do not match a {cfg.kind} drafter of its config.json: "
+                                 f"{', '.join(diff)}; give the config.json saved with these weights, or another "
+                                 f"drafter folder")
+    for k, t in sd.items():
+        if tuple(t.shape) != tuple(want[k].shape):
+            raise DrafterFolderError(f"{f.path}: tensor {k!r} is {list(t.shape)}, but its config.json needs "
+                                     f"{list(want[k].shape)}; the config.json and the weights are of different "
+                                     f"drafters: give the config.json saved with these weights")
+        if t.dtype not in DTYPES.values():
+            raise DrafterFolderError(f"{f.path}: tensor {k!r} is stored as {str(t.dtype).replace('torch.', '')}, but "
+                                     f"drafter weights are floating point ({', '.join(DTYPES)}); it is damaged or not "
+                                     f"a drafter's weight: give another drafter folder (or export / train it again)")
 
 
 def load_drafter(path: str, target, dtype: Optional[torch.dtype] = None):
     """A drafter from ``path`` (ours or the released layout) on ``target``'s device, parameters in ``dtype``
     (default float32: the training precision; bf16 weights convert exactly). A checkpoint folder is verified first
-    against its manifest (``check_folder``): a damaged one raises ``DamagedFolderError``."""
-    if os.path.isdir(path):
-        check_folder(path, "checkpoint" if os.path.isfile(os.path.join(path, MARKER)) else "drafter folder")
-    cfg, released = read_config(path, target_layers=int(target.num_layers))
-    sd = read_weights(path)
-    mask = read_mask_file(path)
-    if released:
-        spec = read_json(path).get("specopd") or {}
-        if mask is not None:  # a learned mask vector (ours, or e.g. MiMo's) replaces embed(mask_token_id)
-            mid, vec = mask
-            if mid is not None and cfg.mask_token_id is not None and int(mid) != cfg.mask_token_id:
-                raise ValueError(f"{path}: {MASK_FILE} is for mask_token_id {mid}, config.json says {cfg.mask_token_id}")
-            cfg.learned_mask = True
-            sd["mask_embedding"] = vec
-        if "target" in spec:
-            cfg.target = dict(spec["target"])
-        for k in list(sd):  # early SpecForge checkpoints nest the DSpark heads under logit_head.
-            if k.startswith("logit_head."):
-                sd[k[len("logit_head."):]] = sd.pop(k)
-    check_against_target(cfg, target, path, sd)
-    if cfg.mask_token_id is None and not cfg.learned_mask:
-        raise ValueError(f"{path}: no dflash_config.mask_token_id and no {MASK_FILE}: the masked slots are undefined")
-    drafter = DRAFTERS[cfg.kind](target, cfg)
+    against its manifest (``check_folder``): a damaged one raises ``DamagedFolderError``; then against the target
+    (``check_against_target``) and as ``specopd export`` checks it (``check_drafter``)."""
+    f = read_drafter(path, target_layers=int(target.num_layers))
+    check_against_target(f.cfg, target, path, f.sd)
+    check_drafter(f, target_identity(target))
+    drafter = DRAFTERS[f.cfg.kind](target, f.cfg)
     ours = drafter.state_dict()
-    missing, extra = sorted(set(ours) - set(sd)), sorted(set(sd) - set(ours))
-    if missing or extra:
-        raise ValueError(f"{path}: weights do not match a {cfg.kind} drafter with this config: missing {missing[:5]}"
-                         f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}")
-    for k, t in sd.items():
-        if tuple(t.shape) != tuple(ours[k].shape):
-            raise ValueError(f"{path}: tensor {k} is {list(t.shape)}, the config needs {list(ours[k].shape)}")
-    drafter.load_state_dict({k: v.to(device=target.device, dtype=ours[k].dtype) for k, v in sd.items()}, strict=True)
+    drafter.load_state_dict({k: v.to(device=target.device, dtype=ours[k].dtype) for k, v in f.sd.items()}, strict=True)
     if dtype is not None:
         drafter.to(dtype)
     return drafter
@@ -521,6 +718,12 @@ def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Op
     if dtype is None:
         dtype = next(iter(sd.values())).dtype
     sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    odd = [k for k, v in sd.items() if v.dtype not in DTYPES.values()]
+    if dtype not in DTYPES.values() or odd:  # checked before the first byte is written
+        raise ValueError(f"the released layout holds {', '.join(DTYPES)} weights, not "
+                         f"{sd[odd[0]].dtype if odd else dtype}{f' ({odd[0]})' if odd else ''}: give "
+                         f"dtype=torch.float32 or another of them")
+    config = released_config(cfg, dtype)
     have = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     if have and not force:
         stale = [n for n in have if _drafter_file(n) and n != "config.json"]
@@ -536,7 +739,7 @@ def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Op
         torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask.to(dtype)}, os.path.join(out_dir, MASK_FILE))
         files.append(MASK_FILE)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(released_config(cfg, dtype), f, indent=2)
+        json.dump(config, f, indent=2)
     files = ["config.json"] + files
     for n in files:
         os.chmod(os.path.join(out_dir, n), 0o644)
@@ -562,7 +765,9 @@ def export_drafter(drafter, out_dir: str, dtype: Optional[torch.dtype] = None,
 def export_folder(src: str, out_dir: str, dtype: Optional[torch.dtype] = None,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> DrafterConfig:
     """Export a drafter folder (our checkpoint, or a released folder) without loading its target. The source is
-    verified first (``check_folder``: a damaged checkpoint raises ``DamagedFolderError``).
+    verified first (``check_folder``: a damaged checkpoint raises ``DamagedFolderError``), then checked as eval and
+    ``drafter.init_from`` check what they load (``check_drafter``: ``DrafterFolderError``); nothing is written
+    before both pass.
 
     Args:
         src: the drafter folder.
@@ -571,16 +776,10 @@ def export_folder(src: str, out_dir: str, dtype: Optional[torch.dtype] = None,
     Returns:
         the exported DrafterConfig.
     """
-    check_folder(src, "checkpoint" if os.path.isfile(os.path.join(src, MARKER)) else "drafter folder")
-    cfg, released = read_config(src)
-    sd = read_weights(src)
-    if released:
-        mask = read_mask_file(src)
-        if mask is not None:
-            cfg.learned_mask = True
-            sd["mask_embedding"] = mask[1]
-    write_released(out_dir, cfg, sd, dtype, max_shard_bytes, force=force)
-    return cfg
+    f = read_drafter(src)
+    check_drafter(f)
+    write_released(out_dir, f.cfg, f.sd, dtype, max_shard_bytes, force=force)
+    return f.cfg
 
 
 def serving_commands(out_dir: str, cfg: DrafterConfig, target_path: Optional[str] = None) -> list:
