@@ -29,7 +29,7 @@ from specopd.memory import format_plan, memory_plan, target_shape
 from specopd.profiling import render
 from specopd.train.checkpoint import MARKER, CheckpointError, find_latest, newest_good, read_state, verify
 from specopd.train.lock import busy
-from specopd.train.checkpointer import RecipeChangeError
+from specopd.train.checkpointer import RecipeChangeError, drafter_as_loaded
 from specopd.train.loop import train
 from specopd.train.metrics import check_loggers
 from specopd.train.step import NonFiniteError
@@ -173,6 +173,7 @@ def cmd_train(args) -> int:
     _check_json(args)
     if args.dry_run:
         check_loggers(cfg.trainer.loggers)  # as the run does first: a missing package names its extra
+        cfg = drafter_as_loaded(cfg)  # drafter.init_from: checked, and the plan shows the drafter that trains
         try:
             p = plan(cfg)
         except (FileNotFoundError, ValueError, KeyError) as e:

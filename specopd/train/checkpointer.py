@@ -3,6 +3,7 @@ nothing is lost, nothing is overwritten. The resume policy: specopd/train/DESIGN
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ from typing import Optional
 
 from specopd.config import (FROM_HERE, REFUSE, SAME_RUN, RecipeConfig, RecipeError, recipe_record, recorded_recipe,
                             resume_policies, to_dict, to_yaml)
+from specopd.drafters.layout import check_drafter, read_config, read_drafter
 from specopd.errors import BadInputError
 from specopd.profiling import Profiler
 from specopd.train import checkpoint as ck
@@ -98,6 +100,39 @@ def recipe_changes(old: dict, new: dict, old_fp: Optional[str] = None, new_fp: O
         else:
             here.append(line)
     return refused, same, here
+
+
+# ---------------------------------------------------------------------------------------------- drafter.init_from
+INIT_FROM_KEYS = ("kind", "block_size", "num_layers")  # drafter.* keys a drafter.init_from folder decides
+
+
+def drafter_as_loaded(cfg: RecipeConfig) -> RecipeConfig:
+    """The recipe of what trains: with drafter.init_from, the folder's drafter kind, block_size and num_layers
+    replace the recipe's (a warning names each), so recipe.yaml, every checkpoint's recipe and a resume's
+    comparison record the drafter that trains. The folder is verified and checked first, as ``specopd export``
+    checks it (``check_drafter``), before anything is written."""
+    d = cfg.drafter
+    if not d.init_from:
+        return cfg
+    f = read_drafter(d.init_from, what="drafter.init_from")
+    check_drafter(f)
+    changed = {k: getattr(f.cfg, k) for k in INIT_FROM_KEYS if getattr(f.cfg, k) != getattr(d, k)}
+    if not changed:
+        return cfg
+    print(f"warning: drafter.init_from={d.init_from} is a {f.cfg.kind} drafter with block_size={f.cfg.block_size}, "
+          f"num_layers={f.cfg.num_layers}; the run trains it as it is, and recipe.yaml and the checkpoints record "
+          f"it: " + ", ".join(f"drafter.{k}={v} (the recipe said {getattr(d, k)})" for k, v in changed.items()))
+    return dataclasses.replace(cfg, drafter=dataclasses.replace(d, **changed))
+
+
+def recorded_drafter(old: Optional[dict], path: str) -> Optional[dict]:
+    """A checkpoint's recorded recipe with its drafter.init_from keys as the checkpoint's drafter has them: a run
+    recorded before ``drafter_as_loaded`` kept the recipe's values although the folder's drafter trained."""
+    d = (old or {}).get("drafter") or {}
+    if not d.get("init_from"):
+        return old
+    trained, _ = read_config(path)
+    return {**old, "drafter": {**d, **{k: getattr(trained, k) for k in INIT_FROM_KEYS}}}
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -236,9 +271,13 @@ class Checkpointer:
     def check_resume(self, c: dict) -> None:
         """Refuse a resume that would be another run; list the other changes (RecipeChangeError / prints)."""
         st = c["state"]
-        old = recorded_recipe(st.get("recipe"))
+        old = recorded_drafter(recorded_recipe(st.get("recipe")), c["path"])
         refused, same, here = recipe_changes(old, to_dict(self.cfg), st.get("target_fingerprint"),
                                              target_fingerprint(self.cfg.model))
+        init, decided = self.cfg.drafter.init_from, {f"drafter.{k}" for k in INIT_FROM_KEYS}
+        refused = [r + (f" (the drafter of drafter.init_from={init}; a resume trains its checkpoint's drafter: give "
+                        f"the drafter.init_from the run started from, or none)"
+                        if init and r.split(" ")[0] in decided else "") for r in refused]
         if refused:
             raise RecipeChangeError(
                 f"cannot resume from {c['path']} (step {st['step']}): the recipe changed in a way that makes this "

@@ -15,11 +15,10 @@ import torch
 from kernels import paths
 from specopd.config import RecipeConfig, RecipeError, cpu_bf16_native
 from specopd.distributed.ray_backend import RayGroup
-from specopd.drafters.layout import check_folder
 from specopd.memory import check_memory
 from specopd.profiling import Profiler, append_spans, write_profile
 from specopd.train import checkpoint as ck
-from specopd.train.checkpointer import Checkpointer
+from specopd.train.checkpointer import Checkpointer, drafter_as_loaded
 from specopd.train.data import BatchOrder, warm_conversation_cache
 from specopd.train.determinism import apply_deterministic
 from specopd.train.group import LocalGroup
@@ -181,7 +180,6 @@ def train(cfg: RecipeConfig, progress: bool = True) -> dict:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} < runtime.num_workers={cfg.runtime.num_workers}: "
                          f"every worker needs at least one sample per step")
     check_device(cfg)
-    if cfg.drafter.init_from:
-        check_folder(cfg.drafter.init_from, "drafter.init_from")
+    cfg = drafter_as_loaded(cfg)  # drafter.init_from: checked, and its drafter is what the run records
     with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
         return Trainer(cfg, progress).train()
