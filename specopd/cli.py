@@ -22,7 +22,7 @@ from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostErro
 from specopd.drafters.layout import DTYPES, describe_export, export_folder
 from specopd.engines import EngineFailed, EngineUnavailable
 from specopd.errors import (BadInputError, DamagedFolderError, MissingInputError, UserError, dir_problem,
-                            output_file_problem)
+                            open_write, output_file_problem)
 from specopd.eval.cli import main_eval
 from specopd.eval.engine import eval_with_vllm, main_serve_check
 from specopd.memory import format_plan, memory_plan, target_shape
@@ -50,7 +50,7 @@ def _check_json(args) -> None:
 
 def _write_json(path: str, obj) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with open_write(path) as f:
         json.dump(obj, f, indent=1, default=str)
 
 

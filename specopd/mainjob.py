@@ -22,6 +22,7 @@ from specopd.data.smollm2 import cache_root
 from specopd.drafters import build_drafter, load_drafter
 from specopd.drafters.layout import describe_export, export_folder
 from specopd.engines import EngineFailed, auto_engine
+from specopd.errors import open_write, remove_path, replacing
 from specopd.eval.bench import by_category, format_categories, provenance_line, run_prompts
 from specopd.eval.cli import acceptance_cells, evaluate_al
 from specopd.eval.engine import judge_rows
@@ -95,12 +96,10 @@ def _references(cfg, target_dir: str) -> tuple:
 def _write_train_data(recs: list, path: str) -> None:
     """Reference records -> ``path`` (the trainer's prepared JSONL: input_ids + prompt_len), atomically."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with replacing(path) as f:
         for r in recs:
             f.write(json.dumps({"id": r["id"], "input_ids": r["input_ids"],
                                 "prompt_len": int(r.get("response_start", r["prompt_len"]))}) + "\n")
-    os.replace(tmp, path)
 
 
 def stage_cfg(cfg, prep: dict, **kw):
@@ -322,7 +321,7 @@ def _run(cfg, progress: bool) -> dict:
            "num_references": prep["num_references"], "reference_tokens": prep["reference_tokens"],
            "warm_checkpoint": warm, "final_checkpoint": final, "export": export, "eval_prompts": cfg.eval.prompts,
            "eval_temperatures": temps, "al_includes_bonus": True}
-    with open(os.path.join(out, "mainjob_summary.json"), "w") as f:
+    with open_write(os.path.join(out, "mainjob_summary.json")) as f:
         json.dump(res, f, indent=1, default=str)
     return res
 
@@ -337,7 +336,7 @@ def _export_final(final, out: str, target_dir: str):
         return None
     dst = os.path.join(out, "export")
     tmp = f"{dst}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_path(tmp)
     dcfg = export_folder(final, tmp)
     if os.path.isdir(dst):
         names = sorted(os.listdir(tmp))

@@ -16,6 +16,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from specopd.errors import open_write, own_dir, replacing, write_replace
+
 # The phases a training step is made of, in step order: the span names, the metric keys (train/phase_s/<phase>)
 # and the memory plan's phases (specopd/memory.py). Other span names are drawn too, in grey shades.
 PHASES = ("prefill", "propose", "score", "loss_backward", "allreduce", "optimizer", "checkpoint")
@@ -208,9 +210,7 @@ def start_gpu_sampler(cfg, worker: str):
 # -- saving and rendering -------------------------------------------------------------------------------
 
 def _profile_dir(run_dir) -> Path:
-    d = Path(run_dir) / "profile"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return Path(own_dir(str(Path(run_dir) / "profile")))
 
 
 def _as_span(e) -> dict:
@@ -237,14 +237,14 @@ def append_spans(run_dir, spans: Iterable, gpu_samples: Iterable = ()) -> None:
     """Append raw spans / samples to profile/spans.jsonl and profile/gpu.jsonl (GPU) or profile/cpu.jsonl
     (``CpuSampler``'s); cheap, call per step."""
     d = _profile_dir(run_dir)
-    with open(d / "spans.jsonl", "a") as f:
+    with open_write(str(d / "spans.jsonl"), "a") as f:
         for e in spans:
             f.write(json.dumps(_as_span(e)) + "\n")
     samples = [_as_sample(e) for e in gpu_samples]
     for name, rows in (("gpu.jsonl", [e for e in samples if "cpu_cores" not in e]),
                        ("cpu.jsonl", [e for e in samples if "cpu_cores" in e])):
         if rows:
-            with open(d / name, "a") as f:
+            with open_write(str(d / name), "a") as f:
                 for e in rows:
                     f.write(json.dumps(e) + "\n")
 
@@ -269,7 +269,7 @@ def write_profile(run_dir, spans: Iterable = (), gpu_samples: Iterable = (), gpu
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     if gpu_note is not None or "gpu_note" not in meta:
         meta["gpu_note"] = gpu_note if gpu_note is not None else gpu_unavailable_reason()
-    meta_path.write_text(json.dumps(meta, indent=1))
+    write_replace(str(meta_path), json.dumps(meta, indent=1))
     return render(run_dir, plot=plot)
 
 
@@ -593,8 +593,11 @@ def plot_timeline(spans: list, samples: list, summary: dict, path: Path, cpu: li
     _plot_shares(ax_share, spans, summary, extra)
     _plot_use(ax_use, samples, cpu, summary, t0, table)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with replacing(str(path), "wb") as f:
+            fig.savefig(f, dpi=110, format="png")
+    finally:
+        plt.close(fig)
 
 
 def render(run_dir, plot: bool = True) -> dict:
@@ -606,8 +609,8 @@ def render(run_dir, plot: bool = True) -> dict:
     spans, samples, meta = load_profile(run_dir)
     cpu = meta.pop("cpu_samples", [])
     summary = summarize(spans, samples, {**meta, "cpu_samples": cpu})
-    (d / "summary.json").write_text(json.dumps(summary, indent=1))
-    (d / "trace.json").write_text(json.dumps(chrome_trace(spans, samples, cpu)))
+    write_replace(str(d / "summary.json"), json.dumps(summary, indent=1))
+    write_replace(str(d / "trace.json"), json.dumps(chrome_trace(spans, samples, cpu)))
     if plot:
         plot_timeline(spans, samples, summary, d / "timeline.png", cpu)
     return summary

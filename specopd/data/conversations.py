@@ -12,6 +12,7 @@ import torch
 
 from specopd.data.prepare import encode_prompt, load_tokenizer
 from specopd.data.references import chitchat_data, split_of
+from specopd.errors import replacing
 
 HELDOUT_MAX_PROMPT_TOKENS = 96  # short chat prompts keep CPU evaluation (and reference generation) quick
 
@@ -158,11 +159,9 @@ def encode_conversation(tok, messages: list, seq_len: int) -> tuple:
 def _write_jsonl(path: str, recs: list) -> None:
     """Records -> ``path``, one JSON object per line, written atomically (a temporary file, then a rename)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with replacing(path) as f:
         for r in recs:
             f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
 
 
 def write_conversation_data(tok, path: str, num: int, seq_len: int, seed: int = 0,

@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from specopd.data.references import split_of
 from specopd.drafters.layout import sha256_file
-from specopd.errors import (TOO_DEEP, UTF8_BOM, BadInputError, MissingInputError, MissingPackageError,
-                            lone_surrogate)
+from specopd.errors import (TOO_DEEP, UTF8_BOM, BadInputError, LinkedPathError, MissingInputError,
+                            MissingPackageError, lone_surrogate, own_dir, replacing)
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant",  # SpecForge / OpenAI
          "human": "user", "gpt": "assistant"}                           # ShareGPT
@@ -559,13 +559,12 @@ def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict)
     st["cache"] = {"path": None, "hit": False}  # unless a place below takes it
     for p in places:  # beside the data; the run folder when that is not writable
         try:
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            tmp = f"{p}.tmp-{os.getpid()}"
-            torch.save(data, tmp)
-            os.replace(tmp, p)
+            own_dir(os.path.dirname(p))
+            with replacing(p, "wb") as f:
+                torch.save(data, f)
             st["cache"] = {"path": p, "hit": False}
             break
-        except OSError:
+        except (OSError, LinkedPathError):  # a link there is not followed: the next place
             continue
     return data
 

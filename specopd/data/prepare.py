@@ -26,7 +26,7 @@ from specopd.data.references import (DATA_FILE, META_FILE, append_record, chitch
 from specopd.data.smollm2 import MODEL_NAME, cache_root, default_model_dir, is_prepared, prepare_smollm2
 from specopd.engines import EngineFailed, check_engine, run_vllm
 from specopd.engines.openai_api import RequestFailed, check_ids, generate_openai
-from specopd.errors import MissingInputError
+from specopd.errors import MissingInputError, open_write, own_dir, refuse_link
 from specopd.models import load_target
 from specopd.models.loading import read_config
 from specopd.train.lock import run_lock
@@ -220,9 +220,19 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
     if max_total_tokens is not None and engine == "openai":
         raise ValueError("max_total_tokens: the builtin and vllm engines only")
     with run_lock(out_dir, "prepare data --out"):  # one writer per data folder, for the whole run
+        check_no_links(out_dir)
         return _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed,
                              heldout_fraction, device, dtype, progress, batch_size, prompts, prompts_label, engine,
                              servers, concurrency, timeout_s, retry_time_s, max_total_tokens)
+
+
+def check_no_links(out_dir: str) -> None:
+    """Refuse (``LinkedPathError``) a data folder where a file this command writes is a symbolic link, before
+    anything is written: the engines write some of them and import nothing of ours."""
+    d, req_path, out_path = _engine_paths(out_dir)
+    for p in [os.path.join(out_dir, n) for n in (META_FILE, DATA_FILE, SKIPPED_FILE, ERRORS_FILE)] + [
+            d, req_path, out_path, os.path.join(d, "vllm.log")]:
+        refuse_link(p)
 
 
 def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed, heldout_fraction,
@@ -253,7 +263,7 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
             raise ValueError(f"{out_dir} was prepared with other settings {diff} (old, new); resume with the same "
                              f"settings or choose a new --out")
     else:
-        with open(meta_path, "w") as f:
+        with open_write(meta_path) as f:
             json.dump(meta, f, indent=1)
     repair_tail(data_path)
     _ingest_engine_outputs(out_dir, tok, seed, heldout_fraction, vocab_size)  # what an interrupted engine run left
@@ -262,7 +272,7 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
     counts = dict(written=0, skipped_done=len(prompts) - len(pending), skipped_too_long=0, failed=0)
     limit = config.get("max_position_embeddings")
     todo, budget = [], {}  # budget: each prompt's most new tokens
-    with open(os.path.join(out_dir, SKIPPED_FILE), "w") as sk:
+    with open_write(os.path.join(out_dir, SKIPPED_FILE)) as sk:
         for pid, msgs in pending:
             ids = encode_prompt(tok, msgs)
             n = max_new_tokens if max_total_tokens is None else min(max_new_tokens, max_total_tokens - len(ids))
@@ -320,7 +330,7 @@ def _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, te
     stops = stop_token_ids(tok, target)
     bar = tqdm(total=len(todo) * max_new_tokens, desc="references (token budget)", unit="tok", disable=not progress)
     n_tok, t0 = 0, time.perf_counter()
-    with open(os.path.join(out_dir, DATA_FILE), "a") as f:
+    with open_write(os.path.join(out_dir, DATA_FILE), "a") as f:
         for b in range(0, len(todo), batch_size):
             batch = todo[b: b + batch_size]
             gens = [torch.Generator().manual_seed(_seed_of(seed, pid)) for pid, _ in batch]
@@ -354,7 +364,7 @@ def _ingest_engine_outputs(out_dir: str, tok, seed: int, heldout_fraction: float
     have = {r["id"] for r in read_records(os.path.join(out_dir, DATA_FILE))}
     bad = {} if bad is None else bad
     n = 0
-    with open(out_path) as src, open(os.path.join(out_dir, DATA_FILE), "a") as f:
+    with open(out_path) as src, open_write(os.path.join(out_dir, DATA_FILE), "a") as f:
         for line in src:
             try:
                 o = json.loads(line)
@@ -385,12 +395,12 @@ def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, tempe
     run, if it was killed). A prompt it gave no good output for is a failed one (errors.jsonl), also when vLLM
     exited with an error (whose log tail is printed)."""
     err_path = os.path.join(out_dir, ERRORS_FILE)
-    open(err_path, "w").close()  # this run's failures (a rerun retries them)
+    open_write(err_path).close()  # this run's failures (a rerun retries them)
     if not todo:
         return
     d, req_path, out_path = _engine_paths(out_dir)
-    os.makedirs(d, exist_ok=True)
-    with open(req_path, "w") as f:
+    own_dir(d)
+    with open_write(req_path) as f:
         for pid, ids in todo:
             f.write(json.dumps({"id": pid, "prompt_ids": ids, "max_tokens": budget[pid],
                                 "temperature": temperature, "top_p": top_p, "seed": _seed_of(seed, pid) % 2**31})
@@ -411,7 +421,7 @@ def _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, tempe
         counts["written"] += _ingest_engine_outputs(out_dir, tok, seed, heldout_fraction, vocab_size, bad)
     have = {r["id"] for r in read_records(os.path.join(out_dir, DATA_FILE))}
     why = (failure or "").splitlines()[0] if failure else "vLLM ended without an output for it"
-    with open(err_path, "a") as ef:
+    with open_write(err_path, "a") as ef:
         for pid, _ in todo:
             if pid not in have:
                 ef.write(json.dumps({"id": pid, "engine": "vllm", "error": bad.get(pid, why)}) + "\n")

@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from specopd.errors import TOO_DEEP, BadInputError, MissingPackageError, lone_surrogate, read_text_lines
+from specopd.errors import (TOO_DEEP, BadInputError, MissingPackageError, lone_surrogate, open_fd,
+                            read_text_lines)
 
 DATA_FILE = "data.jsonl"
 META_FILE = "meta.json"
@@ -200,7 +201,7 @@ def repair_tail(path: str) -> None:
     """Cut a torn last line so that appending continues on a line boundary."""
     if not os.path.isfile(path):
         return
-    with open(path, "rb+") as f:
+    with os.fdopen(open_fd(path, os.O_RDWR), "rb+") as f:  # never through a link (it would cut another file)
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import paths
-from specopd.errors import UserError
+from specopd.errors import UserError, own_dir, write_replace
 from specopd.profiling import append_spans, start_gpu_sampler
 from specopd.train import checkpoint as ck
 from specopd.train.determinism import apply_deterministic
@@ -354,8 +354,8 @@ class RayGroup(WorkerCalls):
         notes = [o[2] for o in out if o[2]]
         meta = Path(self.output_dir) / "profile" / "meta.json"
         if notes and not meta.exists():
-            meta.parent.mkdir(parents=True, exist_ok=True)
-            meta.write_text(json.dumps({"gpu_note": f"Ray workers: {notes[0]}"}))
+            own_dir(str(meta.parent))
+            write_replace(str(meta), json.dumps({"gpu_note": f"Ray workers: {notes[0]}"}))
         return [list(o[0]) for o in out]
 
     def shutdown(self) -> None:

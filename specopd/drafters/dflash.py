@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from specopd.drafters.attention import BranchLayout, branch_attention, cached_branch_attention
+from specopd.errors import open_write, replacing_path
 from specopd.models.common import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters
 from specopd.models.tensor_parallel import vocab_group
 from specopd.sampling import pick_tokens, sample_from_hidden
@@ -647,10 +648,11 @@ class DFlashDrafter(nn.Module):
     def save(self, path: str) -> None:
         """Our checkpoint: ``config.json`` + ``model.safetensors`` (trainable weights, released names)."""
         os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
+        with open_write(os.path.join(path, "config.json")) as f:
             json.dump(self.config_dict(), f, indent=2)
         sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        safetensors.torch.save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt", "kind": self.kind})
+        with replacing_path(os.path.join(path, "model.safetensors")) as tmp:
+            safetensors.torch.save_file(sd, tmp, metadata={"format": "pt", "kind": self.kind})
 
 
 class DraftContext:

@@ -20,7 +20,8 @@ from safetensors import SafetensorError
 from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
 from specopd.drafters.dflash2 import V2_KEYS
-from specopd.errors import BadInputError, DamagedFolderError, FolderNotEmptyError, make_dir, read_text
+from specopd.errors import (BadInputError, DamagedFolderError, FolderNotEmptyError, make_dir, open_write, read_text,
+                            replacing_path)
 
 ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
 KINDS = tuple(ARCH)
@@ -142,9 +143,11 @@ def stabilize_safetensors(path: str) -> None:
 
 
 def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
-    """``safetensors.torch.save_file`` with a fixed header order (``stabilize_safetensors``): byte-reproducible."""
-    safetensors.torch.save_file(tensors, path, metadata=metadata)
-    stabilize_safetensors(path)
+    """``safetensors.torch.save_file`` with a fixed header order (``stabilize_safetensors``): byte-reproducible;
+    written to a fresh tmp file and renamed (``replacing_path``: never through a link at ``path``)."""
+    with replacing_path(path) as tmp:
+        safetensors.torch.save_file(tensors, tmp, metadata=metadata)
+        stabilize_safetensors(tmp)
 
 
 def load_safetensors(fp: str) -> dict:
@@ -686,7 +689,7 @@ def _write_weights(out_dir: str, sd: dict, max_shard_bytes: int) -> list:
         save_safetensors(shard, os.path.join(out_dir, name), metadata=meta)
         names.append(name)
         wmap.update({k: name for k in shard})
-    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+    with open_write(os.path.join(out_dir, INDEX_FILE)) as f:
         json.dump({"metadata": {"total_size": int(total)}, "weight_map": wmap}, f, indent=2)
     return names + [INDEX_FILE]
 
@@ -731,14 +734,16 @@ def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Op
         raise FolderNotEmptyError(f"{out_dir!r} already holds {what}; export into an empty folder, or pass --force "
                                   f"(force=True) to replace its drafter files")
     make_dir(out_dir, "the export folder")
-    for n in have:
-        if _drafter_file(n) and os.path.isfile(os.path.join(out_dir, n)):
-            os.remove(os.path.join(out_dir, n))
+    for n in have:  # a link of such a name too: the link goes (never what it points at)
+        p = os.path.join(out_dir, n)
+        if _drafter_file(n) and (os.path.isfile(p) or os.path.islink(p)):
+            os.remove(p)
     files = _write_weights(out_dir, sd, int(max_shard_bytes))
     if mask is not None:
-        torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask.to(dtype)}, os.path.join(out_dir, MASK_FILE))
+        with open_write(os.path.join(out_dir, MASK_FILE), "wb") as f:
+            torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask.to(dtype)}, f)
         files.append(MASK_FILE)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    with open_write(os.path.join(out_dir, "config.json")) as f:
         json.dump(config, f, indent=2)
     files = ["config.json"] + files
     for n in files:

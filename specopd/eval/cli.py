@@ -20,7 +20,7 @@ from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.prepare import MODELS, check_tokenizer, encode_prompt, load_tokenizer
 from specopd.data.references import read_prompts
 from specopd.drafters import build_drafter, load_drafter
-from specopd.errors import DamagedFolderError
+from specopd.errors import DamagedFolderError, open_write
 from specopd.eval.bench import (BENCHES, by_category, format_categories, mtbench_prompts, mtbench_second_turns,
                                  provenance, provenance_line)
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
@@ -351,7 +351,7 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     out = dict(runs[0], by_temperature={f"{r['temperature']:g}": r for r in runs}, provenance=provenance())
     if getattr(ns, "json", None):
         os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as f:
+        with open_write(ns.json) as f:
             json.dump(out, f, indent=1)
         print(f"wrote {ns.json}")
     return out

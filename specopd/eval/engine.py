@@ -18,6 +18,7 @@ from specopd.data.prepare import load_tokenizer, stop_token_ids
 from specopd.drafters import export_drafter, load_drafter
 from specopd.drafters.layout import export_folder, is_released, read_json, read_weights
 from specopd.engines import EngineUnavailable, run_vllm, vllm_missing_reason
+from specopd.errors import open_write, own_dir, refuse_link
 from specopd.eval.bench import by_category, format_categories, provenance, provenance_line, run_prompts, stratified
 from specopd.eval.cli import acceptance_cells, evaluate_al, file_prompt_ids, parse_temperatures
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
@@ -114,7 +115,9 @@ def run_judge_drafters(target_dir: str, drafter_dirs: Sequence[Optional[str]], p
                 ks.append(int(json.load(f)["block_size"]) - 1)
         else:
             ks.append(int(k))
-    with open(req, "w") as f:
+    refuse_link(out)  # the runner (vLLM's venv, stdlib only) writes it, and the log is appended to
+    refuse_link(log)
+    with open_write(req) as f:
         for i, p in enumerate(prompts):
             f.write(json.dumps({"id": str(i), "prompt_ids": [int(t) for t in p], "max_tokens": int(max_new_tokens),
                                 "temperature": 0.0, "seed": int(seed) * 1_000_003 + i,
@@ -763,7 +766,7 @@ def main_serve_check(args) -> int:
                 vllm_default=args.vllm_default)
     print(format_judge(rep, f"specopd serve-check {args.export}"))
     if args.json:
-        with open(args.json, "w") as f:
+        with open_write(args.json) as f:
             json.dump(rep, f, indent=1, default=str)
     if rep["problems"]:
         print("serve-check FAILED:\n  " + "\n  ".join(rep["problems"]))
@@ -795,8 +798,7 @@ def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: 
     why = vllm_missing_reason()
     if why:
         raise EngineUnavailable(f"specopd eval --engine vllm: {why}; or drop --engine vllm (our decoder only)")
-    work = os.path.join(cfg.trainer.output_dir, "vllm-judge", "eval")
-    os.makedirs(work, exist_ok=True)
+    work = own_dir(os.path.join(own_dir(os.path.join(cfg.trainer.output_dir, "vllm-judge")), "eval"))
     path = source
     if not os.path.isdir(str(source)):  # "untrained": a drafter only in memory
         path = export_drafter(drafter, os.path.join(work, "untrained-export"))
@@ -807,7 +809,7 @@ def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: 
     json_path = getattr(ns, "json", None)
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
+        with open_write(json_path) as f:
             json.dump(rep, f, indent=1, default=str)
         print(f"wrote {json_path}")
     return rep

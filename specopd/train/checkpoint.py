@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from specopd.drafters.layout import MANIFEST, MARKER, load_safetensors, save_safetensors, sha256_file, verify_folder
-from specopd.errors import UserError
+from specopd.errors import UserError, open_write, own_dir, remove_path, replacing
 from specopd.train.lock import pid_alive
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -70,18 +70,10 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
+    with open_write(path) as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-def atomic_write(path: str, text: str) -> None:
-    """``path`` = ``text``, written to a tmp file and renamed (a reader never sees half a file)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _manifest(folder: str) -> dict:
@@ -116,9 +108,9 @@ def save_checkpoint(output_dir: str, step: int, worker_state: dict, state: dict,
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
     try:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        own_dir(root)
+        remove_path(tmp)  # a killed save's leftover (or a planted link: dropped, never followed)
+        os.mkdir(tmp)
         _write_files(tmp, step, worker_state, state)
         _fsync_dir(tmp)
         if os.path.isdir(final):  # re-saving the same step: move the old one aside first, then drop it
@@ -130,11 +122,8 @@ def save_checkpoint(output_dir: str, step: int, worker_state: dict, state: dict,
             os.rename(tmp, final)
         _fsync_dir(root)
         latest_tmp = os.path.join(root, f".latest-{os.getpid()}")
-        with open(latest_tmp, "w") as f:
+        with replacing(os.path.join(root, "latest"), fsync=True, tmp=latest_tmp) as f:
             f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(root, "latest"))
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -157,7 +146,7 @@ def _write_files(tmp: str, step: int, worker_state: dict, state: dict) -> None:
                      metadata={"format": "pt", "kind": str(worker_state.get("drafter_kind", ""))})
     _fsync_file(os.path.join(tmp, "model.safetensors"))
     _write_json(os.path.join(tmp, "config.json"), worker_state["drafter_config"])
-    with open(os.path.join(tmp, "trainer_state.pt"), "wb") as f:
+    with open_write(os.path.join(tmp, "trainer_state.pt"), "wb") as f:
         torch.save({"optimizer": worker_state.get("optimizer"), "scheduler": worker_state.get("scheduler"),
                     "worker_rng": worker_state.get("rng"), "controller_rng": controller_rng()}, f)
         f.flush()

@@ -13,7 +13,7 @@ from typing import Optional
 from specopd.config import (FROM_HERE, REFUSE, SAME_RUN, RecipeConfig, RecipeError, recipe_record, recorded_recipe,
                             resume_policies, to_dict, to_yaml)
 from specopd.drafters.layout import check_drafter, read_config, read_drafter
-from specopd.errors import BadInputError
+from specopd.errors import BadInputError, open_write, own_dir, refuse_link, write_replace
 from specopd.profiling import Profiler
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder
@@ -140,30 +140,29 @@ def write_recipe(out: str, cfg: RecipeConfig) -> Optional[str]:
     """``<out>/recipe.yaml`` = this run's recipe (tmp + rename). A different recipe already there is kept as
     ``<out>/recipe.history/recipe-<its time>.yaml``; returns that path (None if nothing was kept)."""
     text = to_yaml(cfg)
-    path = os.path.join(out, "recipe.yaml")
+    path = refuse_link(os.path.join(out, "recipe.yaml"))  # its text would be copied into recipe.history
     kept = None
     if os.path.isfile(path):
         with open(path) as f:
             old = f.read()
         if old == text:
             return None
-        hist = os.path.join(out, "recipe.history")
-        os.makedirs(hist, exist_ok=True)
+        hist = own_dir(os.path.join(out, "recipe.history"))
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
         kept = os.path.join(hist, f"recipe-{stamp}.yaml")
         k = 1
         while os.path.exists(kept):
             k += 1
             kept = os.path.join(hist, f"recipe-{stamp}-{k}.yaml")
-        ck.atomic_write(kept, old)
-    ck.atomic_write(path, text)
+        write_replace(kept, old)
+    write_replace(path, text)
     return kept
 
 
 def trim_metrics(path: str, step: int) -> None:
     """On resume: keep metric lines of steps <= step; move later ones (from the interrupted run) aside. A
     line cut short by a kill is dropped (its step is recomputed)."""
-    if not os.path.isfile(path):
+    if not os.path.isfile(refuse_link(path)):  # its lines would be copied into the run folder
         return
     keep, later = [], []
     with open(path) as f:
@@ -178,9 +177,9 @@ def trim_metrics(path: str, step: int) -> None:
                 line += "\n"
             (keep if rec.get("step", 0) <= step else later).append(line)
     if later:
-        with open(path + ".orphaned", "a") as f:
+        with open_write(path + ".orphaned", "a") as f:
             f.writelines(later)
-    ck.atomic_write(path, "".join(keep))
+    write_replace(path, "".join(keep))
 
 
 def move_run_aside(out: str) -> None:

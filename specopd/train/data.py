@@ -17,7 +17,7 @@ from specopd.data.formats import build_cache, conversation_samples, stats_note
 from specopd.data.packaged import conversations_file
 from specopd.data.prepare import load_tokenizer
 from specopd.data.references import token_ids_problem
-from specopd.errors import TOO_DEEP, BadInputError, read_text_lines
+from specopd.errors import TOO_DEEP, BadInputError, own_dir, read_text_lines, replacing
 from specopd.models.loading import read_config
 from specopd.train.tiny import TINY_VERSION
 
@@ -226,10 +226,9 @@ def load_dataset(cfg, target, progress: bool = True, stats: Optional[dict] = Non
     d = cfg.data
     samples = sample_references(target, d.num_samples, d.prompt_len, d.seq_len, d.sample_temperature, d.seed,
                                 progress=progress)
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{fp}.tmp-{os.getpid()}"
-    torch.save(samples, tmp)
-    os.replace(tmp, fp)
+    own_dir(cache_dir)
+    with replacing(fp, "wb") as f:
+        torch.save(samples, f)
     return samples
 
 

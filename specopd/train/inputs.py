@@ -13,6 +13,7 @@ from typing import Optional
 
 from specopd.data.packaged import conversations_file
 from specopd.drafters.layout import sha256_file
+from specopd.errors import replacing
 
 CACHE_FILE = ".fingerprints.json"
 _WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
@@ -50,11 +51,9 @@ class _Cache:
     def save(self) -> None:
         if not (self.dirty and self.path and os.path.isdir(os.path.dirname(self.path))):
             return
-        tmp = f"{self.path}.tmp-{os.getpid()}"
         try:
-            with open(tmp, "w") as f:
+            with replacing(self.path) as f:
                 json.dump(self.data, f)
-            os.replace(tmp, self.path)
         except OSError:  # a cache: failing to keep it costs a re-hash, nothing else
             pass
 

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Optional
 
-from specopd.errors import UserError, make_dir
+from specopd.errors import UserError, make_dir, open_fd
 
 LOCK_FILE = ".specopd.lock"
 _HELD: dict = {}  # realpath of the folder -> [fd, depth, pid] of this process's locks (a forked child holds none)
@@ -51,10 +51,10 @@ def read_holder(folder: str) -> Optional[dict]:
 def busy(folder: str) -> Optional[str]:
     """Who holds ``folder``'s lock right now ("pid N on host H (...)"), or None; writes nothing (``--dry-run``)."""
     path = os.path.join(folder, LOCK_FILE)
-    if not os.path.isfile(path) or os.path.realpath(folder) in _HELD:
+    if not os.path.lexists(path) or os.path.realpath(folder) in _HELD:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_fd(path, os.O_RDONLY)  # a link: LinkedPathError, as the run would say
     except OSError:
         return None
     try:
@@ -75,7 +75,8 @@ def _describe(h: Optional[dict]) -> str:
 
 
 def _open(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    """The lock file, never through a link (a planted one would have us truncate the file it points at)."""
+    return open_fd(path, os.O_RDWR | os.O_CREAT, 0o644)
 
 
 def _same_file(fd: int, path: str) -> bool:

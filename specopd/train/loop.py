@@ -15,6 +15,7 @@ import torch
 from kernels import paths
 from specopd.config import RecipeConfig, RecipeError, cpu_bf16_native
 from specopd.distributed.ray_backend import RayGroup
+from specopd.errors import write_replace
 from specopd.memory import check_memory
 from specopd.profiling import Profiler, append_spans, write_profile
 from specopd.train import checkpoint as ck
@@ -156,7 +157,7 @@ class Trainer:
                 write_profile(self.out, self.spans(), gpu_note=getattr(self.group, "gpu_note", None))
             except Exception as e:  # noqa: BLE001  (plots are a convenience; the raw spans are saved)
                 print(f"profile rendering failed ({e}); raw spans are in {self.out}/profile/spans.jsonl")
-        ck.atomic_write(os.path.join(self.out, "train_summary.json"), json.dumps(summary, indent=1))
+        write_replace(os.path.join(self.out, "train_summary.json"), json.dumps(summary, indent=1))
         return summary
 
     def spans(self) -> list:

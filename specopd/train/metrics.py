@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 from tqdm import tqdm
 
 from specopd.config import RecipeError, to_dict
-from specopd.errors import BadInputError
+from specopd.errors import BadInputError, open_write, own_dir
 from specopd.profiling import read_jsonl
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -95,7 +95,9 @@ def check_sink_folders(cfg, resuming: bool) -> None:
     run starts (not a traceback from the logger's own writer)."""
     for n, d in sink_folders(cfg, resuming).items():
         why = None
-        if os.path.exists(d) and not os.path.isdir(d):
+        if os.path.islink(d):
+            why = "is a symbolic link (its files would be written wherever it points)"
+        elif os.path.exists(d) and not os.path.isdir(d):
             why = "is a file, not a folder"
         elif os.path.isdir(d) and not os.access(d, os.W_OK | os.X_OK):
             why = "is not writable"
@@ -104,7 +106,7 @@ def check_sink_folders(cfg, resuming: bool) -> None:
             why = "cannot be made (its folder is not writable)"
         if why:
             raise BadInputError(f"trainer.loggers lists {n}, which writes {d}, but that {why}: make it a writable "
-                                f"folder (move a file there aside), or remove {n} from trainer.loggers")
+                                f"folder (move a file or link there aside), or remove {n} from trainer.loggers")
 
 
 class JsonlSink:
@@ -116,7 +118,7 @@ class JsonlSink:
         self.path = path
 
     def log(self, step: int, record: dict) -> None:
-        with open(self.path, "a") as f:
+        with open_write(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
@@ -154,14 +156,13 @@ class WandbSink:
         import wandb  # optional extra (.[wandb])
 
         self._wandb = wandb
-        base = os.path.join(run_dir, "wandb")
-        os.makedirs(base, exist_ok=True)
+        base = own_dir(os.path.join(run_dir, "wandb"))
         id_file = os.path.join(base, "specopd_run_id")
         run_id = open(id_file).read().strip() if os.path.isfile(id_file) else secrets.token_hex(4)
         self.run = wandb.init(project=project, name=name, dir=run_dir, mode=mode, id=run_id, resume="allow",
                               config=config, reinit="create_new",
                               settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
-        with open(id_file, "w") as f:
+        with open_write(id_file) as f:
             f.write(run_id)
 
     def log(self, step: int, record: dict) -> None:
@@ -208,7 +209,7 @@ class MlflowSink:
             ps = [Param(k, str(v)[:500]) for k, v in sorted(params.items())]
             for i in range(0, len(ps), 100):
                 self.client.log_batch(self.run_id, params=ps[i: i + 100])
-            with open(id_file, "w") as f:
+            with open_write(id_file) as f:
                 f.write(self.run_id)
 
     def log(self, step: int, record: dict) -> None:

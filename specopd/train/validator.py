@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from specopd.config import RecipeConfig, RecipeError
+from specopd.errors import replacing
 from specopd.train.metrics import read_metrics
 from specopd.train.step import reduce_metrics, shard
 
@@ -78,10 +79,11 @@ def plot_heldout_al(run_dir, start: Optional[float] = None) -> Path:
     ax.legend(fontsize=8, frameon=False, loc="lower right")
     fig.tight_layout()
     path = run_dir / "heldout_al.png"
-    tmp = run_dir / f".heldout_al.png.tmp-{os.getpid()}"
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with replacing(str(path), "wb", tmp=str(run_dir / f".heldout_al.png.tmp-{os.getpid()}")) as f:
+            fig.savefig(f, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
