@@ -147,7 +147,7 @@ class Evaluator:
         self.cache = json.load(open(self.cache_path)) if os.path.isfile(self.cache_path) else {}
         cont_path = os.path.join(out, f"greedy_continuations_{tag}{args.prompts}x{args.max_new_tokens + 32}.pt")
         if os.path.isfile(cont_path):
-            self.conts = torch.load(cont_path)
+            self.conts = torch.load(cont_path, weights_only=True)
         else:  # + 32 covers every block size up to 32 drafted tokens
             self.conts = greedy_continuations(self.target, self.prompts, args.max_new_tokens + 32, progress=True)
             torch.save(self.conts, cont_path)

@@ -300,7 +300,7 @@ def measure_loss(case: str, rows: int, args, work: str) -> list:
         spec = {"vocab": vocab, "d": d, "rows": rows, "dtype": args.loss_dtype, "mode": mode,
                 "threads": args.threads, "repeats": args.repeats}
         mp.start_processes(loss_rank, args=(n, out + ".init", spec, out), nprocs=n, start_method="spawn")
-        ranks = [torch.load(f"{out}.{r}") for r in range(n)]
+        ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(n)]
         times = [max(r["times"][i] for r in ranks) for i in range(args.repeats)]
         res.append({"case": case, "vocab": vocab, "hidden": d, "rows": rows, "mode": mode, "tp": n,
                     "time_s": statistics.median(times), "peak_bytes": max(r["peak"] for r in ranks),

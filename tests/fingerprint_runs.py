@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # read_trainer_state, run as `python tests/fingerprint_runs.py`
 RECIPES = ["tiny", "tiny-gdn", "tiny-qsa"]
 TIMING = {"step_s", "supervised_tokens_per_s", "phase_s", "time", "wall_s", "elapsed_s", "sup_tok_s", "tokens_per_s"}
 
@@ -51,12 +52,15 @@ def _text(path: Path, out: Path) -> str:
 
 
 def _trainer_state(path: Path, ray: bool) -> bytes:
-    """trainer_state.pt as the bytes of its values in a fixed order. Ray: without the worker actor's global torch
-    RNG state, which starts from a random seed in every actor process (training draws from seeded generators
-    only: the weights and optimizer state do not depend on it)."""
+    """trainer_state.pt as the bytes of its values in a fixed order, read as a resume reads it
+    (``read_trainer_state``: weights_only, numpy's RNG state as numpy's tuple, whichever form the file stores).
+    Ray: without the worker actor's global torch RNG state, which starts from a random seed in every actor process
+    (training draws from seeded generators only: the weights and optimizer state do not depend on it)."""
     import torch
 
-    sd = torch.load(path, map_location="cpu", weights_only=False)
+    from specopd.train.checkpoint import read_trainer_state
+
+    sd = read_trainer_state(str(path))
     if ray:
         sd["worker_rng"] = {k: v for k, v in (sd.get("worker_rng") or {}).items() if k != "torch"}
     parts = []

@@ -551,7 +551,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models import qwen3_dflash2 as m
 folder, inp, outp = sys.argv[1:4]
 cfg = json.load(open(folder + "/config.json")); dc = cfg["dflash_config"]
-w, data, out, used = load_file(folder + "/model.safetensors"), torch.load(inp), {}, set()
+w, data, out, used = load_file(folder + "/model.safetensors"), torch.load(inp, weights_only=True), {}, set()
 def ready(module):  # what vLLM's loader runs after loading (the CPU linears' packed weights)
     for mod in module.modules():
         qm = getattr(mod, "quant_method", None)
@@ -631,7 +631,7 @@ def test_against_vllms_own_modules(target, batch, tmp_path):
     p = subprocess.run([vllm_python(), "-c", _VLLM_PARTS, str(tmp_path / "out"), str(tmp_path / "in.pt"),
                         str(tmp_path / "res.pt")], capture_output=True, text=True, env=vllm_env(), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    res = torch.load(tmp_path / "res.pt")
+    res = torch.load(tmp_path / "res.pt", weights_only=True)
     assert res["unused"] == []  # every V2 tensor of the export is one of vLLM's parameters
     for k, (a, b) in ours.items():
         torch.testing.assert_close(res[k][0], a, rtol=1e-5, atol=1e-5, msg=k)

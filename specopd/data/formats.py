@@ -549,7 +549,7 @@ def _cached_tokenise(path: str, tok, target_dir: str, output_dir: str, st: dict)
     for p in places:
         if os.path.isfile(p):
             try:
-                data = torch.load(p)
+                data = torch.load(p, map_location="cpu", weights_only=True)
             except Exception:  # noqa: BLE001  (a damaged cache is rebuilt)
                 continue
             if cache_items_ok(data):  # a file of another structure (another version, a stray file) is rebuilt

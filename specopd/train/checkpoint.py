@@ -28,13 +28,37 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written, or is incomplete / damaged; the message names it and the fix."""
 
 
+class ForeignObjectsError(CheckpointError):
+    """A trainer state that holds objects a checkpoint of ours never holds (code could run in them): not loaded,
+    and not taken for damage either (a resume stops rather than going on from an older step)."""
+
+
 def ckpt_root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
 def controller_rng() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """The controller's RNG states as plain data (numpy's as ``numpy_rng_data``): a checkpoint stores them and
+    loads them with ``weights_only=True``."""
+    return {"python": random.getstate(), "numpy": numpy_rng_data(np.random.get_state()),
+            "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def numpy_rng_data(st: tuple) -> dict:
+    """``np.random.get_state()`` (the MT19937 key is an ndarray, which pickles as numpy objects) as tensors and
+    plain values."""
+    name, key, pos, has_gauss, gauss = st
+    return {"bit_generator": str(name), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+
+
+def numpy_rng_state(data) -> tuple:
+    """``numpy_rng_data`` back to the tuple ``np.random.set_state`` takes (an older checkpoint's tuple as is)."""
+    if isinstance(data, dict):
+        return (data["bit_generator"], data["key"].numpy().astype(np.uint32), data["pos"], data["has_gauss"],
+                data["cached_gaussian"])
+    return data
 
 
 def seed_controller_rng(seed: int) -> None:
@@ -47,7 +71,7 @@ def seed_controller_rng(seed: int) -> None:
 
 def set_controller_rng(st: dict) -> None:
     random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    np.random.set_state(numpy_rng_state(st["numpy"]))
     torch.set_rng_state(st["torch"])
     if st.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
@@ -280,19 +304,57 @@ def read_state(path: str) -> dict:
         raise CheckpointError(f"{path}: state.json is unreadable ({e})") from None
 
 
+# An older checkpoint's numpy RNG state (a tuple holding a uint32 ndarray) pickles as these numpy globals: the
+# array, its dtype (and uint32's dtype class) and the array's rebuilder under either of numpy's module names, the
+# only objects beyond tensors and plain data a checkpoint of ours ever held. (The rebuilder is what an ndarray
+# reduces to: no private numpy name is read.)
+_REBUILD = np.zeros(0, np.uint32).__reduce__()[0]
+_NUMPY_RNG_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32))] + [
+    (_REBUILD, f"{m}.multiarray.{_REBUILD.__name__}") for m in ("numpy.core", "numpy._core")]
+
+
+def read_trainer_state(path: str, map_location="cpu") -> dict:
+    """``trainer_state.pt`` (optimizer, scheduler, worker and controller RNGs), loaded with ``weights_only=True``:
+    tensors and plain data only, so a planted pickle runs nothing. An older checkpoint's numpy RNG state loads
+    with exactly the numpy globals it needs allowed; any other object is a ``ForeignObjectsError`` naming the file
+    (a checkpoint never holds one, and it could run code: it is not loaded). numpy's state comes back as the
+    tuple ``np.random.set_state`` takes."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_RNG_GLOBALS):
+            ts = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001  (unpickling errors of a damaged file have no common class)
+        try:
+            with torch.serialization.safe_globals(_NUMPY_RNG_GLOBALS):
+                foreign = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception:  # noqa: BLE001  (a file that cannot even be disassembled is damaged)
+            foreign = []
+        if foreign:
+            raise ForeignObjectsError(
+                f"{path} holds objects a checkpoint never holds ({', '.join(foreign[:5])}): not loaded, as loading "
+                f"them could run code. Someone else's file, not one specopd wrote: resume from a checkpoint you "
+                f"trust (move that step folder away), or start afresh with trainer.resume=none") from None
+        raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
+    if not isinstance(ts, dict) or any(k not in ts for k in ("optimizer", "scheduler", "worker_rng")):
+        raise CheckpointError(f"{path} is not a trainer state (a dict of optimizer, scheduler and worker_rng): give "
+                              f"a checkpoint written by specopd")
+    if isinstance(ts.get("controller_rng"), dict) and "numpy" in ts["controller_rng"]:
+        ts["controller_rng"]["numpy"] = numpy_rng_state(ts["controller_rng"]["numpy"])
+    return ts
+
+
 def load_checkpoint(path: str, map_location="cpu", checksums: bool = True) -> dict:
     """-> {"worker_state": (for Worker.load_state_dict), "state": state.json, "controller_rng": ...}.
 
     Verifies the folder first; raises ``CheckpointError`` naming what is wrong when it is incomplete,
-    damaged or cannot be read."""
+    damaged, cannot be read or holds objects other than tensors and plain data (``read_trainer_state``)."""
     why = verify(path, checksums=checksums)
     if why is not None:
         raise CheckpointError(f"checkpoint {path} cannot be used: {why}")
     state = read_state(path)
+    ts = read_trainer_state(os.path.join(path, "trainer_state.pt"), map_location)
     try:
-        ts = torch.load(os.path.join(path, "trainer_state.pt"), map_location=map_location, weights_only=False)
         drafter = load_safetensors(os.path.join(path, "model.safetensors"))
-    except Exception as e:  # noqa: BLE001  (SafetensorError, unpickling errors, ...)
+    except Exception as e:  # noqa: BLE001  (SafetensorError, ...)
         raise CheckpointError(f"checkpoint {path} cannot be read: {type(e).__name__}: {e}") from None
     ws = {"drafter": drafter, "optimizer": ts["optimizer"], "scheduler": ts["scheduler"], "rng": ts["worker_rng"],
           "steps_done": int(state["step"])}

@@ -254,6 +254,8 @@ class Checkpointer:
         for step, d in reversed(ck.complete_checkpoints(out)):
             try:
                 c = ck.load_checkpoint(d)
+            except ck.ForeignObjectsError:  # planted, not damaged: stop here, touch nothing
+                raise
             except ck.CheckpointError as e:
                 moved = ck.quarantine(d)
                 damaged.append(d)

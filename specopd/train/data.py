@@ -219,17 +219,33 @@ def load_dataset(cfg, target, progress: bool = True, stats: Optional[dict] = Non
     if ctx and cfg.data.seq_len > ctx:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than the target's context ({ctx} tokens, "
                          f"max_position_embeddings): lower data.seq_len")
+    d = cfg.data
     cache_dir = os.path.join(cfg.trainer.output_dir, "data")
     fp = os.path.join(cache_dir, f"synthetic-{_key(cfg)}.pt")
     if os.path.isfile(fp):
-        return torch.load(fp)
-    d = cfg.data
+        try:
+            samples = torch.load(fp, map_location="cpu", weights_only=True)
+            why = None if synthetic_ok(samples, d.num_samples, d.seq_len) else "of another structure"
+        except Exception as e:  # noqa: BLE001  (unpickling errors of a damaged file have no common class)
+            why = f"unreadable ({type(e).__name__})"
+        if why is None:
+            return samples
+        if progress:
+            print(f"note: the synthetic-data cache {fp} is {why}: sampling it again", flush=True)
     samples = sample_references(target, d.num_samples, d.prompt_len, d.seq_len, d.sample_temperature, d.seed,
                                 progress=progress)
     own_dir(cache_dir)
     with replacing(fp, "wb") as f:
         torch.save(samples, f)
     return samples
+
+
+def synthetic_ok(samples, n: int, seq_len: int) -> bool:
+    """Whether a loaded synthetic-data cache is what ``sample_references`` gives: ``n`` dicts of ``input_ids``
+    (a [seq_len] long tensor) and ``prompt_len`` (an int)."""
+    return isinstance(samples, list) and len(samples) == n and all(
+        isinstance(s, dict) and isinstance(s.get("prompt_len"), int) and isinstance(s.get("input_ids"), torch.Tensor)
+        and s["input_ids"].dtype == torch.long and tuple(s["input_ids"].shape) == (seq_len,) for s in samples)
 
 
 def split_dataset(samples: list, heldout: float, seed: int) -> tuple:
