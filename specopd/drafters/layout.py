@@ -77,7 +77,8 @@ def verify_folder(path: str, checksums: bool = True) -> Optional[str]:
     A checkpoint folder (``specopd.train.checkpoint``) has ``manifest.json`` (size + sha256 of every other file)
     and a ``COMPLETE`` marker recording the manifest's sha256. A manifest that is missing where the marker records
     one is damage, as are a manifest that does not match the marker, a listed file that is missing, of another
-    size or (``checksums``) of another sha256. A folder with neither (a released drafter, a checkpoint from before
+    size or (``checksums``) of another sha256, and a listed name that is not a file of the folder (``../x``, an
+    absolute path: nothing outside the folder is read). A folder with neither (a released drafter, a checkpoint from before
     manifests) has nothing to check against: None."""
     mk, mf = os.path.join(path, MARKER), os.path.join(path, MANIFEST)
     marker = None
@@ -104,6 +105,8 @@ def verify_folder(path: str, checksums: bool = True) -> Optional[str]:
     if checksums and marker is not None and marker.get("manifest_sha256") not in (None, sha256_file(mf)):
         return f"{MANIFEST} does not match the checksum in {MARKER}"
     for name, nbytes, digest in items:
+        if name in ("", ".", "..") or os.path.basename(name) != name:  # "../x", "/etc/x", "a/b": never read
+            return f"{MANIFEST} lists {name!r}, which is not a file of this folder (a manifest lists its own files)"
         p = os.path.join(path, name)
         if not os.path.isfile(p):
             return f"{name} is missing"
