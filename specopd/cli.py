@@ -22,7 +22,7 @@ from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostErro
 from specopd.drafters.layout import DTYPES, describe_export, export_folder
 from specopd.engines import EngineFailed, EngineUnavailable
 from specopd.errors import (BadInputError, DamagedFolderError, MissingInputError, UserError, dir_problem,
-                            open_write, output_file_problem)
+                            open_write, output_file_problem, refuse_link)
 from specopd.eval.cli import main_eval
 from specopd.eval.engine import eval_with_vllm, main_serve_check
 from specopd.memory import format_plan, memory_plan, target_shape
@@ -76,6 +76,7 @@ def plan(cfg, device_bytes=None) -> dict:
     if shape is None:
         notes.append(f"model.target={m.target!r} is prepared by the main job on first use (stage 1, cached); "
                      f"no memory estimate until then" if pipeline else f"no memory estimate: {source}")
+    refuse_link(os.path.join(t.output_dir, "checkpoints"))  # the run refuses it before its first step
     holder = busy(t.output_dir)
     if holder:
         notes.append(f"trainer.output_dir={t.output_dir!r} is in use by {holder}: the run would be refused until "

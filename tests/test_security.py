@@ -192,17 +192,18 @@ def test_links_in_a_run_folder_are_refused_or_replaced_never_followed(run, tmp_p
     os.symlink(victim, os.path.join(out, "metrics.jsonl"))
     rc, so, err = _train(capsys, out, "trainer.max_steps=6")
     _refused(rc, so, err, 2, f"{out}/metrics.jsonl is a symbolic link")
-    # fresh runs: a linked recipe.yaml, synthetic-data cache folder or checkpoints/ (the save) is refused
+    # fresh runs: a linked recipe.yaml, synthetic-data cache folder or checkpoints/ is refused; checkpoints/ before
+    # the first step (not at the first save, which would lose the steps), in the dry run too
     away = tmp_path / "away"
     away.mkdir()
-    for name, to, code, extra in (("recipe.yaml", victim, 2, []), ("data", away, 2, []),
-                                  ("checkpoints", away, 1, ["trainer.max_steps=2"])):
-        out = tmp_path / f"fresh-{name}"
+    for name, to, extra in (("recipe.yaml", victim, []), ("data", away, []),
+                            ("checkpoints", away, ["trainer.max_steps=2"]), ("checkpoints", away, ["--dry-run"])):
+        out = tmp_path / f"fresh-{name}-{len(extra and extra[0])}"
         out.mkdir()
         os.symlink(to, out / name)
         rc, so, err = _train(capsys, out, *extra)
-        _refused(rc, so, err, code, f"{out}/{name} is a symbolic link")
-    assert "checkpoint step-2 could not be written" in err
+        _refused(rc, so, err, 2, f"{out}/{name} is a symbolic link")
+        assert not (out / "metrics.jsonl").exists()  # refused before any step
     assert victim.read_text() == PRECIOUS and os.listdir(away) == []
 
 

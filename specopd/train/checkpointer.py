@@ -226,7 +226,9 @@ class Checkpointer:
     # -- find / verify
     def find(self) -> Optional[dict]:
         """The checkpoint to resume from, loaded and checked against this recipe and its inputs, or None for a
-        fresh start (``find_resume``, ``check_resume``, ``check_inputs``)."""
+        fresh start (``find_resume``, ``check_resume``, ``check_inputs``). A linked ``checkpoints/`` is refused
+        here, before the first step, not at the first save."""
+        refuse_link(ck.ckpt_root(self.out))
         c = self.find_resume()
         if c is not None:
             self.check_resume(c)
