@@ -129,14 +129,31 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
     if tensor_parallel is not None and tensor_parallel.size > 1:
         plan = shard_target(model, tensor_parallel)
         sd = {k: tensor_parallel.shard(v, *plan[k]) if k in plan else v for k, v in sd.items()}
-    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and not _keep_fp32(model, k) else v.dtype)
+    return place_weights(model, sd, dtype, device, kernels)
+
+
+def param_dtype(model, key: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter ``key`` is stored in: ``dtype``, or fp32 where the model keeps it (e.g. GDN's A_log)."""
+    return torch.float32 if any(key.endswith(s) for s in getattr(model, "fp32_params", ())) else dtype
+
+
+def place_weights(model, sd: dict, dtype: torch.dtype, device, kernels: str):
+    """Load every tensor of ``sd`` into ``model`` (built on the meta device) on ``device``, floating point ones in
+    ``param_dtype``.
+
+    Args:
+        model: the target, built on the meta device.
+        sd: every parameter's tensor, by our parameter name.
+        dtype: the parameters' dtype (fp32 where the model keeps it).
+        device: where they go.
+        kernels: ``load_target``'s ``kernels``, kept as ``model.kernels``.
+
+    Returns:
+        ``model``, in eval mode with ``requires_grad=False`` on all parameters.
+    """
+    sd = {k: v.to(device=device, dtype=param_dtype(model, k, dtype) if v.is_floating_point() else v.dtype)
           for k, v in sd.items()}
     model.load_state_dict(sd, strict=True, assign=True)
     model.eval().requires_grad_(False)
     model.kernels = kernels
     return model
-
-
-def _keep_fp32(model, key: str) -> bool:
-    """Parameters a model wants kept in fp32 whatever the dtype (e.g. GDN's A_log)."""
-    return any(key.endswith(s) for s in getattr(model, "fp32_params", ()))

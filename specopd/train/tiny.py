@@ -14,8 +14,10 @@ import zlib
 import safetensors.torch
 import torch
 
+from executors.base import check_kernels
 from specopd.config import RecipeError, load_recipe
 from specopd.models import MODEL_TYPES
+from specopd.models.loading import check_device_dtype, param_dtype, place_weights, resolve_dtype
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
@@ -74,25 +76,60 @@ def tiny_config(model_type: str, overrides: dict) -> tuple:
     return cfg, init
 
 
-def _param_init(name: str, shape, seed: int, hidden: int, init: dict) -> torch.Tensor:
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+def _param_init(name: str, shape, seed: int, hidden: int, init: dict, device="cpu") -> torch.Tensor:
+    """fp32 values of parameter ``name``, drawn on ``device`` from a generator of its own (the CPU's draws are the
+    tiny targets' bits)."""
+    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+        return torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=g).log()
     if name.endswith("dt_bias"):
-        return torch.ones(shape)
+        return torch.ones(shape, device=device)
     if len(shape) == 1:
         if leaf == "bias":
-            return torch.zeros(shape)
+            return torch.zeros(shape, device=device)
         if "norm" in name:  # perturbed so norm semantics matter
-            return 1.0 + 0.1 * torch.randn(shape, generator=g)
-        return 0.1 * torch.randn(shape, generator=g)
+            return 1.0 + 0.1 * torch.randn(shape, generator=g, device=device)
+        return 0.1 * torch.randn(shape, generator=g, device=device)
     if "embed" in name:
-        return init["init_embed_std"] * torch.randn(shape, generator=g)
+        return init["init_embed_std"] * torch.randn(shape, generator=g, device=device)
     if "lm_head" in name:
-        return (init["init_head_scale"] / math.sqrt(hidden)) * torch.randn(shape, generator=g)
-    fan_in = int(torch.tensor(shape[1:]).prod())
-    return torch.randn(shape, generator=g) / math.sqrt(fan_in)
+        return (init["init_head_scale"] / math.sqrt(hidden)) * torch.randn(shape, generator=g, device=device)
+    fan_in = math.prod(shape[1:])
+    return torch.randn(shape, generator=g, device=device) / math.sqrt(fan_in)
+
+
+def random_target(config: dict, dtype="bfloat16", device="cpu", seed: int = 0, kernels: str = "auto"):
+    """Our model class for ``config`` (config.json entries) with every weight drawn as a tiny target's is, directly on
+    ``device`` and cast one parameter at a time: a real target's size with no checkpoint to read or write
+    (benchmarks/gpu_step.py; drawing 8 B weights on the CPU would take minutes). The CPU's draws are
+    ``build_tiny_target``'s bits.
+
+    Args:
+        config: the target's config.json entries (``model_type`` one of ``MODEL_TYPES``).
+        dtype: parameter dtype (fp32 where the model keeps it, as ``load_target`` stores it).
+        device: where the weights are drawn and stay.
+        seed: fills every parameter.
+        kernels: as ``load_target``'s.
+
+    Returns:
+        TargetModel in eval mode with ``requires_grad=False`` on all parameters.
+    """
+    dtype = resolve_dtype(dtype)
+    device = check_device_dtype(device, dtype)
+    check_kernels(kernels, device)
+    if config.get("model_type") not in MODEL_TYPES:
+        raise ValueError(f"model_type {config.get('model_type')!r} is not one of ours: {sorted(MODEL_TYPES)}")
+    with torch.device("meta"):
+        model = MODEL_TYPES[config["model_type"]](dict(config))
+    tied = (getattr(model, "tied_params", {}) or {}) if config.get("tie_word_embeddings") else {}
+    sd = {}
+    for name, p in model.named_parameters():
+        if name not in tied:
+            sd[name] = _param_init(name, tuple(p.shape), int(seed), int(config["hidden_size"]), INIT_KEYS,
+                                   device).to(param_dtype(model, name, dtype))
+    sd.update({k: sd[src] for k, src in tied.items() if src in sd})
+    return place_weights(model, sd, dtype, device, kernels)
 
 
 def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: dict | None = None) -> str:
