@@ -1,7 +1,7 @@
 """Kernel benchmarks at the recipes' shapes, side by side in one run (CUDA; ``--tiny`` runs every piece at toy
 sizes on the CPU, Triton interpreted, to check the script end to end).
 
-    python benchmarks/bench_kernels.py --json OUT.json                     # H200: 8B, 27B, qwen4_exp shapes
+    python benchmarks/bench_kernels.py --json OUT.json [--no-flex]         # H200: 8B, 27B, qwen4_exp shapes
     TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --tiny --json OUT.json   # CPU smoke
 
 Sections (bf16 on CUDA; times are medians of CUDA-event timed repeats after a warm-up):
@@ -14,6 +14,7 @@ Sections (bf16 on CUDA; times are medians of CUDA-event timed repeats after a wa
                   (chunk kernel over [branches, a + 1 + 15], right-padded).
   qsa             qwen4_exp QSA layer (16 / 2 heads of 256, indexer 32 x 128, budget 2048): blockwise prefill
                   (indexer scores -> exact top-k -> sparse attention) vs SDPA with the dense [T, T] selection mask.
+Rows are printed and saved as each finishes, every kind's first shape before any second one.
 Columns: ms, TFLOP/s on useful FLOPs (attention: 4 * D * H * visible entries; GDN: 6 * K * V per token and head,
 the state decay-read, update and output products), GB/s on the minimum bytes moved (inputs read once, outputs
 and checkpoints written), and the max relative difference to the first row of the section.
@@ -94,7 +95,8 @@ def _sorted_chains(t, n, w, g):
 
 
 # ---------------------------------------------------------------------------------------------- tree attention
-def bench_tree(recipe, shape, dev, dt, timer, g):
+def bench_tree(recipe, shape, dev, dt, timer, g, flex=True):
+    """Rows as each finishes (flex: also the compiled flex_attention row)."""
     import torch.nn.functional as F
 
     from kernels.tree_attention import build_tree_plan
@@ -116,11 +118,10 @@ def bench_tree(recipe, shape, dev, dt, timer, g):
     t_cut = int(anchor.max()) + 1
     el = q.element_size()
     nbytes = el * (q.numel() * 2 + k.numel() * 2 + t_cut * hkv * hd * 2)
-    rows = []
     sec, ours = timer(lambda: tree_attention(q, k, v, tk, tv, plan_dev, scale))
     st = plan.stats()
-    rows.append(_row("tree_attention", recipe, "triton tree kernel", sec, flops, nbytes, ours, ours,
-                     plan_ms=plan_ms, share_of_dense=st["fraction"], nodes=m))
+    yield _row("tree_attention", recipe, "triton tree kernel", sec, flops, nbytes, ours, ours,
+               plan_ms=plan_ms, share_of_dense=st["fraction"], nodes=m)
     # dense tree mask [M, t_cut + M] + SDPA (GQA expanded, as the executor's "sdpa" path)
     vis_trunk = torch.arange(t_cut)[None, :] <= anchor[:, None]
     s_idx = torch.arange(m)
@@ -134,8 +135,10 @@ def bench_tree(recipe, shape, dev, dt, timer, g):
         return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)[0].transpose(0, 1)
 
     sec, out = timer(sdpa)
-    rows.append(_row("tree_attention", recipe, "SDPA dense tree mask", sec, flops, nbytes, out, ours,
-                     mask_MiB=mask.numel() / 2 ** 20))
+    yield _row("tree_attention", recipe, "SDPA dense tree mask", sec, flops, nbytes, out, ours,
+               mask_MiB=mask.numel() / 2 ** 20)
+    if not flex:
+        return
     # flex_attention with a BlockMask from the same sorted layout
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -154,16 +157,17 @@ def bench_tree(recipe, shape, dev, dt, timer, g):
         kg = torch.cat([tk[:t_cut], k]).transpose(0, 1)[None]
         vg = torch.cat([tv[:t_cut], v]).transpose(0, 1)[None]
         sec, out = timer(lambda: fn(qq, kg, vg, block_mask=bm, scale=scale, enable_gqa=h != hkv)[0].transpose(0, 1))
-        rows.append(_row("tree_attention", recipe, "flex_attention BlockMask", sec, flops, nbytes, out, ours,
-                         block_mask_ms=bm_ms))
+        row = _row("tree_attention", recipe, "flex_attention BlockMask", sec, flops, nbytes, out, ours,
+                   block_mask_ms=bm_ms)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-        rows.append(dict(section="tree_attention", recipe=recipe, impl="flex_attention BlockMask",
-                         error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-    return rows
+        row = dict(section="tree_attention", recipe=recipe, impl="flex_attention BlockMask",
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    yield row
 
 
 # ---------------------------------------------------------------------------------------------- GDN
-def _gdn_inputs(b, t, h, kd, vd, dev, dt, g):
+def gdn_inputs(b, t, h, kd, vd, dev, dt, g):
+    """q, k (l2-normed, scaled), v in ``dt``; fp32 gates g <= 0 and beta in [0, 1): [b, t, h, ...] on ``dev``."""
     from kernels.gated_delta.naive import prepare_qk
 
     q, k = prepare_qk(torch.randn(b, t, h, kd, generator=g), torch.randn(b, t, h, kd, generator=g))
@@ -174,6 +178,7 @@ def _gdn_inputs(b, t, h, kd, vd, dev, dt, g):
 
 
 def bench_gdn(recipe, shape, dev, dt, timer, g):
+    """Rows as each finishes."""
     from kernels.gated_delta.chunk import chunk_gated_delta_rule
     from kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule
     from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
@@ -181,24 +186,24 @@ def bench_gdn(recipe, shape, dev, dt, timer, g):
 
     t, n, w, h, kd, vd = shape
     every = 64 if dev.type == "cuda" else 16
-    q, k, v, gg, beta = _gdn_inputs(1, t, h, kd, vd, dev, dt, g)
+    q, k, v, gg, beta = gdn_inputs(1, t, h, kd, vd, dev, dt, g)
     el = q.element_size()
     flops = 6 * kd * vd * h * t
     n_ck = -(-t // every)
     nbytes = el * (q.numel() * 2 + v.numel()) + 4 * (gg.numel() * 2 + v.numel() + n_ck * h * kd * vd)
-    rows = []
     sec, ref = timer(lambda: chunk_gated_delta_rule(q, k, v, g=gg, beta=beta, checkpoint_every=every))
-    rows.append(_row("gdn_prefill", recipe, "triton chunk (ours)", sec, flops, nbytes, ref[0], ref[0], T=t))
+    yield _row("gdn_prefill", recipe, "triton chunk (ours)", sec, flops, nbytes, ref[0], ref[0], T=t)
     if dev.type == "cuda" and fla_available():
         try:
             sec, out = timer(lambda: fla_chunk_gated_delta_rule(q, k, v, g=gg, beta=beta, checkpoint_every=every))
-            rows.append(_row("gdn_prefill", recipe, "fla chunk", sec, flops, nbytes, out[0], ref[0], T=t,
-                             ckpt_rel_diff=_rel(out[2], ref[2])))
+            row = _row("gdn_prefill", recipe, "fla chunk", sec, flops, nbytes, out[0], ref[0], T=t,
+                       ckpt_rel_diff=_rel(out[2], ref[2]))
         except Exception as e:  # noqa: BLE001
-            rows.append(dict(section="gdn_prefill", recipe=recipe, impl="fla chunk",
-                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+            row = dict(section="gdn_prefill", recipe=recipe, impl="fla chunk",
+                       error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        yield row
     sec, out = timer(lambda: fused_recurrent_gated_delta_rule(q, k, v, g=gg, beta=beta, checkpoint_every=every))
-    rows.append(_row("gdn_prefill", recipe, "triton fused recurrent", sec, flops, nbytes, out[0], ref[0], T=t))
+    yield _row("gdn_prefill", recipe, "triton fused recurrent", sec, flops, nbytes, out[0], ref[0], T=t)
     # scoring n anchors x w tokens: fused replay from the checkpoints vs re-prefilling every branch
     _, final, ck = ref
     anchor, parent, _ = _sorted_chains(t, n, w, g)
@@ -207,14 +212,14 @@ def bench_gdn(recipe, shape, dev, dt, timer, g):
     plan_dev = plan.to(dev)
     states0 = stack_states([ck[0]], [final[0]])
     rr = plan.replay_rows.to(dev)
-    nq, nk, nv, ng, nb = _gdn_inputs(1, m, h, kd, vd, dev, torch.float32, g)
+    nq, nk, nv, ng, nb = gdn_inputs(1, m, h, kd, vd, dev, torch.float32, g)
     nq, nk, nv, ng, nb = nq[0], nk[0], nv[0], ng[0], nb[0]
     rk, rv, rg, rb = k[0, rr].float(), v[0, rr].float(), gg[0, rr], beta[0, rr]
     score_flops = 6 * kd * vd * h * (m + rr.numel())
     score_bytes = 4 * (states0.numel() + rk.numel() + rv.numel() + nq.numel() * 2 + nv.numel() * 2)
     sec, (o_rep, _) = timer(lambda: gdn_tree_replay(states0, rk, rv, rg, rb, nq, nk, nv, ng, nb, plan_dev))
-    rows.append(_row("gdn_score", recipe, "fused replay (ours)", sec, score_flops, score_bytes, o_rep, o_rep,
-                     nodes=m, replay_rows=int(rr.numel())))
+    yield _row("gdn_score", recipe, "fused replay (ours)", sec, score_flops, score_bytes, o_rep, o_rep,
+               nodes=m, replay_rows=int(rr.numel()))
     # re-prefill: [n, a_max + 1 + w] right-padded sequences (zeros: g = beta = 0 no-op steps after the end)
     lens = (anchor.view(n, w)[:, 0] + 1).tolist()
     tmax = max(lens) + w
@@ -229,13 +234,13 @@ def bench_gdn(recipe, shape, dev, dt, timer, g):
     sec, out = timer(lambda: chunk_gated_delta_rule(rq, rkk, rvv, g=rgg, beta=rbb))
     o_re = torch.stack([out[0][i, a1:a1 + w] for i, a1 in enumerate(lens)]).reshape(m, h, vd)
     re_bytes = el * (rq.numel() * 2 + rvv.numel()) + 4 * (out[0].numel() + rgg.numel() * 2)
-    rows.append(_row("gdn_score", recipe, "re-prefill every branch (chunk)", sec, score_flops, re_bytes, o_re, o_rep,
-                     nodes=m, padded_tokens=n * tmax))
-    return rows
+    yield _row("gdn_score", recipe, "re-prefill every branch (chunk)", sec, score_flops, re_bytes, o_re, o_rep,
+               nodes=m, padded_tokens=n * tmax)
 
 
 # ---------------------------------------------------------------------------------------------- QSA
 def bench_qsa(recipe, shape, dev, dt, timer, g):
+    """Rows as each finishes."""
     import torch.nn.functional as F
 
     from kernels.qsa.sparse_attention import group_rows, qsa_prefill
@@ -256,8 +261,8 @@ def bench_qsa(recipe, shape, dev, dt, timer, g):
     flops = 4 * hd * h * keys + 2 * hi * di * groups
     el = q.element_size()
     nbytes = el * (q.numel() * 2 + keys * hkv * hd * 2) + 4 * (qi.numel() + pooled.numel()) + 8 * sel.numel()
-    rows = [_row("qsa_prefill", recipe, "triton indexer + top-k + sparse attention", sec, flops, nbytes, o, o, T=t,
-                 keys_per_query=keys / t)]
+    yield _row("qsa_prefill", recipe, "triton indexer + top-k + sparse attention", sec, flops, nbytes, o, o, T=t,
+               keys_per_query=keys / t)
     # the dense baseline: the same selection as a [T, T] token mask through SDPA (attention only)
     mask = torch.zeros(t, t, dtype=torch.bool, device=dev)
     ok = torch.arange(idx.shape[1], device=dev)[None, :] < n_keys[:, None]
@@ -266,9 +271,8 @@ def bench_qsa(recipe, shape, dev, dt, timer, g):
     kk = k.repeat_interleave(h // hkv, dim=1).transpose(0, 1)[None]
     vv = v.repeat_interleave(h // hkv, dim=1).transpose(0, 1)[None]
     sec, out = timer(lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)[0].transpose(0, 1))
-    rows.append(_row("qsa_prefill", recipe, "SDPA dense [T, T] mask (attention only)", sec, flops, nbytes, out, o,
-                     T=t, mask_MiB=mask.numel() / 2 ** 20))
-    return rows
+    yield _row("qsa_prefill", recipe, "SDPA dense [T, T] mask (attention only)", sec, flops, nbytes, out, o,
+               T=t, mask_MiB=mask.numel() / 2 ** 20)
 
 
 def main(argv=None) -> int:
@@ -276,7 +280,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", default="8B,27B,qwen4_exp")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (CPU smoke: set TRITON_INTERPRET=1)")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="rows so far, rewritten after every row")
+    ap.add_argument("--no-flex", action="store_true", help="leave out the compiled flex_attention row")
     args = ap.parse_args(argv)
     print("$ python benchmarks/bench_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]), flush=True)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -290,37 +295,45 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     rows = []
 
-    def save():  # after every section: a run cut short by its time limit keeps what finished
+    def save():  # after every row: a run cut short by its time limit keeps what finished
         if args.json:
-            with open(args.json, "w") as f:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreted)",
                                dtype=str(dt), torch=torch.__version__, rows=rows), f, indent=1)
+            os.replace(tmp, args.json)
 
-    def section(new_rows, t0):
-        rows.extend(new_rows)
-        print_rows(new_rows, dev, dt, header=False)
-        print(f"# section done in {time.perf_counter() - t0:.1f} s (incl. compile / autotune)", flush=True)
-        save()
-
-    for recipe in [x for x in args.recipes.split(",") if x]:
+    recipes = [x for x in args.recipes.split(",") if x]
+    for recipe in recipes:
         if recipe not in shapes:
             print(f"unknown recipe {recipe!r}; choose from {sorted(shapes)}", file=sys.stderr)
             return 2
+    benches = {"tree": lambda r, sh: bench_tree(r, sh, dev, dt, timer, g, flex=not args.no_flex),
+               "gdn": lambda r, sh: bench_gdn(r, sh, dev, dt, timer, g),
+               "qsa": lambda r, sh: bench_qsa(r, sh, dev, dt, timer, g)}
     print_header(dev, dt)
-    for recipe in [x for x in args.recipes.split(",") if x]:
-        sh = shapes[recipe]
+    for recipe, kind, sh in section_order(recipes, shapes):
+        t0 = time.perf_counter()
         with torch.no_grad():
-            if "tree" in sh:
+            for row in benches[kind](recipe, sh):
+                row["seconds_incl_compile"] = round(time.perf_counter() - t0, 2)
+                rows.append(row)
+                print_rows([row], dev, dt, header=False)
+                save()
                 t0 = time.perf_counter()
-                section(bench_tree(recipe, sh["tree"], dev, dt, timer, g), t0)
-            if "gdn" in sh:
-                t0 = time.perf_counter()
-                section(bench_gdn(recipe, sh["gdn"], dev, dt, timer, g), t0)
-            for s in sh.get("qsa", []):
-                t0 = time.perf_counter()
-                section(bench_qsa(recipe, s, dev, dt, timer, g), t0)
     save()
     return 1 if any("error" in r for r in rows if r["impl"] != "flex_attention BlockMask") else 0
+
+
+def section_order(recipes: list, shapes: dict) -> list:
+    """(recipe, kind, shape) with every kind's first shape before any second one: a cut run has met each kernel."""
+    todo = [(r, kind, sh) for r in recipes for kind in ("tree", "gdn", "qsa")
+            for sh in (shapes[r].get(kind, []) if kind == "qsa" else [shapes[r][kind]] if kind in shapes[r] else [])]
+    seen, first, rest = set(), [], []
+    for item in todo:
+        (first if item[1] not in seen else rest).append(item)
+        seen.add(item[1])
+    return first + rest
 
 
 def print_header(dev, dt):

@@ -36,10 +36,10 @@ def patch_range() -> None:
             mod.range = _range
 
 
-def install() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("tests/fla_shims.py runs fla's kernels under the interpreter: set TRITON_INTERPRET=1 "
-                           "before starting the process")
+def first_config_only() -> None:
+    """Every Triton ``Autotuner`` made from here on keeps its first config only, launched without benchmarking (call
+    it before fla is imported). The interpreter needs it; on a GPU it bounds fla's correctness checks
+    (benchmarks/gpu_check.py pytest --one-autotune-config): results do not depend on the config."""
     from triton.runtime import autotuner
 
     if not getattr(autotuner.Autotuner, "_first_config_only", False):
@@ -51,6 +51,13 @@ def install() -> None:
 
         autotuner.Autotuner.__init__ = first_config
         autotuner.Autotuner._first_config_only = True
+
+
+def install() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("tests/fla_shims.py runs fla's kernels under the interpreter: set TRITON_INTERPRET=1 "
+                           "before starting the process")
+    first_config_only()
     import fla.modules.causal_conv1d  # noqa: F401
     import fla.ops.gated_delta_rule  # noqa: F401
     import fla.ops.gated_delta_rule.chunk  # noqa: F401
