@@ -52,6 +52,8 @@ def env() -> int:
     import torch
 
     line("torch", f"{torch.__version__} (cuda {torch.version.cuda})")
+    line("torch fp32 TF32", f"matmul {torch.backends.cuda.matmul.allow_tf32}, cudnn {torch.backends.cudnn.allow_tf32}"
+         " (a fp32 reference on CUDA is exact only where False)")
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         line("gpu", f"{p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB")
