@@ -1,6 +1,6 @@
 """``specopd`` command line: ``train RECIPE [key=value ...] [--dry-run]``, ``eval RECIPE [key=value ...] [--json PATH]``,
 ``prepare model NAME | data ...``, ``profile RUN_DIR``, ``export RUN_DIR|CHECKPOINT OUT_DIR [--dtype bfloat16]
-[--target PATH]``; each command dispatches to its owner's module. Overrides: docs/architecture.md ("Command line").
+[--target PATH]``; each command dispatches to its owner's module. Overrides: specopd/DESIGN.md ("Command line").
 """
 from __future__ import annotations
 

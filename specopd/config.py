@@ -1,6 +1,6 @@
 """Recipe configuration: omegaconf structured dataclasses + ``load_recipe`` (``section.key=value`` overrides); every
 field declares what a resume does when its value changes (``setting(default, resume=...)``).
-Checks and resume policies: docs/architecture.md ("Recipes").
+Checks and resume policies: specopd/DESIGN.md ("Recipes").
 """
 from __future__ import annotations
 

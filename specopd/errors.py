@@ -1,7 +1,7 @@
 """Errors a user can cause, in one place (a leaf: imports none of our modules): the CLI prints a ``UserError``'s
 message and exits with code 2, without a traceback; anything else is a bug and keeps its traceback. And the
 one owner of how the tool writes a file (``open_write``, ``replacing``, ``own_dir``): never through a symbolic link.
-Design: docs/architecture.md ("User errors").
+Design: specopd/DESIGN.md ("User errors").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Drafter losses and acceptance metrics (N branches, W positions, V vocab, D hidden): the plain forms on logits
 [N, W, V] and the fused forms from hidden states, chunk_rows rows of logits at a time (never [N, W, V]).
-Masks, normalisation and memory: specopd/train/DESIGN.md ("Losses").
+Masks, normalisation and memory: specopd/DESIGN.md ("Losses").
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ expected_acceptance_length = acceptance_length
 
 
 def e2e_tv_from_alpha(alpha: torch.Tensor, mask: Optional[torch.Tensor] = None, denom=None) -> torch.Tensor:
-    """E2E-TV from per-position acceptances alpha [N, W] (masks, normalisation: specopd/train/DESIGN.md, "Losses").
+    """E2E-TV from per-position acceptances alpha [N, W] (masks, normalisation: specopd/DESIGN.md, "Losses").
     Positions of a branch meet only through these scalars, which is what lets the fused loss work one chunk of
     rows at a time."""
     valid = torch.cumprod(_mask(mask, alpha.shape, alpha.device).long(), dim=1)

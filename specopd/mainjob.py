@@ -1,5 +1,5 @@
 """The main job (a recipe with ``pipeline.enabled``): target, references, warm-up, SpecOPD training, held-out
-evaluation and export, each stage cached or resumable. Stages: specopd/train/DESIGN.md ("The main job").
+evaluation and export, each stage cached or resumable. Stages: specopd/DESIGN.md ("The main job").
 """
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def format_al_table(results: list, temps, w: int, title: str) -> str:
 
 
 def run(cfg, progress: bool = True) -> dict:
-    """The main job (specopd/train/DESIGN.md); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
+    """The main job (specopd/DESIGN.md); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
     check_device(cfg)
     paths.configure_from(cfg.kernels)  # references, warm-up, evaluation: the recipe's compute paths throughout
     with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):

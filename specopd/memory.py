@@ -1,6 +1,6 @@
 """Memory plan: one GPU's estimated peak for one SpecOPD step, term by term per phase, before anything is loaded
 (``memory_plan``), and ``check_memory``, which names the recipe keys to lower when the step does not fit.
-Phases, sizes and growth: specopd/train/DESIGN.md ("Memory plan").
+Phases, sizes and growth: specopd/DESIGN.md ("Memory plan").
 """
 from __future__ import annotations
 

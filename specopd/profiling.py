@@ -1,5 +1,5 @@
 """Phase spans per worker, the GPU (NVML) / CPU (psutil) samplers, and the profile outputs under
-``<run_dir>/profile/`` (trace.json, timeline.png, summary.json). Outputs: specopd/train/DESIGN.md ("Profiling").
+``<run_dir>/profile/`` (trace.json, timeline.png, summary.json). Outputs: specopd/DESIGN.md ("Profiling").
 """
 from __future__ import annotations
 

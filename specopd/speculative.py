@@ -1,6 +1,6 @@
 """The speculative round, written once and batched over sequences: draft -> verify -> accept -> commit, one target
 pass per round. Used by ``specopd.eval.decoder.SpeculativeDecoder`` and by Draft-OPD's rollout
-(``specopd.train.baselines``). Sequence state and the four steps: specopd/eval/DESIGN.md ("The speculative round").
+(``specopd.train.baselines``). Sequence state and the four steps: specopd/DESIGN.md ("The speculative round").
 """
 from __future__ import annotations
 

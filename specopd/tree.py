@@ -1,6 +1,6 @@
 """Proposal trees: drafted tokens hanging off positions of a reference sequence ("trunk"), scored by the target as
 if each node's path had run from scratch; chains (``from_branches``), general trees (``from_parents``), packing
-(``pack``). Nodes, anchors and positions: docs/architecture.md ("Proposal trees").
+(``pack``). Nodes, anchors and positions: specopd/DESIGN.md ("Proposal trees").
 """
 from __future__ import annotations
 

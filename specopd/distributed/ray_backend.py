@@ -1,5 +1,5 @@
 """RayGroup: the trainer's Workers as Ray actors, data-parallel, gradients summed with torch.distributed; the
-interface of ``specopd.train.group.LocalGroup``. Start-up, faults and roles: specopd/train/DESIGN.md ("Ray backend").
+interface of ``specopd.train.group.LocalGroup``. Start-up, faults and roles: specopd/distributed/DESIGN.md ("Ray backend").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`specopd prepare data --engine openai`: references from OpenAI-compatible servers (vLLM, SGLang), stdlib only
 (urllib + daemon threads), retried, resumable. Every answer is checked (``check_ids``) before a record is written;
-a bad one is a failed prompt. Protocol: docs/data_path.md ("References from servers").
+a bad one is a failed prompt. Protocol: specopd/engines/DESIGN.md ("References from servers").
 """
 from __future__ import annotations
 

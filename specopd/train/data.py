@@ -1,5 +1,5 @@
 """Reference sequences (prompt + response token ids), their train / held-out split, anchors and the global batch
-order. Sources and counts: docs/data_path.md ("Datasets").
+order. Sources and counts: specopd/train/DESIGN.md ("Datasets").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Bitwise reproducibility: torch's deterministic algorithms (``trainer.deterministic``) and a gradient sum that
 does not depend on how the global batch is split across workers (``trainer.batch_invariant``). The tree sum:
-docs/data_path.md ("Batch invariance").
+specopd/train/DESIGN.md ("Batch invariance").
 """
 from __future__ import annotations
 
