@@ -8,6 +8,8 @@
   SmolLM2 on every run). Ray gets its auth token from the environment, so it writes no ~/.ray/auth_token.
   A check at the end of the run fails if the tests created anything in the repository's top level or in the user's
   ~/.cache/specopd.
+- Under ``TRITON_INTERPRET=1`` the interpreter refuses a ``tl.dot`` block dim below 16, as a GPU compile does
+  (``kernel_check.strict_interpreted_dots``).
 """
 import os
 import secrets
@@ -30,6 +32,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # tests/test_vllm.py calls the judge itself
 os.environ.setdefault("SPECOPD_VLLM_JUDGE", "0")
 torch.set_num_threads(1)
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreted executor tests (tests/test_executor_kernels.py)
+    from kernel_check import strict_interpreted_dots
+
+    strict_interpreted_dots()
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _USER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "specopd")

@@ -92,9 +92,27 @@ def run(test_file: str, check: str, *args: str, timeout: int = 300) -> None:
     assert r.returncode == 0 and f"{check} ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
 
 
-def main(checks: dict) -> None:
-    """``python test_file.py CHECK [ARGS...]``: run one check (under TRITON_INTERPRET=1 when on the CPU)."""
+def strict_interpreted_dots() -> None:
+    """Make the Triton interpreter (this process runs under TRITON_INTERPRET=1) refuse a ``tl.dot`` whose block dims
+    (M, N, K) are not all >= ``kernels.dot.MIN_DOT``, as the AOT compile does (``tests/aot_kernels.strict_dot_rule``):
+    the interpreter checks none, so an interpreted test would pass a launch that a GPU refuses. Our kernels' tests and
+    the interpreted executor tests run under it; fla's (``tests/test_fla.py``) do not: fla follows triton's rule."""
+    from triton.runtime import interpreter
+
+    from kernels.dot import MIN_DOT
+
+    fns = interpreter.interpreter_builder.codegen_fns  # the interpreter's one builder; raises if that changes
+    if "min_dot_size" not in fns:
+        raise RuntimeError("the Triton interpreter has no min_dot_size hook any more: update kernel_check.py")
+    fns["min_dot_size"] = lambda lhs, rhs: (MIN_DOT, MIN_DOT, MIN_DOT)
+
+
+def main(checks: dict, strict_dots: bool = True) -> None:
+    """``python test_file.py CHECK [ARGS...]``: run one check (under TRITON_INTERPRET=1 when on the CPU, with
+    ``strict_interpreted_dots`` unless ``strict_dots`` is False)."""
     torch.set_num_threads(1)
+    if strict_dots and os.environ.get("TRITON_INTERPRET") == "1":
+        strict_interpreted_dots()
     name, args = sys.argv[1], sys.argv[2:]
     checks[name](*args)
     print(f"{name} ok")

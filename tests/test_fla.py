@@ -333,4 +333,4 @@ CHECKS = {"prefill": check_prefill, "varlen": check_varlen, "fp16": check_fp16, 
           "executor": check_executor, "record": check_record}
 
 if __name__ == "__main__":
-    kernel_check.main(CHECKS)
+    kernel_check.main(CHECKS, strict_dots=False)  # fla's kernels: triton's own dot rule, not ours

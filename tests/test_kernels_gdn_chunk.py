@@ -34,6 +34,9 @@ CASES = {
     "extend_start70_c16": (1, 45, 1, 3, 16, 16, 70, 16, True),  # extension: chunks aligned to absolute positions
     "extend_start64": (1, 64, 2, 2, 32, 16, 64, 64, True),  # starts exactly on a checkpoint
     "c128_k128": (1, 200, 1, 1, 128, 128, 30, 128, True),  # K = V = 128 (the recipes), chunk 64 < C
+    # K = V = 8 (tiny:qwen4_exp, q / k expanded to the 4 value heads): padded to tl.dot's 16; fresh and extension
+    "tiny_k8": (2, 37, 4, 4, 8, 8, 0, 16, True),
+    "tiny_k8_extend": (1, 21, 2, 4, 8, 8, 11, 16, False),
 }
 
 
@@ -69,6 +72,8 @@ def check_errors() -> None:
         chunk_gated_delta_rule(q, k, v, g=g, beta=beta, checkpoint_every=8)
     with pytest.raises(ValueError, match="multiple of HQ"):
         chunk_gated_delta_rule(q, k, v[:, :, :0], g=g, beta=beta)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=8)
 
 
 def test_chunk_errors_name_the_fix():

@@ -27,6 +27,9 @@ def check_indexer() -> None:
     ref = group_scores(q, keys)
     seen = torch.arange(g)[None, :] < n[:, None]
     assert kernel_check.rel(got[seen], ref[seen]) <= 1e-5
+    q8, keys8 = q[:, :, :8].contiguous(), keys[:, :8].contiguous()  # head dim 8: padded to tl.dot's 16
+    got8 = index_scores(q8.to(dev), keys8.to(dev), n.to(dev)).cpu()
+    assert kernel_check.rel(got8[seen], group_scores(q8, keys8)[seen]) <= 1e-5
     ties = ref.clone()
     ties[:, ::3] = 0.0  # exact zeros (all heads' ReLU = 0)
     ties[5:9, :40] = 1.5  # 40 equal scores: the k-th place falls inside a run of ties
@@ -49,19 +52,20 @@ def test_indexer_scores_and_topk():
 
 def check_sparse_attention() -> None:
     """Gathered attention with GQA groups (12 heads / 2 KV heads, padded to 16 rows), key lists of 1 key, of
-    several tiles, and with repeated rows."""
+    several tiles, and with repeated rows; and head dim 8 (padded to tl.dot's 16 columns)."""
     from kernels.qsa.sparse_attention import sparse_attention
 
     dev = kernel_check.device()
     g_ = torch.Generator().manual_seed(1)
-    nq, h, hkv, d, n_rows, s = 9, 12, 2, 64, 300, 150
-    q = torch.randn(nq, h, d, generator=g_)
-    k, v = torch.randn(n_rows, hkv, d, generator=g_), torch.randn(n_rows, hkv, d, generator=g_)
-    idx = torch.randint(0, n_rows, (nq, s), generator=g_)
-    n_keys = torch.tensor([1, 2, 63, 64, 65, 150, 149, 100, 7])
-    ref = gathered_attention(q, k, v, idx, n_keys, d ** -0.5)
-    got = sparse_attention(q.to(dev), k.to(dev), v.to(dev), idx.to(dev), n_keys.to(dev), d ** -0.5)
-    assert kernel_check.rel(got, ref) <= 1e-5, kernel_check.rel(got, ref)
+    for h, hkv, d in ((12, 2, 64), (4, 2, 8)):
+        nq, n_rows, s = 9, 300, 150
+        q = torch.randn(nq, h, d, generator=g_)
+        k, v = torch.randn(n_rows, hkv, d, generator=g_), torch.randn(n_rows, hkv, d, generator=g_)
+        idx = torch.randint(0, n_rows, (nq, s), generator=g_)
+        n_keys = torch.tensor([1, 2, 63, 64, 65, 150, 149, 100, 7])
+        ref = gathered_attention(q, k, v, idx, n_keys, d ** -0.5)
+        got = sparse_attention(q.to(dev), k.to(dev), v.to(dev), idx.to(dev), n_keys.to(dev), d ** -0.5)
+        assert kernel_check.rel(got, ref) <= 1e-5, (d, kernel_check.rel(got, ref))
 
 
 def test_sparse_attention():

@@ -166,6 +166,7 @@ CASES = {
     "chain_d256_g6": ([100], 6, [3, 1], 6, 1, 256, False),
     "general_d64_g1": ([90, 20], 5, [6, 1], 2, 2, 64, True),
     "general_d128_g6": ([130], 7, [5, 2], 12, 2, 128, True),
+    "chain_d8_g2": ([40, 21], 4, [3, 1], 4, 2, 8, False),  # head dim 8: padded to tl.dot's 16 columns
 }
 
 

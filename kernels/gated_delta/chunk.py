@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dot import MIN_DOT, dot_block, dot_precision
+
 
 @triton.jit
 def _chunk_wy_fwd(k, v, g, beta, gc_out, w_out, u_out, T, Tp, pad,
@@ -140,7 +142,7 @@ def chunk_size_for(checkpoint_every: Optional[int]) -> int:
 
 def kernel_config(k_dim: int, v_dim: int) -> dict:
     """Block sizes and warps per kernel (checked for spills by ``benchmarks/aot_check.py``)."""
-    bk, bv_full = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
+    bk, bv_full = dot_block(k_dim), dot_block(v_dim)  # K, V and BT all reach tl.dot
     return dict(BK=bk, BV_WY=bv_full, BV_H=min(bv_full, 32), BV_O=min(bv_full, 32),
                 warps_wy=8 if bk * bv_full > 64 * 64 else 4, warps_h=4, warps_o=4)
 
@@ -165,6 +167,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise ValueError(f"chunk_gated_delta_rule: initial_state {tuple(initial_state.shape)} is not [B, H, K, V] = "
                          f"{(b, h, kd, vd)}")
     bt = chunk_size or chunk_size_for(checkpoint_every)
+    if bt < MIN_DOT or bt & (bt - 1):
+        raise ValueError(f"chunk_size must be a power of two >= {MIN_DOT} (the chunk is a tl.dot dim); got {bt}")
     if checkpoint_every is not None and checkpoint_every % bt:
         raise ValueError(f"chunk_size {bt} must divide checkpoint_every {checkpoint_every}")
     dev = v.device
@@ -181,8 +185,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ht = torch.empty(b, h, kd, vd, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else ht  # dummy when unused
     cfg = kernel_config(kd, vd)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    common = dict(H=h, HQ=hq, K=kd, V=vd, BT=bt, BK=cfg["BK"], DOT_PREC=prec)
+    common = dict(H=h, HQ=hq, K=kd, V=vd, BT=bt, BK=cfg["BK"], DOT_PREC=dot_precision(q.dtype))
     if t > 0:
         _chunk_wy_fwd[(nt, b * h)](k, v, g, beta, gc, w, u, t, tp, pad, BV=cfg["BV_WY"], **common,
                                    num_warps=cfg["warps_wy"])

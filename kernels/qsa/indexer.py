@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dot import dot_block, dot_precision
+
 
 @triton.jit
 def _index_scores_fwd(q, keys, n_complete, scores, Q, G, inv_div, stride_qq, stride_qh, stride_kg, stride_sq,
@@ -88,7 +90,7 @@ def scores_config(head_dim: int, fp32: bool = True) -> dict:
     """Tiles of ``_index_scores_fwd``. fp32 operands (the indexer's, ``QSAttention.index_project``) take half the
     group tile of 16-bit ones: a [BLOCK_D, 128] fp32 key tile next to the fp32 q tile spilled 288 B under triton
     3.6 (the H200 machine's) at di = 128 (``benchmarks/aot_check.py``)."""
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = dot_block(head_dim)
     bg = 128 if block_d <= 128 else 64
     return dict(BQ=32 if fp32 else 64, BG=bg // 2 if fp32 else bg, BLOCK_D=block_d, num_warps=8)
 
@@ -110,7 +112,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, n_complete: torch.Tensor) 
     _index_scores_fwd[grid](q, keys, n_complete.to(torch.int32).contiguous(), out, nq, g, math.sqrt(di),
                             q.stride(0), q.stride(1), keys.stride(0), out.stride(0), HI=hi, DI=di,
                             BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"],
-                            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+                            DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"])
     return out
 
 

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dot import dot_block, dot_precision
 from kernels.qsa.indexer import index_scores, topk_groups
 from kernels.softmax import online_softmax_update
 
@@ -45,8 +46,8 @@ def _sparse_attn_fwd(q, k, v, idx, n_keys, o, qk_scale, stride_qq, stride_qh, st
 
 
 def kernel_config(head_dim: int, group: int) -> dict:
-    block_d = triton.next_power_of_2(head_dim)
-    return dict(BH=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BN=64 if block_d <= 128 else 32,
+    block_d = dot_block(head_dim)
+    return dict(BH=dot_block(group), BLOCK_D=block_d, BN=64 if block_d <= 128 else 32,
                 num_warps=4)
 
 
@@ -79,7 +80,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
     _sparse_attn_fwd[(nq, hkv)](q, k, v, idx, n_keys.to(torch.int32).contiguous(), o, scale * 1.4426950408889634,
                                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), idx.stride(0), o.stride(0),
                                 o.stride(1), G=h // hkv, BH=cfg["BH"], HD=hd, BLOCK_D=cfg["BLOCK_D"], BN=cfg["BN"],
-                                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+                                DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"])
     return o
 
 

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dot import dot_block, dot_precision
 from kernels.softmax import online_softmax_update
 from kernels.tree_attention.plan import TreeAttentionPlan
 
@@ -88,7 +89,7 @@ def _tree_attn_fwd(Q, K, V, TK, TV, Out, order, anchor, depth, bits, q_start, q_
 def kernel_config(head_dim: int, group: int) -> dict:
     """Block sizes for head_dim and G = H / Hkv (rows BM = nodes per block x G, a power of two).
     Checked for registers, shared memory and spills by ``benchmarks/aot_check.py`` on sm_90 / sm_100."""
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = dot_block(head_dim)
     if block_d <= 128:
         bm, bn, warps = 128, 64, 8
     else:  # head_dim 256: q [64, 256] and acc stay in registers; a narrow key block avoids spills on sm_90
@@ -148,6 +149,6 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, trunk_k: t
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), trunk_k.stride(0), trunk_k.stride(1),
                          o.stride(0), o.stride(1),
                          G=h // hkv, HD=hd, BLOCK_D=cfg["BLOCK_D"], BM=cfg["BM"], BMN=cfg["BMN"], BN=cfg["BN"],
-                         CHAIN=plan.chain, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                         CHAIN=plan.chain, DOT_PREC=dot_precision(q.dtype),
                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o
