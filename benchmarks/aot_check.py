@@ -2,7 +2,7 @@
 and sm_100 (B200) at the block sizes its launcher picks for the recipes' shapes, and read registers, shared
 memory and local (spill) bytes from the cubin with the cuobjdump bundled in triton.
 
-    python benchmarks/aot_check.py [--json OUT] [--arch 90,100] [--jobs 2] [--dtypes bf16,fp32]
+    python benchmarks/aot_check.py [--json OUT] [--arch 90,100] [--jobs 2] [--dtypes bf16,fp32] [--shapes recipes,tiny]
     PYTHONPATH=.tt36:. python benchmarks/aot_check.py --arch 90      # under triton 3.6 (`make tt36`)
 
 Prints a table (kernel, arch, registers, shared bytes, local bytes) and the tree-attention block plan's share of
@@ -16,6 +16,9 @@ shared with tests/test_kernels_aot.py. Shapes (``SHAPES``, as the executors laun
        GDN 48 value heads (q / k expanded to them), K = V = 128, C = 64
   qwen4_exp (recipes/qwen4-exp-dflash-8gpu.yaml): QSA 16 / 2 heads, head_dim 256, indexer 32 heads x 128,
        budget 2048 (top-k 512 groups of 4); GDN 32 value heads, K = V = 128
+``--shapes tiny``: the tiny recipes' targets instead (recipes/tiny*.yaml, ``tiny_shapes``: head dims 8 and 16, which
+the launchers pad to tl.dot's 16). Every compile refuses a tl.dot block dim below 16 (``strict_dot_rule``), which
+the compilers themselves check only in part.
 ``launched_kernels()`` lists every Triton kernel in kernels/ (tests check each has a variant). The bundled ptxas
 is older than the PTX triton emits, so the numbers come from the cubin triton builds (its own ptxas), never from
 re-assembling PTX.
@@ -32,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "tests")) if p not in sys.path]
 
-from aot_kernels import SHARED_LIMIT, compile_one, variants  # noqa: E402  (tests/aot_kernels.py)
+from aot_kernels import SHAPES, SHARED_LIMIT, compile_one, tiny_shapes, variants  # noqa: E402  (tests/aot_kernels.py)
 
 PLAN_SHAPES = {  # recipe: (trunk T, anchors per sequence, drafted tokens per branch, sequences per GPU, hd, H, Hkv)
     "8B": (2048, 256, 15, 4, 128, 32, 8),
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
     ap.add_argument("--only", default="", help="compile only kernels whose label contains this text")
     ap.add_argument("--dtypes", default="bf16", help="target dtypes of the variants: bf16 (the recipes), fp32")
+    ap.add_argument("--shapes", default="recipes", help="recipes (8B, 27B, qwen4_exp) and / or tiny (recipes/tiny*)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("aot_check compiles real kernels: unset TRITON_INTERPRET", file=sys.stderr)
@@ -85,7 +89,12 @@ def main(argv=None) -> int:
     import triton
 
     print(f"triton {triton.__version__} ({os.path.dirname(triton.__file__)})")
-    jobs = [(*v, a) for v in variants(dtypes) for a in archs if args.only in v[0]]
+    kinds = [k for k in args.shapes.split(",") if k]
+    if not kinds or set(kinds) - {"recipes", "tiny"}:
+        print(f"unknown --shapes {args.shapes!r}; use recipes and / or tiny", file=sys.stderr)
+        return 2
+    shapes = {**(SHAPES if "recipes" in kinds else {}), **(tiny_shapes() if "tiny" in kinds else {})}
+    jobs = [(*v, a) for v in variants(dtypes, shapes) for a in archs if args.only in v[0]]
     t0 = time.time()
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as ex:

@@ -3,6 +3,7 @@
 ``launched_kernels()`` lists every Triton kernel in kernels/ (the tests check each has a variant)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -47,27 +48,65 @@ SHAPES = {
 }
 
 
-def variants(dtypes=("bf16",)) -> list:
-    """(label, module, kernel name, pointer dtypes by arg, fp32 scalar args, constexprs, launch options): every
-    Triton kernel the executors launch, at the block sizes their launchers pick (the same config functions), for
-    targets of each of ``dtypes`` ("bf16": the recipes; "fp32": fp32 targets, whose launchers use IEEE dots).
-    Kernels whose operands are fp32 for every target (GDN replay / fused recurrent, QSA indexer / top-k) appear
-    once, with the first dtype."""
-    out = []
-    for i, dt in enumerate(dtypes):
-        out += _variants_of(dt, first=i == 0)
+def tiny_shapes() -> dict:
+    """The shapes of the tiny recipes' targets (recipes/tiny*.yaml: ``model.target: tiny:<type>`` with its
+    ``model.tiny`` overrides, built by ``specopd.train.tiny``), in ``SHAPES``' form, keyed "tiny:<type>": head dims
+    below 16 (qwen4_exp's GDN K = V = 8) must still compile (the launchers pad them, kernels/dot.py)."""
+    import glob
+
+    from specopd.config import load_recipe
+    from specopd.train.tiny import tiny_config
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "recipes", "tiny*.yaml"))):
+        model = load_recipe(path).model
+        if not model.target.startswith("tiny:"):
+            continue
+        cfg = tiny_config(model.target[len("tiny:"):], dict(model.tiny))[0]
+        kinds = set(cfg.get("layer_types") or ["full_attention"])
+        shape = {}
+        if "full_attention" in kinds:
+            shape["gqa"] = (cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"])
+        if "linear_attention" in kinds:
+            shape["gdn"] = (cfg["linear_num_value_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"])
+        if "indexed_attention" in kinds:
+            shape["qsa"] = (cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"])
+            shape["indexer"] = (cfg["indexer_n_heads"], cfg["indexer_head_dim"],
+                                cfg["indexer_budget"] // cfg["indexer_compress_ratio"])
+        out[model.target] = shape
     return out
 
 
-def _variants_of(dt: str, first: bool) -> list:
+def variants(dtypes=("bf16",), shapes=None) -> list:
+    """(label, module, kernel name, pointer dtypes by arg, fp32 scalar args, constexprs, launch options): every
+    Triton kernel the executors launch, at the block sizes their launchers pick (the same config functions), for
+    targets of each of ``dtypes`` ("bf16": the recipes; "fp32": fp32 targets, whose launchers use IEEE dots) at
+    ``shapes`` (default ``SHAPES``, the recipes'; ``tiny_shapes()`` for the tiny recipes). Kernels whose operands
+    are fp32 for every target (GDN replay / fused recurrent, QSA indexer / top-k) appear once, with the first
+    dtype. A variant identical to an earlier one (two shapes that launch a kernel alike) is left out."""
+    out, seen = [], set()
+    for i, dt in enumerate(dtypes):
+        for v in _variants_of(dt, first=i == 0, shapes=SHAPES if shapes is None else shapes):
+            key = repr(v[1:])
+            if key not in seen:
+                seen.add(key)
+                out.append(v)
+    return out
+
+
+def _variants_of(dt: str, first: bool, shapes: dict) -> list:
+    import torch
+    import triton
+
+    from kernels.dot import dot_precision
     from kernels.gated_delta import chunk, replay
     from kernels.qsa import indexer, sparse_attention
     from kernels.tree_attention import triton_fwd as tree
 
     out = []
     f32 = "*fp32"
-    prec = "ieee" if dt == "fp32" else "tf32"  # the launchers' DOT_PREC for q's dtype
-    for name, shape in SHAPES.items():
+    prec = dot_precision({"fp32": torch.float32, "bf16": torch.bfloat16}[dt])  # the launchers' DOT_PREC
+    for name, shape in shapes.items():
         if "gqa" in shape:  # GQA score: tree attention over the block plan (chains; general trees)
             hd, h, hkv = shape["gqa"]
             cfg = tree.kernel_config(hd, h // hkv)
@@ -106,11 +145,12 @@ def _variants_of(dt: str, first: bool) -> list:
                 out.append((f"gdn_replay[{name} {'verify' if store else 'score'}]", "kernels.gated_delta.replay",
                             "_replay_fwd", ptrs, (), dict(H=h, HQ=h, K=kd, V=vd, BK=rcfg["BK"], BV=rcfg["BV"],
                                                           STORE_STATES=store), dict(num_warps=rcfg["num_warps"])))
-            # fused recurrent: prefill when C is not a multiple of 16 (its launcher: BK = K, BV = 32, 4 warps)
+            # fused recurrent: prefill when C is not a multiple of 16 (the tiny recipes' C = 8); its launcher's blocks
             for h0 in ((False, True) if first else ()):
                 out.append((f"gdn_fused_recurrent[{name}{' h0' if h0 else ''}]", "kernels.gated_delta.fused_recurrent",
                             "_fwd_kernel", {n: f32 for n in ("q", "k", "v", "g", "beta", "o", "h0", "ht", "ck")}, (),
-                            dict(H=h, K=kd, V=vd, BK=kd, BV=32, USE_H0=h0, SAVE_CK=True), dict(num_warps=4)))
+                            dict(H=h, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=min(triton.next_power_of_2(vd), 32),
+                                 USE_H0=h0, SAVE_CK=True), dict(num_warps=4)))
         if "qsa" in shape:  # QSA prefill and score: indexer scores, exact top-k, sparse attention
             hi, di, topk = shape["indexer"]
             cfg = indexer.scores_config(di, fp32=True)
@@ -172,8 +212,32 @@ def _resources(cubin: bytes, name: str) -> dict:
     return dict(registers=reg, static_shared=shared, local_bytes=local, stack=stack)
 
 
+@contextlib.contextmanager
+def strict_dot_rule():
+    """Within the block, triton's NVIDIA backend refuses a ``tl.dot`` with any block dim (M, N or K) below
+    ``kernels.dot.MIN_DOT``. The compilers check less (triton 3.6 refuses only K < 16; 3.9 only K < 8), so without
+    it the AOT check would pass a launch that a GPU refuses, or one that breaks the launchers' rule
+    (kernels/dot.py). Raises AttributeError if this triton has no such hook any more (the check would be void)."""
+    from triton.backends.nvidia import compiler as nv
+
+    from kernels.dot import MIN_DOT
+
+    base = nv.min_dot_size
+
+    def strict(target):
+        check = base(target)
+        return lambda lhs, rhs: tuple(max(MIN_DOT, x) for x in check(lhs, rhs))
+
+    nv.min_dot_size = strict
+    try:
+        yield
+    finally:
+        nv.min_dot_size = base
+
+
 def compile_one(args) -> dict:
-    """Compile one (variant, arch) and read its resources; never raises (errors become ok = False)."""
+    """Compile one (variant, arch) under ``strict_dot_rule`` and read its resources; never raises (errors become
+    ok = False)."""
     label, module, kernel, ptrs, floats, constexprs, options, arch = args
     row = {"kernel": label, "arch": f"sm_{arch}", "ok": False, "registers": None, "shared_bytes": None,
            "local_bytes": None}
@@ -181,6 +245,7 @@ def compile_one(args) -> dict:
         import importlib
 
         import triton
+
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
@@ -201,7 +266,8 @@ def compile_one(args) -> dict:
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}  # as the launcher specialises
         src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                         attrs=attrs)
-        cc = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+        with strict_dot_rule():
+            cc = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
         res = _resources(cc.asm["cubin"], cc.metadata.name)
         shared = int(cc.metadata.shared) + res["static_shared"]  # dynamic (triton's allocation) + static
         row.update(registers=res["registers"], shared_bytes=shared, local_bytes=res["local_bytes"] + res["stack"])

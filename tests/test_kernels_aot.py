@@ -1,5 +1,6 @@
 """benchmarks/aot_check.py: Triton kernels compile ahead of time for sm_90 / sm_100 on a machine without a GPU,
-with registers, shared memory and spills read from the cubin (the full run is slow: ~1 min on 2 cores)."""
+with registers, shared memory and spills read from the cubin (the full run is slow: ~1 min on 2 cores), and no
+tl.dot block dim below 16; by default at the tiny recipes' shapes for sm_90, the recipes' shapes marked slow."""
 import json
 import os
 import subprocess
@@ -59,6 +60,61 @@ def test_aot_every_kernel_sm90_sm100(tmp_path):
                      "gdn_fused_recurrent", "qsa_index_scores", "qsa_topk", "qsa_sparse_attention"}
 
 
+def test_aot_tiny_recipes_sm90(tmp_path):
+    """The default gate for the tiny recipes' targets (recipes/tiny*.yaml: GQA head dim 16, qwen4_exp's GDN K = V = 8,
+    QSA and its indexer at 16): every kernel compiles for sm_90 in fp32 (the tiny recipes' dtype) and bf16, at the
+    block sizes its launcher picks, with no tl.dot block dim below 16 (``aot_kernels.strict_dot_rule``)."""
+    r, rows = _run(tmp_path, "--shapes", "tiny", "--arch", "90", "--dtypes", "fp32,bf16", "--jobs", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert rows and all(row["ok"] for row in rows), [row for row in rows if not row["ok"]]
+    assert {row["kernel"].split("[")[0] for row in rows} >= {
+        "tree_attention", "gdn_chunk_wy", "gdn_chunk_h", "gdn_chunk_o", "gdn_replay", "gdn_fused_recurrent",
+        "qsa_index_scores", "qsa_topk", "qsa_sparse_attention"}
+    assert {"gdn_chunk_wy[tiny:qwen4_exp fp32]", "gdn_chunk_o[tiny:qwen4_exp bf16]"} <= {row["kernel"] for row in rows}
+
+
+def test_aot_refuses_dot_dims_below_16(monkeypatch):
+    """A launch with a tl.dot block dim of 8 (the GDN chunk kernel at K = 8 with BK = 8, as its launcher picked it
+    before the padding) is a failed row: the compilers here accept it (triton 3.9 for fp32 and bf16), a GPU's
+    triton 3.6 refuses it, and the AOT check must too. The rule is scoped to the compile: triton is left as found."""
+    pytest.importorskip("triton")
+    from triton.backends.nvidia import compiler as nv
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # as benchmarks/aot_check.py: triton 3.9's default, no warning
+
+    import aot_kernels
+
+    before = nv.min_dot_size
+    tiny = [v for v in aot_kernels.variants(("bf16",), aot_kernels.tiny_shapes())
+            if v[0] == "gdn_chunk_o[tiny:qwen4_exp bf16]"]
+    label, module, kernel, ptrs, floats, constexprs, options = tiny[0]
+    assert constexprs["K"] == 8 and constexprs["BK"] == 16  # the launcher pads K = 8 to tl.dot's 16
+    row = aot_kernels.compile_one((label, module, kernel, ptrs, floats, {**constexprs, "BK": 8}, options, 90))
+    assert row["ok"] is False and ">= 16" in row["error"], row
+    assert nv.min_dot_size is before
+
+
+def test_dot_rules():
+    """kernels.dot: block sizes are powers of two >= 16; fp32 inputs get IEEE dots; and every tl.dot in kernels/
+    names its input precision (triton's default for fp32 operands is TF32 on sm_80+)."""
+    import ast
+    import glob
+
+    import torch
+
+    from kernels.dot import dot_block, dot_precision
+
+    assert [dot_block(n) for n in (1, 8, 16, 17, 100, 128, 256)] == [16, 16, 16, 32, 128, 128, 256]
+    assert dot_precision(torch.float32) == "ieee" and dot_precision(torch.bfloat16) == "tf32"
+    dots = []
+    for path in glob.glob(os.path.join(ROOT, "kernels", "**", "*.py"), recursive=True):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "tl.dot":
+                dots.append((os.path.relpath(path, ROOT), node.lineno, {k.arg for k in node.keywords}))
+    assert len(dots) >= 10, dots
+    assert all("input_precision" in kw for _, _, kw in dots), [d for d in dots if "input_precision" not in d[2]]
+
+
 def test_aot_covers_every_launched_kernel():
     """Every Triton kernel in kernels/ (each one an executor launches) has an AOT variant at the recipes' shapes,
     and the variants use the executors' shapes (GDN q / k expanded to the value heads: HQ = H)."""
@@ -73,6 +129,11 @@ def test_aot_covers_every_launched_kernel():
     for v in variants:
         if v[2] in ("_chunk_wy_fwd", "_chunk_h_fwd", "_chunk_o_fwd", "_replay_fwd"):
             assert v[5]["HQ"] == v[5]["H"], v[0]
+    tiny = aot_kernels.tiny_shapes()  # every kernel at the tiny recipes' shapes too, from their recipe files
+    assert set(tiny) == {"tiny:llama", "tiny:qwen3_next", "tiny:qwen4_exp"}, tiny
+    assert tiny["tiny:qwen4_exp"]["gdn"] == (4, 8, 8) and tiny["tiny:qwen4_exp"]["indexer"] == (8, 16, 4)
+    missing = aot_kernels.launched_kernels() - {(v[1], v[2]) for v in aot_kernels.variants(("fp32",), tiny)}
+    assert not missing, f"kernels without a tiny AOT variant: {sorted(missing)}"
 
 
 def _tt36():
