@@ -48,21 +48,30 @@ class GDNNodes:
     state: torch.Tensor
 
 
-def _recurrence(options, device, every=None):
+def auto_prefill(device, every, dtype) -> str:
+    """The Triton prefill that ``gdn_prefill="auto"`` picks: "fla" on CUDA for a 16-bit model (``dtype``) when fla
+    passes ``fla_verified`` and C (``every``; None: no checkpoints) is a multiple of its chunk, else "chunk" when C
+    is a multiple of 16, else "recurrent". fp32 models never get fla: its fp32 dots run in TF32 on sm_80+
+    (``kernels.gated_delta.fla_chunk.fla_fp32_exact``), our chunk kernel's in IEEE, as the fp32 contract needs."""
+    from kernels.gated_delta.fla_chunk import CHUNK, fla_verified  # imports Triton, only on this path
+
+    if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) \
+            and (every is None or every % CHUNK == 0) and fla_verified(device):
+        return "fla"
+    return "chunk" if every is None or every % 16 == 0 else "recurrent"
+
+
+def _recurrence(options, device, every=None, dtype=torch.float32):
     """The sequence recurrence for prefill / replays (all share ``naive.recurrent_gated_delta_rule``'s
-    contract) and its name: "torch" (naive loop) or, with Triton kernels, ``options.gdn_prefill``."""
+    contract) and its name: "torch" (naive loop) or, with Triton kernels, ``options.gdn_prefill`` ("auto":
+    ``auto_prefill`` for the model's ``dtype``)."""
     if resolve_kernels(options, device) == "torch":
         return recurrent_gated_delta_rule, "torch"
     name = as_options(options).gdn_prefill
     if name not in ("auto", "chunk", "fla", "recurrent"):
         raise ValueError(f"unknown gdn_prefill {name!r}; use 'auto', 'chunk', 'fla' or 'recurrent'")
     if name == "auto":
-        from kernels.gated_delta.fla_chunk import CHUNK, fla_verified  # imports Triton, only on this path
-
-        if torch.device(device).type == "cuda" and (every is None or every % CHUNK == 0) and fla_verified(device):
-            name = "fla"
-        else:
-            name = "chunk" if every is None or every % 16 == 0 else "recurrent"
+        name = auto_prefill(device, every, dtype)
     from kernels.gated_delta.fla_chunk import prefill_backend  # imports Triton, only on this path
 
     run = prefill_backend(name)
@@ -166,7 +175,7 @@ class GDNExecutor(Executor):
             pad = hist.new_zeros(wk - 1 - hist.shape[0], hist.shape[1])
             history = torch.cat([pad, hist])[None]
             init = prev.final[None]
-        run, name = _recurrence(options, x.device, every if keep else None)
+        run, name = _recurrence(options, x.device, every if keep else None, x.dtype)
         q, k, v = mixer.split_qkv(_conv_seq(mixer, u, history, fla=name == "fla"))
         if name in ("chunk", "fla") and x.dtype in (torch.bfloat16, torch.float16):
             q, k, v = q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)  # tensor-core dots (fp32: IEEE, exact)
@@ -196,7 +205,7 @@ class GDNExecutor(Executor):
         """
         every, keep = _every(options), _keep(options)
         u, z, g, beta = mixer.project(x)
-        run, name = _recurrence(options, x.device, every if keep else None)
+        run, name = _recurrence(options, x.device, every if keep else None, x.dtype)
         ck_every = every if keep else None
         bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
         if name == "fla":

@@ -99,6 +99,31 @@ def test_backend_selection_and_fla_guard(monkeypatch):
         fla_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, checkpoint_every=64)
 
 
+def test_fp32_never_goes_to_fla(monkeypatch):
+    """GDN "auto" sends an fp32 model to our IEEE chunk kernel even where fla would pass (CUDA, verified, C % 64 ==
+    0): fla's fp32 dots run in TF32 on sm_80+. fla called on fp32 there refuses with the fix, unless the process set
+    TRITON_F32_DEFAULT=ieee (simulated on the CPU: an sm_90 device capability)."""
+    import kernels.gated_delta.fla_chunk as fc
+    from executors.gdn import auto_prefill
+
+    monkeypatch.setattr(fc, "fla_verified", lambda device: True)
+    cuda = torch.device("cuda")
+    assert [auto_prefill(cuda, 64, dt) for dt in (torch.bfloat16, torch.float16, torch.float32)] == \
+        ["fla", "fla", "chunk"]
+    assert auto_prefill(cuda, 16, torch.float32) == "chunk" and auto_prefill(cuda, 8, torch.float32) == "recurrent"
+    assert auto_prefill("cpu", 64, torch.bfloat16) == "chunk"
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fc.fla_fp32_exact("cpu") and not fc.fla_fp32_exact(cuda)
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert fc.fla_fp32_exact(cuda)
+    monkeypatch.setattr(fc, "fla_fp32_exact", lambda device: False)
+    if fc.fla_available():
+        q, k, v, g, beta, _ = inputs(1, 4, 1, 1, 16, 16)
+        with pytest.raises(ValueError, match="TF32.*gdn_prefill='chunk'.*TRITON_F32_DEFAULT=ieee"):
+            fc.fla_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, checkpoint_every=64)
+
+
 def check_gpu() -> None:
     """bf16 q/k/v on CUDA within bf16 noise of the fp32 recurrence; fla (when installed) against the same."""
     from kernels.gated_delta.chunk import chunk_gated_delta_rule

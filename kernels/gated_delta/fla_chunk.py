@@ -28,6 +28,17 @@ def fla_available() -> bool:
     return True
 
 
+def fla_fp32_exact(device) -> bool:
+    """Whether fla's dots on fp32 operands are IEEE on ``device``: on the CPU (the interpreter computes fp32 exactly),
+    before Ampere (fla itself sets ``TRITON_F32_DEFAULT=ieee`` there) or in a process started with
+    ``TRITON_F32_DEFAULT=ieee``; otherwise triton's default, TF32 (~1e-3 relative), which the fp32 exactness contract
+    does not allow. Read at compile time: a kernel fla compiled before the variable was set keeps TF32."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_F32_DEFAULT") == "ieee":
+        return True
+    return torch.cuda.get_device_capability(device)[0] < 8
+
+
 _VERIFIED: dict = {}
 
 
@@ -69,6 +80,7 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """The contract of ``kernels.gated_delta.chunk.chunk_gated_delta_rule``, computed by fla on CUDA.
 
     Args / Returns: as ``kernels.gated_delta.chunk.chunk_gated_delta_rule``, except:
+        q, k, v: fp32 only where ``fla_fp32_exact`` holds (else a ValueError: TF32 is not fp32).
         checkpoint_every: C must be a multiple of 64 (fla's chunk).
         cu_seqlens: [n + 1] long on the device: B = 1 holds n fresh sequences packed one after another (fla's varlen
             mode; ``start`` must be 0). Then it returns (o [1, N, H, V], final [n, H, K, V], a list of n checkpoint
@@ -83,6 +95,10 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if checkpoint_every is not None and checkpoint_every % CHUNK:
         raise ValueError(f"fla keeps states every {CHUNK} tokens: checkpoint_every must be a multiple of {CHUNK} "
                          f"(got {checkpoint_every})")
+    if q.dtype == torch.float32 and not fla_fp32_exact(q.device):
+        raise ValueError(f"fla on fp32 inputs runs its dots in TF32 on {q.device} (sm_80+), not the IEEE fp32 the "
+                         f"exactness contract needs: use our chunk kernel (gdn_prefill='chunk', or 'auto', which sends "
+                         f"fp32 there), bf16 / fp16 inputs, or start the process with TRITON_F32_DEFAULT=ieee")
     b, t = k.shape[:2]
     if cu_seqlens is not None and (start or b != 1 or initial_state is not None):
         raise ValueError("fla varlen prefill packs fresh sequences: B = 1, start = 0, no initial_state")
