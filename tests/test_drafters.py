@@ -171,7 +171,9 @@ def test_flex_mask_matches_chunked_forward():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = flex_branch_attention(*args, layout, 0.3)
+        assert layout.ran == {"flex_eager"}  # the layout records which path computed
         torch.testing.assert_close(out, chunked_branch_attention(*args, layout, 0.3), rtol=1e-5, atol=1e-5)
+    assert layout.ran == {"flex_eager", "chunked"}
 
 
 @pytest.mark.slow
@@ -203,6 +205,7 @@ def test_flex_compile_failure_on_cuda_falls_back_with_one_warning(monkeypatch):
     q = args[0]
     with pytest.warns(RuntimeWarning, match="flex_attention failed to compile.*boom.*kernels.drafter_attention"):
         out = A.flex_branch_attention(q, *args[1:], layout, 0.3)
+    assert layout.ran == {"chunked"}  # a caller (the GPU test) can tell the fallback ran, not flex
     torch.testing.assert_close(out, chunked_branch_attention(*args, layout, 0.3))
     import warnings
 

@@ -7,7 +7,7 @@ them on the H200). Random targets from our own model classes (no transformers ne
 - packed prefill (torch varlen / flash-attn, fla varlen when installed) equals per-trunk prefill;
 - fla's chunked prefill (when installed) equals our chunk kernel, checkpoints included;
 - the drafter's flex_attention path (compiled, BlockMask from the sorted layout) equals the chunked path,
-  forward and backward.
+  forward and backward, and really ran (no silent fallback to the chunked path).
 """
 import importlib.util
 import os
@@ -177,9 +177,26 @@ def test_fla_prefill_matches_chunk_kernel():
         assert _rel(a.layers[i].final, b.layers[i].final) <= 3e-2
 
 
+def _autograd_ops(t) -> set:
+    """The names of the autograd nodes ``t``'s backward runs (its whole graph)."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_drafter_flex_attention_matches_chunked(dtype):
-    from specopd.drafters.attention import BranchLayout, chunked_branch_attention, flex_branch_attention
+    """flex_attention (compiled forward and backward) equals the chunked path; flex really ran: the layout records
+    "flex", not the chunked fallback a compile error would take (with a warning), and the backward graph is the
+    compiled one, with no chunked node in it."""
+    from specopd.drafters.attention import (BranchLayout, chunked_branch_attention, flex_branch_attention,
+                                            flex_failed)
 
     g = torch.Generator().manual_seed(4)
     starts, anchors, off = [], [], 0
@@ -189,13 +206,18 @@ def test_drafter_flex_attention_matches_chunked(dtype):
         anchors += a
         off += t
     s, h, hkv, hd = 16, 8, 2, 64
-    layout = BranchLayout(torch.tensor(starts).cuda(), torch.tensor(anchors).cuda(), off, s)
     n = len(anchors)
     args = [torch.randn(*sh, generator=g).to("cuda", dtype).requires_grad_() for sh in
             ((n, s, h, hd), (n, s, hkv, hd), (n, s, hkv, hd), (off, hkv, hd), (off, hkv, hd))]
     outs, grads = [], []
-    for fn in (flex_branch_attention, chunked_branch_attention):
+    for fn, path in ((flex_branch_attention, "flex"), (chunked_branch_attention, "chunked")):
+        layout = BranchLayout(torch.tensor(starts).cuda(), torch.tensor(anchors).cuda(), off, s)
         o = fn(*args, layout, hd ** -0.5)
+        ops = _autograd_ops(o)
+        assert layout.ran == {path}, (layout.ran, flex_failed())
+        assert any("Chunked" in op for op in ops) == (path == "chunked"), ops
+        if path == "flex":
+            assert any(op.startswith("CompiledFunction") for op in ops), ops  # torch.compile's backward
         (o.float() * torch.linspace(-1, 1, o.numel(), device="cuda").view_as(o)).sum().backward()
         outs.append(o.detach().float())
         grads.append([a.grad.float().clone() for a in args])

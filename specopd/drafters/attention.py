@@ -18,11 +18,14 @@ class BranchLayout:
     """Which context rows each block sees. starts [N], anchors [N] (long, on the queries' device):
     block b sees packed context rows ``starts[b] .. starts[b] + anchors[b] - 1``. ``ctx_len`` = C.
 
-    Blocks must be grouped by trunk (non-decreasing ``starts``) and sorted by anchor within a trunk."""
+    Blocks must be grouped by trunk (non-decreasing ``starts``) and sorted by anchor within a trunk.
+    ``ran``: the paths that computed attention over this layout ("flex", "flex_eager", "chunked", or a callable
+    backend's name), so a caller or a test knows which one ran (flex falls back to chunked on a compile error)."""
 
     def __init__(self, starts: torch.Tensor, anchors: torch.Tensor, ctx_len: int, block: int):
         self.starts, self.anchors = starts, anchors
         self.ctx_len, self.block = int(ctx_len), int(block)
+        self.ran: set = set()
         self._host = None
         self._flex_masks: dict = {}
 
@@ -164,6 +167,7 @@ def chunked_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout
     one chunk's score tensor [n, H, S, a_max].
     """
     _check(q, k_blk, v_blk, k_ctx, v_ctx, layout)
+    layout.ran.add("chunked")
     return _ChunkedBranchAttention.apply(q, k_blk, v_blk, k_ctx, v_ctx, layout, float(scale), int(chunk_elems))
 
 
@@ -272,7 +276,8 @@ def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, s
     """flex_attention over one packed key sequence [context of all trunks ; all blocks] with a BlockMask from
     ``layout``.
     On CUDA a failed compile warns once (naming ``kernels.drafter_attention=chunked``), falls back to the exact
-    chunked path for this call and, through ``resolve_backend``, for every later "auto" call of the process.
+    chunked path for this call and, through ``resolve_backend``, for every later "auto" call of the process;
+    ``layout.ran`` then says "chunked" where a run of the compiled flex says "flex" ("flex_eager" uncompiled).
 
     Args / Returns: as ``specopd.drafters.attention.branch_attention``, and:
         compiled: compile the BlockMask and the forward with ``torch.compile`` (default: on CUDA); else eager
@@ -283,12 +288,18 @@ def flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, s
     if compiled is None:
         compiled = _on_cuda(q)
     if not compiled:
-        return _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, None, False)
+        out = _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, None, False)
+        layout.ran.add("flex_eager")
+        return out
     if not _on_cuda(q):  # CPU (tests): errors propagate
-        return _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, _compiled_flex(dynamic), True)
+        out = _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, _compiled_flex(dynamic), True)
+        layout.ran.add("flex")
+        return out
     try:
         _probe(q, k_blk, dynamic)
-        return _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, _compiled_flex(dynamic), True)
+        out = _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, _compiled_flex(dynamic), True)
+        layout.ran.add("flex")
+        return out
     except Exception as e:  # noqa: BLE001 - inductor / triton compile errors of any type
         if "failed" not in _FLEX:
             _FLEX["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
@@ -375,6 +386,7 @@ def branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale:
     """
     fn = resolve_backend(backend, q.device)
     if callable(fn):
+        layout.ran.add(getattr(fn, "__name__", type(fn).__name__))
         return fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)
     if fn == "flex":
         return flex_branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)
