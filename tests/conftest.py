@@ -5,7 +5,10 @@
 - Tests write only to temporary folders: $SPECOPD_CACHE (prepared models and data, e.g. the ~0.5 GB SmolLM2
   conversion), matplotlib's and Triton's caches point into one folder for the test run, removed at the end
   (``SPECOPD_TEST_CACHE=DIR`` keeps a persistent cache for the tests instead, e.g. to skip re-converting
-  SmolLM2 on every run). Ray gets its auth token from the environment, so it writes no ~/.ray/auth_token.
+  SmolLM2 on every run). A ``TRITON_CACHE_DIR`` set by the caller is kept: the GPU check points every step at one
+  shared folder, so kernels compiled in an earlier step (each of fla's autotuning configs too) are loaded, not
+  rebuilt (``TRITON_CACHE_AUTOTUNING=1`` also keeps each autotuning's choice there, skipping its timing runs).
+  Ray gets its auth token from the environment, so it writes no ~/.ray/auth_token.
   A check at the end of the run fails if the tests created anything in the repository's top level or in the user's
   ~/.cache/specopd.
 - Under ``TRITON_INTERPRET=1`` the interpreter refuses a ``tl.dot`` block dim below 16, as a GPU compile does
@@ -22,6 +25,7 @@ import torch
 _SESSION_DIR = tempfile.mkdtemp(prefix="specopd-tests-")
 os.environ["SPECOPD_CACHE"] = os.environ.get("SPECOPD_TEST_CACHE") or os.path.join(_SESSION_DIR, "cache")
 os.environ["MPLCONFIGDIR"] = os.path.join(_SESSION_DIR, "matplotlib")
+# isolated per run on the CPU; a caller's folder (the GPU check's shared one) is honoured: setdefault, not assignment
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SESSION_DIR, "triton"))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 if not os.environ.get("RAY_AUTH_TOKEN_PATH") and not os.path.isfile(os.path.expanduser("~/.ray/auth_token")):

@@ -161,3 +161,25 @@ def test_aot_triton36_bf16_and_fp32_sm90(tmp_path):
     assert any(" fp32 " in row["kernel"] or row["kernel"].endswith("fp32]") for row in rows)
     bf16_spills = [row for row in rows if " bf16" in row["kernel"] and row["local_bytes"]]
     assert all(row["local_bytes"] <= 16 for row in bf16_spills), bf16_spills
+
+
+def test_conftest_keeps_a_callers_triton_cache_dir(tmp_path):
+    """tests/conftest.py: a TRITON_CACHE_DIR set by the caller (the GPU check's one shared folder, so kernels and fla's
+    autotuning configs compiled in an earlier step are reused) is the one the tests use; without one the tests get a
+    fresh folder of their own, removed at the end of the run."""
+    code = ("import os, sys; sys.path.insert(0, 'tests'); import conftest; d = os.environ['TRITON_CACHE_DIR']; "
+            "conftest.pytest_sessionfinish(None, 0); print(d)")
+    shared = str(tmp_path / "shared")
+    for given in (shared, None):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+        if given:
+            env["TRITON_CACHE_DIR"] = given
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        got = r.stdout.strip().splitlines()[-1]
+        if given:
+            assert got == shared
+        else:
+            assert os.path.basename(os.path.dirname(got)).startswith("specopd-tests-"), got
+            assert not os.path.exists(os.path.dirname(got))  # the run's own folder is gone
