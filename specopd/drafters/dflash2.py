@@ -129,9 +129,14 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
 
     def pair_scores(self, gate: torch.Tensor, prev: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """gate [..., r], prev [..., P] predecessor tokens, ids [..., C] candidates -> fp32 [..., P, C]."""
-        e = self.predecessor_codebook[prev] * gate.unsqueeze(-2)  # [..., P, r]
-        return torch.einsum("...pr,...cr->...pc", e, self.successor_codebook[ids]).float()
+        """gate [..., r], prev [..., P] predecessor tokens, ids [..., C] candidates -> fp32 [..., P, C].
+
+        The rows are looked up with ``embedding``, not ``codebook[ids]``: tokens recur, and the backward of
+        advanced indexing (index_put with accumulate) adds a recurring token's rows in a thread-dependent order on
+        the CPU; embedding's backward adds them in index order whatever the thread count (the same bits as
+        indexing at one thread)."""
+        e = nn.functional.embedding(prev, self.predecessor_codebook) * gate.unsqueeze(-2)  # [..., P, r]
+        return torch.einsum("...pr,...cr->...pc", e, nn.functional.embedding(ids, self.successor_codebook)).float()
 
 
 class Candidates(NamedTuple):
