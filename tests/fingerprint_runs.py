@@ -1,6 +1,7 @@
 """Fingerprints of the tiny recipes' runs: the proof that a refactor changed no behaviour.
 
-Runs tiny / tiny-gdn / tiny-qsa on the local and Ray backends, each straight through and as a stop + resume, and
+Runs tiny / tiny-gdn / tiny-qsa on the local and Ray backends and tiny with each other drafter kind (dspark,
+dflash2) on the local one, each straight through and as a stop + resume, and
 prints one sha256 per run over every checkpoint file and every metrics.jsonl / train_summary.json value that is not
 a wall time, with the run's own (temporary) folder written as <out> (state.json and the summary name it; the
 manifest and COMPLETE marker, sha256 of those files, are left out; Ray runs leave out the actor's randomly seeded
@@ -22,6 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # read_trainer_state, run as `python tests/fingerprint_runs.py`
 RECIPES = ["tiny", "tiny-gdn", "tiny-qsa"]
+# (label, recipe, backends, overrides): every recipe as written (DFlash), then the other drafter kinds on tiny
+RUNS = ([(recipe, recipe, ["local", "ray"], []) for recipe in RECIPES]
+        + [("tiny+dspark", "tiny", ["local"], ["drafter.kind=dspark"]),
+           ("tiny+dflash2", "tiny", ["local"], ["drafter.kind=dflash2"])])
 TIMING = {"step_s", "supervised_tokens_per_s", "phase_s", "time", "wall_s", "elapsed_s", "sup_tok_s", "tokens_per_s"}
 
 
@@ -97,18 +102,30 @@ def fingerprint(out, ray: bool = False):
     return h.hexdigest()[:16]
 
 
+def check_kinds():
+    """Exit naming the drafter kinds that no run trains: a new kind needs a run in RUNS."""
+    from specopd.config import load_recipe
+    from specopd.drafters.build import DRAFTERS
+
+    kinds = {o.split("=", 1)[1] for *_, overrides in RUNS for o in overrides if o.startswith("drafter.kind=")}
+    kinds |= {load_recipe(str(ROOT / "recipes" / f"{r}.yaml")).drafter.kind for _, r, _, ov in RUNS if not ov}
+    if set(DRAFTERS) - kinds:
+        sys.exit(f"no fingerprint run trains drafter kind(s) {sorted(set(DRAFTERS) - kinds)}: add them to RUNS")
+
+
 def main():
+    check_kinds()
     with tempfile.TemporaryDirectory() as tmp:
-        for recipe in RECIPES:
-            for backend in ["local", "ray"]:
-                be = [f"runtime.backend={backend}"]
-                straight = Path(tmp) / f"{recipe}-{backend}-straight"
+        for label, recipe, backends, overrides in RUNS:
+            for backend in backends:
+                be = [f"runtime.backend={backend}", *overrides]
+                straight = Path(tmp) / f"{label}-{backend}-straight"
                 train(recipe, straight, *be)
-                resumed = Path(tmp) / f"{recipe}-{backend}-resumed"
+                resumed = Path(tmp) / f"{label}-{backend}-resumed"
                 train(recipe, resumed, *be, "trainer.max_steps=20")
                 train(recipe, resumed, *be)
                 ray = backend == "ray"
-                print(f"{recipe:10s} {backend:5s} straight {fingerprint(straight, ray)}  resumed "
+                print(f"{label:10s} {backend:5s} straight {fingerprint(straight, ray)}  resumed "
                       f"{fingerprint(resumed, ray)}", flush=True)
 
 
