@@ -11,6 +11,7 @@
   Ray gets its auth token from the environment, so it writes no ~/.ray/auth_token.
   A check at the end of the run fails if the tests created anything in the repository's top level or in the user's
   ~/.cache/specopd.
+- In a ``gpu`` test fp32 is IEEE fp32: cuDNN's and cuBLAS's TF32 switches are off for its duration.
 - Under ``TRITON_INTERPRET=1`` the interpreter refuses a ``tl.dot`` block dim below 16, as a GPU compile does
   (``kernel_check.strict_interpreted_dots``).
 """
@@ -76,3 +77,19 @@ def leaves_one_torch_thread():
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def fp32_is_ieee_on_cuda(request):
+    """In a ``gpu`` test fp32 means IEEE fp32: cuDNN runs fp32 convolutions in TF32 by default (the GDN conv's and
+    qwen4_exp's PLE conv's torch paths), and a matmul setting could do the same, which would break fp32 bounds for a
+    reason that is not ours. The settings are put back after the test."""
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old

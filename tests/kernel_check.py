@@ -30,13 +30,14 @@ BLAS_CORE = "Sandybridge"
 def interpreter_env() -> dict:
     """The environment of a process that runs Triton kernels interpreted on the CPU: TRITON_INTERPRET=1, one
     thread, tests/ importable, and on x86-64 a position-independent OpenBLAS kernel for numpy's matmul
-    (``BLAS_CORE``; an OPENBLAS_CORETYPE already set is kept)."""
+    (``BLAS_CORE``, also over an OPENBLAS_CORETYPE the machine sets: another kernel, e.g. Haswell, makes packed
+    and one-by-one scoring differ in the last bit under the interpreter, and the tests compare them bitwise)."""
     import platform
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
     if platform.machine() in ("x86_64", "AMD64"):
-        env.setdefault("OPENBLAS_CORETYPE", BLAS_CORE)
+        env["OPENBLAS_CORETYPE"] = BLAS_CORE
     return env
 
 
