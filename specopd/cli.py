@@ -27,6 +27,7 @@ from specopd.eval.cli import main_eval
 from specopd.eval.engine import eval_with_vllm, main_serve_check
 from specopd.memory import format_plan, memory_plan, target_shape
 from specopd.profiling import render
+from specopd.signals import stop_on_signals, stopped_by
 from specopd.train.checkpoint import MARKER, CheckpointError, find_latest, newest_good, read_state, verify
 from specopd.train.lock import busy
 from specopd.train.checkpointer import RecipeChangeError, drafter_as_loaded
@@ -375,7 +376,8 @@ def main(argv=None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     try:
-        return int(args.fn(args) or 0)
+        with stop_on_signals():  # SIGTERM, SIGHUP: as Ctrl-C (checkpoint, shutdown), exit 128 + the signal
+            return int(args.fn(args) or 0)
     except (UserError, EngineUnavailable) as e:  # a user's mistake (specopd.errors), an engine that cannot run
         # here (no vLLM venv, no server listening): the message names the cause and the fix
         if os.environ.get("SPECOPD_DEBUG"):
@@ -389,8 +391,9 @@ def main(argv=None) -> int:
         if isinstance(e.code, str):  # raise SystemExit("message"): a refusal worded for the user
             print(f"specopd: error: {e.code}", file=sys.stderr)
         return int(e.code or 0) if isinstance(e.code, int) else 2
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+    except KeyboardInterrupt as e:
+        stop = stopped_by(e)  # SIGTERM, SIGHUP
+        return _fail(f"interrupted by {stop}", stop.exit_code) if stop else _fail("interrupted", 130)
 
 
 if __name__ == "__main__":

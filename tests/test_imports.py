@@ -26,7 +26,8 @@ LAYERS = [
     ("jobs", ("specopd.mainjob",)),
     ("cli", ("specopd.cli",)),
 ]
-LEAVES = ("specopd", "specopd.config", "specopd.errors", "specopd.tree", "specopd.profiling")  # import none of our modules
+LEAVES = ("specopd", "specopd.config", "specopd.errors", "specopd.tree", "specopd.profiling",
+          "specopd.signals")  # import none of our modules
 BELOW_JOBS = ("specopd/train", "specopd/eval", "specopd/drafters", "specopd/models", "executors", "kernels")
 
 

@@ -15,6 +15,7 @@ from specopd.config import (FROM_HERE, REFUSE, SAME_RUN, RecipeConfig, RecipeErr
 from specopd.drafters.layout import check_drafter, read_config, read_drafter
 from specopd.errors import BadInputError, open_write, own_dir, refuse_link, write_replace
 from specopd.profiling import Profiler
+from specopd.signals import stopped_by
 from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder
 from specopd.train.inputs import input_changes, input_fingerprints
@@ -396,18 +397,20 @@ class Checkpointer:
         already, or ``e`` is a failed save or a NaN stop, which wrote its own), saying what was kept."""
         closed = group.closed
         said = False
+        stop = stopped_by(e)  # SIGTERM, SIGHUP
+        run = f"run interrupted by {stop}" if stop else "run interrupted"
         if self.positions and not closed and not isinstance(e, (ck.CheckpointError, NonFiniteError)):
             try:
                 done = int(group.state_dict()["steps_done"])
                 if done not in (self.saved_step, 0):
                     p, k = self.save(group)
-                    print(f"run interrupted; checkpoint of step {k} written to {p}")
+                    print(f"{run}; checkpoint of step {k} written to {p}")
                 elif isinstance(e, KeyboardInterrupt):
-                    print("run interrupted before its first step: no checkpoint written (nothing to keep)" if done == 0
-                          else f"run interrupted; the checkpoint of step {done} exists already")
+                    print(f"{run} before its first step: no checkpoint written (nothing to keep)" if done == 0
+                          else f"{run}; the checkpoint of step {done} exists already")
                 said = True
             except Exception as e2:  # noqa: BLE001
-                print(f"run interrupted and the checkpoint could not be written: {e2}")
+                print(f"{run} and the checkpoint could not be written: {e2}")
                 said = True
         if isinstance(e, KeyboardInterrupt) and not said:
-            print("run interrupted before training started: no checkpoint written")
+            print(f"{run} before training started: no checkpoint written")

@@ -81,8 +81,10 @@ class Trainer:
                     step = self.step(step)
             self.metrics.end()
         except BaseException as e:
-            self.checkpointer.save_on_interrupt(self.group, e)
-            self.close()
+            try:
+                self.checkpointer.save_on_interrupt(self.group, e)
+            finally:
+                self.close()  # the workers and Ray go down even when the checkpoint's message cannot be printed
             raise
         try:
             return self.finish(step)

@@ -25,6 +25,7 @@ from specopd.models import load_target
 from specopd.models.loading import resolve_dtype
 from specopd.models.tensor_parallel import vocab_group
 from specopd.profiling import Profiler
+from specopd.signals import uninterrupted
 from specopd.train.baselines import draft_opd_rollout
 from specopd.train.data import load_dataset, split_dataset, valid_anchors
 from specopd.train.determinism import all_blocks, block_sum, blocks, combine
@@ -386,12 +387,13 @@ class Worker:
                 gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             skipped = not bool(torch.isfinite(gn))
             lr = self.scheduler.get_last_lr()[0]
-            if not skipped:
-                self.optimizer.step()
-            with warnings.catch_warnings():  # a skipped first step: "lr_scheduler.step() before optimizer.step()"
-                warnings.simplefilter("ignore", UserWarning)
-                self.scheduler.step()
-            self.steps_done += 1
+            with uninterrupted():  # a stop inside would checkpoint this step's weights as the step before
+                if not skipped:
+                    self.optimizer.step()
+                with warnings.catch_warnings():  # a skipped first step: "lr_scheduler.step() before optimizer.step()"
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.scheduler.step()
+                self.steps_done += 1
             self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(gn), "lr": float(lr), "skipped": skipped}
 
