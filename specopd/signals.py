@@ -132,3 +132,32 @@ def stop_on_signals():
             signal.signal(s, before[s])
         _STATE["stop"] = None
 
+
+@contextlib.contextmanager
+def starting_ray():
+    """Around ``ray.init`` (main thread; elsewhere nothing changes).
+
+    - SIGTERM: ray.init sets a handler of its own (exit code 15) and, under it, its core worker installs absl's
+      failure-signal handler, which logs "SIGTERM received" and arms ``alarm(3)`` to abort a crash handler that
+      hangs: a SIGTERM whose checkpoint and shutdown took over 3 s ended in SIGABRT. The Python handler is put
+      back as the C-level one (ours where the CLI stops on signals, Ray's otherwise), which drops absl's.
+    - SIGHUP, where the driver stops on it: the processes Ray starts (raylet, GCS, agents and the workers they
+      start) inherit SIGHUP ignored. They share the driver's process group, so a closed terminal would end them
+      before the driver saves; the driver shuts them down itself. A hangup while Ray starts is acted on after.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    term, hup = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+    if isinstance(hup, StopHandler):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited through fork and exec
+    try:
+        yield
+    finally:
+        now = term if isinstance(term, StopHandler) else signal.getsignal(signal.SIGTERM)
+        if now is not None:
+            signal.signal(signal.SIGTERM, now)
+        if isinstance(hup, StopHandler):
+            signal.signal(signal.SIGHUP, hup)
+    if isinstance(hup, StopHandler) and drop_hung_up_output():  # the terminal closed while Ray started
+        hup(signal.SIGHUP, None)

@@ -1,6 +1,7 @@
 """SIGTERM and SIGHUP (a kill; a closed terminal or ssh session) stop a run as Ctrl-C does: the checkpoint of the
 completed steps is written, the workers, Ray and every process it started are shut down, and the CLI exits with
-128 + the signal; the rerun resumes bitwise."""
+128 + the signal; the rerun resumes bitwise. A SIGTERM under tensor parallelism never ends in SIGABRT (Ray's
+3 s alarm, dropped by ``specopd.signals.starting_ray``)."""
 import fcntl
 import os
 import pty
@@ -20,7 +21,20 @@ from specopd.train.worker import Worker
 from tests.test_faults import STEPS, _args, _cli, _metrics, _same, _weights, straight  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RAY = ["runtime.backend=ray", "runtime.num_workers=1", "runtime.cpus_per_worker=1"]
 LONG = "trainer.max_steps=100000"  # never done before the signal
+# the CLI with Ray's shutdown held 4 s first (a slow machine): longer than the alarm Ray arms on SIGTERM
+SLOW_SHUTDOWN = """import sys, time
+from specopd.distributed.ray_backend import RayGroup
+real = RayGroup.shutdown
+def slow(self):
+    if not self.closed:
+        time.sleep(4)
+    real(self)
+RayGroup.shutdown = slow
+from specopd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def _send_at_step(monkeypatch, sig: int, step: int, during_save: int = 0, as_ray: bool = False):
@@ -211,3 +225,36 @@ def test_a_closed_terminal_stops_a_local_run_with_its_checkpoint(tmp_path):
     assert run.checkpoint_step() >= 3
     assert run.left() == []
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["terminal", "kill"])
+def test_sighup_to_a_ray_driver_checkpoints_and_leaves_no_process(tmp_path, how):
+    """A Ray run's terminal closes (SIGHUP to the driver, the raylet, GCS and agents in its process group) or the
+    driver alone gets SIGHUP: exit 129, a checkpoint of the completed steps, and no process of the run left
+    (ray::DashboardAgent, ray::RuntimeEnvAgent, workers)."""
+    run = Run(tmp_path, RAY + [LONG], terminal=True)
+    run.wait_for_steps(3)
+    if how == "terminal":
+        run.hang_up()
+    else:
+        run.p.send_signal(signal.SIGHUP)
+    assert run.wait() == 128 + signal.SIGHUP, run.output()
+    assert run.checkpoint_step() >= 3
+    assert run.left() == []
+
+
+@pytest.mark.slow
+def test_sigterm_under_tensor_parallel_never_aborts(tmp_path):
+    """SIGTERM to the driver of a runtime.tensor_parallel=2 run, three times (each resuming the one before), its
+    shutdown held 4 s: Ray armed a 3 s SIGABRT alarm with every SIGTERM, which a slower exit ran into. Each run
+    exits 143 with a checkpoint of its completed steps and leaves no process."""
+    done = 0
+    for _ in range(3):
+        run = Run(tmp_path, RAY + ["runtime.tensor_parallel=2", LONG], terminal=False, code=SLOW_SHUTDOWN)
+        run.wait_for_steps(done + 2)
+        run.p.send_signal(signal.SIGTERM)
+        assert run.wait() == 128 + signal.SIGTERM, run.output()
+        assert "SIGTERM received" not in run.output()  # Ray's handler, which armed the alarm, never ran
+        assert run.checkpoint_step() >= done + 2
+        done = run.checkpoint_step()
+        assert run.left() == []

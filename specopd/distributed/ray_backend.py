@@ -19,6 +19,7 @@ import torch.distributed as dist
 from kernels import paths
 from specopd.errors import UserError, own_dir, write_replace
 from specopd.profiling import append_spans, start_gpu_sampler
+from specopd.signals import starting_ray
 from specopd.train import checkpoint as ck
 from specopd.train.determinism import apply_deterministic
 from specopd.train.group import WorkerCalls, split_call
@@ -243,8 +244,14 @@ class RayGroup(WorkerCalls):
 
         address = _get(cfg, "runtime.address", None)
         if not ray.is_initialized():
-            ray.init(address=address or None, include_dashboard=False, log_to_driver=True, **quiet_ray_kwargs())
-            self._started_ray = True
+            self._started_ray = True  # first: an interrupt inside ray.init still stops what it started
+            try:
+                with starting_ray():  # Ray's SIGTERM alarm dropped; its processes leave a hangup to the driver
+                    ray.init(address=address or None, include_dashboard=False, log_to_driver=True,
+                             **quiet_ray_kwargs())
+            except BaseException:
+                self._stop_ray()
+                raise
         total = ray.cluster_resources()
         have_cpu, have_gpu = total.get("CPU", 0.0), total.get("GPU", 0.0)
         plan, left = [], total_actors
@@ -396,7 +403,7 @@ class RayGroup(WorkerCalls):
     def _stop_ray(self):
         import ray  # ray: slow to import; only in a Ray run
 
-        if self._started_ray and ray.is_initialized():
+        if self._started_ray:  # also after a ray.init cut short: the processes it started
             ray.shutdown()
             self._started_ray = False
 
