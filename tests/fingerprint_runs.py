@@ -1,7 +1,8 @@
 """Fingerprints of the tiny recipes' runs: the proof that a refactor changed no behaviour.
 
-Runs tiny / tiny-gdn / tiny-qsa on the local and Ray backends and tiny with each other drafter kind (dspark,
-dflash2) on the local one, each straight through and as a stop + resume, and
+Runs tiny / tiny-gdn / tiny-qsa on the local and Ray backends, tiny with each other drafter kind (dspark,
+dflash2), and tiny on every schedule of the step (two data-parallel workers, split roles on both backends,
+batch-invariant, Draft-OPD and the two off-policy methods), each straight through and as a stop + resume, and
 prints one sha256 per run over every checkpoint file and every metrics.jsonl / train_summary.json value that is not
 a wall time, with the run's own (temporary) folder written as <out> (state.json and the summary name it; the
 manifest and COMPLETE marker, sha256 of those files, are left out; Ray runs leave out the actor's randomly seeded
@@ -26,7 +27,14 @@ RECIPES = ["tiny", "tiny-gdn", "tiny-qsa"]
 # (label, recipe, backends, overrides): every recipe as written (DFlash), then the other drafter kinds on tiny
 RUNS = ([(recipe, recipe, ["local", "ray"], []) for recipe in RECIPES]
         + [("tiny+dspark", "tiny", ["local"], ["drafter.kind=dspark"]),
-           ("tiny+dflash2", "tiny", ["local"], ["drafter.kind=dflash2"])])
+           ("tiny+dflash2", "tiny", ["local"], ["drafter.kind=dflash2"]),
+           # every schedule of the step: data-parallel workers, split roles, batch-invariant, each method
+           ("tiny+2workers", "tiny", ["local"], ["runtime.num_workers=2"]),
+           ("tiny+split", "tiny", ["local", "ray"], ["runtime.roles=split", "runtime.num_workers=2"]),
+           ("tiny+invariant", "tiny", ["local"], ["trainer.batch_invariant=true", "runtime.num_workers=2"]),
+           ("tiny+draft_opd", "tiny", ["local"], ["trainer.method=draft_opd"]),
+           ("tiny+ce", "tiny", ["local"], ["trainer.method=offpolicy_ce"]),
+           ("tiny+e2e_tv", "tiny", ["local"], ["trainer.method=offpolicy_e2e_tv"])])
 TIMING = {"step_s", "supervised_tokens_per_s", "phase_s", "time", "wall_s", "elapsed_s", "sup_tok_s", "tokens_per_s"}
 
 
@@ -125,7 +133,7 @@ def main():
                 train(recipe, resumed, *be, "trainer.max_steps=20")
                 train(recipe, resumed, *be)
                 ray = backend == "ray"
-                print(f"{label:10s} {backend:5s} straight {fingerprint(straight, ray)}  resumed "
+                print(f"{label:14s} {backend:5s} straight {fingerprint(straight, ray)}  resumed "
                       f"{fingerprint(resumed, ray)}", flush=True)
 
 
