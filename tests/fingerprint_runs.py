@@ -30,7 +30,7 @@ RUNS = ([(recipe, recipe, ["local", "ray"], []) for recipe in RECIPES]
            ("tiny+dflash2", "tiny", ["local"], ["drafter.kind=dflash2"]),
            # every schedule of the step: data-parallel workers, split roles, batch-invariant, each method
            ("tiny+2workers", "tiny", ["local"], ["runtime.num_workers=2"]),
-           ("tiny+split", "tiny", ["local", "ray"], ["runtime.roles=split", "runtime.num_workers=2"]),
+           ("tiny+split", "tiny", ["local", "ray"], ["runtime.roles=split"]),  # 1 target + 1 drafter worker
            ("tiny+invariant", "tiny", ["local"], ["trainer.batch_invariant=true", "runtime.num_workers=2"]),
            ("tiny+draft_opd", "tiny", ["local"], ["trainer.method=draft_opd"]),
            ("tiny+ce", "tiny", ["local"], ["trainer.method=offpolicy_ce"]),
