@@ -108,14 +108,15 @@ def interrupt(signum, frame):
 def stop_on_signals():
     """While inside, SIGTERM and SIGHUP raise ``Terminated`` in the main thread, and Ctrl-C its KeyboardInterrupt
     (both held back inside ``uninterrupted``); a ``Terminated`` leaves as itself. The previous handlers come back
-    on exit. A signal that is ignored (``nohup``) or handled by someone else stays so; outside the main thread
-    nothing changes (Python handles signals there only)."""
+    on exit. A signal that is ignored (``nohup``) stays ignored; any other handler (Python's default, one an
+    earlier ``ray.init`` in this process left behind, or one a script calling ``main`` set) is replaced for the
+    command and put back after it. Outside the main thread nothing changes (Python handles signals there only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     handler, _STATE["stop"] = StopHandler(), None
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS + (signal.SIGINT,)}
-    mine = {s: handler for s in STOP_SIGNALS if before[s] == signal.SIG_DFL}
+    mine = {s: handler for s in STOP_SIGNALS if before[s] != signal.SIG_IGN}
     if before[signal.SIGINT] is signal.default_int_handler:
         mine[signal.SIGINT] = interrupt
     for s, h in mine.items():
@@ -128,8 +129,8 @@ def stop_on_signals():
             raise
         raise stop from e  # a plain KeyboardInterrupt raised in its place (Ray's): named again
     finally:
-        for s in mine:
-            signal.signal(s, before[s])
+        for s in mine:  # None: a handler not set from Python (C code's); the default is the best we can restore
+            signal.signal(s, signal.SIG_DFL if before[s] is None else before[s])
         _STATE["stop"] = None
 
 

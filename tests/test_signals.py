@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from specopd.signals import StopHandler
 from specopd.train import checkpoint as ck
 from specopd.train.checkpointer import Checkpointer
 from specopd.train.worker import Worker
@@ -46,7 +47,8 @@ def _send_at_step(monkeypatch, sig: int, step: int, during_save: int = 0, as_ray
     def train_step(self, *a):
         calls["n"] += 1
         if calls["n"] == step:
-            assert signal.getsignal(sig) != signal.SIG_DFL, "the CLI left SIGHUP / SIGTERM to end the process"
+            h = signal.getsignal(sig)
+            assert isinstance(h, StopHandler) or h == signal.SIG_IGN, f"the CLI left {sig} to {h}"
             try:
                 os.kill(os.getpid(), sig)
             except KeyboardInterrupt:
@@ -57,7 +59,7 @@ def _send_at_step(monkeypatch, sig: int, step: int, during_save: int = 0, as_ray
 
     def save(self, group):
         if during_save:
-            assert signal.getsignal(during_save) != signal.SIG_DFL, "the CLI left this signal to end the process"
+            assert isinstance(signal.getsignal(during_save), StopHandler), "the CLI left this signal to another"
             os.kill(os.getpid(), during_save)
         return real_save(self, group)
 
@@ -76,12 +78,13 @@ def test_a_stop_signal_checkpoints_the_completed_steps_and_resumes_bitwise(strai
     other = signal.SIGTERM if sig == signal.SIGHUP else signal.SIGHUP
     _send_at_step(monkeypatch, sig, 3, during_save=other, as_ray=as_ray)
     out = tmp_path / "run"
+    before = [signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)]  # e.g. Ray's, after an in-process ray.init
     rc, stdout, err = _cli(capsys, out)
     assert rc == 128 + sig, err
     assert f"run interrupted by {name}; checkpoint of step 2 written to {out}" in stdout
     assert f"specopd: error: interrupted by {name}" in err and "Traceback" not in err
     assert ck.find_latest(str(out)).endswith("step-2") and ck.verify(ck.find_latest(str(out))) is None
-    assert signal.getsignal(signal.SIGHUP) == signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert [signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)] == before  # put back
     monkeypatch.undo()
     rc, stdout, err = _cli(capsys, out)
     assert rc == 0, err
@@ -124,6 +127,26 @@ def test_a_run_under_nohup_ignores_sighup(tmp_path, monkeypatch, capsys):
         signal.signal(signal.SIGHUP, before)
     assert rc == 0, err
     assert ck.find_latest(str(tmp_path / "run")).endswith(f"step-{STEPS}")
+
+
+def test_a_handler_left_by_someone_else_is_replaced_for_the_command_and_put_back(tmp_path, monkeypatch, capsys):
+    """A SIGTERM handler set before the CLI runs (an earlier in-process ``ray.init`` leaves one that exits with 15,
+    or a script calling ``main`` set its own) is replaced while the command runs, so the run stops with its
+    checkpoint and 143, and is put back after."""
+    called = []
+
+    def theirs(signum, frame):
+        called.append(signum)
+
+    _send_at_step(monkeypatch, signal.SIGTERM, 3)
+    before = signal.signal(signal.SIGTERM, theirs)
+    try:
+        rc, stdout, err = _cli(capsys, tmp_path / "run")
+        assert signal.getsignal(signal.SIGTERM) is theirs
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert rc == 143 and not called, err
+    assert f"checkpoint of step 2 written to {tmp_path / 'run'}" in stdout
 
 
 # ---------------------------------------------------------------------------------------------- as processes
