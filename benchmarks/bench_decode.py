@@ -197,14 +197,15 @@ def main() -> None:
     import torch
 
     from specopd.config import load_recipe
-    from specopd.eval.cli import latest_checkpoint, load_eval_drafter
+    from specopd.eval.cli import load_eval_drafter
     from specopd.models import load_target
+    from specopd.train.checkpoint import find_latest
     from specopd.train.tiny import resolve_target_path
 
     torch.set_num_threads(args.threads)
     ck = args.checkpoint
     if ck not in ("none", "latest") and os.path.isdir(os.path.join(ck, "checkpoints")):
-        ck = latest_checkpoint(ck)
+        ck = find_latest(ck)
     out_dir = (os.path.dirname(os.path.dirname(ck)) if ck not in ("none", "latest") and
                os.path.basename(os.path.dirname(ck)) == "checkpoints" else "/tmp/bench-decode")
     cfg = load_recipe(args.recipe, [f"trainer.output_dir={out_dir}", f"eval.checkpoint={ck}", *overrides])

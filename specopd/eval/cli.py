@@ -163,11 +163,6 @@ def _device(name: str) -> str:
     return name
 
 
-def latest_checkpoint(output_dir: str) -> Optional[str]:
-    """Newest complete ``<output_dir>/checkpoints/step-N`` (the trainer's ``find_latest``), None without one."""
-    return find_latest(output_dir)
-
-
 def load_eval_drafter(cfg, target):
     """eval.checkpoint: latest | none (fresh, untrained, seeded by cfg.seed) | a drafter folder."""
     ck = cfg.eval.checkpoint
@@ -179,7 +174,7 @@ def load_eval_drafter(cfg, target):
                              target_dir=None if cfg.model.is_tiny else cfg.model.target,
                              **dict(d.architecture)), "untrained"
     if ck == "latest":
-        path = latest_checkpoint(cfg.trainer.output_dir)
+        path = find_latest(cfg.trainer.output_dir)
         if path is None:
             raise FileNotFoundError(f"eval.checkpoint=latest but {cfg.trainer.output_dir}/checkpoints has no "
                                     f"step-N drafter; train first, or pass eval.checkpoint=none (untrained) or a folder")

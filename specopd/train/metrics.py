@@ -10,7 +10,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional
 
 from tqdm import tqdm
 
@@ -51,16 +51,6 @@ def read_metrics(run_dir) -> list:
     """The records of ``<run_dir>/metrics.jsonl`` (none when it is missing); a line cut short by a kill is
     skipped."""
     return read_jsonl(Path(run_dir) / "metrics.jsonl")
-
-
-class MetricsSink(Protocol):
-    name: str
-
-    def log(self, step: int, record: dict) -> None:
-        """One logged step: ``record`` is the metrics.jsonl line (with ``step``)."""
-
-    def close(self) -> None:
-        """Flush and release (the run ends, or is interrupted)."""
 
 
 class MissingExtraError(RecipeError, ImportError):
