@@ -94,7 +94,7 @@ def _loss_at(metrics: list, window: int = 10) -> dict:
 
 
 def _checkpoints(run_dir: str) -> list:
-    from specopd.train.checkpoint import complete_checkpoints
+    from specopd.runs.checkpoint import complete_checkpoints
 
     return sorted(complete_checkpoints(run_dir))  # [(step, folder)]
 

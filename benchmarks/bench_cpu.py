@@ -85,7 +85,7 @@ class use_path:
 def cpu_name() -> str:
     """The CPU's model name, torch's vector capability and whether bf16 matmuls are native here: the ratios of
     this script mean nothing without it (an AVX2 CPU emulates bf16, far slower than fp32)."""
-    from specopd.config import cpu_bf16_native
+    from kernels.cpu_features import cpu_bf16_native
     from specopd.eval.bench import cpu_name as model_name
 
     return (f"{model_name()}, torch {torch.backends.cpu.get_cpu_capability()}, bf16 matmuls "

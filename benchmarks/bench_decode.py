@@ -199,8 +199,8 @@ def main() -> None:
     from specopd.config import load_recipe
     from specopd.eval.cli import load_eval_drafter
     from specopd.models import load_target
-    from specopd.train.checkpoint import find_latest
-    from specopd.train.tiny import resolve_target_path
+    from specopd.models.tiny import resolve_target_path
+    from specopd.runs.checkpoint import find_latest
 
     torch.set_num_threads(args.threads)
     ck = args.checkpoint

@@ -49,7 +49,7 @@ def run_point(args) -> dict:
     sys.path.insert(0, ROOT)
     from specopd.drafters import build_drafter
     from specopd.models import load_target
-    from specopd.train.tiny import build_tiny_target
+    from specopd.models.tiny import build_tiny_target
     from tests.dflash_reference import per_branch_attention
 
     torch.set_num_threads(args.threads)

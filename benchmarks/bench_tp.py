@@ -70,7 +70,7 @@ def target_path(name: str, work: str) -> str:
         if not is_prepared(d):
             raise SystemExit(f"{d} is not prepared: run `specopd prepare model smollm2-135m` first")
         return d
-    from specopd.train.tiny import build_tiny_target
+    from specopd.models.tiny import build_tiny_target
 
     return build_tiny_target(name.split(":", 1)[1], os.path.join(work, name.replace(":", "-")))
 

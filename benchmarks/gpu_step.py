@@ -1,7 +1,7 @@
 """SpecOPD against a fair Draft-OPD on one GPU at a real target's size, in-process (no Ray, no CLI, no checkpoint).
 
 The recipe's target shape (default recipes/qwen3-8b-dflash-8gpu.yaml: Qwen3-8B, 36 layers, hidden 4096, vocab 151,936)
-with random weights drawn on the device (``specopd.train.tiny.random_target``), the recipe's drafter, random
+with random weights drawn on the device (``specopd.models.tiny.random_target``), the recipe's drafter, random
 reference token ids. Each method runs in a ``Worker`` of its own (the trainer's step: ``stage`` + ``finish``), one
 after the other on the same target and the same batches: warm-up steps first (compiles), then timed steps.
 Draft-OPD rolls out as the trainer's baseline does (``specopd.train.baselines``: caches, one batched target pass per
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
         sys.modules["omegaconf"] = None  # import omegaconf now raises ImportError, as where it is not installed
     import torch
 
-    from specopd.train.tiny import random_target
+    from specopd.models.tiny import random_target
 
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA here: run with --tiny (toy sizes on the CPU)", file=sys.stderr)

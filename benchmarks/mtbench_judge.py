@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from specopd.eval.engine import judge_rows
     from specopd.data.prepare import MODELS
     from specopd.mainjob import format_al_table
-    from specopd.train.checkpoint import find_latest
+    from specopd.runs.checkpoint import find_latest
 
     temps = parse_temperatures(args.temperatures)
     cfg = load_recipe(args.recipe, list(args.overrides) + [

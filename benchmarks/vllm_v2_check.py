@@ -70,9 +70,9 @@ def main(argv=None) -> int:
     from specopd.data.prepare import encode_prompt, load_tokenizer
     from specopd.drafters.layout import export_folder
     from specopd.eval.engine import format_judge, judge
-    from specopd.train.checkpoint import find_latest
+    from specopd.runs.checkpoint import find_latest
     from specopd.train.loop import train
-    from specopd.train.tiny import build_tiny_target
+    from specopd.models.tiny import build_tiny_target
     from tests.test_data import write_char_tokenizer
 
     torch.manual_seed(0)

@@ -19,17 +19,14 @@ from typing import Callable, Optional
 
 import torch
 
+from kernels.cpu_features import cpu_flags
+
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "simd.h")  # shared helpers, in every key
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
 def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return flags + platform.machine()
+    return " ".join(sorted(cpu_flags())) + platform.machine()
 
 
 def build_dir() -> str:

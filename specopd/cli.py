@@ -27,9 +27,9 @@ from specopd.eval.cli import main_eval
 from specopd.eval.engine import eval_with_vllm, main_serve_check
 from specopd.memory import format_plan, memory_plan, target_shape
 from specopd.profiling import render
+from specopd.runs.checkpoint import MARKER, CheckpointError, find_latest, newest_good, read_state, verify
+from specopd.runs.lock import busy
 from specopd.signals import stop_on_signals, stopped_by
-from specopd.train.checkpoint import MARKER, CheckpointError, find_latest, newest_good, read_state, verify
-from specopd.train.lock import busy
 from specopd.train.checkpointer import RecipeChangeError, drafter_as_loaded
 from specopd.train.loop import train
 from specopd.train.metrics import check_loggers

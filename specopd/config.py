@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from kernels import cpu_features
 from specopd.errors import UserError, dir_problem, is_finite_number, nonfinite_keys, read_text
 
 TINY_PREFIX = "tiny:"
@@ -52,29 +53,13 @@ def _check_range(section: str, key: str, value, lo=None, hi=None, lo_open=False)
         raise RecipeError(f"{section}.{key}={value!r} is out of range; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
 
 
-def cpu_flags() -> set:
-    """The CPU's feature flags from /proc/cpuinfo (empty off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
-def cpu_bf16_native() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without either (or off Linux: float32
-    under auto), torch's bf16 matmuls are emulated, far slower than fp32
-    (benchmarks/results/2026-12-02-smollm2-135m-no-native-bf16-avx2-epyc.md)."""
-    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
-
-
 def auto_dtype(device: str) -> str:
     """``model.dtype: auto`` on ``device`` (cpu | cuda | auto): "bfloat16" where bf16 matmuls are native (CUDA, or
-    a CPU with ``cpu_bf16_native``), else "float32"."""
+    a CPU with ``kernels.cpu_features.cpu_bf16_native``), else "float32"."""
     import torch
 
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    return "bfloat16" if cuda or cpu_bf16_native() else "float32"
+    return "bfloat16" if cuda or cpu_features.cpu_bf16_native() else "float32"
 
 
 @dataclass

@@ -28,10 +28,10 @@ from specopd.eval.cli import acceptance_cells, evaluate_al
 from specopd.eval.engine import judge_rows
 from specopd.eval.replay import greedy_continuations, replay_greedy_al
 from specopd.models import load_target
-from specopd.models.loading import read_config, resolve_dtype
-from specopd.train.checkpoint import complete_checkpoints, find_latest
-from specopd.train.lock import run_lock
-from specopd.train.loop import check_device, train
+from specopd.models.loading import check_device, read_config, resolve_dtype
+from specopd.runs.checkpoint import complete_checkpoints, find_latest
+from specopd.runs.lock import run_lock
+from specopd.train.loop import train
 
 
 def _stage(name: str):

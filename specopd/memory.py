@@ -23,8 +23,8 @@ from specopd.losses import CHUNK_BUDGET, CHUNK_WORKSET_FACTOR, auto_chunk_rows
 from specopd.models import MODEL_TYPES
 from specopd.models.loading import read_config
 from specopd.models.tensor_parallel import TensorParallel, shard_target
+from specopd.models.tiny import tiny_config
 from specopd.profiling import PHASES
-from specopd.train.tiny import tiny_config
 
 DEFAULT_DEVICE_BYTES = 80 * 10**9
 """Device memory assumed when no CUDA device is visible: 80 GB (decimal). An "80 GB" H100 / A100 reports

@@ -50,12 +50,12 @@ SHAPES = {
 
 def tiny_shapes() -> dict:
     """The shapes of the tiny recipes' targets (recipes/tiny*.yaml: ``model.target: tiny:<type>`` with its
-    ``model.tiny`` overrides, built by ``specopd.train.tiny``), in ``SHAPES``' form, keyed "tiny:<type>": head dims
+    ``model.tiny`` overrides, built by ``specopd.models.tiny``), in ``SHAPES``' form, keyed "tiny:<type>": head dims
     below 16 (qwen4_exp's GDN K = V = 8) must still compile (the launchers pad them, kernels/dot.py)."""
     import glob
 
     from specopd.config import load_recipe
-    from specopd.train.tiny import tiny_config
+    from specopd.models.tiny import tiny_config
 
     out = {}
     for path in sorted(glob.glob(os.path.join(ROOT, "recipes", "tiny*.yaml"))):

@@ -71,7 +71,7 @@ def _trainer_state(path: Path, ray: bool) -> bytes:
     (training draws from seeded generators only: the weights and optimizer state do not depend on it)."""
     import torch
 
-    from specopd.train.checkpoint import read_trainer_state
+    from specopd.runs.checkpoint import read_trainer_state
 
     sd = read_trainer_state(str(path))
     if ray:

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from specopd.config import cpu_flags
+from kernels.cpu_features import cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

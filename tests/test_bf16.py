@@ -147,7 +147,7 @@ def test_greedy_speculative_and_autoregressive_agree_up_to_near_ties(targets, te
 
 
 def _worker(tmp_path, method: str, dtype: str):
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
     from specopd.train.worker import Worker
 
     return Worker(tiny_recipe(str(tmp_path), [f"model.dtype={dtype}", f"trainer.method={method}"]))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specopd.train import checkpoint as ck
+from specopd.runs import checkpoint as ck
 from specopd.train.loop import train
-from specopd.train.tiny import tiny_recipe
+from tiny_runs import tiny_recipe
 
 STEPS = 6
 

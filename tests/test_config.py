@@ -86,10 +86,11 @@ def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
     float32 on a CPU that would emulate them (far slower than fp32 on an AVX2 EPYC)."""
     import torch
 
+    from kernels import cpu_features
     from specopd import config
 
     for native in (True, False):
-        monkeypatch.setattr(config, "cpu_bf16_native", lambda native=native: native)
+        monkeypatch.setattr(cpu_features, "cpu_bf16_native", lambda native=native: native)
         cfg = load_recipe(None, ["model.dtype=auto", "model.device=cpu"])
         assert cfg.model.dtype == ("bfloat16" if native else "float32")
         assert config.eval_dtype(cfg) == cfg.model.dtype
@@ -98,24 +99,26 @@ def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
         assert load_recipe(None, ["model.dtype=auto", "model.device=auto"]).model.dtype == want
         assert load_recipe(None, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"  # asked for: kept
     monkeypatch.undo()
-    assert config.cpu_bf16_native() == ("amx_bf16" in config.cpu_flags() or "avx512_bf16" in config.cpu_flags())
+    flags = cpu_features.cpu_flags()
+    assert cpu_features.cpu_bf16_native() == ("amx_bf16" in flags or "avx512_bf16" in flags)
     if os.path.exists("/proc/cpuinfo") and any(ln.startswith("flags") for ln in open("/proc/cpuinfo")):
-        assert config.cpu_flags()  # the flags line is read
+        assert flags  # the flags line is read
 
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(monkeypatch):
-    from specopd.train import loop
+    from kernels import cpu_features
+    from specopd.models import loading
 
     cfg = load_recipe(None, ["model.dtype=bfloat16", "model.device=cpu"])
-    monkeypatch.setattr(loop, "cpu_bf16_native", lambda: False)
+    monkeypatch.setattr(cpu_features, "cpu_bf16_native", lambda: False)
     with pytest.warns(UserWarning, match="model.dtype=auto"):
-        loop.check_device(cfg)
-    monkeypatch.setattr(loop, "cpu_bf16_native", lambda: True)
+        loading.check_device(cfg)
+    monkeypatch.setattr(cpu_features, "cpu_bf16_native", lambda: True)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loop.check_device(cfg)
+        loading.check_device(cfg)
 
 
 def test_missing_recipe_file_lists_recipes():

@@ -380,7 +380,7 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, method, temp):
     off-policy CE and T = 0: K = 64, so that the
     references (the target's argmax) are candidates in some slots and not in others (where the argmax is in none,
     greedy alpha and its gradient are 0)."""
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
     from specopd.train.worker import Worker
 
     method, extra = method.split("+")[0], method.split("+")[1:]
@@ -440,7 +440,7 @@ def test_cli_trains_resumes_exports_and_inits_from(tmp_path, method, capsys):
     from safetensors.torch import load_file
 
     from specopd.cli import main
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
     from specopd.train.worker import Worker
 
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny.yaml")
@@ -645,7 +645,7 @@ def test_recipe_architecture_settings(tmp_path):
     """drafter.architecture passes V2's settings to a fresh drafter (and to the memory plan); an unknown or
     another kind's key is an error naming the allowed ones."""
     from specopd.memory import memory_plan
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
     from specopd.train.worker import Worker
 
     over = ["drafter.kind=dflash2", "drafter.architecture.selector_top_k=32", "drafter.architecture.selector_rank=4",

@@ -10,8 +10,8 @@ import torch
 from specopd import speculative as spec
 from specopd.losses import logits_at
 from specopd.train.baselines import draft_opd_rollout
-from specopd.train.tiny import tiny_recipe
 from specopd.train.worker import Worker
+from tiny_runs import tiny_recipe
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ def test_static_export_checks(tmp_path):
 
     from specopd.drafters import build_drafter, export_drafter
     from specopd.models import load_target
-    from specopd.train.tiny import build_tiny_target
+    from specopd.models.tiny import build_tiny_target
 
     tdir = build_tiny_target("llama", str(tmp_path / "t"), overrides={"vocab_size": 64})
     target = load_target(tdir)

@@ -164,7 +164,7 @@ def test_cli_export_from_a_run(target, ckpt, tmp_path, capsys):
     from specopd.cli import main
 
     d = build_drafter("dflash", target, num_layers=2, block_size=16, seed=5, mask_token_id=9)
-    from specopd.train.checkpoint import MARKER, save_checkpoint
+    from specopd.runs.checkpoint import MARKER, save_checkpoint
 
     run = tmp_path / "run"
     ws = {"drafter": {k: v.detach().clone() for k, v in d.state_dict().items()}, "drafter_config": d.config_dict(),
@@ -189,7 +189,7 @@ def test_cli_export_from_a_run(target, ckpt, tmp_path, capsys):
 
 def test_init_from_a_released_folder(tmp_path):
     """A worker starts training from a released folder (the tiny recipe's target: hidden 64, vocab 256, 2 layers)."""
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
     from specopd.train.worker import Worker
 
     folder = write_released_folder(str(tmp_path / "rel"), hidden=64, vocab=256, target_layers=2, num_layers=1,

@@ -16,8 +16,9 @@ from specopd.drafters import build_drafter, export_drafter, load_drafter
 from specopd.drafters.layout import DrafterFolderError
 from specopd.errors import UserError
 from specopd.models import load_target
-from specopd.train import checkpoint as ck
-from specopd.train.tiny import TINY_TEST_OVERRIDES, resolve_target_path, tiny_recipe
+from specopd.runs import checkpoint as ck
+from specopd.models.tiny import resolve_target_path
+from tiny_runs import TINY_TEST_OVERRIDES, tiny_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from specopd.cli import main
-from specopd.train import checkpoint as ck
+from specopd.runs import checkpoint as ck
 from specopd.train.checkpointer import recipe_changes
 from specopd.train.loop import train
 from specopd.train.step import NonFiniteError
-from specopd.train.tiny import TINY_TEST_OVERRIDES, tiny_recipe
+from tiny_runs import TINY_TEST_OVERRIDES, tiny_recipe
 
 STEPS = 6
 
@@ -174,9 +174,9 @@ def test_failed_save_keeps_the_previous_checkpoint_and_resumes(straight, tmp_pat
 # ---------------------------------------------------------------------------------------------- SIGKILL
 def _child(out: str, overrides: list, kill_at: int) -> None:
     """A training process that SIGKILLs itself at its ``kill_at``-th checkpoint file operation (0: never)."""
-    import specopd.train.checkpoint as ckm
+    import specopd.runs.checkpoint as ckm
     from specopd.train.loop import train as run
-    from specopd.train.tiny import tiny_recipe as recipe
+    from tiny_runs import tiny_recipe as recipe
 
     torch.set_num_threads(1)
     count = [0]

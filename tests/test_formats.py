@@ -376,7 +376,7 @@ def test_prepared_records_with_a_loss_mask_equal_to_prompt_len_train_bitwise_the
     import random
 
     from specopd.train.loop import train
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
 
     rnd = random.Random(0)
     recs = []
@@ -400,7 +400,7 @@ def test_prepared_records_with_a_loss_mask_equal_to_prompt_len_train_bitwise_the
 # ---------------------------------------------------------------------------------------------- config, prepare
 def test_recipe_keys_and_tiny_target_error(tmp_path):
     from specopd.config import RecipeError, load_recipe
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
     from specopd.train.worker import Worker
 
     with pytest.raises(RecipeError, match="data.source=conversations needs data.path"):

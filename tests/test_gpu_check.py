@@ -144,7 +144,7 @@ def test_summary_says_per_step_and_question_answered_failed_cut_or_not_reached(t
 
 def test_random_target_draws_the_tiny_targets_weights_in_place(tmp_path):
     from specopd.models import load_target
-    from specopd.train.tiny import build_tiny_target, random_target, tiny_config
+    from specopd.models.tiny import build_tiny_target, random_target, tiny_config
 
     for mt in ("llama", "qwen3_next"):
         ref = load_target(build_tiny_target(mt, str(tmp_path / mt), seed=5), dtype=torch.bfloat16)

@@ -24,8 +24,8 @@ from specopd.train.data import read_prepared
 from specopd.train.inputs import input_changes, input_fingerprints
 from specopd.train.loop import train
 from specopd.train.metrics import check_sink_folders
-from specopd.train.tiny import TINY_TEST_OVERRIDES, tiny_recipe
 from test_data import char_target
+from tiny_runs import TINY_TEST_OVERRIDES, tiny_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")

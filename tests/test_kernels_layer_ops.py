@@ -123,7 +123,7 @@ def test_a_bf16_target_runs_the_kernels_and_its_greedy_tokens_match_torchs_ops(t
     of the same rounded weights as torch's bf16 ops are (the noise unit of tests/test_bf16.py), with the same
     argmax at every position."""
     from specopd.models.loading import load_target
-    from specopd.train.tiny import build_tiny_target
+    from specopd.models.tiny import build_tiny_target
 
     path = build_tiny_target("llama", str(tmp_path / "t"), overrides={"vocab_size": 256, "num_hidden_layers": 2})
     target = load_target(path, dtype=torch.bfloat16)

@@ -153,7 +153,7 @@ def test_a_bf16_target_runs_every_linear_through_the_pack_with_the_same_logits(t
     """A tiny bf16 llama: every projection, the fused gate + up, down and lm_head run packed (6 calls a layer + 1),
     and the logits equal those of the same forward with ``F.linear`` bit for bit."""
     from specopd.models.loading import load_target
-    from specopd.train.tiny import build_tiny_target
+    from specopd.models.tiny import build_tiny_target
 
     path = build_tiny_target("llama", str(tmp_path / "t"), overrides={"vocab_size": 256, "num_hidden_layers": 2})
     target = load_target(path, dtype=torch.bfloat16)

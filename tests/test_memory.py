@@ -60,7 +60,7 @@ def test_plan_terms_by_hand(tmp_path):
 def test_cache_terms_equal_real_prefill_caches(tmp_path, target):
     """The plan's per-mixer cache sizes equal what the executors store (gqa / gdn / qsa / PLE conv)."""
     from specopd.models import load_target
-    from specopd.train.tiny import resolve_target_path
+    from specopd.models.tiny import resolve_target_path
 
     cfg = _tiny(tmp_path, "model.gdn_checkpoint_every=8", target=target)
     model = load_target(resolve_target_path(cfg.model, str(tmp_path)))

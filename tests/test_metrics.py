@@ -24,7 +24,7 @@ def f32(x: float) -> float:
 
 def run_tiny(out, loggers, extra=()):
     from specopd.train.loop import train
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
 
     cfg = tiny_recipe(str(out), ["trainer.eval_every=2", f"trainer.loggers={json.dumps(list(loggers))}",
                                  "profile.enabled=true"] + list(extra))
@@ -136,7 +136,7 @@ def test_tensorboard_after_resume_matches_metrics_jsonl(tmp_path):
     """A run interrupted after its step-2 checkpoint but with steps 3-4 logged: the resumed run's TensorBoard
     events for steps 3-4 replace the old ones (purge_step), as metrics.jsonl's lines do."""
     pytest.importorskip("tensorboard")
-    from specopd.train import checkpoint as ck
+    from specopd.runs import checkpoint as ck
 
     out = tmp_path / "run"
     run_tiny(out, ["tensorboard"], ["trainer.save_every=2"])
@@ -163,7 +163,7 @@ def test_a_fresh_run_in_a_used_folder_starts_new_sink_runs(tmp_path):
 
 def test_missing_extra_is_named_before_the_run_starts(tmp_path, monkeypatch):
     from specopd.train.loop import train
-    from specopd.train.tiny import tiny_recipe
+    from tiny_runs import tiny_recipe
 
     real = M.importlib.util.find_spec
     monkeypatch.setattr(M.importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))

@@ -38,7 +38,7 @@ def _cfg(out, *extra, backend="ray", workers=2):
 
 def _weights(out):
     from safetensors.torch import load_file
-    from specopd.train.checkpoint import find_latest
+    from specopd.runs.checkpoint import find_latest
 
     return load_file(os.path.join(find_latest(str(out)), "model.safetensors"))
 
@@ -113,7 +113,7 @@ def test_split_roles_train_like_one_local_worker(ray_session, tmp_path):
 
 @pytest.mark.slow
 def test_killed_worker_stops_the_run_and_resume_continues(ray_session, tmp_path):
-    from specopd.train.checkpoint import complete_checkpoints
+    from specopd.runs.checkpoint import complete_checkpoints
     from specopd.train.loop import train
 
     out = tmp_path / "run"

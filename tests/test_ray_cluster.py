@@ -20,16 +20,16 @@ pytestmark = pytest.mark.slow
 
 from specopd.distributed import RayGroup, WorkerLostError  # noqa: E402
 from specopd.distributed.ray_backend import live_groups  # noqa: E402
-from specopd.train import checkpoint as ck  # noqa: E402
+from specopd.runs import checkpoint as ck  # noqa: E402
 from specopd.train.loop import train  # noqa: E402
-from specopd.train.tiny import tiny_recipe  # noqa: E402
+from tiny_runs import tiny_recipe  # noqa: E402
 
 INV = ["trainer.batch_invariant=true", "trainer.eval_heldout=false", "runtime.cpus_per_worker=1"]
 
 
 def test_ray_output_is_quiet(tmp_path):
     """A fresh process starting its own Ray: no 'Token authentication' notice, no 'Started a local Ray'."""
-    code = ("from specopd.train.loop import train; from specopd.train.tiny import tiny_recipe; "
+    code = ("from specopd.train.loop import train; from tiny_runs import tiny_recipe; "
             f"train(tiny_recipe({str(tmp_path)!r}, ['runtime.backend=ray', 'trainer.max_steps=1', "
             "'trainer.eval_heldout=false', 'runtime.cpus_per_worker=1']), progress=False)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd()] + sys.path)}

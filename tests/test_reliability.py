@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from specopd.cli import main
-from specopd.train import checkpoint as ck
+from specopd.runs import checkpoint as ck
 from specopd.train.checkpointer import RecipeChangeError
 from specopd.train.loop import train
-from specopd.train.tiny import TINY_TEST_OVERRIDES, tiny_recipe
+from tiny_runs import TINY_TEST_OVERRIDES, tiny_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
@@ -87,7 +87,7 @@ def _poison_fc(step_dir):
 # ---------------------------------------------------------------------------------------------- one writer
 _HOLD = textwrap.dedent("""
     import sys, time
-    from specopd.train.lock import acquire
+    from specopd.runs.lock import acquire
     acquire(sys.argv[1], "trainer.output_dir")
     print("held", flush=True)
     time.sleep(120)
@@ -131,7 +131,7 @@ def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path, capsys):
 
 
 def test_a_stale_lock_is_taken_over_with_a_note(tmp_path, capsys):
-    from specopd.train.lock import LOCK_FILE, acquire, read_holder, release
+    from specopd.runs.lock import LOCK_FILE, acquire, read_holder, release
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -171,14 +171,14 @@ def test_a_stale_lock_is_taken_over_with_a_note(tmp_path, capsys):
 
 
 def test_the_lock_is_reentrant_in_a_process_and_workers_do_not_need_it(tmp_path):
-    from specopd.train.lock import RunLockedError, acquire, release
+    from specopd.runs.lock import RunLockedError, acquire, release
     from specopd.train.worker import Worker
 
     out = tmp_path / "run"
     acquire(str(out))
     acquire(str(out))  # the main job locks its folder, then its training stage locks it again
     release(str(out))
-    holder_probe = "from specopd.train.lock import acquire; import sys; acquire(sys.argv[1])"
+    holder_probe = "from specopd.runs.lock import acquire; import sys; acquire(sys.argv[1])"
     r = subprocess.run([sys.executable, "-c", holder_probe, str(out)], capture_output=True, text=True, env=_env())
     assert r.returncode != 0 and "RunLockedError" in r.stderr and f"pid {os.getpid()}" in r.stderr
     release(str(out))

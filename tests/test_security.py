@@ -18,10 +18,10 @@ from specopd.data import formats as F
 from specopd.data.prepare import load_tokenizer
 from specopd.errors import LinkedPathError, open_write, own_dir, remove_path, replacing, write_replace
 from specopd.profiling import append_spans
-from specopd.train import checkpoint as ck
+from specopd.runs import checkpoint as ck
 from specopd.train.loop import train
-from specopd.train.tiny import TINY_TEST_OVERRIDES, tiny_recipe
 from test_data import char_target
+from tiny_runs import TINY_TEST_OVERRIDES, tiny_recipe
 
 STEPS = 4
 PRECIOUS = "precious: not the tool's to write\n"

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
+from specopd.runs import checkpoint as ck
 from specopd.signals import StopHandler
-from specopd.train import checkpoint as ck
 from specopd.train.checkpointer import Checkpointer
 from specopd.train.worker import Worker
 from tests.test_faults import STEPS, _args, _cli, _metrics, _same, _weights, straight  # noqa: F401 (a fixture)

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from specopd.train import tiny
-from specopd.train.tiny import build_tiny_target
+from specopd.models import tiny
+from specopd.models.tiny import build_tiny_target
 
 TINY = {"vocab_size": 64, "num_hidden_layers": 1}
 

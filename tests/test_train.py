@@ -12,8 +12,8 @@ from specopd.train.baselines import verify_block
 from specopd.train.group import LocalGroup
 from specopd.train.loop import train
 from specopd.train.step import reduce_metrics
-from specopd.train.tiny import tiny_recipe
 from specopd.train.worker import Worker, lr_lambda
+from tiny_runs import tiny_recipe
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -86,7 +86,7 @@ def test_target_keeps_hidden_states_not_logits(tmp_path, target):
     the logits path (qwen4_exp has no final norm: its head is lm_head alone)."""
     from specopd.models import load_target
     from specopd.tree import ProposalTree
-    from specopd.train.tiny import resolve_target_path
+    from specopd.models.tiny import resolve_target_path
 
     cfg = tiny_recipe(str(tmp_path), target=target)
     m = load_target(resolve_target_path(cfg.model, str(tmp_path)))
@@ -309,7 +309,7 @@ def test_cache_trunks_same_numbers_one_prefill_per_sequence(tmp_path, method):
     """trainer.cache_trunks: bit-identical losses and weights, and the target runs once per sequence (counted on
     its first decoder layer); on-policy methods refuse it."""
     from specopd.config import RecipeError
-    from specopd.train.checkpoint import find_latest
+    from specopd.runs.checkpoint import find_latest
 
     over = [f"trainer.method={method}", "trainer.max_steps=6", "trainer.eval_heldout=false", "data.num_samples=6",
             "data.heldout=0", "data.batch_size=4"]

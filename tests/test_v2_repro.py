@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from specopd.drafters.dflash2 import CandidateSelector
-from specopd.train import checkpoint as ck
+from specopd.runs import checkpoint as ck
 from specopd.train.loop import train
-from specopd.train.tiny import tiny_recipe
+from tiny_runs import tiny_recipe
 
 STEPS = 4
 # enough branches that the selector's backward is split across threads: 8 x 8 branches x 4 slots x 8 candidates

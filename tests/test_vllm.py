@@ -39,7 +39,7 @@ TINY = dict(vocab_size=128, hidden_size=64, num_attention_heads=2, num_key_value
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
     """A tiny target (+ a char tokenizer with a chat template) -> (folder, root)."""
-    from specopd.train.tiny import build_tiny_target
+    from specopd.models.tiny import build_tiny_target
     from test_data import write_char_tokenizer
 
     root = tmp_path_factory.mktemp("vllm")
@@ -54,7 +54,7 @@ def served(tiny_target):
     from specopd.config import load_recipe
     from specopd.data.prepare import encode_prompt, load_tokenizer
     from specopd.drafters.layout import export_folder
-    from specopd.train.checkpoint import find_latest
+    from specopd.runs.checkpoint import find_latest
     from specopd.train.loop import train
 
     tdir, root = tiny_target
@@ -220,7 +220,7 @@ def two_layer(tiny_target, tmp_path_factory):
     from specopd.config import load_recipe
     from specopd.data.prepare import encode_prompt, load_tokenizer
     from specopd.drafters.layout import export_folder
-    from specopd.train.checkpoint import find_latest
+    from specopd.runs.checkpoint import find_latest
     from specopd.train.loop import train
 
     tdir, _ = tiny_target

@@ -16,7 +16,7 @@ import torch
 
 from kernels import paths
 from kernels.cbuild import Library, bf16_cpu_inference
-from specopd.config import cpu_flags
+from kernels.cpu_features import cpu_flags
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cpu.c")
 MODES = paths.CHOICES["cpu_attention"]

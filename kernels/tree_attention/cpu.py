@@ -15,7 +15,7 @@ import torch
 
 from kernels.causal_attention.cpu import LIB, check_inputs
 from kernels.tree_attention.plan import node_order
-from specopd.tree import check_tree
+from kernels.trees import check_tree
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class TreeLayout:
 
 def tree_layout(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: torch.Tensor,
                 trunk_lens: Sequence[int]) -> TreeLayout:
-    """Check a tree (``specopd.tree.check_tree``) and lay it out for ``tree_attention``.
+    """Check a tree (``kernels.trees.check_tree``) and lay it out for ``tree_attention``.
 
     Args:
         anchor, parent, trunk_index: [M] ``ProposalTree`` fields (parent -1 for a child of the trunk; parents

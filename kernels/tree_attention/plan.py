@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.tree_attention.naive import attend
-from specopd.tree import check_tree
+from kernels.trees import check_tree
 
 
 @dataclass
@@ -97,7 +97,7 @@ def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: tor
 
     Args:
         anchor, parent, trunk_index: [M] ``ProposalTree`` fields (parent -1 for a child of the trunk; parents
-            precede children); checked by ``specopd.tree.check_tree``.
+            precede children); checked by ``kernels.trees.check_tree``.
         trunk_lens: keys held by each trunk's cache.
         block_m: nodes per query block.
         block_n: keys per key block (<= 64: int64 bitmasks).

@@ -29,7 +29,7 @@ from specopd.engines.openai_api import RequestFailed, check_ids, generate_openai
 from specopd.errors import MissingInputError, open_write, own_dir, refuse_link
 from specopd.models import load_target
 from specopd.models.loading import read_config
-from specopd.train.lock import run_lock
+from specopd.runs.lock import run_lock
 from specopd.tree import ProposalTree
 
 MODELS = {MODEL_NAME: prepare_smollm2}
@@ -184,7 +184,7 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
                  concurrency: int = 8, timeout_s: Optional[float] = None, retry_time_s: Optional[float] = None,
                  max_total_tokens: Optional[int] = None) -> dict:
     """Regenerate responses for the first ``num`` prompts (resumable: records are appended as they finish; a
-    rerun skips finished ids). Holds the lock of ``out_dir`` (``specopd.train.lock``): a second writer there is
+    rerun skips finished ids). Holds the lock of ``out_dir`` (``specopd.runs.lock``): a second writer there is
     refused.
 
     Args:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from kernels import paths
 from specopd.errors import UserError, own_dir, write_replace
 from specopd.profiling import append_spans, start_gpu_sampler
+from specopd.runs import checkpoint as ck
 from specopd.signals import starting_ray
-from specopd.train import checkpoint as ck
 from specopd.train.determinism import apply_deterministic
 from specopd.train.group import WorkerCalls, split_call
 

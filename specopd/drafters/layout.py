@@ -74,7 +74,7 @@ def sha256_file(path: str, chunk: int = 8 << 20) -> str:
 def verify_folder(path: str, checksums: bool = True) -> Optional[str]:
     """None when a folder's files match its manifest; else what is wrong (one line).
 
-    A checkpoint folder (``specopd.train.checkpoint``) has ``manifest.json`` (size + sha256 of every other file)
+    A checkpoint folder (``specopd.runs.checkpoint``) has ``manifest.json`` (size + sha256 of every other file)
     and a ``COMPLETE`` marker recording the manifest's sha256. A manifest that is missing where the marker records
     one is damage, as are a manifest that does not match the marker, a listed file that is missing, of another
     size or (``checksums``) of another sha256, and a listed name that is not a file of the folder (``../x``, an

@@ -25,10 +25,10 @@ from specopd.eval.bench import (BENCHES, by_category, format_categories, mtbench
                                  provenance, provenance_line)
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
 from specopd.models import load_target
+from specopd.models.loading import check_device
+from specopd.models.tiny import resolve_target_path
+from specopd.runs.checkpoint import MARKER, find_latest, newest_good, verify
 from specopd.train.data import load_dataset, split_dataset
-from specopd.train.checkpoint import MARKER, find_latest, newest_good, verify
-from specopd.train.loop import check_device
-from specopd.train.tiny import resolve_target_path
 
 
 def evaluate_al(target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Optional
 
 import torch
 from safetensors.torch import load_file
 
 from executors.base import check_kernels
+from kernels import cpu_features
+from specopd.config import RecipeError
 from specopd.models.registry import MODEL_TYPES
 from specopd.models.tensor_parallel import shard_target
 
@@ -35,6 +38,24 @@ def check_device_dtype(device, dtype: torch.dtype) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"unsupported device {device}; use 'cpu' or 'cuda'")
     return device
+
+
+def check_device(cfg) -> None:
+    """Whether this machine runs the target as the recipe ``cfg`` asks, before any work. model.device=cuda on a
+    machine whose torch sees no CUDA device: a RecipeError (Ray clusters given by runtime.address are not checked
+    here: their workers may have GPUs the driver lacks). A bf16 target on a CPU without native bf16 matmuls: a
+    warning that names the fix."""
+    if cfg.runtime.address is not None:
+        return
+    if cfg.model.device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError(f"model.device=cuda, but torch sees no CUDA device on this machine (torch "
+                          f"{torch.__version__}, torch.cuda.is_available() is False): use model.device=cpu, or "
+                          f"model.device=auto (cuda when available)")
+    on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and cfg.model.dtype == "bfloat16" and not cpu_features.cpu_bf16_native():
+        warnings.warn(f"model.dtype=bfloat16 on a CPU without AMX-BF16 or AVX512-BF16 (torch sees "
+                      f"{torch.backends.cpu.get_cpu_capability()}): its bf16 matmuls are emulated, far slower than "
+                      f"fp32; use model.dtype=auto (bfloat16 only where it is native) or float32", stacklevel=2)
 
 
 def read_config(path: str) -> dict:

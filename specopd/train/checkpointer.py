@@ -15,8 +15,8 @@ from specopd.config import (FROM_HERE, REFUSE, SAME_RUN, RecipeConfig, RecipeErr
 from specopd.drafters.layout import check_drafter, read_config, read_drafter
 from specopd.errors import BadInputError, open_write, own_dir, refuse_link, write_replace
 from specopd.profiling import Profiler
+from specopd.runs import checkpoint as ck
 from specopd.signals import stopped_by
-from specopd.train import checkpoint as ck
 from specopd.train.data import BatchOrder
 from specopd.train.inputs import input_changes, input_fingerprints
 from specopd.train.step import NonFiniteError
@@ -214,7 +214,7 @@ class Checkpointer:
     """Finds, checks and loads the checkpoint a run resumes from (or starts it fresh), and saves its checkpoints
     (``save``; ``save_on_interrupt`` keeps the completed steps of an interrupted run).
 
-    A checkpoint ``c`` is ``specopd.train.checkpoint.load_checkpoint``'s dict (worker_state, state, path)."""
+    A checkpoint ``c`` is ``specopd.runs.checkpoint.load_checkpoint``'s dict (worker_state, state, path)."""
 
     def __init__(self, cfg: RecipeConfig, prof: Profiler):
         self.cfg, self.t, self.out = cfg, cfg.trainer, cfg.trainer.output_dir

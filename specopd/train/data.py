@@ -19,7 +19,7 @@ from specopd.data.prepare import load_tokenizer
 from specopd.data.references import token_ids_problem
 from specopd.errors import TOO_DEEP, BadInputError, own_dir, read_text_lines, replacing
 from specopd.models.loading import read_config
-from specopd.train.tiny import TINY_VERSION
+from specopd.models.tiny import TINY_VERSION
 
 
 def _key(cfg) -> str:

@@ -7,23 +7,23 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
 from typing import Optional
 
 import torch
 
 from kernels import paths
-from specopd.config import RecipeConfig, RecipeError, cpu_bf16_native
+from specopd.config import RecipeConfig, RecipeError
 from specopd.distributed.ray_backend import RayGroup
 from specopd.errors import write_replace
 from specopd.memory import check_memory
+from specopd.models.loading import check_device
 from specopd.profiling import Profiler, append_spans, write_profile
-from specopd.train import checkpoint as ck
+from specopd.runs import checkpoint as ck
+from specopd.runs.lock import run_lock
 from specopd.train.checkpointer import Checkpointer, drafter_as_loaded
 from specopd.train.data import BatchOrder, warm_conversation_cache
 from specopd.train.determinism import apply_deterministic
 from specopd.train.group import LocalGroup
-from specopd.train.lock import run_lock
 from specopd.train.metrics import TrainMetrics, check_loggers, check_sink_folders
 from specopd.train.step import NonFiniteGuard, train_step
 from specopd.train.validator import Validator
@@ -33,23 +33,6 @@ def make_group(cfg: RecipeConfig):
     if cfg.runtime.backend == "ray":
         return RayGroup(cfg)
     return LocalGroup(cfg)
-
-
-def check_device(cfg: RecipeConfig) -> None:
-    """model.device=cuda on a machine whose torch sees no CUDA device: a RecipeError (Ray clusters given by
-    runtime.address are not checked here: their workers may have GPUs the driver lacks). A bf16 target on a CPU
-    without native bf16 matmuls: a warning that names the fix."""
-    if cfg.runtime.address is not None:
-        return
-    if cfg.model.device == "cuda" and not torch.cuda.is_available():
-        raise RecipeError(f"model.device=cuda, but torch sees no CUDA device on this machine (torch "
-                          f"{torch.__version__}, torch.cuda.is_available() is False): use model.device=cpu, or "
-                          f"model.device=auto (cuda when available)")
-    on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
-    if on_cpu and cfg.model.dtype == "bfloat16" and not cpu_bf16_native():
-        warnings.warn(f"model.dtype=bfloat16 on a CPU without AMX-BF16 or AVX512-BF16 (torch sees "
-                      f"{torch.backends.cpu.get_cpu_capability()}): its bf16 matmuls are emulated, far slower than "
-                      f"fp32; use model.dtype=auto (bfloat16 only where it is native) or float32", stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------------- train
@@ -174,7 +157,7 @@ class Trainer:
 
 def train(cfg: RecipeConfig, progress: bool = True) -> dict:
     """Run the recipe; returns the summary (also written to <output_dir>/train_summary.json). Holds the run
-    folder's lock (``specopd.train.lock``) throughout: a second writer is refused."""
+    folder's lock (``specopd.runs.lock``) throughout: a second writer is refused."""
     if cfg.pipeline.enabled:
         raise RecipeError("pipeline.enabled=true is the main job (prepare, warm up, train, evaluate, export), which "
                           "runs this training loop itself: run `specopd train RECIPE` or specopd.mainjob.run(cfg), "

@@ -24,13 +24,13 @@ from specopd.losses import (candidate_ce, candidate_e2e_tv, confidence_loss, Fus
 from specopd.models import load_target
 from specopd.models.loading import resolve_dtype
 from specopd.models.tensor_parallel import vocab_group
+from specopd.models.tiny import resolve_target_path
 from specopd.profiling import Profiler
 from specopd.signals import uninterrupted
 from specopd.train.baselines import draft_opd_rollout
 from specopd.train.data import load_dataset, split_dataset, valid_anchors
 from specopd.train.determinism import all_blocks, block_sum, blocks, combine
 from specopd.train.handoff import Branches, GradBlocks, Proposals, Scored, Staged, Trunk
-from specopd.train.tiny import resolve_target_path
 from specopd.tree import ProposalTree
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Tiny seeded random targets built on the fly (``model.target: tiny:<model_type>``): our own model class, every
 parameter filled from the seed, written as a real Hugging Face folder and loaded with ``load_target``.
-Seeding and the head scale: specopd/train/DESIGN.md ("Tiny targets").
+Seeding and the head scale: specopd/models/DESIGN.md ("Tiny targets").
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import safetensors.torch
 import torch
 
 from executors.base import check_kernels
-from specopd.config import RecipeError, load_recipe
-from specopd.models import MODEL_TYPES
+from specopd.config import RecipeError
 from specopd.models.loading import check_device_dtype, param_dtype, place_weights, resolve_dtype
+from specopd.models.registry import MODEL_TYPES
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
@@ -212,16 +212,3 @@ def resolve_target_path(model_cfg, output_dir: str) -> str:
                                  overrides=dict(model_cfg.tiny))
     return model_cfg.target
 
-
-# the smallest useful run: used by tests and benchmarks (seconds on one CPU core)
-TINY_TEST_OVERRIDES = [
-    "data.num_samples=24", "data.prompt_len=4", "data.seq_len=20", "data.batch_size=4", "data.heldout=0.25",
-    "drafter.block_size=4", "trainer.anchors_per_seq=4", "trainer.eval_anchors_per_seq=4", "trainer.max_steps=4",
-    "trainer.warmup_steps=1", "trainer.save_every=0", "profile.enabled=false",
-]
-
-
-def tiny_recipe(output_dir: str, overrides=(), target: str = "tiny:llama"):
-    """A validated tiny RecipeConfig writing to ``output_dir`` (``overrides``: extra a.b=c strings)."""
-    return load_recipe(None, TINY_TEST_OVERRIDES + [f"model.target={target}", f"trainer.output_dir={output_dir}"]
-                       + list(overrides))

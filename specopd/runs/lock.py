@@ -1,6 +1,6 @@
 """One writer per folder: an exclusive lock on a run folder (``trainer.output_dir``) or a data folder
 (``specopd prepare data --out``), held for the whole run; a second writer is refused (``RunLockedError``).
-Stale locks and re-entrancy: specopd/train/DESIGN.md ("Run lock").
+Stale locks and re-entrancy: specopd/runs/DESIGN.md ("Run lock").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Checkpoints: ``<output_dir>/checkpoints/step-<N>/`` (N = completed optimizer steps), written atomically with a
 manifest of sizes and sha256 that a resume verifies; a damaged one is moved aside, never deleted.
-Contents, atomicity and integrity: specopd/train/DESIGN.md ("Checkpoint folders").
+Contents, atomicity and integrity: specopd/runs/DESIGN.md ("Checkpoint folders").
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from specopd.drafters.layout import MANIFEST, MARKER, load_safetensors, save_safetensors, sha256_file, verify_folder
 from specopd.errors import UserError, open_write, own_dir, remove_path, replacing
-from specopd.train.lock import pid_alive
+from specopd.runs.lock import pid_alive
 
 _STEP = re.compile(r"^step-(\d+)$")
 _TMP = re.compile(r"^\.(tmp|old|prune)-step-(\d+)-(\d+)$")

@@ -1,0 +1,17 @@
+"""The smallest useful training runs, for tests (seconds on one CPU core): ``TINY_TEST_OVERRIDES`` and
+``tiny_recipe`` (a validated tiny recipe writing to a folder)."""
+from __future__ import annotations
+
+from specopd.config import load_recipe
+
+TINY_TEST_OVERRIDES = [
+    "data.num_samples=24", "data.prompt_len=4", "data.seq_len=20", "data.batch_size=4", "data.heldout=0.25",
+    "drafter.block_size=4", "trainer.anchors_per_seq=4", "trainer.eval_anchors_per_seq=4", "trainer.max_steps=4",
+    "trainer.warmup_steps=1", "trainer.save_every=0", "profile.enabled=false",
+]
+
+
+def tiny_recipe(output_dir: str, overrides=(), target: str = "tiny:llama"):
+    """A validated tiny RecipeConfig writing to ``output_dir`` (``overrides``: extra a.b=c strings)."""
+    return load_recipe(None, TINY_TEST_OVERRIDES + [f"model.target={target}", f"trainer.output_dir={output_dir}"]
+                       + list(overrides))
