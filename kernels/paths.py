@@ -1,6 +1,6 @@
 """Which compute path this process runs where there is a choice: the CPU (C) kernels and the drafter's attention.
 
-The recipe's ``kernels:`` section (``specopd.config.KernelsConfig``) sets them through ``configure_from`` in every
+The recipe's ``kernels:`` section (``KernelsConfig``, defined here) sets them through ``configure_from`` in every
 process that computes (the training driver, each worker, Ray actors included, and ``specopd eval``), so a driver
 and its workers, or a run and its resume, run the same paths; the ops read them with ``mode``. Outside a recipe
 (a script, a test) every path is "auto" unless ``configure`` says otherwise.
@@ -8,6 +8,7 @@ and its workers, or a run and its resume, run the same paths; the ops read them 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Iterator
 
 CHOICES = {  # name -> its values, "auto" (the default) first
@@ -18,7 +19,44 @@ CHOICES = {  # name -> its values, "auto" (the default) first
     "cpu_sampling": ("auto", "cpu", "torch"),  # draws at T > 0 in C (kernels/sampling)
     "drafter_attention": ("auto", "chunked", "flex"),  # the drafter's branch attention (specopd/drafters)
 }
-CHOSEN = dict.fromkeys(CHOICES, "auto")  # this process's paths (tests may patch an entry with monkeypatch.setitem)
+CHOSEN = dict.fromkeys(CHOICES, "auto")
+
+# every path may change on a resume and takes effect from the resumed step on: the recipe's resume policy
+# "from_here" (specopd.settings.FROM_HERE; kernels/ imports nothing from specopd)
+_FROM_HERE = {"resume": "from_here"}
+
+
+class PathChoiceError(ValueError):
+    """A ``kernels:`` value outside its ``CHOICES`` (the recipe loader reports it as a recipe error)."""
+
+
+@dataclass
+class KernelsConfig:
+    """The recipe's ``kernels:`` section: one field per ``CHOICES`` name, each "auto" by default (the fastest path
+    that is exact to its promise on this machine)."""
+    cpu_attention: str = field(default="auto", metadata=_FROM_HERE)
+    """bf16 causal and tree attention in C (kernels/causal_attention): auto (on CPUs with AVX512-BF16 and no AMX) |
+    cpu (wherever it builds; an error where it does not) | torch (torch's attention everywhere)."""
+    cpu_layer_ops: str = field(default="auto", metadata=_FROM_HERE)
+    """bf16 RMSNorm, SiLU * up and RoPE in C, and packed linear layers (kernels/layer_ops): auto | torch."""
+    cpu_linear: str = field(default="auto", metadata=_FROM_HERE)
+    """Linear layers with the weight packed once for oneDNN: auto (bf16; F.linear's bits) | torch (F.linear) | all
+    (fp32 too: oneDNN's fp32 kernel, not F.linear's bits)."""
+    cpu_tv_loss: str = field(default="auto", metadata=_FROM_HERE)
+    """The fused E2E-TV's alpha and gradient in C (kernels/e2e_tv): auto | cpu (an error if it does not build) |
+    torch."""
+    cpu_sampling: str = field(default="auto", metadata=_FROM_HERE)
+    """Draws at T > 0 in C (kernels/sampling): auto | cpu (an error if it does not build) | torch."""
+    drafter_attention: str = field(default="auto", metadata=_FROM_HERE)
+    """The drafter's branch attention: auto (flex_attention on CUDA when it compiles, else chunked) | chunked |
+    flex."""
+
+    def __post_init__(self):
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise PathChoiceError(f"kernels.{name}={value!r} is not valid; choose one of {list(choices)}")
+  # this process's paths (tests may patch an entry with monkeypatch.setitem)
 
 
 def mode(name: str) -> str:

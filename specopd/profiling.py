@@ -1,5 +1,6 @@
 """Phase spans per worker, the GPU (NVML) / CPU (psutil) samplers, and the profile outputs under
-``<run_dir>/profile/`` (trace.json, timeline.png, summary.json). Outputs: specopd/DESIGN.md ("Profiling").
+``<run_dir>/profile/`` (trace.json, timeline.png, summary.json), with the recipe's ``profile:`` section
+(``ProfileConfig``). Outputs: specopd/DESIGN.md ("Profiling").
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import os
 import re
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 
 from specopd.errors import open_write, own_dir, replacing, write_replace
+from specopd.settings import SAME_RUN, check_range, setting
 
 # The phases a training step is made of, in step order: the span names, the metric keys (train/phase_s/<phase>)
 # and the memory plan's phases (specopd/memory.py). Other span names are drawn too, in grey shades.
@@ -26,6 +29,20 @@ _COLORS = {
     "backward": "#d62728", "allreduce": "#9467bd", "all-reduce": "#9467bd", "optimizer": "#8c564b",
     "checkpoint": "#e377c2", "eval": "#17becf", "warmup": "#bcbd22",
 }
+
+
+@dataclass
+class ProfileConfig:
+    """The recipe's ``profile:`` section."""
+    enabled: bool = setting(True, resume=SAME_RUN)
+    """Record per-phase spans (prefill / propose / score / loss_backward / optimizer_step) per worker."""
+    nvml: bool = setting(False, resume=SAME_RUN)
+    """Sample GPU utilisation / memory with NVML while training (GPU only)."""
+    nvml_interval_ms: int = setting(50, resume=SAME_RUN)
+    """NVML sampling interval."""
+
+    def __post_init__(self):
+        check_range("profile", "nvml_interval_ms", self.nvml_interval_ms, lo=1)
 
 
 class Profiler:

@@ -181,15 +181,17 @@ def test_every_field_declares_what_a_resume_does_with_its_change():
 
 
 def test_compute_paths_are_recipe_keys_checked_on_resume(tmp_path, capsys):
-    """The kernels section: the same choices as kernels.paths, validated up front, shown by --dry-run, taking effect
+    """The kernels section (kernels.paths): one key per path, validated up front, shown by --dry-run, taking effect
     from the resumed step on; a checkpoint that records no section ran on the defaults, and a run on the defaults
     records none (its checkpoints stay the bytes they were)."""
+    import dataclasses
+
     from kernels import paths
-    from specopd.config import FROM_HERE, KERNEL_CHOICES, recipe_record, recorded_recipe, resume_policies, to_dict
+    from specopd.config import FROM_HERE, recipe_record, recorded_recipe, resume_policies, to_dict
     from specopd.train.checkpointer import recipe_changes
 
-    assert KERNEL_CHOICES == paths.CHOICES
-    assert all(resume_policies()[f"kernels.{k}"] == FROM_HERE for k in KERNEL_CHOICES)
+    assert [f.name for f in dataclasses.fields(paths.KernelsConfig)] == list(paths.CHOICES)
+    assert all(resume_policies()[f"kernels.{k}"] == FROM_HERE for k in paths.CHOICES)
     with pytest.raises(RecipeError, match=r"kernels.cpu_attention='c' is not valid; choose one of \['auto', 'cpu'"):
         load_recipe(None, ["kernels.cpu_attention=c"])
     assert main(["train", os.path.join(ROOT, "recipes", "tiny.yaml"), "--dry-run", f"trainer.output_dir={tmp_path}",

@@ -47,8 +47,11 @@ LAYERS = [
     ("jobs", ("specopd.mainjob",)),
     ("cli", ("specopd.cli",)),
 ]
-LEAVES = ("specopd", "specopd.config", "specopd.errors", "specopd.profiling", "specopd.signals",
-          "kernels.cpu_features")  # import none of our modules but leaves
+# import only leaves: the recipe root (specopd.config) and each component's section beside its code (which import
+# only specopd.settings), so that any module can read a section and the root can import them all
+LEAVES = ("specopd", "specopd.config", "specopd.settings", "specopd.errors", "specopd.profiling", "specopd.signals",
+          "specopd.models.config", "specopd.drafters.config", "specopd.data.config", "specopd.train.config",
+          "specopd.eval.config", "specopd.mainjob_config", "kernels.paths", "kernels.cpu_features")
 STANDALONE = ("kernels", "executors")  # import nothing from specopd, leaves included
 BELOW_JOBS = ("specopd/eval", "specopd/distributed", "specopd/train", "specopd/data", "specopd/runs", "specopd/drafters",
               "specopd/models", "executors", "kernels")
@@ -206,9 +209,9 @@ def test_nothing_below_the_jobs_imports_mainjob_or_cli(graph):
 
 
 def test_imports_flow_down_the_layers(graph):
-    """Down the layers of the module docstring, never upwards; the leaves (config, errors, profiling, signals,
-    the CPU feature probe) import only leaves; a submodule imports its siblings' modules, not its own package (whose
-    __init__ re-exports them)."""
+    """Down the layers of the module docstring, never upwards; the leaves (the recipe root and its sections,
+    settings, errors, profiling, signals, the kernel path choices, the CPU feature probe) import only leaves; a
+    submodule imports its siblings' modules, not its own package (whose __init__ re-exports them)."""
     mods, imports = graph
     unplaced = [m for m in mods if _layer(m) is None and m not in LEAVES]
     assert not unplaced, f"modules in no layer of this test: {unplaced} (add them to LAYERS)"
