@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--prompts", default=None, help="prompts file: JSONL with 'prompt' or chat 'messages', or plain "
                                                     "text (one prompt a line); the target's chat template applies")
     ev.add_argument("--temperatures", default=None, help="comma-separated decoding temperatures, e.g. 0,1 "
-                                                         "(default: eval.temperature)")
+                                                         "(default: eval.decode_temperature)")
     ev.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                     help="vllm: serve the drafter in vLLM (its own venv, `make vllm`) and report its counters next to "
                          "ours (specopd.eval.engine)")

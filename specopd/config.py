@@ -1,12 +1,13 @@
 """The recipe root: ``RecipeConfig`` (one section per component, each defined beside its code), ``load_recipe``
-(YAML + ``section.key=value`` overrides, cross-section rules) and what a checkpoint records of it. Every field
-declares what a resume does when its value changes (``specopd.settings.setting``). Checks and resume policies:
-specopd/DESIGN.md ("Recipes").
+(YAML + ``section.key=value`` overrides, renamed keys, cross-section rules) and what a checkpoint records of it.
+Every field declares what a resume does when its value changes (``specopd.settings.setting``). Checks, renamed keys
+and resume policies: specopd/DESIGN.md ("Recipes").
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,6 +33,39 @@ def auto_dtype(device: str) -> str:
 
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     return "bfloat16" if cuda or cpu_features.cpu_bf16_native() else "float32"
+
+
+# Keys renamed so that a name says which temperature or warm-up it is: old "section.key" -> its new name in the same
+# section. A recipe or an override that uses an old name is read as the new one with a one-line note; a checkpoint's
+# recorded recipe is read the same way (``recorded_recipe``), so runs recorded before a rename resume and compare key
+# by key.
+RENAMED = {
+    "data.sample_temperature": "data.synthetic_temperature",
+    "trainer.temperature": "trainer.acceptance_temperature",
+    "trainer.warmup_steps": "trainer.lr_warmup_steps",
+    "eval.temperature": "eval.decode_temperature",
+}
+
+
+def upgrade_keys(d: dict, origin: Optional[str] = None) -> dict:
+    """A recipe as a nested dict with each old name of ``RENAMED`` under its new one (in its place: a key is renamed
+    within its section). ``origin`` (where the dict came from: "recipe <path>", "override"): print a one-line note
+    per old name; None: silently (a checkpoint's record). Both names of one key: RecipeError."""
+    out = dict(d)
+    for old, new in RENAMED.items():
+        section, key = old.split(".")
+        new_key = new.split(".")[1]
+        fields = out.get(section)
+        if not isinstance(fields, dict) or key not in fields:
+            continue
+        if new_key in fields:
+            raise RecipeError(f"{origin or 'the recorded recipe'}: {old} and {new} are one key (renamed to {new}); "
+                              f"give only {new}")
+        out[section] = {(new_key if k == key else k): v for k, v in fields.items()}
+        if origin:
+            print(f"note: {origin}: {old} is now called {new} (the old name still works; rename it to silence this "
+                  f"note)", file=sys.stderr)
+    return out
 
 
 @dataclass
@@ -97,9 +131,11 @@ def recipe_record(cfg) -> dict:
 
 
 def recorded_recipe(d: Optional[dict]) -> Optional[dict]:
-    """A checkpoint's recipe with the kernels section filled in: a record without one ran on the default paths."""
+    """A checkpoint's recipe under today's key names (``upgrade_keys``) with the kernels section filled in: a record
+    without one ran on the default paths."""
     if d is None:
         return None
+    d = upgrade_keys(d)
     return {**d, "kernels": {**to_dict(KernelsConfig()), **(d["kernels"] if "kernels" in d else {})}}
 
 
@@ -196,9 +232,9 @@ def load_recipe(path: Optional[str], overrides=None) -> RecipeConfig:
         if not loaded:  # an empty file (or only comments) would train the defaults without a word
             raise RecipeError(f"recipe {path!r} is empty (no keys); give the settings of a run (start from a "
                               f"recipe in recipes/, e.g. recipes/tiny.yaml)")
-        data = loaded
+        data = upgrade_keys(loaded, f"recipe {path}") if isinstance(loaded, dict) else loaded
         _check_keys(data, RecipeConfig, "", f"recipe {path}")
-    ovs = _parse_overrides(overrides)
+    ovs = upgrade_keys(_parse_overrides(overrides), "override")
     _check_keys(ovs, RecipeConfig, "", "override")
     merged = _deep_merge(data, ovs)
     try:

@@ -126,7 +126,7 @@ def _warmup_cfg(cfg, target_dir: str, out: str):
     pl = cfg.pipeline
     c = stage_cfg(cfg, {"target_dir": target_dir}, method=pl.warmup_method, output_dir=out,
                   max_steps=pl.warmup_steps, save_every=0, lr=pl.warmup_lr, min_lr_ratio=pl.warmup_min_lr_ratio,
-                  warmup_steps=min(cfg.trainer.warmup_steps, pl.warmup_steps), eval_heldout=False,
+                  lr_warmup_steps=min(cfg.trainer.lr_warmup_steps, pl.warmup_steps), eval_heldout=False,
                   cache_trunks=pl.warmup_method.startswith("offpolicy"))  # each reference prefilled once
     c.drafter.init_from = None
     c.profile.enabled = False

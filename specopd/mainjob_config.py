@@ -11,7 +11,8 @@ from specopd.settings import SAME_RUN, RecipeError, check_choice, check_range, s
 
 @dataclass
 class PipelineConfig:
-    """The main job (``specopd.mainjob``). Off by default: ``specopd train`` is plain training."""
+    """The main job (``specopd.mainjob``). Off by default: ``specopd train`` is plain training. Each key names its
+    stage: ``data_*`` the references, ``warmup_*`` the warm-up stage, ``eval_*`` the before / after table."""
     enabled: bool = setting(False, resume=SAME_RUN)
     """On: prepare the target (model.target names a `specopd prepare model` target) and chat references on
     first use (cached), warm a fresh drafter up (pipeline.warmup_method) if no warm drafter exists, train with
@@ -22,7 +23,8 @@ class PipelineConfig:
     data_max_new_tokens: int = setting(64, resume=SAME_RUN)
     """Response tokens generated per prompt."""
     data_temperature: float = setting(1.0, resume=SAME_RUN)
-    """Sampling temperature of the target's responses (0: greedy)."""
+    """The temperature the target answers the prompts at (0: greedy); synthetic data's is
+    ``data.synthetic_temperature``."""
     data_batch_size: int = setting(64, resume=SAME_RUN)
     """Prompts answered together by the built-in engine (one packed target pass per generated token)."""
     data_engine: str = setting("auto", resume=SAME_RUN)
@@ -31,7 +33,8 @@ class PipelineConfig:
     """first_turns: distinct first user turns of train conversations; all_turns: then their later user turns too
     (58k prompts: pretraining). Held-out conversations' openings are never used."""
     warmup_steps: int = setting(20, resume=SAME_RUN)
-    """Steps of the warm drafter from a fresh one (0: start trainer.method from a random drafter)."""
+    """Steps of the warm-up stage from a fresh drafter (0: none; trainer.method starts from drafter.init_from, else
+    from a random drafter). Its learning rate warms up over min(trainer.lr_warmup_steps, these) steps."""
     warmup_method: str = setting("offpolicy_ce", resume=SAME_RUN)
     """Method of the warm-up: offpolicy_ce | offpolicy_e2e_tv (on the same references)."""
     warmup_lr: float = setting(3e-3, resume=SAME_RUN)
@@ -39,7 +42,8 @@ class PipelineConfig:
     warmup_min_lr_ratio: float = setting(0.1, resume=SAME_RUN)
     """The warm-up's cosine schedule ends at warmup_lr * this (1.0: constant after the linear warmup)."""
     eval_temperatures: List[float] = setting(factory=lambda: [0.0, 1.0], resume=SAME_RUN)
-    """Decoding temperatures of the before / after table (0: greedy, acceptance = exact match)."""
+    """Decoding temperatures of the before / after table (0: greedy, acceptance = exact match); ``specopd eval``
+    decodes at ``eval.decode_temperature``."""
 
     def __post_init__(self):
         check_range("pipeline", "data_num", self.data_num, lo=2)

@@ -6,8 +6,9 @@ batch-invariant, Draft-OPD and the two off-policy methods), each straight throug
 prints one sha256 per run over every checkpoint file and every metrics.jsonl / train_summary.json value that is not
 a wall time, with the run's own (temporary) folder written as <out> (state.json and the summary name it; the
 manifest and COMPLETE marker, sha256 of those files, are left out; Ray runs leave out the actor's randomly seeded
-global torch RNG state, see _trainer_state), so two runs of the same code agree. Compare
-the output before and after a change (`diff`):
+global torch RNG state, see _trainer_state), so two runs of the same code agree. state.json records the recipe: its
+renamed keys (``specopd.config.RENAMED``) are hashed under their old names (``old_key_names``), so a fingerprint
+taken before a rename compares with one taken after it. Compare the output before and after a change (`diff`):
 
     python tests/fingerprint_runs.py > before.txt   # on the base commit
     python tests/fingerprint_runs.py > after.txt    # on the change
@@ -59,9 +60,20 @@ def train(recipe, out, *overrides):
 DERIVED = {"manifest.json", "COMPLETE"}  # sha256 of the other files (state.json names the run's folder)
 
 
+def old_key_names(text: str) -> str:
+    """JSON text with each renamed recipe key (``specopd.config.RENAMED``, "section.key" -> its new name) written back
+    as its old name: the key's own name only, which is unique to its section (tests/test_recipe_sections.py)."""
+    from specopd.config import RENAMED
+
+    for old, new in RENAMED.items():
+        text = text.replace(f'"{new.rpartition(".")[2]}":', f'"{old.rpartition(".")[2]}":')
+    return text
+
+
 def _text(path: Path, out: Path) -> str:
-    """A text file with the run's folder (a random temporary name) written as <out>."""
-    return path.read_text().replace(str(out), "<out>")
+    """A text file with the run's folder (a random temporary name) written as <out> and the recipe's renamed keys
+    under their old names."""
+    return old_key_names(path.read_text().replace(str(out), "<out>"))
 
 
 def _trainer_state(path: Path, ray: bool) -> bytes:

@@ -38,7 +38,7 @@ def _train_args(target_dir, data, out, *extra):
     return ["train", RECIPE, f"model.target={target_dir}", "data.source=conversations", f"data.path={data}",
             "data.seq_len=64", "data.batch_size=2", "data.heldout=0.25", "drafter.block_size=4",
             "drafter.feature_layers=[0]", "trainer.anchors_per_seq=2", "trainer.eval_anchors_per_seq=2",
-            "trainer.max_steps=1", "trainer.warmup_steps=1", "trainer.eval_heldout=false", "profile.enabled=false",
+            "trainer.max_steps=1", "trainer.lr_warmup_steps=1", "trainer.eval_heldout=false", "profile.enabled=false",
             f"trainer.output_dir={out}", *extra]
 
 

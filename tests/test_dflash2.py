@@ -363,10 +363,10 @@ def _full_logit_reference(w, prop, denom):
             full = torch.logsumexp(raw, -1) - raw.gather(-1, prop.tokens[..., None])[..., 0]
             loss = loss + t.vocab_ce_weight * full.mean(1).sum() / denom
     else:
-        loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
+        loss = e2e_tv_loss(q, p, denom=denom, temperature=t.acceptance_temperature)
     if t.ce_weight > 0 and t.method != "offpolicy_ce":  # trainer.ce_labels=target: the plain forwards' argmax
         loss = loss + t.ce_weight * nll(p.argmax(-1) if t.ce_labels == "target" else ref).mean(1).sum() / denom
-    return loss, tv_alpha(q.detach(), p, temperature=t.temperature)
+    return loss, tv_alpha(q.detach(), p, temperature=t.acceptance_temperature)
 
 
 @pytest.mark.parametrize("method,temp", [("specopd", 0.8), ("specopd", 0.0), ("offpolicy_e2e_tv", 0.8),
@@ -387,8 +387,8 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, method, temp):
     ce, vce = 0.4 if extra in (["ce"], ["tce"]) else 0.0, 0.5 if extra == ["vce"] else 0.0
     labels = ["trainer.ce_labels=target"] if extra == ["tce"] else []
     cfg = tiny_recipe(str(tmp_path), ["drafter.kind=dflash2", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
-                                      f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}",
-                                      f"trainer.vocab_ce_weight={vce}"] + labels)
+                                      f"trainer.acceptance_temperature={temp}", "drafter.block_size=5",
+                                      f"trainer.ce_weight={ce}", f"trainer.vocab_ce_weight={vce}"] + labels)
     w = Worker(cfg)
     with torch.no_grad():  # a drafter whose convolutions and selector matter, with a top K of 6
         w.drafter.config.selector_top_k = 64 if temp == 0 or method == "offpolicy_ce" else 6

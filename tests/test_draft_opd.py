@@ -40,10 +40,10 @@ def reference_rollout(worker, sample_ids, step):
                 break
             a = seq.numel() - 1
             feats = target.hidden_states(seq[None], drafter.feature_layers)[0]
-            draft, q = drafter.sample([feats], torch.tensor([a]), torch.tensor([0]), seq[-1:], t.temperature, [gen],
-                                      rows=[torch.tensor([0])])
+            draft, q = drafter.sample([feats], torch.tensor([a]), torch.tensor([0]), seq[-1:],
+                                      t.acceptance_temperature, [gen], rows=[torch.tensor([0])])
             p = target(torch.cat([seq, draft[0]])[None])[0, a:]  # [W + 1, V]
-            (n,), (y,) = spec.accept(draft, q, p[None], t.temperature, gen)
+            (n,), (y,) = spec.accept(draft, q, p[None], t.acceptance_temperature, gen)
             blocks.append((i, a, int(seq[-1]), draft[0], p[:W]))
             seq = torch.cat([seq, draft[0, :n], torch.tensor([y])])
     return blocks

@@ -335,7 +335,7 @@ def _conv_recipe(target_dir, data, out, extra=()):
     return load_recipe(None, [f"model.target={target_dir}", "data.source=conversations", f"data.path={data}",
                               "data.seq_len=256", "data.batch_size=2", "data.heldout=0.25", "drafter.block_size=4",
                               "drafter.feature_layers=[0]", "trainer.anchors_per_seq=4",
-                              "trainer.eval_anchors_per_seq=4", "trainer.max_steps=3", "trainer.warmup_steps=1",
+                              "trainer.eval_anchors_per_seq=4", "trainer.max_steps=3", "trainer.lr_warmup_steps=1",
                               "trainer.eval_every=3", "profile.enabled=false", f"trainer.output_dir={out}"]
                        + list(extra))
 

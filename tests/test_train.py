@@ -141,14 +141,14 @@ def _reference_step(w, prop, denom):
     if t.method == "offpolicy_ce":
         loss = ce_loss(q, prop.tokens, denom=denom)
     else:
-        loss = e2e_tv_loss(q, p, denom=denom, temperature=t.temperature)
+        loss = e2e_tv_loss(q, p, denom=denom, temperature=t.acceptance_temperature)
     if t.ce_weight > 0 and t.ce_labels == "target":  # the target's argmax on the scored history
         loss = loss + t.ce_weight * ce_loss(q, p.argmax(-1), denom=denom)
     elif t.ce_weight > 0:  # the reference tokens after each anchor, read from the trunk here
         ref = torch.stack([w.sample(prop.sample_ids[int(prop.trunk_index[b])])["input_ids"][
             int(prop.anchors[b]) + 1: int(prop.anchors[b]) + 1 + w.W] for b in range(q.shape[0])])
         loss = loss + t.ce_weight * ce_loss(q, ref, denom=denom)
-    alpha = tv_alpha(q.detach(), p, temperature=t.temperature)
+    alpha = tv_alpha(q.detach(), p, temperature=t.acceptance_temperature)
     if conf is not None:
         loss = loss + w.cfg.drafter.confidence_weight * confidence_loss(conf, alpha, denom=denom)
     return loss, alpha
@@ -170,8 +170,8 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method, te
     ce = 0.4 if extra else 0.0
     labels = ["trainer.ce_labels=target"] if extra == ["tce"] else []
     cfg = tiny_recipe(str(tmp_path), [f"drafter.kind={kind}", f"trainer.method={method}", "trainer.loss_chunk_rows=5",
-                                      f"trainer.temperature={temp}", "drafter.block_size=5", f"trainer.ce_weight={ce}"]
-                      + labels)
+                                      f"trainer.acceptance_temperature={temp}", "drafter.block_size=5",
+                                      f"trainer.ce_weight={ce}"] + labels)
     w = Worker(cfg)
     ids = w.train_ids[:2]
     caches = w.prefill(ids)

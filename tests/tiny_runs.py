@@ -7,7 +7,7 @@ from specopd.config import load_recipe
 TINY_TEST_OVERRIDES = [
     "data.num_samples=24", "data.prompt_len=4", "data.seq_len=20", "data.batch_size=4", "data.heldout=0.25",
     "drafter.block_size=4", "trainer.anchors_per_seq=4", "trainer.eval_anchors_per_seq=4", "trainer.max_steps=4",
-    "trainer.warmup_steps=1", "trainer.save_every=0", "profile.enabled=false",
+    "trainer.lr_warmup_steps=1", "trainer.save_every=0", "profile.enabled=false",
 ]
 
 

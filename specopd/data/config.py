@@ -24,8 +24,9 @@ class DataConfig:
     """synthetic: prompt tokens per sequence (random ids); anchors lie on the response after them."""
     seq_len: int = setting(48, resume=REFUSE)
     """synthetic: total tokens per sequence (prompt + response); prepared: sequences are cut to this length."""
-    sample_temperature: float = setting(1.0, resume=REFUSE)
-    """synthetic: temperature used to sample the responses from the target."""
+    synthetic_temperature: float = setting(1.0, resume=REFUSE)
+    """synthetic: the temperature the target samples the responses at (the main job's references:
+    ``pipeline.data_temperature``)."""
     batch_size: int = setting(8, resume=FROM_HERE)
     """Sequences per global training step (split by sample across workers)."""
     heldout: float = setting(0.125, resume=REFUSE)
@@ -62,6 +63,6 @@ class DataConfig:
         check_range("data", "seq_len", self.seq_len, lo=4)
         if self.source == "synthetic" and self.seq_len <= self.prompt_len:
             raise RecipeError(f"data.seq_len={self.seq_len} must exceed data.prompt_len={self.prompt_len}")
-        check_range("data", "sample_temperature", self.sample_temperature, lo=0, lo_open=True)
+        check_range("data", "synthetic_temperature", self.synthetic_temperature, lo=0, lo_open=True)
         check_range("data", "batch_size", self.batch_size, lo=1)
         check_range("data", "heldout", self.heldout, lo=0, hi=0.9)

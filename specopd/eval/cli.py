@@ -231,7 +231,7 @@ def _parse_args(args) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None, help="verify only the first k draft tokens")
     p.add_argument("--prompts", default=None, help="prompts file: JSONL with 'prompt' or chat 'messages', or "
                                                    "plain text (one prompt a line); the target's chat template applies")
-    p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: eval.temperature)")
+    p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: eval.decode_temperature)")
     p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
                    help="vllm: also serve the drafter in vLLM and put its counters next to ours")
     p.add_argument("--bench", default=None, choices=list(BENCHES),
@@ -277,7 +277,7 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     """Entry of `specopd eval`: cfg is the loaded RecipeConfig; args an argparse Namespace or extra argv.
 
     Prompts: ``--prompts FILE``, else the main job's held-out chat prompts (a recipe with ``pipeline``), else
-    the run's held-out samples. One table per temperature (``--temperatures``, default ``eval.temperature``).
+    the run's held-out samples. One table per temperature (``--temperatures``, default ``eval.decode_temperature``).
     Returns the first temperature's numbers at the top level and every temperature's under ``by_temperature``.
     ``--engine vllm``: ``judge(cfg, target_dir, target, drafter, source, prompts, stops, temps, ns)`` instead
     (``specopd.eval.engine.eval_with_vllm``: vLLM's counters next to ours), which returns the report.
@@ -285,7 +285,7 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     ns = _parse_args(args)
     check_device(cfg)
     paths.configure_from(cfg.kernels)
-    temps = parse_temperatures(getattr(ns, "temperatures", None) or [cfg.eval.temperature])
+    temps = parse_temperatures(getattr(ns, "temperatures", None) or [cfg.eval.decode_temperature])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
     if not os.path.isdir(path):  # a `specopd prepare model` name (e.g. smollm2-135m): prepared once, cached

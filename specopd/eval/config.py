@@ -14,8 +14,10 @@ class EvalConfig:
     read)."""
     max_new_tokens: int = setting(32, resume=SAME_RUN)
     """Tokens generated per prompt."""
-    temperature: float = setting(0.0, resume=SAME_RUN)
-    """Decoding temperature (0 = greedy, acceptance = exact match with the target's argmax)."""
+    decode_temperature: float = setting(0.0, resume=SAME_RUN)
+    """``specopd eval``'s decoding temperature when ``--temperatures`` is not given (0 = greedy, acceptance = exact
+    match with the target's argmax). The main job's table decodes at ``pipeline.eval_temperatures``; training
+    samples at ``trainer.acceptance_temperature``."""
     checkpoint: str = setting("latest", resume=SAME_RUN)
     """Drafter to evaluate: latest (newest checkpoint of trainer.output_dir) | none (untrained) | a folder."""
     seed: int = setting(0, resume=SAME_RUN)
@@ -32,7 +34,7 @@ class EvalConfig:
         check_choice("eval", "bench", self.bench, ["chat", "mt-bench"])
         check_range("eval", "prompts", self.prompts, lo=1)
         check_range("eval", "max_new_tokens", self.max_new_tokens, lo=1)
-        check_range("eval", "temperature", self.temperature, lo=0)
+        check_range("eval", "decode_temperature", self.decode_temperature, lo=0)
 
     def target_dtype(self, model_dtype: str) -> str:
         """The target dtype of decoding and judging: ``eval.dtype``, or ``model_dtype`` (the recipe's

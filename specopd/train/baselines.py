@@ -56,10 +56,10 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
         cur, g = [seqs[i] for i in active], [gens[i] for i in active]
         anchors = [s.anchor for s in cur]
         with worker.span("propose"), worker.autocast():  # one drafter call over the context caches
-            draft, q = spec.draft(drafter, cur, t.temperature, g)  # [A, W], [A, W, V]
+            draft, q = spec.draft(drafter, cur, t.acceptance_temperature, g)  # [A, W], [A, W, V]
         with worker.span("score"):
             p, state = spec.verify(target, cur, draft)  # [A, W + 1, V]
-            n, nxt = spec.accept(draft, q, p, t.temperature, g)
+            n, nxt = spec.accept(draft, q, p, t.acceptance_temperature, g)
             hid = state.tree.split(state.hidden)  # per sequence [W + 1, D] ([W, D] when its last is None)
         for k, i in enumerate(active):
             hk = hid[k]

@@ -26,8 +26,9 @@ class TrainerConfig:
     """Optimizer steps of the run (a resumed run continues up to this)."""
     lr: float = setting(3e-3, resume=FROM_HERE)
     """Peak learning rate (AdamW)."""
-    warmup_steps: int = setting(2, resume=FROM_HERE)
-    """Linear warmup from 0 to lr over this many steps."""
+    lr_warmup_steps: int = setting(2, resume=FROM_HERE)
+    """The learning rate's linear warmup from 0 to lr over this many steps (the main job's warm-up stage is
+    ``pipeline.warmup_steps``)."""
     min_lr_ratio: float = setting(0.1, resume=FROM_HERE)
     """Cosine decay ends at lr * min_lr_ratio at max_steps."""
     weight_decay: float = setting(0.0, resume=FROM_HERE)
@@ -38,9 +39,10 @@ class TrainerConfig:
     """Clip the global gradient norm to this (0 disables clipping)."""
     anchors_per_seq: int = setting(8, resume=FROM_HERE)
     """B: anchors (branches) per sequence per step; draft_opd: at most this many rollout rounds per sequence."""
-    temperature: float = setting(1.0, resume=FROM_HERE)
-    """Sampling temperature of branches / rollouts; p and q are compared at this temperature. 0: greedy branches
-    (the drafter's argmax) and alpha = q(argmax p) with q at T = 1, the smooth form of greedy acceptance."""
+    acceptance_temperature: float = setting(1.0, resume=FROM_HERE)
+    """The temperature whose acceptance the drafter is trained for: branches / rollouts are sampled at it and p and
+    q are compared at it (alpha, the loss). 0: greedy branches (the drafter's argmax) and alpha = q(argmax p) with q
+    at T = 1, the smooth form of greedy acceptance. (Decoding: ``eval.decode_temperature``.)"""
     ce_weight: float = setting(0.0, resume=FROM_HERE)
     """specopd / offpolicy_e2e_tv: add ce_weight x the CE of the drafter's block on the reference tokens after each
     anchor (the same drafter pass, uniform over positions) to E2E-TV. E2E-TV at T = 1 lowers greedy acceptance
@@ -121,14 +123,14 @@ class TrainerConfig:
         check_choice("trainer", "method", self.method, METHODS)
         check_range("trainer", "max_steps", self.max_steps, lo=0)
         check_range("trainer", "lr", self.lr, lo=0, lo_open=True)
-        check_range("trainer", "warmup_steps", self.warmup_steps, lo=0)
+        check_range("trainer", "lr_warmup_steps", self.lr_warmup_steps, lo=0)
         check_range("trainer", "min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)
         check_range("trainer", "weight_decay", self.weight_decay, lo=0)
         if len(self.betas) != 2 or not all(is_finite_number(b) and 0 <= b < 1 for b in self.betas):
             raise RecipeError(f"trainer.betas={list(self.betas)} must be two numbers in [0, 1)")
         check_range("trainer", "grad_clip", self.grad_clip, lo=0)
         check_range("trainer", "anchors_per_seq", self.anchors_per_seq, lo=1)
-        check_range("trainer", "temperature", self.temperature, lo=0)
+        check_range("trainer", "acceptance_temperature", self.acceptance_temperature, lo=0)
         check_range("trainer", "ce_weight", self.ce_weight, lo=0)
         if self.ce_weight > 0 and self.method not in CE_TERM_METHODS:
             raise RecipeError(f"trainer.ce_weight={self.ce_weight} adds a CE term to E2E-TV (methods "

@@ -25,7 +25,7 @@ from specopd.models.tiny import TINY_VERSION
 def _key(cfg) -> str:
     d, m = cfg.data, cfg.model
     spec = dict(target=m.target, tiny_seed=m.tiny_seed, tiny=dict(m.tiny), v=TINY_VERSION, num_samples=d.num_samples,
-                prompt_len=d.prompt_len, seq_len=d.seq_len, t=d.sample_temperature, seed=d.seed)
+                prompt_len=d.prompt_len, seq_len=d.seq_len, t=d.synthetic_temperature, seed=d.seed)
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -232,7 +232,7 @@ def load_dataset(cfg, target, progress: bool = True, stats: Optional[dict] = Non
             return samples
         if progress:
             print(f"note: the synthetic-data cache {fp} is {why}: sampling it again", flush=True)
-    samples = sample_references(target, d.num_samples, d.prompt_len, d.seq_len, d.sample_temperature, d.seed,
+    samples = sample_references(target, d.num_samples, d.prompt_len, d.seq_len, d.synthetic_temperature, d.seed,
                                 progress=progress)
     own_dir(cache_dir)
     with replacing(fp, "wb") as f:

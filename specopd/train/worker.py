@@ -122,7 +122,7 @@ class Worker:
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=t.lr, betas=tuple(t.betas), eps=1e-8)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(t.warmup_steps, t.max_steps, t.min_lr_ratio))
+            self.optimizer, lr_lambda(t.lr_warmup_steps, t.max_steps, t.min_lr_ratio))
         self.prof = Profiler(f"target{rank}" if role == "target" else f"worker{rank}", enabled=cfg.profile.enabled)
         self._phase: dict = {}  # seconds per phase of the current step (``span``), reset when a step starts
         self._allreduce: Optional[Callable] = None
@@ -219,14 +219,14 @@ class Worker:
             sample_ids: the samples' ids (they seed the anchors and tokens).
             step: the step index (it seeds them too).
             anchors_per_seq: B; None: ``trainer.anchors_per_seq``.
-            temperature: None: ``trainer.temperature``.
+            temperature: None: ``trainer.acceptance_temperature``.
             reference: take the reference tokens after each anchor (off-policy) instead of sampling.
 
         Returns:
             ``Proposals``.
         """
         b = anchors_per_seq or self.cfg.trainer.anchors_per_seq
-        temp = self.cfg.trainer.temperature if temperature is None else temperature
+        temp = self.cfg.trainer.acceptance_temperature if temperature is None else temperature
         with self.span("propose"):
             anchors, tix, rows, n = [], [], [], 0
             for i, sid in enumerate(sample_ids):
@@ -311,7 +311,7 @@ class Worker:
         extra = proposals.tokens if ce else (self._ce_targets(proposals, hp) if ce_weight > 0 else None)
         with self.autocast():
             r = self.drafter.realized(h, prev, extra, chunk_rows=t.loss_chunk_rows)
-        kw = dict(p_weight=self.target.lm_head.weight, denom=denom, temperature=t.temperature,
+        kw = dict(p_weight=self.target.lm_head.weight, denom=denom, temperature=t.acceptance_temperature,
                   chunk_rows=t.loss_chunk_rows, tp=self.vocab_tp)
         if ce:
             out = candidate_ce(r.ids, r.scores, proposals.tokens, r.extra, hp=hp, **kw)
@@ -336,7 +336,7 @@ class Worker:
                     h = self.drafter.hidden(proposals.features, proposals.anchors, proposals.trunk_index,
                                             proposals.anchor_tokens)
             weight, markov, prev = self._head_terms(proposals)
-            kw = dict(markov=markov, denom=denom, temperature=t.temperature, chunk_rows=t.loss_chunk_rows,
+            kw = dict(markov=markov, denom=denom, temperature=t.acceptance_temperature, chunk_rows=t.loss_chunk_rows,
                       tp=self.vocab_tp)
             hp = hp.to(h.device)
             if getattr(self.drafter, "has_selector", False):  # DFlash V2: q lives on each slot's top K
@@ -503,7 +503,8 @@ class Worker:
             alpha = self._selector_loss(prop, prop.hidden, hp, None, "eval").alpha
         else:
             weight, markov, _ = self._head_terms(prop)
-            alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov, temperature=self.cfg.trainer.temperature,
+            alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov,
+                                 temperature=self.cfg.trainer.acceptance_temperature,
                                  chunk_rows=self.cfg.trainer.loss_chunk_rows, tp=self.vocab_tp).alpha
         return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
                 "surv_sum": prefix_survival(alpha).sum(0).tolist()}
@@ -563,7 +564,7 @@ class Worker:
         """After a resume: the recipe's lr / schedule / betas / weight decay win over the checkpoint's (loading
         an optimizer restores its old ones). Unchanged values give exactly the saved learning rate."""
         t = self.cfg.trainer
-        f = lr_lambda(t.warmup_steps, t.max_steps, t.min_lr_ratio)
+        f = lr_lambda(t.lr_warmup_steps, t.max_steps, t.min_lr_ratio)
         self.scheduler.lr_lambdas = [f] * len(self.optimizer.param_groups)
         self.scheduler.base_lrs = [float(t.lr)] * len(self.optimizer.param_groups)
         for i, g in enumerate(self.optimizer.param_groups):
