@@ -201,7 +201,7 @@ def dataset_replies(cfg, prep: dict, out: str) -> str:
 
     tok = load_tokenizer(prep["target_dir"], int(read_config(prep["target_dir"])["vocab_size"]))
     path = os.path.join(out, "main", "data", f"dataset_replies_{cfg.pipeline.data_num}.jsonl")
-    c = write_dataset_replies(tok, path, reference_prompts(cfg, tok), cfg.data.seq_len)
+    c = write_dataset_replies(tok, path, reference_prompts(cfg.pipeline, tok), cfg.data.seq_len)
     print(f"[bench_al] the dataset's own replies: {c['written']} references ({c['supervised_tokens']} response "
           f"tokens; {c['skipped']} prompts without a reply skipped) -> {path}", flush=True)
     return path

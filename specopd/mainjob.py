@@ -48,36 +48,37 @@ def _target_dir(name: str) -> str:
                             f"knows ({sorted(MODELS)})")
 
 
-def reference_prompts(cfg, tok) -> list:
+def reference_prompts(pl, tok) -> list:
     """The train chat prompts the references answer: the first ``pipeline.data_num`` of ``pipeline.data_prompts``
-    (``train_chat_prompts`` or ``pretrain_chat_prompts``), in that order; ``tok``: the target's tokenizer."""
-    pick = train_chat_prompts if cfg.pipeline.data_prompts == "first_turns" else pretrain_chat_prompts
-    return pick(cfg.pipeline.data_num, tokenizer=tok)
+    (``train_chat_prompts`` or ``pretrain_chat_prompts``), in that order; ``pl``: the recipe's pipeline section,
+    ``tok``: the target's tokenizer."""
+    pick = train_chat_prompts if pl.data_prompts == "first_turns" else pretrain_chat_prompts
+    return pick(pl.data_num, tokenizer=tok)
 
 
-def _references(cfg, target_dir: str) -> tuple:
+def _references(pl, model, target_dir: str) -> tuple:
     """-> (reference folder, records of the wanted prompts): the first data_num distinct train prompts answered
     by the target (generated once, cached; a larger data_num generates only the new ones) with
-    ``pipeline.data_engine`` (auto: vLLM when its venv is there)."""
-    pl = cfg.pipeline
+    ``pipeline.data_engine`` (auto: vLLM when its venv is there). ``pl``, ``model``: the recipe's pipeline and
+    model sections."""
     engine, why = auto_engine() if pl.data_engine == "auto" else (pl.data_engine, "pipeline.data_engine")
     name = os.path.basename(os.path.normpath(target_dir))
     kind = {"first_turns": "train", "all_turns": "train-turns"}[pl.data_prompts]
     # vLLM answers in bf16 where bf16 is native, else in fp32 (emulated bf16 is far slower than fp32 on an AVX2
     # CPU); builtin in model.dtype. Folder names of earlier runs kept: builtin none, vLLM bf16 "-vllm".
-    ref_dtype = cfg.model.dtype if engine == "builtin" else auto_dtype(cfg.model.device)
+    ref_dtype = model.dtype if engine == "builtin" else auto_dtype(model.device)
     suffix = "" if engine == "builtin" else f"-{engine}" + ("" if ref_dtype == "bfloat16" else f"-{ref_dtype}")
     ref_dir = os.path.join(cache_root(), "data", f"chitchat-{kind}-{name}-t{pl.data_max_new_tokens}-"
                                                  f"T{pl.data_temperature:g}{suffix}")
     tok = load_tokenizer(target_dir, int(read_config(target_dir)["vocab_size"]))
-    prompts = reference_prompts(cfg, tok)
+    prompts = reference_prompts(pl, tok)
     want = {pid for pid, _ in prompts}
     have = {r["id"] for r in read_records(os.path.join(ref_dir, DATA_FILE))}
     if want - have:
         print(f"[specopd] the target answers {len(want - have)} of {len(want)} chat prompts (<= "
               f"{pl.data_max_new_tokens} tokens, T={pl.data_temperature:g}) with the {engine} engine ({why}); "
               f"cached in {ref_dir}, an interrupted run resumes", flush=True)
-        dev = "cpu" if cfg.model.device == "auto" else cfg.model.device
+        dev = "cpu" if model.device == "auto" else model.device
         label = {"first_turns": "chitchat-train-distinct", "all_turns": "chitchat-train-turns"}[pl.data_prompts]
         counts = prepare_data(target_dir, ref_dir, prompts=prompts, prompts_label=label,
                               max_new_tokens=pl.data_max_new_tokens, temperature=pl.data_temperature, top_p=1.0,
@@ -148,7 +149,7 @@ def prepare(cfg, progress: bool = True) -> dict:
     else:
         t0 = _stage(f"2/5 references: {pl.data_num} chat prompts x <= {pl.data_max_new_tokens} tokens answered by "
                     f"the target (T={pl.data_temperature:g})")
-        ref_dir, recs = _references(cfg, target_dir)
+        ref_dir, recs = _references(pl, cfg.model, target_dir)
         _write_train_data(recs, cfg.data.path)
         n_tok = sum(len(r["input_ids"]) - int(r.get("response_start", r["prompt_len"])) for r in recs)
         print(f"[specopd] {len(recs)} references ({n_tok} response tokens) -> {cfg.data.path}")
@@ -199,7 +200,7 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
 
 def _evaluate_rows(cfg, target_dir: str, rows: list, progress: bool) -> list:
     target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu", kernels=cfg.model.kernels)
-    prompts, meta, _ = run_prompts(cfg, target_dir, target.vocab_size)
+    prompts, meta, _ = run_prompts(cfg.eval, target_dir, target.vocab_size)
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     out, greedy = [], None  # greedy: the target's greedy continuations, shared by every drafter's T=0 replay
     for label, path in rows:

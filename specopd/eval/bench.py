@@ -195,21 +195,21 @@ def stratified(meta: Sequence[dict], num: int) -> list:
     return sorted(out)
 
 
-def run_prompts(cfg, target_dir: str, vocab_size: int, judge: bool = False) -> tuple:
+def run_prompts(ev, target_dir: str, vocab_size: int, judge: bool = False) -> tuple:
     """The main job's before / after prompts (``eval.bench``) -> (ids list, meta list or None, a label).
 
     Args:
-        cfg: the recipe (``eval.bench``, ``eval.prompts``).
+        ev: the recipe's eval section (``eval.bench``, ``eval.prompts``).
         target_dir, vocab_size: the target (its tokenizer and chat template).
         judge: the prompts vLLM judges (MT-Bench: all 80) instead of ours (``eval.prompts`` of them, the same
             number per category); chat: ``eval.prompts`` held-out chitchat first turns for both.
     """
-    if cfg.eval.bench == "chat":
-        return heldout_prompt_ids(target_dir, vocab_size, cfg.eval.prompts), None, "held-out chat prompts"
+    if ev.bench == "chat":
+        return heldout_prompt_ids(target_dir, vocab_size, ev.prompts), None, "held-out chat prompts"
     ids, meta = mtbench_prompts(target_dir, vocab_size)
     if judge:
         return ids, meta, f"MT-Bench first turns (all {len(ids)})"
-    keep = stratified(meta, cfg.eval.prompts)
+    keep = stratified(meta, ev.prompts)
     return [ids[i] for i in keep], [meta[i] for i in keep], f"MT-Bench first turns ({len(keep)} of {len(ids)}, " \
                                                             f"{len(keep) // len(set(m['category'] for m in meta))} " \
                                                             f"per category)"

@@ -690,7 +690,7 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     tdtype = resolve_dtype(eval_dtype(cfg))
     dtype = "bfloat16" if tdtype == torch.bfloat16 else "float32"
     target = load_target(target_dir, dtype=tdtype, device="cpu")
-    ids, meta, _ = run_prompts(cfg, target_dir, target.vocab_size, judge=True)
+    ids, meta, _ = run_prompts(cfg.eval, target_dir, target.vocab_size, judge=True)
     prompts = [p.tolist() for p in ids]
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     # T > 0: ours beside vLLM on eval.prompts of them (decoding each costs a target pass a round); T = 0 replays all
