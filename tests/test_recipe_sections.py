@@ -92,7 +92,7 @@ def test_a_checkpoint_that_recorded_the_old_names_resumes(tmp_path, capsys):
     ``old_key_names`` writes exactly those bytes) resumes as the same run, and a changed value under a renamed key
     is still seen and listed."""
     from fingerprint_runs import old_key_names
-    from specopd.train import checkpoint as ck
+    from specopd.runs import checkpoint as ck
     from specopd.train.checkpointer import recipe_changes
 
     out = tmp_path / "run"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from executors.base import check_kernels
 from kernels import cpu_features
-from specopd.config import RecipeError
+from specopd.settings import RecipeError
 from specopd.models.registry import MODEL_TYPES
 from specopd.models.tensor_parallel import shard_target
 
