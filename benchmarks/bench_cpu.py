@@ -173,6 +173,7 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
                    paths=("auto",)) -> dict:
     """Steps of every (dtype, method, CPU path) worker, alternating, on the same batches; tokens/s, phases,
     FLOPs per supervised token. ``paths``: names in ``PATHS``."""
+    from specopd.train import phases
     from specopd.train.data import BatchOrder
 
     seq_len, ov = SETTINGS[setting]
@@ -186,8 +187,8 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
         for key, w in workers.items():
             with use_path(key[2]):
                 t0 = time.perf_counter()
-                n = w.stage(ids, step)["branches"]
-                m = w.finish(n)
+                n = phases.stage(w, ids, step)["branches"]
+                m = phases.finish(w, n)
                 dt = time.perf_counter() - t0
             print(f"  [{setting}] step {step} {' '.join(key)}: {dt:.2f} s, {m['supervised_tokens']} tokens",
                   flush=True)
@@ -201,8 +202,8 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
                 s["phase_s"][k] = s["phase_s"].get(k, 0.0) + v
     for key, w in workers.items():  # FLOPs of one more step (same batch as the first timed one)
         def one(w=w):
-            n = w.stage(batches[warmup], warmup)["branches"]
-            return w.finish(n)
+            n = phases.stage(w, batches[warmup], warmup)["branches"]
+            return phases.finish(w, n)
         with use_path(key[2]):
             m, flops = count_flops(one)
         stats[key]["flops_per_token"] = flops / m["supervised_tokens"]
@@ -414,6 +415,7 @@ def _phase(name: str, fn, out: list):
 def profile_all(target_dir: str, dtype: str, tmp: str, rates: dict) -> str:
     from specopd import speculative as spec
     from specopd.data.conversations import heldout_prompt_ids
+    from specopd.train import phases
 
     seq_len, ov = SETTINGS["main"]
     data = chat_data(target_dir, 49152, seq_len, os.path.join(tmp, f"chat{seq_len}.jsonl"), exact=False)
@@ -421,34 +423,34 @@ def profile_all(target_dir: str, dtype: str, tmp: str, rates: dict) -> str:
     w = ws[(dtype, "specopd", "auto")]
     target, drafter = w.target, w.drafter
     ids = w.train_ids[:8]
-    n = w.stage(ids, 0)["branches"]
-    w.finish(n)  # warm-up
+    n = phases.stage(w, ids, 0)["branches"]
+    phases.finish(w, n)  # warm-up
     rate = max(rates[dtype].values())
     out = [f"### one SpecOPD step ({dtype}, main shapes)"]
-    phases = []
-    caches = _phase("prefill", lambda: w.prefill(ids), phases)
-    prop = w.propose(caches, ids, 1)
+    timings = []
+    caches = _phase("prefill", lambda: phases.prefill(w, ids), timings)
+    prop = phases.propose(w, caches, ids, 1)
     t0 = time.perf_counter()
-    w.propose(caches, ids, 1)
+    phases.propose(w, caches, ids, 1)
     tp = time.perf_counter() - t0
-    _, fl = count_flops(lambda: w.propose(caches, ids, 1))
-    phases.append(("propose (drafter fwd + sampling)", tp, fl / 1e9))
-    hp = _phase("score", lambda: w.score(prop, caches), phases)
+    _, fl = count_flops(lambda: phases.propose(w, caches, ids, 1))
+    timings.append(("propose (drafter fwd + sampling)", tp, fl / 1e9))
+    hp = _phase("score", lambda: phases.score(w, prop, caches), timings)
     denom = prop.tokens.shape[0]
 
     def lb():
-        p = w.propose(caches, ids, 1)
-        w.loss_backward(p, hp, denom)
+        p = phases.propose(w, caches, ids, 1)
+        phases.loss_backward(w, p, hp, denom)
     t0 = time.perf_counter()
     lb()
     tl = time.perf_counter() - t0 - tp
     _, fl2 = count_flops(lb)
-    phases.append(("loss + backward", tl, fl2 / 1e9 - fl / 1e9))
-    out.append(_phase_table(phases, rate))
+    timings.append(("loss + backward", tl, fl2 / 1e9 - fl / 1e9))
+    out.append(_phase_table(timings, rate))
 
     def step():
-        k = w.stage(ids, 2)["branches"]
-        w.finish(k)
+        k = phases.stage(w, ids, 2)["branches"]
+        phases.finish(w, k)
     out.append(_op_table(step))
 
     # one Draft-OPD round over 8 sequences (engine-style: one drafter call, one verify pass, commit)

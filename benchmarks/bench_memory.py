@@ -15,7 +15,7 @@ what was live before the loss (inputs, weights). The forward + backward time is 
     python benchmarks/bench_memory.py                    # the default grid (CPU: ~2 min on 1 core)
     python benchmarks/bench_memory.py --device cuda --V 151936 --NW 1024,4096,16384,61440
 
-``--what step``: one whole SpecOPD training step (``Worker.train_step``: prefill, the one drafter forward,
+``--what step``: one whole SpecOPD training step (``phases.colocated_step``: prefill, the one drafter forward,
 chunked sampling, packed scoring, the fused loss, backward, AdamW) on a tiny llama-architecture target of
 hidden size ``--D`` and vocabulary V, over a grid of V, N = S * B branches (S sequences x B anchors), W drafted
 tokens and T trunk tokens (random token data: memory does not depend on the content). Each point runs in a fresh
@@ -147,6 +147,7 @@ def measure_step(v: int, b: int, w: int, t: int, s: int, d: int, chunk, device: 
     import torch
 
     from specopd.memory import memory_plan
+    from specopd.train import phases
     from specopd.train.worker import Worker
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
@@ -154,11 +155,11 @@ def measure_step(v: int, b: int, w: int, t: int, s: int, d: int, chunk, device: 
     plan = memory_plan(cfg)
     wk = Worker(cfg)
     ids = wk.train_ids[:s]
-    wk.train_step(ids, 0, None)  # warm-up: AdamW state, allocator pools
+    phases.colocated_step(wk, ids, 0, None)  # warm-up: AdamW state, allocator pools
     cuda = device.startswith("cuda")
     base = _peak_start(cuda)
     t0 = time.perf_counter()
-    m = wk.train_step(ids, 1, None)
+    m = phases.colocated_step(wk, ids, 1, None)
     peak = _peak_now(cuda)
     sec = time.perf_counter() - t0
     pb = plan.phase_bytes()

@@ -40,6 +40,7 @@ def run(recipe: str, overrides: list, steps: int, warmup: int, progress: bool = 
     from tqdm import tqdm
 
     from specopd.config import load_recipe
+    from specopd.train import phases
     from specopd.train.data import BatchOrder
     from specopd.train.worker import Worker
 
@@ -58,8 +59,8 @@ def run(recipe: str, overrides: list, steps: int, warmup: int, progress: bool = 
         ids = order.next()
         for method, w in workers.items():
             t0 = time.perf_counter()
-            n = w.stage(ids, step)["branches"]
-            m = w.finish(n)
+            n = phases.stage(w, ids, step)["branches"]
+            m = phases.finish(w, n)
             dt = time.perf_counter() - t0
             bar.update(1)
             if step < warmup:

@@ -136,10 +136,12 @@ def drafter_attention_path(cfg, cuda: bool) -> str:
 
 def run_step(w, ids, step: int, sampler_cls, method: str) -> tuple:
     """One training step of worker ``w`` on ``ids``: (seconds, metrics, GPU samples or None)."""
+    from specopd.train import phases
+
     sampler = sampler_cls(method).start() if sampler_cls else None
     t0 = time.perf_counter()
-    n = w.stage(ids, step)["branches"]
-    m = w.finish(n)
+    n = phases.stage(w, ids, step)["branches"]
+    m = phases.finish(w, n)
     dt = time.perf_counter() - t0
     samples = sampler.stop().take() if sampler else None
     return dt, m, samples

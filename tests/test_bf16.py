@@ -14,6 +14,7 @@ from kernels import paths
 from specopd.drafters import build_drafter
 from specopd.eval import SpeculativeDecoder, autoregressive
 from specopd.models import load_target
+from specopd.train import phases
 from specopd.tree import ProposalTree
 
 NOISE_FACTOR = 3.0
@@ -160,26 +161,26 @@ def test_training_steps_on_a_bf16_target(tmp_path, method):
     assert all(p.dtype == torch.float32 for p in w.drafter.parameters())
     before = {k: v.clone() for k, v in w.target.state_dict().items()}
     ids = w.train_ids[:2]
-    n = w.stage(ids, 0)["branches"]
+    n = phases.stage(w, ids, 0)["branches"]
     staged, w.staged = w.staged, None
     assert staged.hp.dtype == torch.bfloat16  # the target side stays bf16 until the fused loss's fp32 accumulation
-    m = w.loss_backward(staged.proposals, staged.hp, n)
+    m = phases.loss_backward(w, staged.proposals, staged.hp, n)
     assert torch.isfinite(torch.tensor(m["loss"])) and m["supervised_tokens"] == n * w.W
     grads = [p.grad for p in w.drafter.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
-    step = w.optimizer_step()
+    step = phases.optimizer_step(w)
     assert not step["skipped"]
     assert all(torch.equal(before[k], v) for k, v in w.target.state_dict().items())  # the target is frozen
     if method == "specopd":
-        ev = w.evaluate(w.heldout_ids[:2] or ids)
+        ev = phases.evaluate(w, w.heldout_ids[:2] or ids)
         assert ev["branches"] > 0 and all(0.0 <= a <= ev["branches"] + 1e-4 for a in ev["alpha_sum"])
 
 
 def test_bf16_proposals_do_not_depend_on_the_batch(tmp_path):
     w = _worker(tmp_path, "specopd", "bfloat16")
     ids = w.train_ids[:3]
-    together = w.propose(w.prefill(ids), ids, step=3)
-    alone = w.propose(w.prefill(ids[2:]), ids[2:], step=3)
+    together = phases.propose(w, phases.prefill(w, ids), ids, step=3)
+    alone = phases.propose(w, phases.prefill(w, ids[2:]), ids[2:], step=3)
     b = w.cfg.trainer.anchors_per_seq
     assert torch.equal(alone.anchors, together.anchors[2 * b:])
     assert torch.equal(alone.tokens, together.tokens[2 * b:])
@@ -194,8 +195,8 @@ def test_bf16_loss_within_noise_of_fp32_on_the_same_weights(tmp_path):
     assert all(torch.equal(w16.sample(i)["input_ids"], w32.sample(i)["input_ids"]) for i in ids)
     losses = []
     for w in (w16, w32):
-        n = w.stage(ids, 0)["branches"]
-        losses.append(w.loss_backward(w.staged.proposals, w.staged.hp, n)["loss"])
+        n = phases.stage(w, ids, 0)["branches"]
+        losses.append(phases.loss_backward(w, w.staged.proposals, w.staged.hp, n)["loss"])
     # features (fc input) differ by bf16 rounding only: the CE moves by a small fraction of itself
     assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[1]), losses
 

@@ -88,22 +88,22 @@ def test_resume_is_bitwise_identical_and_ignores_half_written(straight, tmp_path
 
 
 def test_interrupted_run_writes_a_checkpoint_and_resumes(straight, tmp_path, monkeypatch):
-    from specopd.train.worker import Worker
+    from specopd.train import phases
 
-    real = Worker.train_step
+    real = phases.colocated_step
     calls = {"n": 0}
 
-    def flaky(self, *a):
+    def flaky(worker, *a):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt  # e.g. Ctrl-C / preemption during step 3
-        return real(self, *a)
+        return real(worker, *a)
 
-    monkeypatch.setattr(Worker, "train_step", flaky)
+    monkeypatch.setattr(phases, "colocated_step", flaky)
     with pytest.raises(KeyboardInterrupt):
         train(_cfg(tmp_path), progress=False)
     assert ck.find_latest(str(tmp_path)).endswith("step-2")
-    monkeypatch.setattr(Worker, "train_step", real)
+    monkeypatch.setattr(phases, "colocated_step", real)
     train(_cfg(tmp_path), progress=False)
     a, b = _weights(straight, STEPS), _weights(str(tmp_path), STEPS)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -380,6 +380,7 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, method, temp):
     off-policy CE and T = 0: K = 64, so that the
     references (the target's argmax) are candidates in some slots and not in others (where the argmax is in none,
     greedy alpha and its gradient are 0)."""
+    from specopd.train import phases
     from tiny_runs import tiny_recipe
     from specopd.train.worker import Worker
 
@@ -397,8 +398,8 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, method, temp):
             if "base_kernel" in name or "kernel_projection" in name or "candidate_selector" in name:
                 p.normal_(0, 0.3, generator=g)
     ids = w.train_ids[:2]
-    caches = w.prefill(ids)
-    prop = w.propose(caches, ids, step=1, reference=method.startswith("offpolicy"))
+    caches = phases.prefill(w, ids)
+    prop = phases.propose(w, caches, ids, step=1, reference=method.startswith("offpolicy"))
     assert prop.hidden.requires_grad
     if method == "specopd":  # the branches are the walk the decoding-style sampler draws from the same forward
         rows = [torch.nonzero(prop.trunk_index == i).flatten() for i in range(len(ids))]
@@ -407,14 +408,14 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, method, temp):
             toks, _ = w.drafter.sample(prop.features, prop.anchors, prop.trunk_index, prop.anchor_tokens,
                                        temp, gens, rows=rows)
         assert torch.equal(toks, prop.tokens)
-    hp = w.score(prop, caches)
+    hp = phases.score(w, prop, caches)
     denom = 3 * prop.tokens.shape[0]
     ref_loss, ref_alpha = _full_logit_reference(w, prop, denom)
     assert torch.isfinite(ref_loss)
     ref_loss.backward()
     ref_grads = [p.grad.clone() for p in w.params]
     w.optimizer.zero_grad(set_to_none=True)
-    m = w.loss_backward(prop, hp, denom)
+    m = phases.loss_backward(w, prop, hp, denom)
     assert prop.hidden is None
     assert m["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(torch.tensor(m["alpha_sum"]), ref_alpha.sum(0), rtol=1e-5, atol=1e-6)

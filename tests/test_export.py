@@ -189,6 +189,7 @@ def test_cli_export_from_a_run(target, ckpt, tmp_path, capsys):
 
 def test_init_from_a_released_folder(tmp_path):
     """A worker starts training from a released folder (the tiny recipe's target: hidden 64, vocab 256, 2 layers)."""
+    from specopd.train import phases
     from tiny_runs import tiny_recipe
     from specopd.train.worker import Worker
 
@@ -199,5 +200,5 @@ def test_init_from_a_released_folder(tmp_path):
     start = {k: v.clone() for k, v in w.drafter.state_dict().items()}
     assert torch.equal(start["fc.weight"], load_file(os.path.join(folder, "model.safetensors"))["fc.weight"].float())
     assert w.W == 3 and w.drafter.mask_token_id == 7
-    m = w.train_step(w.train_ids[:2], 0, None)
+    m = phases.colocated_step(w, w.train_ids[:2], 0, None)
     assert m["branches"] > 0 and not torch.equal(w.drafter.state_dict()["fc.weight"], start["fc.weight"])

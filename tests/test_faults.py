@@ -325,21 +325,21 @@ def test_deterministic_switch_turns_on_torch_deterministic_algorithms(tmp_path):
 # ---------------------------------------------------------------------------------------------- guards
 def _poison(monkeypatch, bad_steps: set, how: str):
     """Make the loss (how="loss") or one gradient (how="grad") non-finite at the given 1-based steps."""
-    from specopd.train.worker import Worker
+    from specopd.train import phases
 
-    real = Worker.loss_backward
+    real = phases.loss_backward
     calls = {"n": 0}
 
-    def loss_backward(self, proposals, p_logits, denom):
+    def loss_backward(worker, proposals, p_logits, denom):
         calls["n"] += 1
         if calls["n"] in bad_steps and how == "loss":
             p_logits = torch.full_like(p_logits, float("nan"))
-        m = real(self, proposals, p_logits, denom)
+        m = real(worker, proposals, p_logits, denom)
         if calls["n"] in bad_steps and how == "grad":
-            self.params[0].grad.view(-1)[0] = float("inf")
+            worker.params[0].grad.view(-1)[0] = float("inf")
         return m
 
-    monkeypatch.setattr(Worker, "loss_backward", loss_backward)
+    monkeypatch.setattr(phases, "loss_backward", loss_backward)
 
 
 @pytest.mark.parametrize("how", ["loss", "grad"])

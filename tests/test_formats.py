@@ -344,6 +344,7 @@ def test_train_a_specforge_file_directly(target_dir, tmp_path):
     """A SpecForge JSONL trained as it is: anchors only where the whole block is assistant tokens (both turns of
     multi-turn chats), the counts in train_summary.json."""
     from specopd.train.loop import train
+    from specopd.train import phases
     from specopd.train.worker import Worker
 
     data = fixture("specforge.jsonl", tmp_path)
@@ -364,7 +365,7 @@ def test_train_a_specforge_file_directly(target_dir, tmp_path):
         mask, pl = smp["loss_mask"], smp["prompt_len"]
         assert not bool(mask[:pl].any()) and bool(mask[pl])
         for step in range(3):
-            for a in w.anchors(sid, step, 64).tolist():
+            for a in phases.anchors(w, sid, step, 64).tolist():
                 assert bool(mask[a + 1: a + 1 + w.W].all())
                 gaps = (~mask[pl:a + 1]).nonzero()
                 second_turn += int(gaps.numel() > 0)  # a block after a user turn: a later assistant turn

@@ -17,6 +17,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 from specopd.config import load_recipe  # noqa: E402
 from specopd.distributed import ClusterTooSmallError, RayGroup, WorkerLostError  # noqa: E402
 from specopd.distributed.ray_backend import live_groups  # noqa: E402
+from specopd.train.worker import Worker  # noqa: E402
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "tiny.yaml")
 SMALL = ["data.num_samples=24", "data.batch_size=4", "trainer.anchors_per_seq=4", "trainer.max_steps=3",
@@ -45,17 +46,17 @@ def _weights(out):
 
 def test_cluster_too_small_is_an_error_not_a_hang(ray_session, tmp_path):
     with pytest.raises(ClusterTooSmallError, match=r"3 workers x \(1 CPU, 0 GPU\) = 3 CPU.*has 2 CPU"):
-        RayGroup(_cfg(tmp_path, workers=3))
+        RayGroup(_cfg(tmp_path, workers=3), Worker)
     with pytest.raises(ClusterTooSmallError, match="1 GPU.*0 GPU"):
-        RayGroup(_cfg(tmp_path, "runtime.gpus_per_worker=1", workers=1))
+        RayGroup(_cfg(tmp_path, "runtime.gpus_per_worker=1", workers=1), Worker)
     with pytest.raises(ClusterTooSmallError, match=r"2 target \+ 2 drafter workers.*4 workers x \(1 CPU"):
-        RayGroup(_cfg(tmp_path, "runtime.roles=split"))
+        RayGroup(_cfg(tmp_path, "runtime.roles=split"), Worker)
     assert live_groups() == []
 
 
 def test_worker_that_fails_to_start_names_rank_node_and_cause(ray_session, tmp_path):
     with pytest.raises(RuntimeError, match=r"worker rank 0 \(node .*, node id .*\) failed to start: .*nonexistent"):
-        RayGroup(_cfg(tmp_path, "model.target=/nonexistent/target", workers=1))
+        RayGroup(_cfg(tmp_path, "model.target=/nonexistent/target", workers=1), Worker)
     assert live_groups() == []
 
 
@@ -68,7 +69,7 @@ def test_a_users_mistake_in_a_worker_keeps_its_type(ray_session, tmp_path):
     data.write_text("".join(json.dumps({"input_ids": list(range(10, 40)), "prompt_len": 4, "split": "heldout"}) + "\n"
                             for _ in range(6)))
     with pytest.raises(BadInputError, match="every one of the 6 records .* is held out") as e:
-        RayGroup(_cfg(tmp_path / "run", "data.source=prepared", f"data.path={data}", workers=1))
+        RayGroup(_cfg(tmp_path / "run", "data.source=prepared", f"data.path={data}", workers=1), Worker)
     assert isinstance(e.value, UserError)
     assert live_groups() == []
 
@@ -172,8 +173,13 @@ def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_pat
 
     tp2 = ["runtime.tensor_parallel=2", f"drafter.kind={kind}"]
     one = f"drafter.kind={kind}"
-    with RayGroup(_cfg(tmp_path / "g", *tp2, workers=1)) as g:
-        shards = [ray.get(a.run.remote("target_shard", (), {})) for a in g.actors]
+    def target_shard(w) -> dict:  # nested: Ray pickles it by value (tests/ is not on the actors' path)
+        tp = w.target.tensor_parallel
+        return {"params": sum(p.numel() for p in w.target.parameters()), "tp_rank": tp.rank, "tp_size": tp.size,
+                "lm_head_rows": int(w.target.lm_head.weight.shape[0])}
+
+    with RayGroup(_cfg(tmp_path / "g", *tp2, workers=1), Worker) as g:
+        shards = [ray.get(a.run.remote(target_shard, ())) for a in g.actors]
     from specopd.models import load_target
 
     (path,) = glob.glob(str(tmp_path / "g" / "tiny-target-*"))

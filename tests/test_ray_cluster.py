@@ -21,7 +21,10 @@ pytestmark = pytest.mark.slow
 from specopd.distributed import RayGroup, WorkerLostError  # noqa: E402
 from specopd.distributed.ray_backend import live_groups  # noqa: E402
 from specopd.runs import checkpoint as ck  # noqa: E402
+from specopd.train import phases  # noqa: E402
+from specopd.train.group import data_info, worker_state  # noqa: E402
 from specopd.train.loop import train  # noqa: E402
+from specopd.train.worker import Worker  # noqa: E402
 from tiny_runs import tiny_recipe  # noqa: E402
 
 INV = ["trainer.batch_invariant=true", "trainer.eval_heldout=false", "runtime.cpus_per_worker=1"]
@@ -64,7 +67,7 @@ def test_one_placement_group_per_node_and_gradients_synced(cluster, tmp_path):
     assert len(nodes) == 2
     from ray.util.placement_group import placement_group_table
 
-    g = RayGroup(_cfg(tmp_path / "g"))
+    g = RayGroup(_cfg(tmp_path / "g"), Worker)
     try:
         assert len(g.pgs) == 2
         pg_nodes = []
@@ -74,12 +77,11 @@ def test_one_placement_group_per_node_and_gradients_synced(cluster, tmp_path):
             pg_nodes.append(set(t["bundles_to_node_id"].values()))
         assert pg_nodes[0] | pg_nodes[1] == nodes and not pg_nodes[0] & pg_nodes[1]  # one per node
         assert {i["node_id"] for i in g.infos} == nodes  # rank 0 and rank 1 on different nodes
-        info = g.call("data_info", [(), ()])[0]
-        ids = info["train_ids"][:4]
-        start = g.call("state_dict", [(), ()])[0]["drafter"]
+        ids = data_info(g)["train_ids"][:4]
+        start = worker_state(g)["drafter"]
         for step in range(2):
-            g.call("train_step", [(ids[:2], step, None), (ids[2:], step, None)])
-        a, b = (s["drafter"] for s in g.call("state_dict", [(), ()]))
+            g.run(phases.colocated_step, [(ids[:2], step, None), (ids[2:], step, None)])
+        a, b = (s["drafter"] for s in g.run(Worker.state_dict, [(), ()]))
         assert all(torch.equal(a[k], b[k]) for k in a)  # the all-reduce crossed the nodes: replicas identical
         assert not all(torch.equal(a[k], start[k]) for k in a)  # and they did train
     finally:

@@ -363,12 +363,12 @@ def test_safetensors_headers_are_written_in_a_fixed_order(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- messages
 def test_interrupt_before_the_first_step_claims_no_checkpoint(tmp_path, monkeypatch, capsys):
-    from specopd.train.worker import Worker
+    from specopd.train import phases
 
-    def stop(self, *a, **k):
+    def stop(worker, *a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Worker, "train_step", stop)
+    monkeypatch.setattr(phases, "colocated_step", stop)
     rc = main(["train", RECIPE, *_args(tmp_path / "run")])
     o = capsys.readouterr()
     assert rc == 130 and "before its first step: no checkpoint written" in o.out

@@ -17,8 +17,8 @@ import torch
 
 from specopd.runs import checkpoint as ck
 from specopd.signals import StopHandler
+from specopd.train import phases
 from specopd.train.checkpointer import Checkpointer
-from specopd.train.worker import Worker
 from tests.test_faults import STEPS, _args, _cli, _metrics, _same, _weights, straight  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,10 +41,10 @@ sys.exit(main(sys.argv[1:]))
 def _send_at_step(monkeypatch, sig: int, step: int, during_save: int = 0, as_ray: bool = False):
     """``sig`` to this process while step ``step`` runs (and ``during_save`` while the checkpoint is written);
     ``as_ray``: its exception turned into a plain KeyboardInterrupt, as ray.get / ray.wait do."""
-    real_step, real_save = Worker.train_step, Checkpointer.save
+    real_step, real_save = phases.colocated_step, Checkpointer.save
     calls = {"n": 0}
 
-    def train_step(self, *a):
+    def train_step(worker, *a):
         calls["n"] += 1
         if calls["n"] == step:
             h = signal.getsignal(sig)
@@ -55,7 +55,7 @@ def _send_at_step(monkeypatch, sig: int, step: int, during_save: int = 0, as_ray
                 if not as_ray:
                     raise
                 raise KeyboardInterrupt() from None
-        return real_step(self, *a)
+        return real_step(worker, *a)
 
     def save(self, group):
         if during_save:
@@ -63,7 +63,7 @@ def _send_at_step(monkeypatch, sig: int, step: int, during_save: int = 0, as_ray
             os.kill(os.getpid(), during_save)
         return real_save(self, group)
 
-    monkeypatch.setattr(Worker, "train_step", train_step)
+    monkeypatch.setattr(phases, "colocated_step", train_step)
     monkeypatch.setattr(Checkpointer, "save", save)
 
 

@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specopd.losses import confidence_loss, e2e_tv_loss, logits_at, tv_alpha
+from specopd.train import phases
 from specopd.train.baselines import verify_block
 from specopd.train.group import LocalGroup
 from specopd.train.loop import train
@@ -38,22 +39,22 @@ def worker(tmp_path_factory):
 
 def test_proposals_are_per_sample_and_scores_exact(worker):
     ids = worker.train_ids[:2]
-    caches = worker.prefill(ids)
-    prop = worker.propose(caches, ids, step=5)
+    caches = phases.prefill(worker, ids)
+    prop = phases.propose(worker, caches, ids, step=5)
     W, B = worker.W, worker.cfg.trainer.anchors_per_seq
     assert prop.tokens.shape == (2 * B, W)
     # a sample's anchors and branch tokens do not depend on the other samples of the batch
-    alone = worker.propose(worker.prefill(ids[1:]), ids[1:], step=5)
+    alone = phases.propose(worker, phases.prefill(worker, ids[1:]), ids[1:], step=5)
     assert torch.equal(alone.anchors, prop.anchors[B:]) and torch.equal(alone.tokens, prop.tokens[B:])
     # ...but do depend on the step
-    other = worker.propose(caches, ids, step=6)
+    other = phases.propose(worker, caches, ids, step=6)
     assert not torch.equal(other.tokens, prop.tokens)
     s0 = worker.sample(ids[0])
     a = prop.anchors[:B]
     assert int(a.min()) >= s0["prompt_len"] - 1 and int(a.max()) + W <= s0["input_ids"].numel() - 1
     assert all(c.logits is None and c.hidden.shape == (c.token_ids.numel(), worker.target.hidden_size)
                for c in caches)  # the trunk keeps [T, D], never [T, V]
-    hp = worker.score(prop, caches)
+    hp = phases.score(worker, prop, caches)
     assert hp.shape == (2 * B, W, worker.target.hidden_size)  # hidden states: never [N, W, V]
     weight = worker.target.lm_head.weight
     for b in (0, B + 1):  # lm_head(hp[b, k]) == target(trunk[:a+1] + tokens[:k])[-1]
@@ -69,12 +70,12 @@ def test_proposals_are_per_sample_and_scores_exact(worker):
 
 def test_reference_blocks_use_trunk_logits(worker):
     ids = worker.train_ids[:1]
-    caches = worker.prefill(ids)
-    prop = worker.propose(caches, ids, step=0, reference=True)
+    caches = phases.prefill(worker, ids)
+    prop = phases.propose(worker, caches, ids, step=0, reference=True)
     trunk = caches[0].token_ids
     a = int(prop.anchors[0])
     assert torch.equal(prop.tokens[0], trunk[a + 1: a + 1 + worker.W])
-    hp = worker.score(prop, caches)
+    hp = phases.score(worker, prop, caches)
     p = logits_at(hp[0], worker.target.lm_head.weight)
     assert torch.allclose(p[1], worker.target(trunk[None, : a + 2])[0, -1], atol=1e-4, rtol=1e-4)
 
@@ -174,8 +175,8 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method, te
                                       f"trainer.ce_weight={ce}"] + labels)
     w = Worker(cfg)
     ids = w.train_ids[:2]
-    caches = w.prefill(ids)
-    prop = w.propose(caches, ids, step=1, reference=method.startswith("offpolicy"))
+    caches = phases.prefill(w, ids)
+    prop = phases.propose(w, caches, ids, step=1, reference=method.startswith("offpolicy"))
     assert prop.hidden.requires_grad  # the forward that proposes carries the gradient
     if method == "specopd":  # the branches are those the decoding-style sampler draws from the same forward
         rows = [torch.nonzero(prop.trunk_index == i).flatten() for i in range(len(ids))]
@@ -185,13 +186,13 @@ def test_one_forward_step_equals_full_logit_reference(tmp_path, kind, method, te
                                        temp, gens, rows=rows)
         assert torch.equal(toks, prop.tokens)
     assert (prop.reference_tokens is not None) == (ce > 0)
-    hp = w.score(prop, caches)
+    hp = phases.score(w, prop, caches)
     denom = 3 * prop.tokens.shape[0]
     ref_loss, ref_alpha = _reference_step(w, prop, denom)
     ref_loss.backward()
     ref_grads = [p.grad.clone() for p in w.params]
     w.optimizer.zero_grad(set_to_none=True)
-    m = w.loss_backward(prop, hp, denom)
+    m = phases.loss_backward(w, prop, hp, denom)
     assert prop.hidden is None  # the graph was consumed
     assert m["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(torch.tensor(m["alpha_sum"]), ref_alpha.sum(0), rtol=1e-5, atol=1e-6)
@@ -234,8 +235,8 @@ def test_step_never_holds_branch_logits(tmp_path, kind, method):
     ids = w.train_ids[:4]
     shapes = [p.shape for p in list(w.target.parameters()) + list(w.drafter.parameters()) if v in p.shape]
     with _MaxVocabTensor(v, shapes) as rec:
-        m = w.train_step(ids, 0, None)
-        w.evaluate(w.heldout_ids[:2])
+        m = phases.colocated_step(w, ids, 0, None)
+        phases.evaluate(w, w.heldout_ids[:2])
     limit = chunk * v
     if method == "draft_opd":  # its rollout's p and q logits of one round: [sequences, W + 1, V] (small)
         limit = len(ids) * (w.W + 1) * v
@@ -275,15 +276,15 @@ def test_two_workers_equal_one(tmp_path):
         denom = 4 * cfg.trainer.anchors_per_seq
         losses = []
         for grp, parts in ((g1, [ids]), (g2, [ids[:2], ids[2:]])):
-            grp.call("stage", [(p, 0) for p in parts])
-            res = grp.call("loss_backward", [(w.staged.proposals, w.staged.hp, denom) for w in grp.workers])
+            grp.run(phases.stage, [(p, 0) for p in parts])
+            res = grp.run(phases.loss_backward, [(w.staged.proposals, w.staged.hp, denom) for w in grp.workers])
             losses.append(sum(r["loss"] for r in res))
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
         one = [p.grad.clone() for p in g1.workers[0].drafter.parameters()]
         two = [a.grad + b.grad for a, b in zip(g2.workers[0].drafter.parameters(), g2.workers[1].drafter.parameters())]
         for a, b in zip(one, two):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
-        g2.call("optimizer_step", [(), ()])
+        g2.run(phases.optimizer_step, [(), ()])
         for b, c in zip(g2.workers[0].drafter.parameters(), g2.workers[1].drafter.parameters()):
             assert torch.equal(b, c)  # the all-reduce ran: replicas stay identical
     finally:
@@ -384,9 +385,9 @@ def test_eval_every_logs_heldout_al_and_draws_it(tmp_path):
     w.drafter.load_state_dict(load_file(os.path.join(s["final_checkpoint"], "model.safetensors")))
     ids, bs = w.heldout_ids, cfg.data.batch_size
     assert len(ids) > bs  # more than one batch
-    again = reduce_metrics([w.evaluate(ids[i: i + bs]) for i in range(0, len(ids), bs)], 0.0)["expected_al"]
+    again = reduce_metrics([phases.evaluate(w, ids[i: i + bs]) for i in range(0, len(ids), bs)], 0.0)["expected_al"]
     assert again == rows[-1]["heldout_expected_al"] and again != s["eval_before"]["expected_al"]
-    assert reduce_metrics([w.evaluate(ids)], 0.0)["expected_al"] == pytest.approx(again, rel=1e-6)
+    assert reduce_metrics([phases.evaluate(w, ids)], 0.0)["expected_al"] == pytest.approx(again, rel=1e-6)
 
 
 def test_eval_every_bad_values_are_clear_errors():
@@ -415,15 +416,15 @@ def test_gdn_and_qsa_targets_train(tmp_path, target):
     """The same step on GDN (qwen3_next) and QSA (qwen4_exp) targets: branch scores exact, a step runs."""
     w = Worker(tiny_recipe(str(tmp_path), target=target))
     ids = w.train_ids[:2]
-    caches = w.prefill(ids)
-    prop = w.propose(caches, ids, step=0)
+    caches = phases.prefill(w, ids)
+    prop = phases.propose(w, caches, ids, step=0)
     b = 1
-    p = logits_at(w.score(prop, caches)[b], w.target.lm_head.weight)
+    p = logits_at(phases.score(w, prop, caches)[b], w.target.lm_head.weight)
     trunk, a = caches[0].token_ids, int(prop.anchors[b])
     for k in range(w.W):
         ref = w.target(torch.cat([trunk[: a + 1], prop.tokens[b, :k]])[None])[0, -1]
         assert torch.allclose(p[k], ref, atol=1e-4, rtol=1e-4), k
-    m = w.train_step(ids, 0, None)
+    m = phases.colocated_step(w, ids, 0, None)
     assert m["branches"] == 2 * w.cfg.trainer.anchors_per_seq and m["loss"] > 0
 
 
@@ -432,9 +433,9 @@ def test_dspark_drafter_trains(tmp_path):
     cfg = tiny_recipe(str(tmp_path), ["drafter.kind=dspark", "trainer.max_steps=2", "trainer.eval_heldout=false"])
     w = Worker(cfg)
     ids = w.train_ids[:2]
-    caches = w.prefill(ids)
-    prop = w.propose(caches, ids, step=0)
-    alone = w.propose(w.prefill(ids[1:]), ids[1:], step=0)
+    caches = phases.prefill(w, ids)
+    prop = phases.propose(w, caches, ids, step=0)
+    alone = phases.propose(w, phases.prefill(w, ids[1:]), ids[1:], step=0)
     B = cfg.trainer.anchors_per_seq
     assert torch.equal(alone.tokens, prop.tokens[B:])
     s = train(cfg, progress=False)
@@ -458,19 +459,27 @@ def test_loop_with_two_local_workers(tmp_path):
 
 
 def test_groups_and_drafters_satisfy_their_protocols(tmp_path):
-    """LocalGroup and RayGroup are WorkerGroups (typed calls included); the drafters are BlockDrafters."""
+    """LocalGroup and RayGroup are WorkerGroups; the drafters are BlockDrafters. A group runs the function it is
+    given on each worker, checks the roles it is asked for, and its typed state calls read the workers."""
     from specopd.distributed.ray_backend import RayGroup
     from specopd.speculative import BlockDrafter
-    from specopd.train.group import WorkerGroup
+    from specopd.train.group import WorkerGroup, data_info, worker_state
 
     g = LocalGroup(tiny_recipe(str(tmp_path)), 1)
     try:
         assert isinstance(g, WorkerGroup) and isinstance(g.workers[0].drafter, BlockDrafter)
-        assert g.data_info() == g.call("data_info", [()])[0]
+        assert g.run(lambda w, x: (w.rank, x), [(7,)]) == [(0, 7)]
+        assert data_info(g)["train_ids"] == g.workers[0].train_ids
+        assert worker_state(g)["steps_done"] == 0
+        with pytest.raises(ValueError, match="role='target'"):
+            g.run(Worker.data_info, [()], role="target")  # colocated: there are no target workers
+        with pytest.raises(ValueError, match="2 argument tuples for 1 workers"):
+            g.run(Worker.data_info, [(), ()])
     finally:
         g.shutdown()
     methods = [m for m in vars(WorkerGroup) if not m.startswith("_")]
-    assert "train_step" in methods and all(callable(getattr(RayGroup, m)) for m in methods if m != "num_workers")
+    assert {"run", "take_spans", "shutdown"} <= set(methods)
+    assert all(callable(getattr(RayGroup, m)) for m in methods if m not in ("num_workers", "split", "closed"))
 
 
 def test_split_roles_in_process_equal_colocated(tmp_path):
@@ -482,14 +491,15 @@ def test_split_roles_in_process_equal_colocated(tmp_path):
         assert split.targets[0].role == "target" and split.workers[0].role == "drafter"
         ids = col.workers[0].train_ids[:4]
         denom = 4 * col.workers[0].cfg.trainer.anchors_per_seq
-        a, b = col.call("train_step", [(ids, 0, denom)])[0], split.call("train_step", [(ids, 0, denom)])[0]
+        a = col.run(phases.colocated_step, [(ids, 0, denom)])[0]
+        b = phases.split_step(split, [ids], 0, denom)[0]
         assert b["loss"] == a["loss"] and b["alpha_sum"] == a["alpha_sum"]
         assert {"prefill", "score", "propose", "loss_backward"} <= set(b["phase_s"])
         assert split.targets[0].trunk_caches is None  # the trunk caches are dropped after scoring
         for p, q in zip(col.workers[0].drafter.parameters(), split.workers[0].drafter.parameters()):
             assert torch.equal(p, q)
         held = col.workers[0].heldout_ids[:2]
-        assert split.call("evaluate", [(held,)]) == col.call("evaluate", [(held,)])
+        assert phases.split_evaluate(split, [held]) == col.run(phases.evaluate, [(held,)])
     finally:
         col.shutdown()
         split.shutdown()

@@ -1,4 +1,4 @@
 """Distributed backends for the training loop (``runtime.backend: ray``)."""
-from specopd.distributed.ray_backend import ClusterTooSmallError, RayGroup, WorkerLostError, last_checkpoint
+from specopd.distributed.ray_backend import ClusterTooSmallError, RayGroup, WorkerLostError
 
-__all__ = ["RayGroup", "WorkerLostError", "ClusterTooSmallError", "last_checkpoint"]
+__all__ = ["RayGroup", "WorkerLostError", "ClusterTooSmallError"]

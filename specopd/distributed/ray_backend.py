@@ -1,30 +1,26 @@
-"""RayGroup: the trainer's Workers as Ray actors, data-parallel, gradients summed with torch.distributed; the
-interface of ``specopd.train.group.LocalGroup``. Start-up, faults and roles: specopd/distributed/DESIGN.md ("Ray backend").
+"""RayGroup: a group of workers as Ray actors, data-parallel, gradients summed with torch.distributed; the
+interface of ``specopd.train.group.LocalGroup``. Each actor builds its worker with the factory it is given and runs
+``fn(worker, *args)`` for the functions the controller sends (Ray pickles a module-level function by reference), so
+this module knows nothing of training. Start-up, faults and roles: specopd/distributed/DESIGN.md ("Ray backend").
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
-import re
 import socket
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from kernels import paths
 from specopd.errors import UserError, own_dir, write_replace
 from specopd.profiling import append_spans, start_gpu_sampler
 from specopd.runs import checkpoint as ck
 from specopd.signals import starting_ray
-from specopd.train.determinism import apply_deterministic
-from specopd.train.group import WorkerCalls, split_call
 
-DEFAULT_WORKER = "specopd.train.worker:Worker"
 PG_READY_TIMEOUT_S = float(os.environ.get("SPECOPD_PG_TIMEOUT_S", "120"))
 _LIVE_GROUPS: list = []  # groups not shut down yet (tests use it to reach actors)
 
@@ -51,44 +47,18 @@ def _get(cfg, path: str, default=None):
     return default if cur is None else cur
 
 
-def _resolve(worker_cls):
-    if isinstance(worker_cls, str):
-        mod, _, name = worker_cls.partition(":")
-        return getattr(importlib.import_module(mod), name)
-    return worker_cls
-
-
-def last_checkpoint(output_dir) -> Optional[str]:
-    """The newest complete checkpoint under <output_dir>/checkpoints (step-<N>/ with model.safetensors)."""
-    try:  # the trainer's own notion of "complete", when it has one
-        fn = getattr(ck, "latest_checkpoint", None) or getattr(ck, "find_latest", None)
-        if fn is not None:
-            found = fn(output_dir)
-            return None if found is None else str(found)
-    except Exception:
-        pass
-    root = Path(output_dir or ".") / "checkpoints"
-    steps = []
-    for d in root.glob("step-*") if root.exists() else []:
-        m = re.fullmatch(r"step-(\d+)", d.name)
-        if m and (d / "model.safetensors").exists():
-            steps.append((int(m.group(1)), d))
-    return str(max(steps)[1]) if steps else None
-
-
 # -- the actor ------------------------------------------------------------------------------------------
 
 class _WorkerHost:
-    """Runs in the actor process: hosts one Worker and its share of the process group."""
+    """Runs in the actor process: hosts one worker (``make_worker(cfg, rank, world_size, ...)``; the worker applies
+    the recipe's process settings itself) and its share of the process group."""
 
-    def __init__(self, worker_cls, cfg, rank: int, world_size: int, num_threads: int, role: Optional[str] = None,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, make_worker: Callable, cfg, rank: int, world_size: int, num_threads: int,
+                 role: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1):
         torch.set_num_threads(max(1, num_threads))
-        apply_deterministic(bool(_get(cfg, "trainer.deterministic", False)))  # before any CUDA work
-        paths.configure_from(_get(cfg, "kernels", {}))  # the driver's compute paths, in this actor's process too
         self.rank, self.world_size = rank, world_size  # data-parallel
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.worker_cls, self.cfg, self.role = worker_cls, cfg, role
+        self.make_worker, self.cfg, self.role = make_worker, cfg, role
         self.init_error, self.worker, self.dp_group = None, None, None
         self.sampler, self.gpu_note = None, None
         if tp_size == 1:  # a sharded target needs the process group first: built in init_dist
@@ -99,7 +69,7 @@ class _WorkerHost:
         if tensor_parallel is not None:
             kw["tensor_parallel"] = tensor_parallel
         try:
-            self.worker = _resolve(self.worker_cls)(self.cfg, self.rank, self.world_size, **kw)
+            self.worker = self.make_worker(self.cfg, self.rank, self.world_size, **kw)
         except UserError as e:  # a user's mistake (bad data, ...): raised by info() with its own type, so the
             self.init_error = e  # driver reports it as such (an actor that fails in __init__ loses the type)
             return
@@ -164,18 +134,14 @@ class _WorkerHost:
             t.copy_(flat[off: off + n].view_as(t))
             off += n
 
-    def run(self, method: str, args: tuple, kwargs: dict):
-        return getattr(self.worker, method)(*args, **kwargs)
+    def run(self, fn: Callable, args: tuple):
+        """``fn(worker, *args)`` on this actor's worker."""
+        return fn(self.worker, *args)
 
     def profile_take(self):
-        """(spans, gpu_samples, note): the worker's spans since the last call (Worker.take_spans, or its
-        Profiler's take()), this actor's NVML samples, and why there are none."""
-        w = self.worker
-        if hasattr(w, "take_spans"):
-            spans = w.take_spans()
-        else:
-            prof = getattr(w, "prof", None) or getattr(w, "profiler", None)
-            spans = prof.take() if prof is not None else []
+        """(spans, gpu_samples, note): the worker's spans since the last call, this actor's NVML samples, and why
+        there are none."""
+        spans = self.worker.take_spans()
         samples = self.sampler.take() if self.sampler is not None else []
         return spans, samples, self.gpu_note
 
@@ -216,8 +182,11 @@ def _node_capacity(nodes: list, cpus: float, gpus: float) -> list:
     return sorted(out, key=lambda x: -x[2])
 
 
-class RayGroup(WorkerCalls):
-    def __init__(self, cfg, worker_cls: Any = DEFAULT_WORKER):
+class RayGroup:
+    """``cfg.runtime``'s workers as Ray actors, each built by ``make_worker(cfg, rank, world_size, role=...,
+    tensor_parallel=...)`` (``specopd.train.worker.Worker``). The interface: ``specopd.train.group.WorkerGroup``."""
+
+    def __init__(self, cfg, make_worker: Callable):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         import ray  # ray: slow to import; only in a Ray run
         from ray.util.placement_group import placement_group
@@ -298,7 +267,7 @@ class RayGroup(WorkerCalls):
                     role = (None if not self.split else "drafter" if rank < n else "target")
                     dp, t = (rank // tp, rank % tp) if not self.split else (rank % n, 0)
                     self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strat)
-                                       .remote(worker_cls, cfg, dp, n, nthreads, role, t, tp))
+                                       .remote(make_worker, cfg, dp, n, nthreads, role, t, tp))
                     rank += 1
             _LIVE_GROUPS.append(self)
             self.infos = self._wait([a.info.remote() for a in self.actors], "__init__")
@@ -314,46 +283,27 @@ class RayGroup(WorkerCalls):
             raise
 
     # -- the worker-group interface -------------------------------------------------------------------
-    def call(self, method: str, per_worker_args: Sequence) -> list:
-        """Call ``method`` on every worker with its own positional arguments (one tuple per worker);
-        returns the results in rank order."""
+    def run(self, fn: Callable, per_worker_args: Sequence[tuple], role: str = "drafter") -> list:
+        """``fn(worker, *args)`` on every worker of ``role`` with its own positional arguments (one tuple per
+        worker) -> results in rank order. role: "drafter" (the drafter actors; colocated: all of them) or
+        "target" (split roles' target actors). Every rank of a tensor-parallel group runs the call; its first
+        rank answers for the group."""
         if len(per_worker_args) != self.world_size:
-            raise ValueError(f"call({method!r}) got {len(per_worker_args)} argument sets for "
+            raise ValueError(f"run({fn.__name__}) got {len(per_worker_args)} argument sets for "
                              f"{self.world_size} workers")
-        self._check_open()
-        if method == "take_spans":  # the loop's per-step span drain: also drain the actors' NVML samples
-            return self._take_spans()
-        if self.split:
-            return split_call(self, method, per_worker_args)
-        return self.call_role("drafter", method, per_worker_args)
-
-    def call_role(self, role: str, method: str, per_worker_args: Sequence) -> list:
-        """``method`` on the drafter actors (colocated: all actors) or, split, on the target actors."""
+        if role not in ("drafter", "target") or (role == "target" and not self.split):
+            raise ValueError(f"run({fn.__name__}, role={role!r}): the roles are drafter, and target with split roles")
         self._check_open()
         tp, base = self.tp, self.world_size if role == "target" else 0
-        # every rank of a tensor-parallel group runs the same call; its first rank answers for the group
-        refs = [a.run.remote(method, tuple(per_worker_args[i // tp]), {})
+        refs = [a.run.remote(fn, tuple(per_worker_args[i // tp]))
                 for i, a in enumerate(self.actors[base: base + self.world_size * tp])]
-        return self._wait(refs, method, base)[::tp]
+        return self._wait(refs, fn.__name__, base)[::tp]
 
-    def broadcast(self, method: str, *args, **kwargs) -> list:
+    def take_spans(self) -> list:
+        """Every actor's profiler spans since the last call, in actor order, as one list. GPU samples and the
+        workers' GPU note go straight to <output_dir>/profile/ (gpu.jsonl, meta.json), where profiling.render
+        reads them: the controller may have no GPU while the workers do."""
         self._check_open()
-        refs = [a.run.remote(method, args, kwargs) for a in self.actors[:self.world_size * self.tp]]
-        return self._wait(refs, method)[::self.tp]
-
-    def profile_take(self):
-        """(spans, gpu_samples, gpu_note) gathered from every worker since the last call."""
-        self._check_open()
-        out = self._wait([a.profile_take.remote() for a in self.actors], "profile_take")
-        spans = [s for o in out for s in o[0]]
-        samples = [s for o in out for s in o[1]]
-        notes = [o[2] for o in out if o[2]]
-        return spans, samples, (notes[0] if notes and not samples else None)
-
-    def _take_spans(self) -> list:
-        """Spans per worker (what Worker.take_spans returns). GPU samples and the workers' GPU note go
-        straight to <output_dir>/profile/ (gpu.jsonl, meta.json), where profiling.render reads them: the
-        controller may have no GPU while the workers do."""
         out = self._wait([a.profile_take.remote() for a in self.actors], "take_spans")
         samples = [x for o in out for x in o[1]]
         if samples:
@@ -363,7 +313,7 @@ class RayGroup(WorkerCalls):
         if notes and not meta.exists():
             own_dir(str(meta.parent))
             write_replace(str(meta), json.dumps({"gpu_note": f"Ray workers: {notes[0]}"}))
-        return [list(o[0]) for o in out]
+        return [e for o in out for e in o[0]]
 
     def shutdown(self) -> None:
         if self.closed:
@@ -467,17 +417,17 @@ class RayGroup(WorkerCalls):
             label = f"{rank % self.world_size} ({'target' if rank >= self.world_size else 'drafter'} role)"
         self.shutdown()
         lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
-        if getattr(err, "_actor_init_failed", False):  # Worker(cfg, rank, world_size) raised: not a fault
+        if getattr(err, "_actor_init_failed", False):  # make_worker(cfg, rank, world_size) raised: not a fault
             raise RuntimeError(f"worker rank {label} (node {ip}, node id {node}) failed to start: "
                                f"{lines[-1] if lines else type(err).__name__}") from err
-        ck = last_checkpoint(self.output_dir)
+        last = ck.find_latest(self.output_dir)
         first = (lines or [""])[0].rstrip(".")
         msg = (f"worker rank {label} (node {ip}, node id {node}) died during {method!r}: {type(err).__name__}: "
                f"{first}. The run is stopped (all workers shut down). Last complete checkpoint: "
-               f"{ck or 'none yet'}. Fix the cause (out of memory? lower the batch or trainer.* sizes), then "
+               f"{last or 'none yet'}. Fix the cause (out of memory? lower the batch or trainer.* sizes), then "
                f"rerun the same command with trainer.resume=auto to continue from "
-               f"{'that checkpoint' if ck else 'the start (no checkpoint was written)'}.")
-        raise WorkerLostError(msg, rank=rank, node_ip=ip, node_id=node, method=method, checkpoint=ck) from err
+               f"{'that checkpoint' if last else 'the start (no checkpoint was written)'}.")
+        raise WorkerLostError(msg, rank=rank, node_ip=ip, node_id=node, method=method, checkpoint=last) from err
 
 
 def live_groups() -> list:

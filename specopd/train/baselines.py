@@ -36,8 +36,9 @@ def _prompt_hidden(target, sample, dev) -> torch.Tensor:
 
 @torch.no_grad()
 def draft_opd_rollout(worker, sample_ids, step) -> tuple:
-    """Run the rollout for ``sample_ids`` and return (Proposals, hp [N, W, D]) like propose/score: hp[b, j] is
-    the target's hidden state (what lm_head reads) whose logits are p for block b's drafted token j.
+    """Run the rollout for ``sample_ids`` and return (Proposals, hp [N, W, D]) like the propose and score phases
+    (``specopd.train.phases``): hp[b, j] is the target's hidden state (what lm_head reads) whose logits are p for
+    block b's drafted token j.
     Target passes: one prefill per prompt + one per round (all active sequences together); a one-token prompt
     adds one pass of that token for its hidden state (its p came from the start's logits)."""
     t = worker.cfg.trainer

@@ -18,6 +18,7 @@ from specopd.profiling import Profiler
 from specopd.runs import checkpoint as ck
 from specopd.signals import stopped_by
 from specopd.train.data import BatchOrder
+from specopd.train.group import load_worker_state, worker_state
 from specopd.train.inputs import input_changes, input_fingerprints
 from specopd.train.step import NonFiniteError
 
@@ -327,7 +328,7 @@ class Checkpointer:
         """Resume from ``c``: the workers' state, the controller's RNGs, the data position; the metrics lines
         after its step moved aside; this recipe written. Returns the step."""
         try:
-            group.load_state_dict(c["worker_state"])
+            load_worker_state(group, c["worker_state"])
         except RuntimeError as e:  # a drafter of another shape (e.g. drafter.init_from changed it)
             if "state_dict" not in str(e):  # torch's "Error(s) in loading state_dict ..."; others pass on
                 raise
@@ -374,7 +375,7 @@ class Checkpointer:
     def save(self, group) -> tuple:
         """Checkpoint the steps the workers completed (an interrupt may hit mid-step); returns (folder, step)."""
         with self.prof.span("checkpoint"):
-            ws = group.state_dict()
+            ws = worker_state(group)
             k = int(ws["steps_done"])  # what the workers really completed (an interrupt may hit mid-step)
             st = {**self.state, "data_position": self.positions[k], "method": self.t.method,
                   "recipe": recipe_record(self.cfg)}
@@ -401,7 +402,7 @@ class Checkpointer:
         run = f"run interrupted by {stop}" if stop else "run interrupted"
         if self.positions and not closed and not isinstance(e, (ck.CheckpointError, NonFiniteError)):
             try:
-                done = int(group.state_dict()["steps_done"])
+                done = int(worker_state(group)["steps_done"])
                 if done not in (self.saved_step, 0):
                     p, k = self.save(group)
                     print(f"{run}; checkpoint of step {k} written to {p}")

@@ -1,4 +1,4 @@
-"""What the phases of one training step hand each other (``specopd.train.worker``), as typed records.
+"""What the phases of one training step (``specopd.train.phases``) hand each other, as typed records.
 N = branches, W = drafted tokens per branch, D = hidden size, F = feature width, T = trunk length.
 Which phase hands what: specopd/train/DESIGN.md ("Step handoff").
 """
@@ -62,7 +62,7 @@ class Proposals:
 
 @dataclass
 class Staged:
-    """A step's share between ``stage`` and ``finish`` (split roles: ``stage_proposals`` -> ``finish_scored``)."""
+    """A step's share between ``stage`` and ``finish`` (split roles: ``drafter_propose`` -> ``drafter_update``)."""
 
     proposals: Proposals
     hp: Optional[torch.Tensor] = None  # [N, W, D] the target side; None until the target worker's scores arrive
@@ -70,7 +70,7 @@ class Staged:
 
 @dataclass
 class Scored:
-    """Split roles: the target worker's answer to ``score_staged``."""
+    """Split roles: the target worker's answer to ``target_score``."""
 
     hp: Optional[torch.Tensor]  # [N, W, D] the target's hidden states at the branch slots (None: empty share)
     phase_s: Dict[str, float] = field(default_factory=dict)  # the target worker's seconds per phase
@@ -79,7 +79,7 @@ class Scored:
 @dataclass
 class GradBlocks:
     """``trainer.batch_invariant``: this shard's gradient as blocks of the fixed summation tree
-    (``specopd.train.determinism``), for ``Worker.optimizer_step`` to exchange and combine."""
+    (``specopd.train.determinism``), for ``phases.optimizer_step`` to exchange and combine."""
 
     mine: Dict[Tuple[int, int], torch.Tensor]  # (start, size) -> [P] fp32 flat gradient sum of this shard's blocks
     every: List[Tuple[int, int]]  # (start, size) of every worker's blocks, in worker order (the exchange order)

@@ -23,15 +23,17 @@ from specopd.runs.lock import run_lock
 from specopd.train.checkpointer import Checkpointer, drafter_as_loaded
 from specopd.train.data import BatchOrder, warm_conversation_cache
 from specopd.train.determinism import apply_deterministic
-from specopd.train.group import LocalGroup
+from specopd.train.group import LocalGroup, data_info
 from specopd.train.metrics import TrainMetrics, check_loggers, check_sink_folders
 from specopd.train.step import NonFiniteGuard, train_step
 from specopd.train.validator import Validator
+from specopd.train.worker import Worker
 
 
 def make_group(cfg: RecipeConfig):
+    """The recipe's worker group (``runtime.backend``): Workers in this process, or in Ray actors."""
     if cfg.runtime.backend == "ray":
-        return RayGroup(cfg)
+        return RayGroup(cfg, Worker)
     return LocalGroup(cfg)
 
 
@@ -91,7 +93,7 @@ class Trainer:
     def start(self, c: Optional[dict]) -> int:
         """Load the checkpoint ``c`` into the workers (or start fresh), then the components; returns the step."""
         g, cfg = self.group, self.cfg
-        self.info = g.data_info()
+        self.info = data_info(g)
         self.validator = Validator(cfg, g, self.info["heldout_ids"])
         self.order = BatchOrder(self.info["train_ids"], cfg.data.batch_size, cfg.data.seed)
         if c is not None:

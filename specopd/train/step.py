@@ -1,10 +1,10 @@
-"""One global training step across the workers: split the batch, call them, reduce their metrics.
+"""One global training step across the workers: split the batch, pick the schedule, reduce their metrics.
 
 Each global batch (``data.batch_size`` sample ids) is split by sample across the workers (``shard``). ``denom``
-(the global branch count) is known before the step for SpecOPD and the off-policy baselines (``train_step``;
-``train_step_invariant`` with ``trainer.batch_invariant``), and formed after the rollouts for Draft-OPD
-(``stage`` -> sum -> ``finish``). A step whose loss or gradient is NaN / inf is skipped on every worker (no
-update); ``NonFiniteGuard`` counts them and stops the run at ``trainer.max_nonfinite_steps`` in a row.
+(the global branch count) is known before the step for SpecOPD and the off-policy baselines, and formed after the
+rollouts for Draft-OPD. The schedules themselves (colocated, split roles, batch-invariant, Draft-OPD) are in
+``specopd.train.phases``. A step whose loss or gradient is NaN / inf is skipped on every worker (no update);
+``NonFiniteGuard`` counts them and stops the run at ``trainer.max_nonfinite_steps`` in a row.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import math
 import time
 
 from specopd.config import RecipeConfig
+from specopd.train import phases
 from specopd.train.data import num_branches
 
 
@@ -65,7 +66,7 @@ def train_step(group, info: dict, cfg: RecipeConfig, ids: list, step: int) -> di
     """Step ``step`` + 1 of the run on the global batch.
 
     Args:
-        group: the ``WorkerGroup``.
+        group: the ``WorkerGroup`` (``specopd.train.group``).
         info: the workers' ``data_info`` (draft length, lengths, anchor counts).
         cfg: the recipe.
         ids: the global batch's sample ids.
@@ -78,18 +79,19 @@ def train_step(group, info: dict, cfg: RecipeConfig, ids: list, step: int) -> di
     W, B = info["draft_len"], t.anchors_per_seq
     parts = shard(ids, n)
     t0 = time.perf_counter()
-    if t.method == "draft_opd":
-        denom = group.stage(parts, step)
-        res = group.finish(denom)
+    if t.method == "draft_opd":  # the denominator: the rollouts' blocks, counted after them
+        res = phases.draft_opd_step(group, parts, step)
     else:
         counts = info.get("anchor_counts")  # valid anchors per sample (response / loss mask)
         denom = sum(min(B, counts[i]) if counts is not None else
                     num_branches(info["lengths"][i], info["prompt_lens"][i], W, B) for i in ids)
         if t.batch_invariant:
             bounds = shard_bounds(len(ids), n)
-            res = group.train_step_invariant(parts, step, denom, bounds, len(ids))
+            res = group.run(phases.invariant_step, [(p, step, denom, bounds, len(ids)) for p in parts])
+        elif group.split:
+            res = phases.split_step(group, parts, step, denom)
         else:
-            res = group.train_step(parts, step, denom)
+            res = group.run(phases.colocated_step, [(p, step, denom) for p in parts])
     return reduce_metrics(res, time.perf_counter() - t0)
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 from specopd.config import RecipeConfig, RecipeError
 from specopd.errors import replacing
+from specopd.train import phases
 from specopd.train.metrics import read_metrics
 from specopd.train.step import reduce_metrics, shard
 
@@ -31,7 +32,8 @@ def evaluate_heldout(group, heldout_ids: list, batch_size: Optional[int] = None)
     chunk = batch_size or max(1, len(ids))
     res = []
     for lo in range(0, max(1, len(ids)), chunk):
-        res += group.evaluate(shard(ids[lo: lo + chunk], group.num_workers))
+        parts = shard(ids[lo: lo + chunk], group.num_workers)
+        res += phases.split_evaluate(group, parts) if group.split else group.run(phases.evaluate, [(p,) for p in parts])
     m = reduce_metrics(res, 0.0)
     return {"expected_al": m["expected_al"], "alpha": m["alpha"], "branches": m["branches"]}
 
