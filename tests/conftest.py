@@ -93,3 +93,19 @@ def fp32_is_ieee_on_cuda(request):
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture
+def live_groups(monkeypatch):
+    """``live_groups()``: the RayGroups this test made that started actors and are not shut down yet (a test reaches
+    a run's actors through it, and checks that a failed or finished run closed its group)."""
+    from specopd.distributed.ray_backend import RayGroup
+
+    made, init = [], RayGroup.__init__
+
+    def recording_init(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(RayGroup, "__init__", recording_init)
+    return lambda: [g for g in made if getattr(g, "actors", None) and not g.closed]

@@ -16,7 +16,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from specopd.config import load_recipe  # noqa: E402
 from specopd.distributed import ClusterTooSmallError, RayGroup, WorkerLostError  # noqa: E402
-from specopd.distributed.ray_backend import live_groups  # noqa: E402
 from specopd.train.worker import Worker  # noqa: E402
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "tiny.yaml")
@@ -44,7 +43,7 @@ def _weights(out):
     return load_file(os.path.join(find_latest(str(out)), "model.safetensors"))
 
 
-def test_cluster_too_small_is_an_error_not_a_hang(ray_session, tmp_path):
+def test_cluster_too_small_is_an_error_not_a_hang(ray_session, tmp_path, live_groups):
     with pytest.raises(ClusterTooSmallError, match=r"3 workers x \(1 CPU, 0 GPU\) = 3 CPU.*has 2 CPU"):
         RayGroup(_cfg(tmp_path, workers=3), Worker)
     with pytest.raises(ClusterTooSmallError, match="1 GPU.*0 GPU"):
@@ -54,13 +53,13 @@ def test_cluster_too_small_is_an_error_not_a_hang(ray_session, tmp_path):
     assert live_groups() == []
 
 
-def test_worker_that_fails_to_start_names_rank_node_and_cause(ray_session, tmp_path):
+def test_worker_that_fails_to_start_names_rank_node_and_cause(ray_session, tmp_path, live_groups):
     with pytest.raises(RuntimeError, match=r"worker rank 0 \(node .*, node id .*\) failed to start: .*nonexistent"):
         RayGroup(_cfg(tmp_path, "model.target=/nonexistent/target", workers=1), Worker)
     assert live_groups() == []
 
 
-def test_a_users_mistake_in_a_worker_keeps_its_type(ray_session, tmp_path):
+def test_a_users_mistake_in_a_worker_keeps_its_type(ray_session, tmp_path, live_groups):
     """A user error raised while a Ray worker starts (here: every record held out) reaches the driver as itself
     (a UserError: the CLI's exit 2 with its message), not as a "failed to start" RuntimeError."""
     from specopd.errors import BadInputError, UserError
@@ -113,7 +112,7 @@ def test_split_roles_train_like_one_local_worker(ray_session, tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_worker_stops_the_run_and_resume_continues(ray_session, tmp_path):
+def test_killed_worker_stops_the_run_and_resume_continues(ray_session, tmp_path, live_groups):
     from specopd.runs.checkpoint import complete_checkpoints
     from specopd.train.loop import train
 
@@ -163,7 +162,7 @@ def test_dry_run_every_recipe(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_path, kind):
+def test_tensor_parallel_group_trains_like_one_local_worker(ray_session, tmp_path, kind, live_groups):
     """runtime.tensor_parallel=2: one data-parallel worker whose target is sharded over 2 Ray actors (gloo, a
     (dp, tp) DeviceMesh), its lm_head split by vocabulary (the vocabulary-parallel loss, the gathered sampler;
     DFlash V2: the merged top-K candidates and p at them), ends with the drafter of 1 unsharded in-process worker,

@@ -19,7 +19,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 from specopd.distributed import RayGroup, WorkerLostError  # noqa: E402
-from specopd.distributed.ray_backend import live_groups  # noqa: E402
 from specopd.runs import checkpoint as ck  # noqa: E402
 from specopd.train import phases  # noqa: E402
 from specopd.train.group import data_info, worker_state  # noqa: E402
@@ -99,7 +98,7 @@ def test_one_placement_group_per_node_and_gradients_synced(cluster, tmp_path):
     assert m1 == m2
 
 
-def test_killing_one_nodes_workers_names_it_and_the_run_resumes(cluster, tmp_path):
+def test_killing_one_nodes_workers_names_it_and_the_run_resumes(cluster, tmp_path, live_groups):
     out = tmp_path / "run"
     killed = {}
 

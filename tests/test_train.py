@@ -7,9 +7,9 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specopd import speculative as spec
 from specopd.losses import confidence_loss, e2e_tv_loss, logits_at, tv_alpha
 from specopd.train import phases
-from specopd.train.baselines import verify_block
 from specopd.train.group import LocalGroup
 from specopd.train.loop import train
 from specopd.train.step import reduce_metrics
@@ -244,6 +244,24 @@ def test_step_never_holds_branch_logits(tmp_path, kind, method):
     else:
         assert min(m["branches"], cfg.data.seq_len) * v > limit  # each forbidden tensor would be caught
     assert rec.max_numel <= limit, (rec.max_numel, rec.op, m["branches"], w.W, v)
+
+
+def verify_block(p_logits: torch.Tensor, q_logits: torch.Tensor, draft: torch.Tensor, temperature: float,
+                 generator: torch.Generator) -> tuple:
+    """One block through ``specopd.speculative.accept``.
+
+    Args:
+        p_logits: [W + 1, V] the target's logits.
+        q_logits: [W, V] the drafter's logits.
+        draft: [W] drafted tokens.
+        temperature: T.
+        generator: the torch.Generator.
+
+    Returns:
+        (number of accepted draft tokens k, the committed tokens draft[:k] + the resampled / bonus token).
+    """
+    (k,), (y,) = spec.accept(draft[None], q_logits[None], p_logits[None], temperature, generator)
+    return k, torch.cat([draft[:k], torch.tensor([y], device=draft.device, dtype=draft.dtype)])
 
 
 def test_verify_block_is_lossless():

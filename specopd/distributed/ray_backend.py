@@ -22,7 +22,6 @@ from specopd.runs import checkpoint as ck
 from specopd.signals import starting_ray
 
 PG_READY_TIMEOUT_S = float(os.environ.get("SPECOPD_PG_TIMEOUT_S", "120"))
-_LIVE_GROUPS: list = []  # groups not shut down yet (tests use it to reach actors)
 
 
 class ClusterTooSmallError(RuntimeError):
@@ -269,7 +268,6 @@ class RayGroup:
                     self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strat)
                                        .remote(make_worker, cfg, dp, n, nthreads, role, t, tp))
                     rank += 1
-            _LIVE_GROUPS.append(self)
             self.infos = self._wait([a.info.remote() for a in self.actors], "__init__")
             if n * tp > 1:
                 # nccl for CUDA tensors (one GPU per rank), gloo for CPU tensors
@@ -321,8 +319,6 @@ class RayGroup:
         self.closed = True
         import ray  # ray: slow to import; only in a Ray run
 
-        if self in _LIVE_GROUPS:
-            _LIVE_GROUPS.remove(self)
         if self.actors:
             try:  # polite close first (process group, NVML thread), bounded
                 ray.wait([a.close.remote() for a in self.actors], num_returns=len(self.actors), timeout=5)
@@ -428,10 +424,6 @@ class RayGroup:
                f"rerun the same command with trainer.resume=auto to continue from "
                f"{'that checkpoint' if last else 'the start (no checkpoint was written)'}.")
         raise WorkerLostError(msg, rank=rank, node_ip=ip, node_id=node, method=method, checkpoint=last) from err
-
-
-def live_groups() -> list:
-    return list(_LIVE_GROUPS)
 
 
 # -- the dry-run plan (``specopd train RECIPE --dry-run`` calls this for runtime.backend=ray) -------------

@@ -10,24 +10,6 @@ from specopd import speculative as spec
 from specopd.train.handoff import Proposals
 
 
-def verify_block(p_logits: torch.Tensor, q_logits: torch.Tensor, draft: torch.Tensor, temperature: float,
-                 generator: torch.Generator) -> tuple:
-    """One block through ``specopd.speculative.accept``.
-
-    Args:
-        p_logits: [W + 1, V] the target's logits.
-        q_logits: [W, V] the drafter's logits.
-        draft: [W] drafted tokens.
-        temperature: T.
-        generator: the torch.Generator.
-
-    Returns:
-        (number of accepted draft tokens k, the committed tokens draft[:k] + the resampled / bonus token).
-    """
-    (k,), (y,) = spec.accept(draft[None], q_logits[None], p_logits[None], temperature, generator)
-    return k, torch.cat([draft[:k], torch.tensor([y], device=draft.device, dtype=draft.dtype)])
-
-
 def _prompt_hidden(target, sample, dev) -> torch.Tensor:
     """[1, D]: what lm_head reads after the prompt (a one-token prompt's verify pass does not cover it)."""
     ids = sample["input_ids"][: sample["prompt_len"]].to(dev)
