@@ -1,7 +1,9 @@
 """The project's one token sampler: inverse CDF over chunks of rows, one fp64 uniform per token from that
 sample's generator, T = 0 = argmax. ``sample_from_hidden`` builds the logits from hidden states chunk by chunk
 (never [N, W, V]); ``pick_tokens`` takes logits that exist anyway. Drafters, the trainer's branches and
-decoding all draw through it, so the tokens do not depend on the chunking or on the batch.
+decoding all draw through it, so the tokens do not depend on the chunking or on the batch. ``multinomial_tokens``
+is the second rule, ``torch.multinomial`` (with a nucleus), kept for the references that were recorded with it
+(``specopd eval``'s prepared data, the synthetic references): their files and caches keep those numbers.
 """
 from __future__ import annotations
 
@@ -87,6 +89,31 @@ def draw_(z: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
     # t < the block's end, so j < B but for rounding between the two levels: then its last token with p > 0
     last = torch.where(vals > 0, torch.arange(bsz, device=p.device), -1).amax(-1, keepdim=True)
     return (blk * bsz + torch.minimum(j, last)).squeeze(1)
+
+
+def multinomial_tokens(logits: torch.Tensor, temperature: float, generator, top_p: float = 1.0) -> torch.Tensor:
+    """Tokens by ``torch.multinomial`` over softmax(logits / T) within the nucleus; argmax at T = 0. The reference
+    data's rule (see the module docstring), not ``pick_tokens``' inverse CDF.
+
+    Args:
+        logits: [..., V] (one position [V], or rows [R, V]).
+        temperature: T >= 0 (0 = greedy).
+        generator: the torch.Generator to draw from (None at T = 0).
+        top_p: the nucleus mass: the smallest prefix of the sorted probabilities whose mass reaches it (the top
+            token always kept); 1 = the whole vocabulary.
+
+    Returns:
+        [...] long tokens.
+    """
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, si = probs.sort(descending=True)
+        keep = (sp.cumsum(-1) - sp) < top_p
+        probs = torch.zeros_like(probs).scatter(-1, si, torch.where(keep, sp, 0.0))
+    dev = generator.device if generator is not None else probs.device
+    return torch.multinomial(probs.to(dev), 1, generator=generator).squeeze(-1)
 
 
 def _check_temperature(temperature: float) -> None:

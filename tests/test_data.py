@@ -12,6 +12,7 @@ from oracle import make_tiny_checkpoint
 from specopd.data import prepare as P
 from specopd.data import references as R
 from specopd.data import smollm2 as S
+from specopd.sampling import multinomial_tokens
 
 def write_char_tokenizer(folder: str, extra: int = 0) -> int:
     """A character-level tokenizer with a chat template (and ``extra`` unused tokens) -> its size."""
@@ -116,9 +117,9 @@ def test_sampling_is_seeded_per_prompt(target_dir, tmp_path):
 
 def test_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    draws = {P.sample_top_p(logits, 1.0, 0.7, torch.Generator().manual_seed(s)) for s in range(200)}
+    draws = {int(multinomial_tokens(logits, 1.0, torch.Generator().manual_seed(s), 0.7)) for s in range(200)}
     assert draws == {0, 1}
-    assert P.sample_top_p(logits, 0.0, 1.0, None) == 0
+    assert int(multinomial_tokens(logits, 0.0, None)) == 0
 
 
 def test_bad_inputs(target_dir, tmp_path):

@@ -30,33 +30,10 @@ from specopd.errors import MissingInputError, open_write, own_dir, refuse_link
 from specopd.models import load_target
 from specopd.models.loading import read_config
 from specopd.runs.lock import run_lock
+from specopd.sampling import multinomial_tokens
 from specopd.tree import ProposalTree
 
 MODELS = {MODEL_NAME: prepare_smollm2}
-
-
-# ---------------------------------------------------------------------------------------------- sampling
-def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
-    """One token: argmax at T = 0, else nucleus sampling from softmax(logits / T).
-
-    Args:
-        logits: [V] one position's logits.
-        temperature: T (0: argmax).
-        top_p: the nucleus mass.
-        generator: the torch.Generator to draw from.
-
-    Returns:
-        the token id (int).
-    """
-    if temperature == 0.0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sp, si = probs.sort(descending=True)
-        keep = (sp.cumsum(0) - sp) < top_p  # smallest prefix whose mass reaches top_p (the top token always kept)
-        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
-    dev = generator.device if generator is not None else probs.device
-    return int(torch.multinomial(probs.to(dev), 1, generator=generator))
 
 
 @torch.no_grad()
@@ -74,7 +51,7 @@ def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int,
         target: a ``TargetModel``.
         prompts: n prompt ids [T_i].
         max_new_tokens: at most this many tokens per response.
-        temperature, top_p: as in ``sample_top_p``.
+        temperature, top_p: as in ``specopd.sampling.multinomial_tokens``.
         generators: one torch.Generator (or None at T = 0) per prompt.
         stop_ids: token ids that end a response.
         on_tokens: ``on_tokens(k)`` (progress) is told how much of the n * max_new_tokens budget each step used up.
@@ -91,8 +68,8 @@ def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int,
         caches[i], pending[i] = c, int(prompts[i][-1])
     for i in sorted(set(range(n)) - set(long)):  # a 1-token prompt: run it, sample token 1 from its logits
         c = target.prefill(prompts[i], keep_logits=True)
-        caches[i], pending[i] = dataclasses.replace(c, logits=None), sample_top_p(c.logits[-1], temperature, top_p,
-                                                                                  generators[i])
+        caches[i], pending[i] = dataclasses.replace(c, logits=None), _draw(c.logits[-1], temperature, top_p,
+                                                                           generators[i])
         on_tokens(_push(i, pending[i], outs, done, stop_ids, max_new_tokens))
     while True:
         live = [i for i in range(n) if done[i] is None]
@@ -103,8 +80,13 @@ def generate_batch(target, prompts: Sequence[torch.Tensor], max_new_tokens: int,
         grown = target.commit([caches[i] for i in live], state, [[j] for j in range(len(live))])
         for j, i in enumerate(live):
             caches[i] = grown[j]
-            pending[i] = sample_top_p(logits[j, -1], temperature, top_p, generators[i])
+            pending[i] = _draw(logits[j, -1], temperature, top_p, generators[i])
         on_tokens(sum(_push(i, pending[i], outs, done, stop_ids, max_new_tokens) for i in live))
+
+
+def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
+    """One token from one position's logits [V]."""
+    return int(multinomial_tokens(logits, temperature, generator, top_p))
 
 
 def _push(i, tok, outs, done, stop_ids, max_new_tokens) -> int:

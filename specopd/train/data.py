@@ -20,6 +20,7 @@ from specopd.data.references import token_ids_problem
 from specopd.errors import TOO_DEEP, BadInputError, own_dir, read_text_lines, replacing
 from specopd.models.loading import read_config
 from specopd.models.tiny import TINY_VERSION
+from specopd.sampling import multinomial_tokens
 
 
 def _key(cfg) -> str:
@@ -58,8 +59,7 @@ def sample_references(target, num_samples: int, prompt_len: int, seq_len: int, t
         ids = torch.randint(0, v, (n, prompt_len), generator=g)
         for _ in range(seq_len - prompt_len):
             logits = target(ids.to(target.device))[:, -1].float().cpu()
-            probs = torch.softmax(logits / temperature, -1)
-            nxt = torch.multinomial(probs, 1, generator=g)
+            nxt = multinomial_tokens(logits, temperature, g)[:, None]
             ids = torch.cat([ids, nxt], 1)
             bar.update(n)
         out.extend({"input_ids": ids[i].clone(), "prompt_len": int(prompt_len)} for i in range(n))
