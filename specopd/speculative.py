@@ -1,6 +1,8 @@
 """The speculative round, written once and batched over sequences: draft -> verify -> accept -> commit, one target
 pass per round. Used by ``specopd.eval.decoder.SpeculativeDecoder`` and by Draft-OPD's rollout
 (``specopd.train.baselines``). Sequence state and the four steps: specopd/DESIGN.md ("The speculative round").
+Plain decoding is not this loop with no drafter: it needs no draft, accept or drafter cache (its loops and why two:
+``specopd.eval.decoder``).
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ prepare data: prompts (a JSONL file, or chitchat-dataset's first user turns) are
 chat template and answered by the target itself (``generate_batch``: our trunk caches, several prompts
 scored together in one packed tree pass per token), with temperature / top-p; records are appended to
 ``<out>/data.jsonl`` batch by batch (a second run skips finished prompt ids). See ``specopd.data.references`` for the record format and ``load_references``.
+``generate_batch`` is also the evaluation's greedy continuations (``specopd.eval.replay``); why it is not
+``specopd.eval.decoder.autoregressive``: that module's docstring.
 """
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """Speculative decoding with a drafter and the target's trunk cache (the evaluation of a drafter): a single-sequence
 user of ``specopd.speculative``, one target pass per round plus the prompt prefill; ``autoregressive`` is the
 baseline. Design: specopd/eval/DESIGN.md ("Speculative decoding").
+Why two plain-decoding loops: ``autoregressive`` is the timed one-sequence baseline (a ``prefill`` pass per token,
+``pick_tokens``' draws like the speculative round's), ``specopd.data.prepare.generate_batch`` answers many prompts
+in one packed pass per token with the references' multinomial top-p draw; one loop would change either's tokens.
 """
 from __future__ import annotations
 
