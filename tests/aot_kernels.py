@@ -181,11 +181,11 @@ def launched_kernels() -> set:
 
     import triton
 
-    import kernels
+    import specopd_kernels
 
-    helpers = {("kernels.softmax", "online_softmax_update")}
+    helpers = {("specopd_kernels.softmax", "online_softmax_update")}
     found = set()
-    for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+    for info in pkgutil.walk_packages(specopd_kernels.__path__, "specopd_kernels."):
         mod = importlib.import_module(info.name)
         for attr, obj in vars(mod).items():
             if isinstance(obj, triton.runtime.jit.JITFunction) and obj.__module__ == info.name:

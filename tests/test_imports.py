@@ -21,23 +21,26 @@ No two folders import each other (a two-way tie, or a longer circle), and no two
 The package is parsed with ``ast`` (nothing is imported). Every import counts, at module level or inside a
 function: ``import a.b``, ``from a import b`` (relative ones resolved), and ``__import__("a.b")``,
 ``importlib.import_module("a.b")`` or any call whose first argument is the name of one of our modules (a
-loader given a module's name). ``from pkg import sub`` is an import of the module ``pkg.sub``.
+loader given a module's name). ``from pkg import sub`` is an import of the module ``pkg.sub``. The folders
+kernels/ and executors/ are the modules ``specopd_kernels`` / ``specopd_executors`` (their installed names).
 """
 from __future__ import annotations
 
 import ast
 import os
+import re
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("specopd", "executors", "kernels")
+# folder -> import name (pyproject.toml's package-dir; the checkout's links specopd_kernels -> kernels, ...)
+PACKAGES = {"specopd": "specopd", "executors": "specopd_executors", "kernels": "specopd_kernels"}
 
 # lowest first: a module imports modules of its own layer and of the layers below, never above
 LAYERS = [
     ("engines (stdlib only: serving engines run as their own processes)", ("specopd.engines",)),
-    ("kernels", ("kernels",)),
-    ("executors", ("executors",)),
+    ("kernels", ("specopd_kernels",)),
+    ("executors", ("specopd_executors",)),
     ("models / drafters", ("specopd.models", "specopd.drafters", "specopd.losses", "specopd.sampling",
                            "specopd.speculative", "specopd.tree")),
     ("runs (run folders: lock, checkpoints)", ("specopd.runs",)),
@@ -54,7 +57,7 @@ LAYERS = [
 LEAVES = ("specopd", "specopd.config", "specopd.settings", "specopd.errors", "specopd.profiling", "specopd.signals",
           "specopd.models.config", "specopd.drafters.config", "specopd.data.config", "specopd.train.config",
           "specopd.eval.config", "specopd.mainjob_config", "kernels.paths", "kernels.cpu_features")
-STANDALONE = ("kernels", "executors")  # import nothing from specopd, leaves included
+STANDALONE = ("specopd_kernels", "specopd_executors")  # import nothing from specopd, leaves included
 BELOW_JOBS = ("specopd/eval", "specopd/distributed", "specopd/train", "specopd/data", "specopd/runs", "specopd/drafters",
               "specopd/models", "executors", "kernels")
 # (importer, imported) pairs excused from the layers and the ties
@@ -64,12 +67,12 @@ ALLOWED: set = set()
 def _modules() -> dict:
     """module name -> path, for every .py file of the three packages."""
     out = {}
-    for top in PACKAGES:
+    for top, top_name in PACKAGES.items():
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for f in files:
                 if f.endswith(".py"):
                     path = os.path.join(dirpath, f)
-                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    name = f"{top_name}.{os.path.relpath(path, os.path.join(ROOT, top))[:-3].replace(os.sep, '.')}"
                     out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
     return out
 
@@ -279,3 +282,25 @@ def test_public_names_stay_where_they_are():
                                      export_folder, load_drafter, pick_tokens, serving_commands, shift_tokens,
                                      e2e_tv_loss, load_target, register_model, causal_mask, masked_attention,
                                      sdpa_attention))
+
+
+def test_kernels_and_executors_are_imported_by_their_installed_names():
+    """``specopd_kernels.x``, never ``kernels.x`` (and so for executors), in the packages, the tests and the
+    benchmarks, in imports and in module names given as strings: the folder name works only from a checkout's root and
+    there answers for another distribution's ``kernels``. A bare ``import kernels`` is Hugging Face's and allowed."""
+    mods = _modules()
+    old = {folder + m[len(name):]: p for folder, name in PACKAGES.items() if folder != name for m, p in mods.items()
+           if m == name or m.startswith(name + ".")}
+    bad = []
+    for top in ("specopd", "executors", "kernels", "tests", "benchmarks"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for path in (os.path.join(dirpath, f) for f in sorted(files) if f.endswith(".py")):
+                found = _imports("", path, old)
+                for node in ast.walk(ast.parse(open(path).read(), path)):
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                        target = node.value if re.fullmatch(r"[\w.]+", node.value) else ""
+                        while target and target not in old:
+                            target = target.rpartition(".")[0]
+                        found += [(target, node.lineno)] if target else []
+                bad += [f"{os.path.relpath(path, ROOT)}:{line}: {t}" for t, line in found if t not in PACKAGES]
+    assert not bad, "use specopd_kernels / specopd_executors:\n" + "\n".join(sorted(set(bad)))
