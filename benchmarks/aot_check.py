@@ -48,8 +48,8 @@ def plan_fraction(recipe: str) -> dict:
     branch), anchors uniform over the trunk: blocks visited against the dense grid."""
     import torch
 
-    from kernels.tree_attention import build_tree_plan
-    from kernels.tree_attention.triton_fwd import plan_blocks
+    from specopd_kernels.tree_attention import build_tree_plan
+    from specopd_kernels.tree_attention.triton_fwd import plan_blocks
 
     t, n, w, seqs, hd, h, hkv = PLAN_SHAPES[recipe]
     g = torch.Generator().manual_seed(0)

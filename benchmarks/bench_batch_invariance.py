@@ -47,7 +47,7 @@ def _blocked_linear(x, w, block: int = 64):
 
 def op_rows() -> list:
     """(op, what is compared, differing elements) rows."""
-    from executors.attention import masked_attention
+    from specopd_executors.attention import masked_attention
 
     g = torch.Generator().manual_seed(0)
     out = []

@@ -65,19 +65,19 @@ PATHS = {  # --paths: the CPU code paths of a step as the recipe's kernels keys,
 
 
 class use_path:
-    """Sets a ``PATHS`` entry (the recipe's kernels keys, through ``kernels.paths``) for the block, then restores
+    """Sets a ``PATHS`` entry (the recipe's kernels keys, through ``specopd_kernels.paths``) for the block, then restores
     what it found."""
 
     def __init__(self, name: str):
         self.p = PATHS[name]
 
     def __enter__(self):
-        from kernels import paths
+        from specopd_kernels import paths
 
         self.kept = paths.configure(**{k: self.p.get(k, "auto") for k in paths.CHOICES})
 
     def __exit__(self, *exc):
-        from kernels import paths
+        from specopd_kernels import paths
 
         paths.configure(**self.kept)
 
@@ -85,7 +85,7 @@ class use_path:
 def cpu_name() -> str:
     """The CPU's model name, torch's vector capability and whether bf16 matmuls are native here: the ratios of
     this script mean nothing without it (an AVX2 CPU emulates bf16, far slower than fp32)."""
-    from kernels.cpu_features import cpu_bf16_native
+    from specopd_kernels.cpu_features import cpu_bf16_native
     from specopd.eval.bench import cpu_name as model_name
 
     return (f"{model_name()}, torch {torch.backends.cpu.get_cpu_capability()}, bf16 matmuls "
@@ -96,7 +96,7 @@ def matmul_rates(reps: int = 5) -> dict:
     """{dtype name: {"MxKxN": GFLOP/s}} best of ``reps`` per shape over torch's ways to run it (``a @ b``, and
     oneDNN with the weight packed once where torch has it: on an AMD CPU MKL's fp32 ``a @ b`` may not be the
     fastest), fp32 and bf16 alternating."""
-    from kernels.layer_ops import cpu as layer_ops
+    from specopd_kernels.layer_ops import cpu as layer_ops
 
     out = {"float32": {}, "bfloat16": {}}
     for m, k, n in SHAPES:
@@ -141,7 +141,7 @@ def count_flops(fn) -> tuple:
     """(result, matmul FLOPs) of fn() under FlopCounterMode (with the packed linears' formula)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from kernels.layer_ops import cpu as layer_ops
+    from specopd_kernels.layer_ops import cpu as layer_ops
 
     with FlopCounterMode(display=False, custom_mapping=layer_ops.FLOP_FORMULAS) as fc:
         r = fn()

@@ -1,9 +1,9 @@
 """The bf16 attention kernels in C against the torch paths they replace, one layer's call at SmolLM2-135M's heads
 (9 query / 3 kv heads, head dim 64) and the shapes of ``bench_cpu.py``'s settings, interleaved in one run.
 
-- prefill: ``kernels.causal_attention.cpu.causal_attention`` (every trunk in one call) against torch's flash kernel
+- prefill: ``specopd_kernels.causal_attention.cpu.causal_attention`` (every trunk in one call) against torch's flash kernel
   (``F.scaled_dot_product_attention(is_causal=True)``, one call per trunk: the executor's "loop" path);
-- score: ``kernels.tree_attention.cpu.tree_attention`` against the blocked plan with grouped fused calls
+- score: ``specopd_kernels.tree_attention.cpu.tree_attention`` against the blocked plan with grouped fused calls
   (``tree_attention_blocked`` with ``block_groups``, the executor's bf16 CPU path before it), W - 1 = 3 nodes per
   branch, anchors drawn uniformly and sorted as the worker does.
 
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.causal_attention import cpu as causal_cpu  # noqa: E402
-from kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked  # noqa: E402
-from kernels.tree_attention import cpu as tree_cpu  # noqa: E402
+from specopd_kernels.causal_attention import cpu as causal_cpu  # noqa: E402
+from specopd_kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked  # noqa: E402
+from specopd_kernels.tree_attention import cpu as tree_cpu  # noqa: E402
 from specopd.tree import ProposalTree  # noqa: E402
 
 H, HKV, D = 9, 3, 64

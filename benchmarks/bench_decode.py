@@ -57,7 +57,7 @@ class Recompute:
         return _Features()
 
     def extend_contexts(self, ctxs, features):
-        from executors.base import append_rows
+        from specopd_executors.base import append_rows
 
         for c, f in zip(ctxs, features):
             c.rows, c.store = append_rows(c.rows, f, c.store)

@@ -70,9 +70,9 @@ def gqa_score_paths(args, target=None):
     """The GQA executor's score through the block plan (torch "blocked", and "triton" when
     it can run) against the dense per-trunk tree mask of the previous executor ("dense"), side by side on the
     same target, trunk and tree. Also the attention work each visits (score entries computed)."""
-    from executors.base import resolve_kernels
-    from executors.options import ExecOptions
-    from kernels.tree_attention import build_tree_plan
+    from specopd_executors.base import resolve_kernels
+    from specopd_executors.options import ExecOptions
+    from specopd_kernels.tree_attention import build_tree_plan
     from specopd.tree import ProposalTree
 
     target = target or gqa_target(args)
@@ -99,8 +99,8 @@ def gqa_score_paths(args, target=None):
             t_cut = int(anchors.max()) + 1
             entries, mask_mib = m * (t_cut + m), m * (t_cut + m) / 2 ** 20  # bool mask, one trunk
         else:
-            from executors.gqa import BLOCKED
-            from kernels.tree_attention.triton_fwd import plan_blocks
+            from specopd_executors.gqa import BLOCKED
+            from specopd_kernels.tree_attention.triton_fwd import plan_blocks
 
             attn = target.model.layers[0].self_attn
             blocks = BLOCKED if path == "blocked" else plan_blocks(attn.head_dim, attn.num_heads, attn.num_kv_heads)

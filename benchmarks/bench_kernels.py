@@ -99,8 +99,8 @@ def bench_tree(recipe, shape, dev, dt, timer, g, flex=True):
     """Rows as each finishes (flex: also the compiled flex_attention row)."""
     import torch.nn.functional as F
 
-    from kernels.tree_attention import build_tree_plan
-    from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
+    from specopd_kernels.tree_attention import build_tree_plan
+    from specopd_kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
 
     t, n, w, hd, h, hkv = shape
     anchor, parent, depth = _sorted_chains(t, n, w, g)
@@ -168,7 +168,7 @@ def bench_tree(recipe, shape, dev, dt, timer, g, flex=True):
 # ---------------------------------------------------------------------------------------------- GDN
 def gdn_inputs(b, t, h, kd, vd, dev, dt, g):
     """q, k (l2-normed, scaled), v in ``dt``; fp32 gates g <= 0 and beta in [0, 1): [b, t, h, ...] on ``dev``."""
-    from kernels.gated_delta.naive import prepare_qk
+    from specopd_kernels.gated_delta.naive import prepare_qk
 
     q, k = prepare_qk(torch.randn(b, t, h, kd, generator=g), torch.randn(b, t, h, kd, generator=g))
     v = torch.randn(b, t, h, vd, generator=g)
@@ -179,10 +179,10 @@ def gdn_inputs(b, t, h, kd, vd, dev, dt, g):
 
 def bench_gdn(recipe, shape, dev, dt, timer, g):
     """Rows as each finishes."""
-    from kernels.gated_delta.chunk import chunk_gated_delta_rule
-    from kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule
-    from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
-    from kernels.gated_delta.replay import build_replay_plan, gdn_tree_replay, stack_states
+    from specopd_kernels.gated_delta.chunk import chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
+    from specopd_kernels.gated_delta.replay import build_replay_plan, gdn_tree_replay, stack_states
 
     t, n, w, h, kd, vd = shape
     every = 64 if dev.type == "cuda" else 16
@@ -243,7 +243,7 @@ def bench_qsa(recipe, shape, dev, dt, timer, g):
     """Rows as each finishes."""
     import torch.nn.functional as F
 
-    from kernels.qsa.sparse_attention import group_rows, qsa_prefill
+    from specopd_kernels.qsa.sparse_attention import group_rows, qsa_prefill
 
     t, hd, h, hkv, hi, di, topk = shape
     r = 4

@@ -22,8 +22,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kernels import paths  # noqa: E402
-from kernels.layer_ops import cpu as layer_ops  # noqa: E402
+from specopd_kernels import paths  # noqa: E402
+from specopd_kernels.layer_ops import cpu as layer_ops  # noqa: E402
 
 LAYERS = {"q / o": (576, 576), "k / v": (576, 192), "gate + up": (576, 3072), "down": (1536, 576),
           "lm_head": (576, 49152)}  # SmolLM2-135M: name -> (in K, out N)

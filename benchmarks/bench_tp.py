@@ -247,7 +247,7 @@ def loss_rank(rank: int, world: int, init: str, spec: dict, out: str) -> None:
     ``out``.RANK."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from kernels import paths
+    from specopd_kernels import paths
 
     paths.configure(cpu_tv_loss="torch" if spec["mode"] == "whole_torch" else "auto")
     torch.set_num_threads(max(1, spec["threads"] // world))

@@ -1,4 +1,4 @@
-"""fla's own GDN path with its autotuning timed: the first call of fla's chunked prefill (``kernels.gated_delta.
+"""fla's own GDN path with its autotuning timed: the first call of fla's chunked prefill (``specopd_kernels.gated_delta.
 fla_chunk``, fp32 checkpoints) and of its ``causal_conv1d`` at a shape, which tunes every autotuned kernel (each
 config compiled and timed), against the second call, per dtype; rows "tuned" give each kernel's configs and
 Triton's own timing of its tuning. With TRITON_PRINT_AUTOTUNING=1 Triton prints each kernel's tuning time as it
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         args.T, args.heads, args.dim, args.dtypes = 40, 2, 16, "float32"
     import torch
 
-    from kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule
 
     rows = []
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from executors.options import ExecOptions, as_options
+from specopd_executors.options import ExecOptions, as_options
 
 _REGISTRY: dict = {}
 
@@ -27,7 +27,7 @@ class Executor:
             x: [1, T, D] the mixer's input for the trunk tokens (already normed by the layer).
             positions: [1, T] absolute positions.
             prev: this layer's cache of the trunk so far (incremental extension; it keeps its contents), or None.
-            options: an ``executors.options.ExecOptions`` (None: the defaults).
+            options: an ``specopd_executors.options.ExecOptions`` (None: the defaults).
 
         Returns:
             (out [1, T, D], cache): out is exactly ``mixer(x, positions)`` on the full sequence; cache covers prev + T.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, GrowingCache, register_executor
+from specopd_executors.base import Executor, GrowingCache, register_executor
 
 
 @dataclass
@@ -37,7 +37,7 @@ class ConvExecutor(Executor):
     def prefill(self, mixer, x, positions, prev=None, options=None):
         """The depthwise causal conv over the trunk; the ConvCache keeps the trunk's inputs [T, C].
 
-        Args / Returns: as ``executors.base.Executor.prefill`` (D = C for the conv).
+        Args / Returns: as ``specopd_executors.base.Executor.prefill`` (D = C for the conv).
         """
         cache = prev.grown(x=x[0]) if prev is not None else ConvCache(x[0])
         full = cache.x
@@ -50,21 +50,21 @@ class ConvExecutor(Executor):
     def score(self, mixer, x, tree, caches, options=None):
         """Each node convolves its own path (ancestors, then trunk tokens above the fork).
 
-        Args / Returns: as ``executors.base.Executor.score`` (D = C for the conv).
+        Args / Returns: as ``specopd_executors.base.Executor.score`` (D = C for the conv).
         """
         return self._score(mixer, x, tree, caches, options)[0]
 
     def verify(self, mixer, x, tree, caches, options=None):
         """``score`` that also keeps the nodes' inputs (``ConvNodes``).
 
-        Args / Returns: as ``executors.base.Executor.verify`` (D = C for the conv).
+        Args / Returns: as ``specopd_executors.base.Executor.verify`` (D = C for the conv).
         """
         return self._score(mixer, x, tree, caches, options)
 
     def commit(self, mixer, cache, nodes, path, options=None):
         """Append the inputs of ``path`` -> ConvCache of T + L.
 
-        Args / Returns: as ``executors.base.Executor.commit`` (D = C for the conv).
+        Args / Returns: as ``specopd_executors.base.Executor.commit`` (D = C for the conv).
         """
         return cache.grown(x=nodes.x[path])
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
-from executors.options import DEFAULT_CHECKPOINT_EVERY, as_options
-from kernels.gated_delta.naive import gated_delta_step, recurrent_gated_delta_rule
+from specopd_executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
+from specopd_executors.options import DEFAULT_CHECKPOINT_EVERY, as_options
+from specopd_kernels.gated_delta.naive import gated_delta_step, recurrent_gated_delta_rule
 
 DEFAULT_EVERY = DEFAULT_CHECKPOINT_EVERY
 
@@ -52,8 +52,8 @@ def auto_prefill(device, every, dtype) -> str:
     """The Triton prefill that ``gdn_prefill="auto"`` picks: "fla" on CUDA for a 16-bit model (``dtype``) when fla
     passes ``fla_verified`` and C (``every``; None: no checkpoints) is a multiple of its chunk, else "chunk" when C
     is a multiple of 16, else "recurrent". fp32 models never get fla: its fp32 dots run in TF32 on sm_80+
-    (``kernels.gated_delta.fla_chunk.fla_fp32_exact``), our chunk kernel's in IEEE, as the fp32 contract needs."""
-    from kernels.gated_delta.fla_chunk import CHUNK, fla_verified  # imports Triton, only on this path
+    (``specopd_kernels.gated_delta.fla_chunk.fla_fp32_exact``), our chunk kernel's in IEEE, as the fp32 contract needs."""
+    from specopd_kernels.gated_delta.fla_chunk import CHUNK, fla_verified  # imports Triton, only on this path
 
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) \
             and (every is None or every % CHUNK == 0) and fla_verified(device):
@@ -72,7 +72,7 @@ def _recurrence(options, device, every=None, dtype=torch.float32):
         raise ValueError(f"unknown gdn_prefill {name!r}; use 'auto', 'chunk', 'fla' or 'recurrent'")
     if name == "auto":
         name = auto_prefill(device, every, dtype)
-    from kernels.gated_delta.fla_chunk import prefill_backend  # imports Triton, only on this path
+    from specopd_kernels.gated_delta.fla_chunk import prefill_backend  # imports Triton, only on this path
 
     run = prefill_backend(name)
     if name == "chunk" and os.environ.get("TRITON_INTERPRET") == "1":
@@ -155,7 +155,7 @@ class GDNExecutor(Executor):
         """The recurrence over the trunk, extending ``prev`` exactly; the GDNCache keeps fp32 state checkpoints every C
         tokens, the final state, the conv inputs, g and beta.
 
-        Args / Returns: as ``executors.base.Executor.prefill``.
+        Args / Returns: as ``specopd_executors.base.Executor.prefill``.
         """
         if x.shape[0] != 1:
             raise ValueError(f"gdn prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
@@ -209,7 +209,7 @@ class GDNExecutor(Executor):
         ck_every = every if keep else None
         bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
         if name == "fla":
-            from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule  # imports Triton, only on this path
+            from specopd_kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule  # imports Triton, only on this path
 
             cu = torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
             q, k, v = mixer.split_qkv(_conv_seq(mixer, u, None, fla=True, cu_seqlens=cu))
@@ -297,14 +297,14 @@ class GDNExecutor(Executor):
         """Each branch replays from its anchor's nearest checkpoint, then the nodes advance level by level; caches: one
         GDNCache per trunk.
 
-        Args / Returns: as ``executors.base.Executor.score``.
+        Args / Returns: as ``specopd_executors.base.Executor.score``.
         """
         return self._score(mixer, x, tree, caches, options, keep=False)[0]
 
     def verify(self, mixer, x, tree, caches, options=None):
         """``score`` that also keeps every node's conv input, g, beta and the fp32 state after it (``GDNNodes``).
 
-        Args / Returns: as ``executors.base.Executor.verify``.
+        Args / Returns: as ``specopd_executors.base.Executor.verify``.
         """
         return self._score(mixer, x, tree, caches, options, keep=True)
 
@@ -312,7 +312,7 @@ class GDNExecutor(Executor):
         """Extend ``cache`` by ``path``: final = the state after the path's last node; a checkpoint (the state *before*
         the token) at every position T + j that is a multiple of C (unless the cache keeps none).
 
-        Args / Returns: as ``executors.base.Executor.commit``.
+        Args / Returns: as ``specopd_executors.base.Executor.commit``.
         """
         t, every = len(cache), cache.every
         replace = {"final": nodes.state[path[-1]]}
@@ -375,7 +375,7 @@ class GDNExecutor(Executor):
         """Node outputs o [M, H, V] fp32 (and states [M, H, K, V] fp32 with ``keep``) through the fused replay
         kernel: per (trunk, checkpoint) segment, load the checkpoint, replay < C trunk tokens, run the branch
         nodes. Only the checkpoints segments start from are gathered (not every trunk's)."""
-        from kernels.gated_delta.replay import build_replay_plan, gdn_tree_replay  # Triton, only on this path
+        from specopd_kernels.gated_delta.replay import build_replay_plan, gdn_tree_replay  # Triton, only on this path
 
         every = caches[0].every
         if any(c.every != every for c in caches):

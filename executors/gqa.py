@@ -1,5 +1,5 @@
 """Full (GQA) attention over a trunk and a proposal tree: causal prefill, tree scoring through the block plan of
-``kernels.tree_attention``, verify / commit of accepted paths. Backends: executors/DESIGN.md ("GQA executor").
+``specopd_kernels.tree_attention``, verify / commit of accepted paths. Backends: executors/DESIGN.md ("GQA executor").
 """
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from executors.attention import masked_attention, sdpa_attention
-from executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
-from executors.options import as_options
-from kernels.causal_attention import cpu as causal_cpu
-from kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked
-from kernels.tree_attention import cpu as tree_cpu
+from specopd_executors.attention import masked_attention, sdpa_attention
+from specopd_executors.base import Executor, GrowingCache, register_executor, resolve_kernels, tree_cached
+from specopd_executors.options import as_options
+from specopd_kernels.causal_attention import cpu as causal_cpu
+from specopd_kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked
+from specopd_kernels.tree_attention import cpu as tree_cpu
 
 
 @dataclass
@@ -62,7 +62,7 @@ def _backend(q, options) -> str:
 
 def score_backend(device, options, q=None, k=None) -> str:
     """The score path: ``options.gqa_backend``; "auto" = "triton" where ``options.kernels`` is, else "cpu"
-    (``kernels.tree_attention.cpu``) where ``causal_cpu.enabled(q, k)`` (bf16 on a CPU with AVX512-BF16 and no AMX,
+    (``specopd_kernels.tree_attention.cpu``) where ``causal_cpu.enabled(q, k)`` (bf16 on a CPU with AVX512-BF16 and no AMX,
     ``kernels.cpu_attention``), else "blocked".
 
     Args:
@@ -83,7 +83,7 @@ def score_backend(device, options, q=None, k=None) -> str:
         resolve_kernels(replace(as_options(options), kernels="triton"), device)  # clear error off CUDA
     if backend == "cpu" and not (q is None or (q.device.type == "cpu" and q.dtype == torch.bfloat16
                                                and causal_cpu.LIB.available())):
-        raise ValueError(f"gqa_backend='cpu' scores bf16 on a CPU with AVX512-BF16 (kernels.tree_attention.cpu); got "
+        raise ValueError(f"gqa_backend='cpu' scores bf16 on a CPU with AVX512-BF16 (specopd_kernels.tree_attention.cpu); got "
                          f"{q.dtype} on {q.device}, kernel: {causal_cpu.LIB.reason() or 'available'}; use 'auto'")
     return backend
 
@@ -135,14 +135,14 @@ def attend_causal(q, k, v, scaling, options=None):
 def varlen_backend(q, k, options) -> str:
     """Packed causal prefill: ``options.varlen_backend`` "auto" | "flash_attn" | "torch" | "cpu" | "loop".
     "auto" = on CUDA flash-attn's ``flash_attn_varlen_func`` when importable, else torch's ``varlen_attn`` (torch >=
-    2.9, bf16 / fp16), else "loop"; on the CPU "cpu" (``kernels.causal_attention``: every trunk in one call) where
+    2.9, bf16 / fp16), else "loop"; on the CPU "cpu" (``specopd_kernels.causal_attention``: every trunk in one call) where
     ``causal_cpu.enabled`` (bf16, AVX512-BF16 without AMX, ``kernels.cpu_attention``), else "loop" (per-sequence
     ``attend_causal``: exact, any device)."""
     backend = as_options(options).varlen_backend
     if backend not in ("auto", "flash_attn", "torch", "cpu", "loop"):
         raise ValueError(f"unknown varlen_backend {backend!r}; use 'auto', 'flash_attn', 'torch', 'cpu' or 'loop'")
     if backend == "cpu" and not (q.device.type == "cpu" and q.dtype == torch.bfloat16 and causal_cpu.LIB.available()):
-        raise ValueError(f"varlen_backend='cpu' runs bf16 on a CPU with AVX512-BF16 (kernels.causal_attention); got "
+        raise ValueError(f"varlen_backend='cpu' runs bf16 on a CPU with AVX512-BF16 (specopd_kernels.causal_attention); got "
                          f"{q.dtype} on {q.device}, kernel: {causal_cpu.LIB.reason() or 'available'}; use 'auto'")
     if backend != "auto":
         return backend
@@ -220,7 +220,7 @@ class GQAExecutor(Executor):
         """Causal attention over the trunk, extending ``prev``; the cache keeps K / V [T, Hkv, hd] after q/k norm and
         RoPE.
 
-        Args / Returns: as ``executors.base.Executor.prefill``.
+        Args / Returns: as ``specopd_executors.base.Executor.prefill``.
         """
         if x.shape[0] != 1:
             raise ValueError(f"gqa prefill runs one trunk at a time (x [1, T, D]); got batch {x.shape[0]}")
@@ -252,21 +252,21 @@ class GQAExecutor(Executor):
     def score(self, mixer, x, tree, caches, options=None):
         """Tree attention through the block plan (``options.gqa_backend``); caches: one GQACache per trunk.
 
-        Args / Returns: as ``executors.base.Executor.score``.
+        Args / Returns: as ``specopd_executors.base.Executor.score``.
         """
         return self._score(mixer, x, tree, caches, options)[0]
 
     def verify(self, mixer, x, tree, caches, options=None):
         """``score`` that also keeps the nodes' K / V (``GQANodes``).
 
-        Args / Returns: as ``executors.base.Executor.verify``.
+        Args / Returns: as ``specopd_executors.base.Executor.verify``.
         """
         return self._score(mixer, x, tree, caches, options)
 
     def commit(self, mixer, cache, nodes, path, options=None):
         """Append the K / V of ``path`` to ``cache`` -> GQACache of T + L.
 
-        Args / Returns: as ``executors.base.Executor.commit``.
+        Args / Returns: as ``specopd_executors.base.Executor.commit``.
         """
         return cache.grown(k=nodes.k[path], v=nodes.v[path])
 
@@ -283,7 +283,7 @@ class GQAExecutor(Executor):
             trunk_k = caches[0].k if len(caches) == 1 else torch.cat([c.k for c in caches])  # [sum T_i, Hkv, hd]
             trunk_v = caches[0].v if len(caches) == 1 else torch.cat([c.v for c in caches])
             if backend == "triton":
-                from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention  # Triton, only on this path
+                from specopd_kernels.tree_attention.triton_fwd import plan_blocks, tree_attention  # Triton, only on this path
 
                 blocks = plan_blocks(q.shape[-1], q.shape[2], k.shape[2])
                 plan = _tree_plan(tree, lens, blocks, dev)

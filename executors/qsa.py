@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.attention import masked_attention
-from executors.base import Executor, GrowingCache, register_executor, resolve_kernels
-from executors.options import DEFAULT_QSA_SCORE_BYTES, as_options
+from specopd_executors.attention import masked_attention
+from specopd_executors.base import Executor, GrowingCache, register_executor, resolve_kernels
+from specopd_executors.options import DEFAULT_QSA_SCORE_BYTES, as_options
 
 SCORE_BYTES = DEFAULT_QSA_SCORE_BYTES  # default options.qsa_score_bytes: score's key stage works in chunks <= this
 
@@ -66,7 +66,7 @@ def attend_selected(mixer, q, k_all, v_all, sel, pos, rows, options=None, triton
         pos: [Q] the queries' positions.
         rows: ``rows(positions [n, S], queries [n])`` maps visible-list positions to rows of k_all / v_all.
         options: ``ExecOptions`` (``qsa_score_bytes``).
-        triton: use ``kernels.qsa.sparse_attention``.
+        triton: use ``specopd_kernels.qsa.sparse_attention``.
 
     Returns:
         o [Q, H, hd].
@@ -86,7 +86,7 @@ def attend_selected(mixer, q, k_all, v_all, sel, pos, rows, options=None, triton
         ok = torch.cat([ok_sel, p_tail <= pos[nd, None]], dim=1)  # [n, S]
         idx = rows(torch.where(ok, torch.cat([p_sel, p_tail], dim=1), 0), nd)
         if triton:
-            from kernels.qsa.sparse_attention import pack_rows, sparse_attention  # Triton, only on this path
+            from specopd_kernels.qsa.sparse_attention import pack_rows, sparse_attention  # Triton, only on this path
 
             o[nd] = sparse_attention(q[nd], k_all, v_all, *pack_rows(idx, ok), mixer.scaling)
         else:
@@ -115,7 +115,7 @@ class QSAExecutor(Executor):
         """Indexed attention over the trunk; the QSACache keeps K / V, raw index keys and the pooled keys of every
         complete group.
 
-        Args / Returns: as ``executors.base.Executor.prefill``.
+        Args / Returns: as ``specopd_executors.base.Executor.prefill``.
         """
         t0, t, r = (len(prev) if prev is not None else 0), x.shape[1], mixer.ratio
         if int(positions[0, 0]) != t0:
@@ -130,7 +130,7 @@ class QSAExecutor(Executor):
         k, v, pooled = cache.k, cache.v, cache.pooled
         chunk = max(1, int(as_options(options).qsa_prefill_chunk))  # queries per attention block
         if resolve_kernels(options, x.device) == "triton":
-            from kernels.qsa.sparse_attention import qsa_prefill  # Triton, only on this path
+            from specopd_kernels.qsa.sparse_attention import qsa_prefill  # Triton, only on this path
 
             last = torch.arange(t0, t0 + t, device=x.device)
             o, sel = qsa_prefill(q[0], k, v, qi[0], pooled, last, mixer.topk, r, mixer.scaling, chunk=chunk)
@@ -157,21 +157,21 @@ class QSAExecutor(Executor):
         """Node u as the last token of trunk[:a_u+1] + path(u): cached pooled trunk groups, the crossing and path groups
         rebuilt per node.
 
-        Args / Returns: as ``executors.base.Executor.score``.
+        Args / Returns: as ``specopd_executors.base.Executor.score``.
         """
         return self._score(mixer, x, tree, caches, options)[0]
 
     def verify(self, mixer, x, tree, caches, options=None):
         """``score`` that also keeps the nodes' K / V and raw index keys (``QSANodes``).
 
-        Args / Returns: as ``executors.base.Executor.verify``.
+        Args / Returns: as ``specopd_executors.base.Executor.verify``.
         """
         return self._score(mixer, x, tree, caches, options)
 
     def commit(self, mixer, cache, nodes, path, options=None):
         """Append ``path``'s K / V and raw index keys and pool the groups its tokens complete.
 
-        Args / Returns: as ``executors.base.Executor.commit``.
+        Args / Returns: as ``specopd_executors.base.Executor.commit``.
         """
         t0 = len(cache)
         cache = cache.grown(k=nodes.k[path], v=nodes.v[path], raw=nodes.raw[path])
@@ -218,7 +218,7 @@ class QSAExecutor(Executor):
             if nodes.numel() and c.pooled.shape[0] and gmax:
                 gi = min(c.pooled.shape[0], gmax)
                 if triton:  # groups g < g0 only (the rest is the nodes' own)
-                    from kernels.qsa.indexer import index_scores  # Triton, only on this path
+                    from specopd_kernels.qsa.indexer import index_scores  # Triton, only on this path
 
                     ts = index_scores(qi[nodes], c.pooled[:gi].to(dev), g0[nodes].clamp(max=gi))
                 else:
@@ -226,7 +226,7 @@ class QSAExecutor(Executor):
                 scores[nodes, :gi] = ts
         scores.scatter_(1, torch.where(ok_own, g_own, gmax), own_scores)
         if triton:
-            from kernels.qsa.indexer import topk_groups  # Triton, only on this path
+            from specopd_kernels.qsa.indexer import topk_groups  # Triton, only on this path
 
             sel = topk_groups(scores[:, :gmax].contiguous(), n, mixer.topk)  # [M, topk]
         else:

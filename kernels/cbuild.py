@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels.cpu_features import cpu_flags
+from specopd_kernels.cpu_features import cpu_flags
 
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "simd.h")  # shared helpers, in every key
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]

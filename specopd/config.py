@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kernels import cpu_features
-from kernels.paths import KernelsConfig, PathChoiceError
+from specopd_kernels import cpu_features
+from specopd_kernels.paths import KernelsConfig, PathChoiceError
 from specopd.data.config import DataConfig
 from specopd.drafters.config import DrafterRecipeConfig
 from specopd.errors import nonfinite_keys, read_text
@@ -28,7 +28,7 @@ from specopd.train.config import (CE_LABELS, CE_TERM_METHODS, LOGGERS, METHODS, 
 
 def auto_dtype(device: str) -> str:
     """``model.dtype: auto`` on ``device`` (cpu | cuda | auto): "bfloat16" where bf16 matmuls are native (CUDA, or
-    a CPU with ``kernels.cpu_features.cpu_bf16_native``), else "float32"."""
+    a CPU with ``specopd_kernels.cpu_features.cpu_bf16_native``), else "float32"."""
     import torch
 
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())

@@ -11,8 +11,8 @@ from typing import Iterator, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels import paths
-from kernels.e2e_tv import cpu as tv_cpu
+from specopd_kernels import paths
+from specopd_kernels.e2e_tv import cpu as tv_cpu
 
 # fp32 [rows, V] buffers one loss chunk holds at its peak (logits of q and p and their bf16 matmul
 # outputs; softmaxes are taken in place). The memory plan and ``auto_chunk_rows`` use it.

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kernels import paths
+from specopd_kernels import paths
 from specopd.config import CE_TERM_METHODS, auto_dtype, eval_dtype
 from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
 from specopd.data.packaged import conversations_file

@@ -12,8 +12,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from executors.gqa import BLOCKED
-from executors.qsa import SCORE_BYTES as QSA_SCORE_BYTES
+from specopd_executors.gqa import BLOCKED
+from specopd_executors.qsa import SCORE_BYTES as QSA_SCORE_BYTES
 from specopd.config import vocab_parallel_head
 from specopd.data.formats import count_records
 from specopd.data.packaged import conversations_file
@@ -35,7 +35,7 @@ MEMORY_PHASES = tuple(p for p in PHASES if p not in ("allreduce", "checkpoint"))
 ROLE_PHASES = {"target": ("prefill", "score"), "drafter": ("propose", "loss_backward", "optimizer")}
 GDN_SCORE_STATES = 6
 """fp32 [H, K, V] GDN states per branch a scoring layer holds at once: the anchor state, the level's input and
-output, and the step's temporaries (decayed state, k d^T, their sum; ``kernels.gated_delta.gated_delta_step``)."""
+output, and the step's temporaries (decayed state, k d^T, their sum; ``specopd_kernels.gated_delta.gated_delta_step``)."""
 
 
 class MemoryPlanError(ValueError):

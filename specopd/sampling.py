@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import paths
-from kernels.sampling import cpu as sample_cpu
+from specopd_kernels import paths
+from specopd_kernels.sampling import cpu as sample_cpu
 from specopd.losses import ChunkBuffers, chunk_logits, even_chunk, raw_logits, resolve_chunk_rows, softmax_
 
 

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kernels.trees import check_tree
+from specopd_kernels.trees import check_tree
 
 
 @dataclass

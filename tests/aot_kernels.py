@@ -38,7 +38,7 @@ FP32_ONLY = {"gdn_replay", "gdn_fused_recurrent", "qsa_index_scores", "qsa_topk"
 
 # The recipes' shapes, as the executors launch the kernels for them (bf16 targets). GDN q / k reach the kernels
 # expanded to the value heads (``GatedDeltaNet.split_qkv``), so HQ = H; the chunk kernels get q / k / v in bf16
-# (``executors.gdn`` casts them for tensor-core dots), the fused recurrent and replay kernels get fp32 (their
+# (``specopd_executors.gdn`` casts them for tensor-core dots), the fused recurrent and replay kernels get fp32 (their
 # launchers / the executor pass split_qkv's fp32 outputs). QSA: index queries and pooled keys in fp32
 # (selection is discrete: the indexer runs in fp32 for every target dtype), attention q / k / v in bf16.
 SHAPES = {
@@ -98,10 +98,10 @@ def _variants_of(dt: str, first: bool, shapes: dict) -> list:
     import torch
     import triton
 
-    from kernels.dot import dot_precision
-    from kernels.gated_delta import chunk, replay
-    from kernels.qsa import indexer, sparse_attention
-    from kernels.tree_attention import triton_fwd as tree
+    from specopd_kernels.dot import dot_precision
+    from specopd_kernels.gated_delta import chunk, replay
+    from specopd_kernels.qsa import indexer, sparse_attention
+    from specopd_kernels.tree_attention import triton_fwd as tree
 
     out = []
     f32 = "*fp32"
@@ -116,7 +116,7 @@ def _variants_of(dt: str, first: bool, shapes: dict) -> list:
                                                  "t_len", "nb_ptr", "nb_idx")})
                 ptrs["bits"] = "*i64" if not chain else "*i32"
                 out.append((f"tree_attention[{name} hd{hd} G{h // hkv} {dt} {'chain' if chain else 'tree'}]",
-                            "kernels.tree_attention.triton_fwd", "_tree_attn_fwd", ptrs, ("qk_scale",),
+                            "specopd_kernels.tree_attention.triton_fwd", "_tree_attn_fwd", ptrs, ("qk_scale",),
                             dict(G=h // hkv, HD=hd, BLOCK_D=cfg["BLOCK_D"], BM=cfg["BM"], BMN=cfg["BMN"],
                                  BN=cfg["BN"], CHAIN=chain, DOT_PREC=prec),
                             dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
@@ -125,15 +125,15 @@ def _variants_of(dt: str, first: bool, shapes: dict) -> list:
             bt = chunk.chunk_size_for(64)
             cfg = chunk.kernel_config(kd, vd)
             common = dict(H=h, HQ=h, K=kd, V=vd, BT=bt, BK=cfg["BK"], DOT_PREC=prec)
-            out.append((f"gdn_chunk_wy[{name} {dt}]", "kernels.gated_delta.chunk", "_chunk_wy_fwd",
+            out.append((f"gdn_chunk_wy[{name} {dt}]", "specopd_kernels.gated_delta.chunk", "_chunk_wy_fwd",
                         dict(k=f"*{dt}", v=f"*{dt}", g=f32, beta=f32, gc_out=f32, w_out=f32, u_out=f32), (),
                         dict(common, BV=cfg["BV_WY"]), dict(num_warps=cfg["warps_wy"])))
             for h0 in (False, True):
-                out.append((f"gdn_chunk_h[{name} {dt}{' h0' if h0 else ''}]", "kernels.gated_delta.chunk",
+                out.append((f"gdn_chunk_h[{name} {dt}{' h0' if h0 else ''}]", "specopd_kernels.gated_delta.chunk",
                             "_chunk_h_fwd", dict(k=f"*{dt}", w=f32, u=f32, gc=f32, h0=f32, h_out=f32, vn_out=f32,
                                                  ht=f32), (),
                             dict(common, BV=cfg["BV_H"], USE_H0=h0), dict(num_warps=cfg["warps_h"])))
-            out.append((f"gdn_chunk_o[{name} {dt}]", "kernels.gated_delta.chunk", "_chunk_o_fwd",
+            out.append((f"gdn_chunk_o[{name} {dt}]", "specopd_kernels.gated_delta.chunk", "_chunk_o_fwd",
                         dict(q=f"*{dt}", k=f"*{dt}", gc=f32, h=f32, vn=f32, o=f32), (),
                         dict(common, BV=cfg["BV_O"]), dict(num_warps=cfg["warps_o"])))
             rcfg = replay.kernel_config(kd, vd)
@@ -142,12 +142,12 @@ def _variants_of(dt: str, first: bool, shapes: dict) -> list:
                                          "nk", "nv", "ng", "nbeta")}
                 ptrs.update({n: "*i32" for n in ("seg_state", "seg_tok", "seg_stop_ptr", "stop_len",
                                                  "stop_node_ptr", "node_id", "node_src", "node_save")})
-                out.append((f"gdn_replay[{name} {'verify' if store else 'score'}]", "kernels.gated_delta.replay",
+                out.append((f"gdn_replay[{name} {'verify' if store else 'score'}]", "specopd_kernels.gated_delta.replay",
                             "_replay_fwd", ptrs, (), dict(H=h, HQ=h, K=kd, V=vd, BK=rcfg["BK"], BV=rcfg["BV"],
                                                           STORE_STATES=store), dict(num_warps=rcfg["num_warps"])))
             # fused recurrent: prefill when C is not a multiple of 16 (the tiny recipes' C = 8); its launcher's blocks
             for h0 in ((False, True) if first else ()):
-                out.append((f"gdn_fused_recurrent[{name}{' h0' if h0 else ''}]", "kernels.gated_delta.fused_recurrent",
+                out.append((f"gdn_fused_recurrent[{name}{' h0' if h0 else ''}]", "specopd_kernels.gated_delta.fused_recurrent",
                             "_fwd_kernel", {n: f32 for n in ("q", "k", "v", "g", "beta", "o", "h0", "ht", "ck")}, (),
                             dict(H=h, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=min(triton.next_power_of_2(vd), 32),
                                  USE_H0=h0, SAVE_CK=True), dict(num_warps=4)))
@@ -155,17 +155,17 @@ def _variants_of(dt: str, first: bool, shapes: dict) -> list:
             hi, di, topk = shape["indexer"]
             cfg = indexer.scores_config(di, fp32=True)
             if first:  # the indexer runs in fp32 whatever the target's dtype (QSAttention.index_project): IEEE fp32 dots
-                out.append((f"qsa_index_scores[{name} {hi}x{di} fp32]", "kernels.qsa.indexer", "_index_scores_fwd",
+                out.append((f"qsa_index_scores[{name} {hi}x{di} fp32]", "specopd_kernels.qsa.indexer", "_index_scores_fwd",
                             dict(q=f32, keys=f32, n_complete="*i32", scores=f32), ("inv_div",),
                             dict(HI=hi, DI=di, BLOCK_D=cfg["BLOCK_D"], BQ=cfg["BQ"], BG=cfg["BG"], DOT_PREC="ieee"),
                             dict(num_warps=cfg["num_warps"])))
                 cfg = indexer.topk_config(topk)
-                out.append((f"qsa_topk[{name} k{topk}]", "kernels.qsa.indexer", "_topk_groups_fwd",
+                out.append((f"qsa_topk[{name} k{topk}]", "specopd_kernels.qsa.indexer", "_topk_groups_fwd",
                             dict(scores=f32, n_complete="*i32", out="*i32"), (), dict(K_SEL=topk, BG=cfg["BG"]),
                             dict(num_warps=cfg["num_warps"])))
             hd, h, hkv = shape["qsa"]
             cfg = sparse_attention.kernel_config(hd, h // hkv)
-            out.append((f"qsa_sparse_attention[{name} hd{hd} G{h // hkv} {dt}]", "kernels.qsa.sparse_attention",
+            out.append((f"qsa_sparse_attention[{name} hd{hd} G{h // hkv} {dt}]", "specopd_kernels.qsa.sparse_attention",
                         "_sparse_attn_fwd", dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", idx="*i32", n_keys="*i32",
                                                  o=f"*{dt}"), ("qk_scale",),
                         dict(G=h // hkv, BH=cfg["BH"], HD=hd, BLOCK_D=cfg["BLOCK_D"], BN=cfg["BN"], DOT_PREC=prec),
@@ -215,12 +215,12 @@ def _resources(cubin: bytes, name: str) -> dict:
 @contextlib.contextmanager
 def strict_dot_rule():
     """Within the block, triton's NVIDIA backend refuses a ``tl.dot`` with any block dim (M, N or K) below
-    ``kernels.dot.MIN_DOT``. The compilers check less (triton 3.6 refuses only K < 16; 3.9 only K < 8), so without
+    ``specopd_kernels.dot.MIN_DOT``. The compilers check less (triton 3.6 refuses only K < 16; 3.9 only K < 8), so without
     it the AOT check would pass a launch that a GPU refuses, or one that breaks the launchers' rule
     (kernels/dot.py). Raises AttributeError if this triton has no such hook any more (the check would be void)."""
     from triton.backends.nvidia import compiler as nv
 
-    from kernels.dot import MIN_DOT
+    from specopd_kernels.dot import MIN_DOT
 
     base = nv.min_dot_size
 

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from kernels.cpu_features import cpu_flags
+from specopd_kernels.cpu_features import cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,12 +95,12 @@ def run(test_file: str, check: str, *args: str, timeout: int = 300) -> None:
 
 def strict_interpreted_dots() -> None:
     """Make the Triton interpreter (this process runs under TRITON_INTERPRET=1) refuse a ``tl.dot`` whose block dims
-    (M, N, K) are not all >= ``kernels.dot.MIN_DOT``, as the AOT compile does (``tests/aot_kernels.strict_dot_rule``):
+    (M, N, K) are not all >= ``specopd_kernels.dot.MIN_DOT``, as the AOT compile does (``tests/aot_kernels.strict_dot_rule``):
     the interpreter checks none, so an interpreted test would pass a launch that a GPU refuses. Our kernels' tests and
     the interpreted executor tests run under it; fla's (``tests/test_fla.py``) do not: fla follows triton's rule."""
     from triton.runtime import interpreter
 
-    from kernels.dot import MIN_DOT
+    from specopd_kernels.dot import MIN_DOT
 
     fns = interpreter.interpreter_builder.codegen_fns  # the interpreter's one builder; raises if that changes
     if "min_dot_size" not in fns:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oracle import make_tiny_checkpoint
-from kernels import paths
+from specopd_kernels import paths
 from specopd.drafters import build_drafter
 from specopd.eval import SpeculativeDecoder, autoregressive
 from specopd.models import load_target
@@ -31,7 +31,7 @@ def _models(request, tmp_path_factory):
     prefill, score, verify and decoding run the C attention kernels (kernels/causal_attention,
     kernels/tree_attention/cpu.py) where they build."""
     if request.param == "cpu":
-        from kernels.causal_attention.cpu import LIB
+        from specopd_kernels.causal_attention.cpu import LIB
 
         if not LIB.available():
             pytest.skip(f"attention kernels unavailable: {LIB.reason()}")
@@ -103,8 +103,8 @@ def test_prefill_score_verify_ar_commit_within_bf16_noise(targets, seed):
 @torch.no_grad()
 def test_the_cpu_variant_runs_the_c_kernels(_models, targets, monkeypatch):
     """The "cpu" targets really go through the C kernels (else the tests above would only repeat "torch")."""
-    import kernels.causal_attention.cpu as causal_cpu
-    import kernels.tree_attention.cpu as tree_cpu
+    import specopd_kernels.causal_attention.cpu as causal_cpu
+    import specopd_kernels.tree_attention.cpu as tree_cpu
 
     t16, _ = targets
     calls = {"causal": 0, "tree": 0}

@@ -86,7 +86,7 @@ def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
     float32 on a CPU that would emulate them (far slower than fp32 on an AVX2 EPYC)."""
     import torch
 
-    from kernels import cpu_features
+    from specopd_kernels import cpu_features
     from specopd import config
 
     for native in (True, False):
@@ -106,7 +106,7 @@ def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
 
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(monkeypatch):
-    from kernels import cpu_features
+    from specopd_kernels import cpu_features
     from specopd.models import loading
 
     cfg = load_recipe(None, ["model.dtype=bfloat16", "model.device=cpu"])
@@ -181,12 +181,12 @@ def test_every_field_declares_what_a_resume_does_with_its_change():
 
 
 def test_compute_paths_are_recipe_keys_checked_on_resume(tmp_path, capsys):
-    """The kernels section (kernels.paths): one key per path, validated up front, shown by --dry-run, taking effect
+    """The kernels section (specopd_kernels.paths): one key per path, validated up front, shown by --dry-run, taking effect
     from the resumed step on; a checkpoint that records no section ran on the defaults, and a run on the defaults
     records none (its checkpoints stay the bytes they were)."""
     import dataclasses
 
-    from kernels import paths
+    from specopd_kernels import paths
     from specopd.config import FROM_HERE, recipe_record, recorded_recipe, resume_policies, to_dict
     from specopd.train.checkpointer import recipe_changes
 
@@ -206,7 +206,7 @@ def test_compute_paths_are_recipe_keys_checked_on_resume(tmp_path, capsys):
 
 
 def test_no_library_code_reads_a_compute_path_from_the_environment():
-    """The compute paths are recipe keys (kernels.paths): no module reads their old environment variables."""
+    """The compute paths are recipe keys (specopd_kernels.paths): no module reads their old environment variables."""
     import re
 
     old = re.compile(r"SPECOPD_(ATTENTION|LINEAR|LAYER_OPS|TV_KERNEL|SAMPLE_KERNEL|DRAFTER_ATTENTION)\b")
@@ -218,7 +218,7 @@ def test_no_library_code_reads_a_compute_path_from_the_environment():
 
 def test_a_worker_applies_its_recipes_compute_paths(monkeypatch, tmp_path):
     """Every process that hosts a worker (in-process or a Ray actor) runs the recipe's paths."""
-    from kernels import paths
+    from specopd_kernels import paths
     from specopd.train.worker import Worker
 
     monkeypatch.setattr(paths, "CHOSEN", dict(paths.CHOSEN))

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from executors.gdn import GDNCache, GDNExecutor
-from executors.options import ExecOptions
+from specopd_executors.gdn import GDNCache, GDNExecutor
+from specopd_executors.options import ExecOptions
 from kernel_check import kernel_modes
 from oracle import make_tiny_checkpoint
 from specopd.models import load_target
@@ -130,7 +130,7 @@ def test_trunk_end_multiple_of_every(target):
 
 def test_replay_is_shorter_than_every(target, monkeypatch):
     """Restoring any anchor replays at most C-1 recurrent steps, one replay per checkpoint segment."""
-    import executors.gdn as gdn
+    import specopd_executors.gdn as gdn
 
     calls = []
     real = gdn.gated_delta_step
@@ -253,9 +253,9 @@ def test_triton_kernels_are_launched(target, monkeypatch):
     score / verify the fused replay (per-node states only for verify)."""
     if target.kernels != "triton":
         pytest.skip("the triton instance checks the Triton path")
-    import kernels.gated_delta.chunk as chunk
-    import kernels.gated_delta.fused_recurrent as fr
-    import kernels.gated_delta.replay as rp
+    import specopd_kernels.gated_delta.chunk as chunk
+    import specopd_kernels.gated_delta.fused_recurrent as fr
+    import specopd_kernels.gated_delta.replay as rp
 
     calls = []
     for mod, name in ((chunk, "chunk_gated_delta_rule"), (fr, "fused_recurrent_gated_delta_rule"),

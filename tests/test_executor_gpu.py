@@ -128,7 +128,7 @@ def test_qsa_bf16_selection_triton_equals_torch_first_layer():
 def test_packed_prefill_equals_per_trunk(kind, dtype, monkeypatch):
     """Packed prefill equals per-trunk prefill, and the varlen backend that ran is the documented one: "loop" in
     fp32, flash-attn when it imports, else torch's varlen_attn (bf16)."""
-    import executors.gqa as gqa
+    import specopd_executors.gqa as gqa
 
     ran = []
     orig = gqa.varlen_backend
@@ -154,7 +154,7 @@ def test_packed_prefill_equals_per_trunk(kind, dtype, monkeypatch):
 
 
 def test_fla_prefill_matches_chunk_kernel():
-    from kernels.gated_delta.fla_chunk import fla_available
+    from specopd_kernels.gated_delta.fla_chunk import fla_available
 
     if not fla_available():
         pytest.skip("fla-core is not installed")

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from executors import get_executor
-from executors.gqa import GQACache
-from executors.options import ExecOptions
+from specopd_executors import get_executor
+from specopd_executors.gqa import GQACache
+from specopd_executors.options import ExecOptions
 from kernel_check import kernel_modes
 from oracle import make_tiny_checkpoint, rel_err
 from specopd.models import load_target
@@ -257,7 +257,7 @@ def test_triton_kernels_are_launched(target, monkeypatch):
     """With kernels="triton", score and verify go through the Triton tree-attention kernel (one launch per layer)."""
     if target.kernels != "triton":
         pytest.skip("the triton instance checks the Triton path")
-    import kernels.tree_attention.triton_fwd as tf
+    import specopd_kernels.tree_attention.triton_fwd as tf
 
     calls = []
     real = tf.tree_attention

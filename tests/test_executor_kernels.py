@@ -91,12 +91,12 @@ def test_kernel_selection_errors_name_the_fix(tmp_path, monkeypatch):
 def test_kernels_option_routes_each_executor(tmp_path, monkeypatch):
     """kernels="torch" never calls a Triton launcher, and "auto" is torch on the CPU; the executors read the
     choice from the target (``target.kernels``) unless a cache's options name one."""
-    import executors.base as base
+    import specopd_executors.base as base
 
     seen = []
     real = base.resolve_kernels
     monkeypatch.setattr(base, "resolve_kernels", lambda o, d: seen.append(real(o, d)) or seen[-1])
-    for mod in ("executors.gqa", "executors.gdn", "executors.qsa"):
+    for mod in ("specopd_executors.gqa", "specopd_executors.gdn", "specopd_executors.qsa"):
         monkeypatch.setattr(importlib.import_module(mod), "resolve_kernels", base.resolve_kernels)
     from oracle import make_tiny_checkpoint
     from specopd.models import load_target

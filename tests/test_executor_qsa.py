@@ -169,8 +169,8 @@ def test_triton_kernels_are_launched(target, monkeypatch):
     """With kernels="triton", QSA prefill runs ``qsa_prefill`` and score the indexer / top-k / sparse kernels."""
     if target.kernels != "triton":
         pytest.skip("the triton instance checks the Triton path")
-    import kernels.qsa.indexer as ix
-    import kernels.qsa.sparse_attention as sa
+    import specopd_kernels.qsa.indexer as ix
+    import specopd_kernels.qsa.sparse_attention as sa
 
     calls = []
     for mod, name in ((sa, "qsa_prefill"), (sa, "sparse_attention"), (ix, "topk_groups")):

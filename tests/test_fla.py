@@ -6,7 +6,7 @@ the CPU under TRITON_INTERPRET=1 with the shims of ``tests/fla_shims.py`` (autot
   including extensions that start off a chunk boundary), fla's varlen mode against per-sequence references;
 - fp16 (the interpreter's stand-in for bf16, whose ``tl.dot`` it gets wrong): within fp16 noise, bounded by our own
   chunk kernel's measured fp16 error on the same problem, with fp32 checkpoints;
-- fla's ``causal_conv1d`` (``executors.gdn._conv_seq``) against the mixer's own conv, with history and packed;
+- fla's ``causal_conv1d`` (``specopd_executors.gdn._conv_seq``) against the mixer's own conv, with history and packed;
 - the GDN executor with ``gdn_prefill="fla"`` against ``kernels="torch"`` (prefill, packed prefill, score);
 - the launches fla makes for a bf16-shaped problem compile for sm_90 (triton.compile, no GPU), i.e. every kernel's
   dot operands share one dtype.
@@ -41,7 +41,7 @@ def _setup():
 
 
 def _inputs(b, t, h, kd, vd, seed=0, device="cpu"):
-    from kernels.gated_delta.naive import prepare_qk
+    from specopd_kernels.gated_delta.naive import prepare_qk
 
     g_ = torch.Generator().manual_seed(seed)
     q, k = prepare_qk(torch.randn(b, t, h, kd, generator=g_), torch.randn(b, t, h, kd, generator=g_))
@@ -53,7 +53,7 @@ def _inputs(b, t, h, kd, vd, seed=0, device="cpu"):
 
 
 def _reference(q, k, v, g, beta, init, every, start):
-    from kernels.gated_delta.naive import recurrent_gated_delta_rule
+    from specopd_kernels.gated_delta.naive import recurrent_gated_delta_rule
 
     return recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g=g, beta=beta, initial_state=init,
                                       checkpoint_every=every, start=start)
@@ -72,7 +72,7 @@ TOL32 = 2e-5
 
 def check_prefill(name: str) -> None:
     _setup()
-    from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
 
     b, t, h, kd, vd, start, every, h0 = PREFILL[name]
     q, k, v, g, beta, s0 = _inputs(b, t, h, kd, vd, device=kernel_check.device())
@@ -93,7 +93,7 @@ def check_prefill(name: str) -> None:
 def check_varlen() -> None:
     """fla's varlen mode: one packed pass over fresh sequences of lengths 150, 1, 64, 37 equals each alone."""
     _setup()
-    from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
 
     dev = kernel_check.device()
     lens = [150, 1, 64, 37]
@@ -119,7 +119,7 @@ def check_fp16(dtype: str = "float16") -> None:
     to the dtype (measured on the same problem); fla, which also stores w, u, v_new and the states it reads back
     in that dtype, may be 4x that."""
     _setup()
-    from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
 
     dev = kernel_check.device()
     q, k, v, g, beta, s0 = _inputs(1, 200, 2, 32, 32, seed=5, device=dev)
@@ -144,7 +144,7 @@ def _mixer_target(dtype=torch.float32):
 def check_conv() -> None:
     """fla's causal_conv1d (SiLU) as ``_conv_seq`` calls it: plain, after a history, and packed (cu_seqlens)."""
     _setup()
-    from executors.gdn import _conv_seq
+    from specopd_executors.gdn import _conv_seq
 
     target = _mixer_target()
     mixer = next(m for m in target.modules() if hasattr(m, "conv_seq"))
@@ -201,8 +201,8 @@ def check_record(out_path: str) -> None:
     import fla_shims
 
     fla_shims.record_launches()
-    from executors.gdn import _conv_seq  # noqa: F401 - imports fla's conv module: patch its range too
-    from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
+    from specopd_executors.gdn import _conv_seq  # noqa: F401 - imports fla's conv module: patch its range too
+    from specopd_kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule
 
     fla_shims.patch_range()
     q, k, v, g, beta, s0 = _inputs(1, 80, 1, 128, 128, seed=3)
@@ -304,7 +304,7 @@ def test_fla_launches_compile_for_sm90_bf16(tmp_path):
 
 def check_cuda() -> None:
     """Every check above on CUDA with fla's compiled kernels (autotuned), bf16 included; fp32 ones need IEEE dots."""
-    from kernels.gated_delta.fla_chunk import fla_fp32_exact
+    from specopd_kernels.gated_delta.fla_chunk import fla_fp32_exact
 
     assert fla_fp32_exact("cuda"), "fla's fp32 dots would be TF32: run with TRITON_F32_DEFAULT=ieee"
     for name in PREFILL:
@@ -323,7 +323,7 @@ def test_fla_on_cuda():
     then every check above runs on CUDA (``check_cuda``) in a process started with TRITON_F32_DEFAULT=ieee, so the
     fp32 checks hold to TOL32 for the reason they do interpreted: IEEE fp32 dots. (In its own process: the variable
     is read when a kernel compiles, and this one may already hold fla kernels compiled in TF32.)"""
-    from kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule, fla_fp32_exact
+    from specopd_kernels.gated_delta.fla_chunk import fla_chunk_gated_delta_rule, fla_fp32_exact
 
     if not fla_fp32_exact("cuda"):
         q, k, v, g, beta, _ = _inputs(1, 8, 1, 16, 16, device="cuda")

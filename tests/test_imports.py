@@ -56,7 +56,7 @@ LAYERS = [
 # only specopd.settings), so that any module can read a section and the root can import them all
 LEAVES = ("specopd", "specopd.config", "specopd.settings", "specopd.errors", "specopd.profiling", "specopd.signals",
           "specopd.models.config", "specopd.drafters.config", "specopd.data.config", "specopd.train.config",
-          "specopd.eval.config", "specopd.mainjob_config", "kernels.paths", "kernels.cpu_features")
+          "specopd.eval.config", "specopd.mainjob_config", "specopd_kernels.paths", "specopd_kernels.cpu_features")
 STANDALONE = ("specopd_kernels", "specopd_executors")  # import nothing from specopd, leaves included
 BELOW_JOBS = ("specopd/eval", "specopd/distributed", "specopd/train", "specopd/data", "specopd/runs", "specopd/drafters",
               "specopd/models", "executors", "kernels")
@@ -125,7 +125,7 @@ def _layer(m: str):
 
 def _folder(m: str) -> str:
     """The folder (or top-level module) a module belongs to: ``specopd.train.loop`` -> ``specopd.train``,
-    ``specopd.memory`` -> itself, ``kernels.gated_delta.replay`` -> ``kernels.gated_delta``."""
+    ``specopd.memory`` -> itself, ``specopd_kernels.gated_delta.replay`` -> ``specopd_kernels.gated_delta``."""
     return ".".join(m.split(".")[:2])
 
 
@@ -197,7 +197,7 @@ def test_the_parser_sees_every_kind_of_import(tmp_path):
                    ("specopd.cli", 8)]
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
     assert _folder("specopd.train.loop") == _folder("specopd.train") == "specopd.train"
-    assert _folder("specopd.memory") == "specopd.memory" and _folder("kernels.gated_delta.replay") == "kernels.gated_delta"
+    assert _folder("specopd.memory") == "specopd.memory" and _folder("specopd_kernels.gated_delta.replay") == "specopd_kernels.gated_delta"
     ties = _folder_ties({"specopd.data.prepare": [("specopd.train.lock", 3)],
                          "specopd.train.data": [("specopd.data.formats", 5)],
                          "specopd.train.loop": [("specopd.distributed.ray_backend", 7)]})

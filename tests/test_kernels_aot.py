@@ -44,7 +44,7 @@ def test_aot_flags_failures(tmp_path):
     assert r.returncode == 2 and "unknown arch" in r.stderr
     from aot_kernels import compile_one
 
-    job = ("broken", "kernels.qsa.indexer", "_topk_groups_fwd", {"nope": "*fp32"}, (), {}, {}, 90)
+    job = ("broken", "specopd_kernels.qsa.indexer", "_topk_groups_fwd", {"nope": "*fp32"}, (), {}, {}, 90)
     row = compile_one(job)
     assert row["ok"] is False and "nope" in row["error"]
 
@@ -95,14 +95,14 @@ def test_aot_refuses_dot_dims_below_16(monkeypatch):
 
 
 def test_dot_rules():
-    """kernels.dot: block sizes are powers of two >= 16; fp32 inputs get IEEE dots; and every tl.dot in kernels/
+    """specopd_kernels.dot: block sizes are powers of two >= 16; fp32 inputs get IEEE dots; and every tl.dot in kernels/
     names its input precision (triton's default for fp32 operands is TF32 on sm_80+)."""
     import ast
     import glob
 
     import torch
 
-    from kernels.dot import dot_block, dot_precision
+    from specopd_kernels.dot import dot_block, dot_precision
 
     assert [dot_block(n) for n in (1, 8, 16, 17, 100, 128, 256)] == [16, 16, 16, 32, 128, 128, 256]
     assert dot_precision(torch.float32) == "ieee" and dot_precision(torch.bfloat16) == "tf32"

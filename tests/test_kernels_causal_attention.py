@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paths
-from kernels.causal_attention import cpu, naive
+from specopd_kernels import paths
+from specopd_kernels.causal_attention import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.LIB.available(), reason=f"attention kernel unavailable: {cpu.LIB.reason()}")
 
@@ -112,10 +112,10 @@ def test_strided_inputs_and_bad_arguments():
 
 
 def test_the_executor_uses_it_for_bf16_packed_and_one_by_one_prefill_alike(monkeypatch):
-    """executors.gqa: varlen "auto" takes the kernel where ``enabled`` (and "loop" then runs it per trunk, the same
+    """specopd_executors.gqa: varlen "auto" takes the kernel where ``enabled`` (and "loop" then runs it per trunk, the same
     bits); kernels.cpu_attention=torch keeps torch's flash kernel; "cpu" on fp32 is a clear error."""
-    from executors.gqa import attend_varlen, varlen_backend
-    from executors.options import ExecOptions
+    from specopd_executors.gqa import attend_varlen, varlen_backend
+    from specopd_executors.options import ExecOptions
 
     q, k, v, cu, _ = _inputs([40, 7, 90], [40, 7, 90], 9, 3, 64, seed=9)
     cu_t = torch.tensor(cu, dtype=torch.int32)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kernels.gated_delta.naive import gated_delta_step, prepare_qk, recurrent_gated_delta_rule
+from specopd_kernels.gated_delta.naive import gated_delta_step, prepare_qk, recurrent_gated_delta_rule
 
 
 def _inputs(b=2, t=37, h=3, kd=12, vd=20, seed=0, device="cpu"):
@@ -82,7 +82,7 @@ CASES = [
 
 
 def _triton_check(case) -> None:
-    from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
+    from specopd_kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, g, beta, s0 = _inputs(case["b"], case["t"], case["h"], case["kd"], case["vd"], device=dev)

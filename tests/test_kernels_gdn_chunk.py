@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernel_check
-from kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule
+from specopd_kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule
 
 FILE = __file__
 
@@ -43,7 +43,7 @@ CASES = {
 
 
 def check_chunk(name: str) -> None:
-    from kernels.gated_delta.chunk import chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.chunk import chunk_gated_delta_rule
 
     b, t, hq, h, kd, vd, start, every, h0 = CASES[name]
     q, k, v, g, beta, s0 = inputs(b, t, hq, h, kd, vd, device=kernel_check.device())
@@ -67,7 +67,7 @@ def test_chunk_matches_recurrence(name):
 
 
 def check_errors() -> None:
-    from kernels.gated_delta.chunk import chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.chunk import chunk_gated_delta_rule
 
     q, k, v, g, beta, s0 = inputs(1, 8, 1, 1, 16, 16)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -88,7 +88,7 @@ def test_backend_selection_and_fla_guard(monkeypatch):
     not it is installed) the fla path says what to install."""
     import sys
 
-    from kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule, prefill_backend
+    from specopd_kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule, prefill_backend
 
     assert prefill_backend("fla") is fla_chunk_gated_delta_rule
     with pytest.raises(ValueError, match="'chunk', 'fla' or 'recurrent'"):
@@ -105,8 +105,8 @@ def test_fp32_never_goes_to_fla(monkeypatch):
     """GDN "auto" sends an fp32 model to our IEEE chunk kernel even where fla would pass (CUDA, verified, C % 64 ==
     0): fla's fp32 dots run in TF32 on sm_80+. fla called on fp32 there refuses with the fix, unless the process set
     TRITON_F32_DEFAULT=ieee (simulated on the CPU: an sm_90 device capability)."""
-    import kernels.gated_delta.fla_chunk as fc
-    from executors.gdn import auto_prefill
+    import specopd_kernels.gated_delta.fla_chunk as fc
+    from specopd_executors.gdn import auto_prefill
 
     monkeypatch.setattr(fc, "fla_verified", lambda device: True)
     cuda = torch.device("cuda")
@@ -131,8 +131,8 @@ def test_fp32_never_goes_to_fla(monkeypatch):
 
 def check_gpu() -> None:
     """bf16 q/k/v on CUDA within bf16 noise of the fp32 recurrence; fla (when installed) against the same."""
-    from kernels.gated_delta.chunk import chunk_gated_delta_rule
-    from kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.chunk import chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.fla_chunk import fla_available, fla_chunk_gated_delta_rule
 
     q, k, v, g, beta, s0 = inputs(2, 1000, 4, 12, 128, 128, device="cuda")
     ref = reference(q, k, v, g, beta, s0, 64, 0)
@@ -153,7 +153,7 @@ def test_chunk_bf16_and_fla_on_cuda():
 def check_fp16() -> None:
     """fp16 q / k / v (bf16's stand-in under the interpreter), extension with an initial state and checkpoints:
     o, final state and fp32 checkpoints within 2.5x the recurrence's own input rounding noise."""
-    from kernels.gated_delta.chunk import chunk_gated_delta_rule
+    from specopd_kernels.gated_delta.chunk import chunk_gated_delta_rule
 
     q, k, v, g, beta, s0 = inputs(1, 150, 2, 4, 32, 32, seed=7, device=kernel_check.device())
     exact = reference(q, k, v, g, beta, s0, 64, 30)

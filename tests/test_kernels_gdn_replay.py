@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import kernel_check
-from kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule, tree_replay_reference
-from kernels.gated_delta.replay import build_replay_plan, stack_states
+from specopd_kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule, tree_replay_reference
+from specopd_kernels.gated_delta.replay import build_replay_plan, stack_states
 
 FILE = __file__
 
@@ -101,7 +101,7 @@ def test_plan_structure():
 
 
 def check_replay(name: str) -> None:
-    from kernels.gated_delta.replay import gdn_tree_replay
+    from specopd_kernels.gated_delta.replay import gdn_tree_replay
 
     lens, every, width, h, hq, kd, vd, general, share, store = CASES[name]
     trunks, cks, fins, anchor, parent, tix, nodes = make_case(lens, every, ANCHORS + [63, 64, 100, 149], width, h,

@@ -6,8 +6,8 @@ may differ by one bf16 unit where the fp32 value sits at a rounding boundary: at
 import pytest
 import torch
 
-from kernels import paths
-from kernels.layer_ops import cpu, naive
+from specopd_kernels import paths
+from specopd_kernels.layer_ops import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.LIB.available(), reason=f"layer ops kernel unavailable: {cpu.LIB.error}")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paths
-from kernels.layer_ops import cpu, naive
+from specopd_kernels import paths
+from specopd_kernels.layer_ops import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.packing_available(), reason="torch's oneDNN has no native bf16 on this CPU")
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kernel_check
-from kernels.qsa.naive import gathered_attention, group_scores, sequential_attention, sequential_selection
+from specopd_kernels.qsa.naive import gathered_attention, group_scores, sequential_attention, sequential_selection
 
 FILE = __file__
 
@@ -14,7 +14,7 @@ def check_indexer() -> None:
     """Scores equal the reference on the complete groups; selections equal ``select_groups`` for k below,
     at and above the number of complete groups, with exact ties (zeros, a block of equal scores, ties that
     straddle the k-th place), no complete group at all, and G above the top-k kernel's tile."""
-    from kernels.qsa.indexer import index_scores, topk_groups
+    from specopd_kernels.qsa.indexer import index_scores, topk_groups
     from specopd.models.qwen4_exp import select_groups
 
     dev = kernel_check.device()
@@ -53,7 +53,7 @@ def test_indexer_scores_and_topk():
 def check_sparse_attention() -> None:
     """Gathered attention with GQA groups (12 heads / 2 KV heads, padded to 16 rows), key lists of 1 key, of
     several tiles, and with repeated rows; and head dim 8 (padded to tl.dot's 16 columns)."""
-    from kernels.qsa.sparse_attention import sparse_attention
+    from specopd_kernels.qsa.sparse_attention import sparse_attention
 
     dev = kernel_check.device()
     g_ = torch.Generator().manual_seed(1)
@@ -91,7 +91,7 @@ def check_prefill(t: str, t0: str, chunk: str) -> None:
     """The blockwise prefill (kernels end to end) on a real QSA layer equals the per-query sequential
     reference: selections identical, outputs within 1e-5; also for a chunk of queries that extends earlier
     tokens (queries t0..T-1 over keys 0..T-1)."""
-    from kernels.qsa.sparse_attention import qsa_prefill
+    from specopd_kernels.qsa.sparse_attention import qsa_prefill
 
     t, t0, chunk = int(t), int(t0), int(chunk)
     dev = kernel_check.device()
@@ -127,7 +127,7 @@ def test_prefill_matches_sequential_reference(t, t0, chunk):
 
 def test_group_rows_lists_selected_tokens_then_tail():
     """Key rows per query: the selected groups' tokens ascending, then the tail; as ``token_mask`` says."""
-    from kernels.qsa.sparse_attention import group_rows
+    from specopd_kernels.qsa.sparse_attention import group_rows
 
     mixer = _mixer()
     sel = torch.tensor([[0, 3, -1, -1], [1, 2, 4, 5], [-1, -1, -1, -1]])
@@ -139,7 +139,7 @@ def test_group_rows_lists_selected_tokens_then_tail():
 
 
 def test_pack_rows_moves_valid_keys_first():
-    from kernels.qsa.sparse_attention import pack_rows
+    from specopd_kernels.qsa.sparse_attention import pack_rows
 
     rows = torch.tensor([[5, 9, 2, 7], [1, 3, 4, 8]])
     ok = torch.tensor([[False, True, False, True], [True, True, True, False]])
@@ -150,8 +150,8 @@ def test_pack_rows_moves_valid_keys_first():
 def check_gpu() -> None:
     """bf16 on CUDA at the qwen4_exp shape (24 / 2 heads, hd 256, indexer 4 x 128, budget 2048) and T = 4096:
     selections agree with the fp32 reference except near-ties, outputs within bf16 noise."""
-    from kernels.qsa.indexer import index_scores, topk_groups
-    from kernels.qsa.sparse_attention import group_rows, sparse_attention
+    from specopd_kernels.qsa.indexer import index_scores, topk_groups
+    from specopd_kernels.qsa.sparse_attention import group_rows, sparse_attention
     from specopd.models.qwen4_exp import select_groups
 
     g_ = torch.Generator().manual_seed(3)
@@ -181,7 +181,7 @@ def test_qsa_kernels_bf16_on_cuda():
 def check_fp16() -> None:
     """fp16 sparse attention (bf16's stand-in under the interpreter) over an exact selection, head dims 64 and
     256: within 2.5x the fp32 reference's own input rounding noise. (The indexer runs in fp32 for every target.)"""
-    from kernels.qsa.sparse_attention import group_rows, sparse_attention
+    from specopd_kernels.qsa.sparse_attention import group_rows, sparse_attention
     from specopd.models.qwen4_exp import select_groups
 
     dev = kernel_check.device()

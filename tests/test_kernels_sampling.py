@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernel_check import c_kernels_expected
-from kernels import paths
-from kernels.sampling import cpu, naive
+from specopd_kernels import paths
+from specopd_kernels.sampling import cpu, naive
 from specopd import sampling
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernel_check import c_kernels_expected, cpu_flags
-from kernels.e2e_tv import cpu as tv
-from kernels.sampling import cpu as sampling
+from specopd_kernels.e2e_tv import cpu as tv
+from specopd_kernels.sampling import cpu as sampling
 
 pytestmark = [
     pytest.mark.skipif(not c_kernels_expected(), reason="no C compiler or no AVX2 + FMA / AVX-512: no CPU kernels"),

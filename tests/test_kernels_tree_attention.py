@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import kernel_check
-from kernels.tree_attention import build_tree_plan, tree_attention_blocked, tree_attention_reference
-from kernels.tree_attention.naive import ancestor_or_self
+from specopd_kernels.tree_attention import build_tree_plan, tree_attention_blocked, tree_attention_reference
+from specopd_kernels.tree_attention.naive import ancestor_or_self
 
 FILE = __file__
 
@@ -65,7 +65,7 @@ def test_plan_covers_exactly_the_visible_keys(general):
     anchor, parent, tix = make_tree(lens, 9, [4, 1, 3], general=general)
     plan = build_tree_plan(anchor, parent, tix, lens, block_m=8, block_n=16)
     assert plan.chain == (not general)
-    from kernels.tree_attention.plan import block_visibility
+    from specopd_kernels.tree_attention.plan import block_visibility
 
     for i, (nodes, vis) in enumerate(_dense_visibility(anchor, parent, tix, lens)):
         got = torch.zeros_like(vis)
@@ -95,7 +95,7 @@ def test_plan_covers_exactly_the_visible_keys(general):
 def test_plan_fraction_at_recipe_like_shapes():
     """At T = 2048, 256 anchors x 15 tokens, 4 trunks (the 8B recipe) the kernel's plan visits < 25% of the
     dense grid's blocks, and most entries of the visited blocks are visible."""
-    from kernels.tree_attention.triton_fwd import plan_blocks
+    from specopd_kernels.tree_attention.triton_fwd import plan_blocks
 
     g = torch.Generator().manual_seed(0)
     t, n, w = 2048, 256, 15
@@ -125,7 +125,7 @@ def test_bf16_block_groups_within_noise_of_the_reference(general, max_keys):
     """bf16 on the CPU: query blocks batched into groups (one fused-attention call each, padded keys and rows
     masked) stay within the bf16 noise of one call per block, against the fp32 reference of the same rounded
     inputs; every node is written once; the groups respect their key budget (a lone block may exceed it)."""
-    from kernels.tree_attention import block_groups
+    from specopd_kernels.tree_attention import block_groups
 
     lens = [150, 77, 40]
     anchor, parent, tix = make_tree(lens, 9, [5, 1, 3], general=general)
@@ -171,7 +171,7 @@ CASES = {
 
 
 def check_triton(name: str) -> None:
-    from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
+    from specopd_kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
 
     lens, branches, widths, h, hkv, d, general = CASES[name]
     dev = kernel_check.device()
@@ -197,7 +197,7 @@ def test_triton_matches_reference(name):
 
 def check_triton_bf16() -> None:
     """bf16 inputs on CUDA at a recipe-like size: within bf16 noise of the fp32 reference."""
-    from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
+    from specopd_kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
 
     for (h, hkv, d) in ((32, 8, 128), (24, 4, 256)):
         lens = [1000, 700]
@@ -219,7 +219,7 @@ def test_triton_bf16_on_cuda():
 def check_triton_fp16() -> None:
     """fp16 (the interpreter's stand-in for bf16, whose tl.dot it gets wrong) at small sizes, chain and general
     trees, head dims 32 and 256: within 2.5x the fp32 reference's own input rounding noise."""
-    from kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
+    from specopd_kernels.tree_attention.triton_fwd import plan_blocks, tree_attention
 
     dev = kernel_check.device()
     for (h, hkv, d, general) in ((4, 2, 32, False), (4, 2, 32, True), (6, 1, 256, False)):

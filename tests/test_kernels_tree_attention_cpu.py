@@ -9,11 +9,11 @@ to bf16 (relative 2^-8 each: at most 2^-8 * sum_j p_j |v_j|), the output rounded
 import pytest
 import torch
 
-from kernels import paths
-from kernels.causal_attention.cpu import LIB
-from kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked, tree_attention_reference
-from kernels.tree_attention import cpu
-from kernels.tree_attention.naive import ancestor_or_self
+from specopd_kernels import paths
+from specopd_kernels.causal_attention.cpu import LIB
+from specopd_kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked, tree_attention_reference
+from specopd_kernels.tree_attention import cpu
+from specopd_kernels.tree_attention.naive import ancestor_or_self
 from specopd.tree import ProposalTree
 
 pytestmark = pytest.mark.skipif(not LIB.available(), reason=f"attention kernel unavailable: {LIB.reason()}")
@@ -137,11 +137,11 @@ def test_strided_inputs_and_bad_arguments():
 
 
 def test_the_executor_scores_and_verifies_with_it(monkeypatch):
-    """executors.gqa: gqa_backend "auto" takes the kernel for bf16 where ``enabled`` (kernels.cpu_attention=cpu forces
+    """specopd_executors.gqa: gqa_backend "auto" takes the kernel for bf16 where ``enabled`` (kernels.cpu_attention=cpu forces
     it on any CPU where it builds), the same bits as "cpu" named; "torch" keeps the blocked path; "cpu" on fp32 is a
     clear error."""
-    from executors.gqa import score_backend
-    from executors.options import ExecOptions
+    from specopd_executors.gqa import score_backend
+    from specopd_executors.options import ExecOptions
 
     q = torch.zeros(1, 4, 9, 64, dtype=torch.bfloat16)
     k = torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16)

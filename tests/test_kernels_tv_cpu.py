@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernel_check import c_kernels_expected
-from kernels import paths
-from kernels.e2e_tv import cpu, naive
+from specopd_kernels import paths
+from specopd_kernels.e2e_tv import cpu, naive
 from specopd import losses
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels import paths
+from specopd_kernels import paths
 from specopd.losses import acceptance_length, align_p_logits, ce_loss, confidence_loss, e2e_tv_loss, tv_alpha
 
 N, W, V = 4, 3, 7
@@ -449,7 +449,7 @@ def test_backward_reads_the_forwards_single_chunk_back_bit_for_bit(monkeypatch, 
     """With all rows in one pooled chunk, the kernel's backward reads the forward's logits back instead of
     recomputing them: the same gradient to the bit as a backward that recomputes (forced by a call that uses the
     pool in between), and the read-back path is the one taken."""
-    from kernels.e2e_tv import cpu as tv_cpu
+    from specopd_kernels.e2e_tv import cpu as tv_cpu
     from specopd import losses
 
     if not tv_cpu.available():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.qsa.naive import sequential_attention, sequential_selection
+from specopd_kernels.qsa.naive import sequential_attention, sequential_selection
 from specopd.models import load_target
 from specopd.models.qwen4_exp import select_groups
 from tests.oracle import hf_logits, load_hf, make_tiny_checkpoint, rel_err

@@ -7,7 +7,7 @@ same in prefill, score and commit, because the rows it is made from are bitwise 
   the PLE conv is ``DilatedConv.tap_sum`` (fp32 accumulation, one rounding) in prefill and score alike (it was
   ``F.conv1d`` vs a bf16 tap loop: ~47% of its elements 1 bf16 ulp apart, which flipped near-tie selections and
   routing downstream: commit vs prefill 0.008 .. 0.24 over seeds 0-19), and the low-precision QSA prefill attends
-  each query over its gathered key list as score does (``executors.qsa.attend_selected``; a [T]-masked row sums
+  each query over its gathered key list as score does (``specopd_executors.qsa.attend_selected``; a [T]-masked row sums
   in another order: 1 in 18k bf16 outputs differ). GDN runs the same ``gated_delta_step`` in both; the bf16
   linears of this target (hidden 128) give each row the same bits whatever the number of rows on this CPU.
 - So commit vs prefill (score + commit of a path against prefilling the same tokens on the trunk cache) is

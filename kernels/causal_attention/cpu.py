@@ -1,8 +1,8 @@
-"""The bf16 causal attention kernel (``attention_cpu.c``), built on first use by ``kernels.cbuild`` and loaded with
+"""The bf16 causal attention kernel (``attention_cpu.c``), built on first use by ``specopd_kernels.cbuild`` and loaded with
 ctypes. It needs AVX512-BF16 (``LIB.reason()`` says why it is not available elsewhere). The same library holds the
-tree kernel (``kernels.tree_attention.cpu``), which ``enabled`` and ``kernels.cpu_attention`` govern alike.
+tree kernel (``specopd_kernels.tree_attention.cpu``), which ``enabled`` and ``kernels.cpu_attention`` govern alike.
 
-The recipe key ``kernels.cpu_attention`` (``kernels.paths``) picks where ``executors.gqa`` uses it: ``auto`` (default) for bf16 on CPUs without AMX-BF16
+The recipe key ``kernels.cpu_attention`` (``specopd_kernels.paths``) picks where ``specopd_executors.gqa`` uses it: ``auto`` (default) for bf16 on CPUs without AMX-BF16
 (there torch's flash kernel runs bf16 at a sixth of the matmul rate; with AMX torch's runs on AMX tiles and was
 not measured against this one), ``cpu`` on every CPU where it builds, ``torch`` nowhere.
 """
@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from kernels import paths
-from kernels.cbuild import Library, bf16_cpu_inference
-from kernels.cpu_features import cpu_flags
+from specopd_kernels import paths
+from specopd_kernels.cbuild import Library, bf16_cpu_inference
+from specopd_kernels.cpu_features import cpu_flags
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cpu.c")
 MODES = paths.CHOICES["cpu_attention"]
@@ -41,7 +41,7 @@ def mode() -> str:
 
 
 def enabled(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``executors.gqa`` should call the kernels for these tensors: bf16 on the CPU outside autograd, a head
+    """Whether ``specopd_executors.gqa`` should call the kernels for these tensors: bf16 on the CPU outside autograd, a head
     dim the kernels take, ``mode()`` allowing this CPU, and the library built (``LIB.reason()``)."""
     d = q.shape[-1]
     if not bf16_cpu_inference(q, k) or d % 32 or d > MAX_HEAD_DIM:
@@ -53,7 +53,7 @@ def enabled(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def check_inputs(h: int, hkv: int, d: int, **tensors: torch.Tensor) -> None:
-    """What the kernels take (``causal_attention`` and ``kernels.tree_attention.cpu.tree_attention``): H a multiple
+    """What the kernels take (``causal_attention`` and ``specopd_kernels.tree_attention.cpu.tree_attention``): H a multiple
     of Hkv, D a multiple of 32 up to ``MAX_HEAD_DIM``, each tensor [rows, heads, D] bf16 on the CPU with D
     contiguous; else a ValueError naming the tensor."""
     if h % hkv or d % 32 or d > MAX_HEAD_DIM:

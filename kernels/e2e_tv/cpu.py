@@ -1,7 +1,7 @@
 """The CPU kernel of alpha = sum_v min(q, p) and its gradient (``tv_cpu.c``), built on first use and loaded with
 ctypes.
 
-Built by ``kernels.cbuild`` (the system C compiler, cached in ``$SPECOPD_CACHE/kernels``). ``available()`` is False
+Built by ``specopd_kernels.cbuild`` (the system C compiler, cached in ``$SPECOPD_CACHE/kernels``). ``available()`` is False
 where no compiler works; the callers (``specopd.losses``) then keep the torch path, which computes the same numbers
 (``naive.py``).
 """
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from kernels.cbuild import Library
+from specopd_kernels.cbuild import Library
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tv_cpu.c")
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot import MIN_DOT, dot_block, dot_precision
+from specopd_kernels.dot import MIN_DOT, dot_block, dot_precision
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def chunk_size_for(checkpoint_every: Optional[int]) -> int:
             return bt
     raise ValueError(f"chunk_gated_delta_rule keeps checkpoints at chunk starts, so checkpoint_every must be a "
                      f"multiple of 16 (got {checkpoint_every}); use gdn_checkpoint_every=64 or the fused recurrent "
-                     f"kernel (kernels.gated_delta.fused_recurrent)")
+                     f"kernel (specopd_kernels.gated_delta.fused_recurrent)")
 
 
 def kernel_config(k_dim: int, v_dim: int) -> dict:
@@ -153,7 +153,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                            chunk_size: Optional[int] = None):
     """The chunked Triton forward with the same contract as ``naive.recurrent_gated_delta_rule``.
 
-    Args / Returns: as ``kernels.gated_delta.naive.recurrent_gated_delta_rule``, except:
+    Args / Returns: as ``specopd_kernels.gated_delta.naive.recurrent_gated_delta_rule``, except:
         q, k: [B, T, HQ, K] with v's H a multiple of HQ (head h reads q/k head h // (H / HQ)).
         chunk_size: BT (default: ``chunk_size_for(C)``, the largest of 64, 32, 16 that divides C).
     """

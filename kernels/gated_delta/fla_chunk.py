@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from kernels.gated_delta.chunk import chunk_checkpoints
-from kernels.gated_delta.naive import prepare_qk
+from specopd_kernels.gated_delta.chunk import chunk_checkpoints
+from specopd_kernels.gated_delta.naive import prepare_qk
 
 CHUNK = 64
 _lock = threading.Lock()
@@ -46,13 +46,13 @@ def fla_verified(device) -> bool:
     """fla imports and, on a small random problem on ``device`` (CUDA), gives our chunk kernel's outputs, final
     state and fp32 checkpoints (bf16 inputs, rel <= 2e-2): checked once per process and device. The GDN
     executor's "auto" prefill uses fla only when this holds, so a broken or changed fla install falls back to
-    ``kernels.gated_delta.chunk`` (with a warning) instead of failing or returning wrong states."""
+    ``specopd_kernels.gated_delta.chunk`` (with a warning) instead of failing or returning wrong states."""
     key = str(device)
     if key not in _VERIFIED:
         ok, why = False, "fla-core does not import"
         if torch.device(device).type == "cuda" and fla_available():
             try:
-                from kernels.gated_delta.chunk import chunk_gated_delta_rule  # Triton, only on this path
+                from specopd_kernels.gated_delta.chunk import chunk_gated_delta_rule  # Triton, only on this path
 
                 g_ = torch.Generator().manual_seed(0)
                 q, k = prepare_qk(torch.randn(1, 200, 2, 64, generator=g_), torch.randn(1, 200, 2, 64, generator=g_))
@@ -69,7 +69,7 @@ def fla_verified(device) -> bool:
             except Exception as e:  # noqa: BLE001 - any failure means: do not use fla
                 why = f"fla failed: {type(e).__name__}: {e}"
         if not ok and torch.device(device).type == "cuda" and fla_available():
-            warnings.warn(f"GDN prefill falls back from fla to kernels.gated_delta.chunk: {why}")
+            warnings.warn(f"GDN prefill falls back from fla to specopd_kernels.gated_delta.chunk: {why}")
         _VERIFIED[key] = ok
     return _VERIFIED[key]
 
@@ -77,9 +77,9 @@ def fla_verified(device) -> bool:
 def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
                                beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                                checkpoint_every: Optional[int] = None, start: int = 0, cu_seqlens=None):
-    """The contract of ``kernels.gated_delta.chunk.chunk_gated_delta_rule``, computed by fla on CUDA.
+    """The contract of ``specopd_kernels.gated_delta.chunk.chunk_gated_delta_rule``, computed by fla on CUDA.
 
-    Args / Returns: as ``kernels.gated_delta.chunk.chunk_gated_delta_rule``, except:
+    Args / Returns: as ``specopd_kernels.gated_delta.chunk.chunk_gated_delta_rule``, except:
         q, k, v: fp32 only where ``fla_fp32_exact`` holds (else a ValueError: TF32 is not fp32).
         checkpoint_every: C must be a multiple of 64 (fla's chunk).
         cu_seqlens: [n + 1] long on the device: B = 1 holds n fresh sequences packed one after another (fla's varlen
@@ -91,7 +91,7 @@ def fla_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         import fla.ops.gated_delta_rule.chunk as fla_chunk  # optional (gpu extra)
     except Exception as e:  # noqa: BLE001
         raise RuntimeError("gdn prefill through fla needs fla-core (pip install flash-linear-attention) on a CUDA "
-                           "machine; use the Triton chunk kernel (kernels.gated_delta.chunk) instead") from e
+                           "machine; use the Triton chunk kernel (specopd_kernels.gated_delta.chunk) instead") from e
     if checkpoint_every is not None and checkpoint_every % CHUNK:
         raise ValueError(f"fla keeps states every {CHUNK} tokens: checkpoint_every must be a multiple of {CHUNK} "
                          f"(got {checkpoint_every})")
@@ -154,13 +154,13 @@ def prefill_backend(name: str):
     """The sequence recurrence for ``name``: "chunk" (our Triton chunk kernel), "fla" (fla on CUDA; interpreted on the CPU in tests) or
     "recurrent" (the fused recurrent Triton kernel). All share ``naive.recurrent_gated_delta_rule``'s contract."""
     if name == "chunk":
-        from kernels.gated_delta.chunk import chunk_gated_delta_rule  # Triton, only on this path
+        from specopd_kernels.gated_delta.chunk import chunk_gated_delta_rule  # Triton, only on this path
 
         return chunk_gated_delta_rule
     if name == "fla":
         return fla_chunk_gated_delta_rule
     if name == "recurrent":
-        from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule  # Triton, only on this path
+        from specopd_kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule  # Triton, only on this path
 
         return fused_recurrent_gated_delta_rule
     raise ValueError(f"unknown gdn prefill backend {name!r}; use 'chunk', 'fla' or 'recurrent'")

@@ -1,5 +1,5 @@
 """Triton fused recurrent gated delta rule (forward) with state checkpoints, same contract as
-``kernels.gated_delta.naive.recurrent_gated_delta_rule``. Runs on CUDA, or on the CPU under
+``specopd_kernels.gated_delta.naive.recurrent_gated_delta_rule``. Runs on CUDA, or on the CPU under
 ``TRITON_INTERPRET=1`` (set before importing this module; tests only). Design: kernels/DESIGN.md
 ("GDN kernels: fused recurrent").
 """
@@ -54,7 +54,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      checkpoint_every: Optional[int] = None, start: int = 0, block_v: int = 32):
     """The recurrence token by token in one Triton launch, exactly as ``naive.recurrent_gated_delta_rule``.
 
-    Args / Returns: as ``kernels.gated_delta.naive.recurrent_gated_delta_rule``; ``block_v``: value columns per
+    Args / Returns: as ``specopd_kernels.gated_delta.naive.recurrent_gated_delta_rule``; ``block_v``: value columns per
     program.
     """
     b, t, h, kd = k.shape

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.trees import check_tree
+from specopd_kernels.trees import check_tree
 
 
 @dataclass
@@ -70,7 +70,7 @@ def build_replay_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: t
 
     Args:
         anchor, parent, trunk_index: [M] ``ProposalTree`` fields (parents precede children); checked by
-            ``kernels.trees.check_tree``.
+            ``specopd_kernels.trees.check_tree``.
         trunk_lens: tokens in each trunk's cache.
         every: C, the checkpoint interval of the caches.
         share_replay: one segment per (trunk, checkpoint) (anchors in one interval share a replay); False: one per

@@ -1,5 +1,5 @@
 """bf16 RMSNorm, SiLU * up and RoPE on the CPU in one pass each (``layer_ops_cpu.c``), built on first use by
-``kernels.cbuild`` and loaded with ctypes. ``enabled(*tensors)`` says whether the models should call them.
+``specopd_kernels.cbuild`` and loaded with ctypes. ``enabled(*tensors)`` says whether the models should call them.
 
 The bf16 linear layers run through oneDNN with their weight reordered once (``PackedWeight`` / ``linear``) instead
 of per call as ``F.linear`` does: the same bits (tested), faster (measured: benchmarks/results/).
@@ -19,8 +19,8 @@ import functools
 import os
 import torch
 
-from kernels import paths
-from kernels.cbuild import Library, bf16_cpu_inference, cpu_inference
+from specopd_kernels import paths
+from specopd_kernels.cbuild import Library, bf16_cpu_inference, cpu_inference
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_ops_cpu.c")
 MODES = paths.CHOICES["cpu_layer_ops"]

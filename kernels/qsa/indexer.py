@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot import dot_block, dot_precision
+from specopd_kernels.dot import dot_block, dot_precision
 
 
 @triton.jit

@@ -47,7 +47,7 @@ def sequential_attention(mixer, x: torch.Tensor, positions: torch.Tensor) -> tor
 
 def group_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [Q, Hi, di], keys [G, di] -> [Q, G] fp32: sum_h relu(q_h . k_g) / sqrt(di) (``QSAttention.index_scores``),
-    the reference of ``kernels.qsa.indexer.index_scores``."""
+    the reference of ``specopd_kernels.qsa.indexer.index_scores``."""
     s = torch.matmul(q.float(), keys.float().t())  # [Q, Hi, G]
     return torch.relu(s).sum(dim=-2) / (q.shape[-1] ** 0.5)
 

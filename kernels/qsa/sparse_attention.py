@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot import dot_block, dot_precision
-from kernels.qsa.indexer import index_scores, topk_groups
-from kernels.softmax import online_softmax_update
+from specopd_kernels.dot import dot_block, dot_precision
+from specopd_kernels.qsa.indexer import index_scores, topk_groups
+from specopd_kernels.softmax import online_softmax_update
 
 
 @triton.jit

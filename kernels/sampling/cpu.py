@@ -1,7 +1,7 @@
 """The CPU sampling kernel (``sample_cpu.c``): inverse-CDF draws from softmax(z / T) in one pass per row, built on
 first use and loaded with ctypes.
 
-Built by ``kernels.cbuild`` (the system C compiler, cached in ``$SPECOPD_CACHE/kernels``). ``available()`` is False
+Built by ``specopd_kernels.cbuild`` (the system C compiler, cached in ``$SPECOPD_CACHE/kernels``). ``available()`` is False
 where no compiler works; ``specopd.sampling`` then keeps its torch path (``draw_``), which applies the same rule.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kernels.cbuild import Library
+from specopd_kernels.cbuild import Library
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample_cpu.c")
 

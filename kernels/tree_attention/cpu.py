@@ -1,7 +1,7 @@
 """Tree attention in bf16 on the CPU: ``tree_attention_bf16`` of ``kernels/causal_attention/attention_cpu.c`` (the
 causal kernel's trunk chunks with a per-node key limit, then one online-softmax step over the node's ancestors).
 
-``executors.gqa`` uses it to score and verify trees where ``kernels.causal_attention.cpu.enabled`` holds (bf16, an
+``specopd_executors.gqa`` uses it to score and verify trees where ``specopd_kernels.causal_attention.cpu.enabled`` holds (bf16, an
 AVX512-BF16 CPU without AMX, ``kernels.cpu_attention``): torch's fused attention with a mask runs bf16 at a fraction of
 the matmul rate there (benchmarks/results/, the tree-attention-in-C report). Reference: ``naive.tree_attention_reference``.
 """
@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from kernels.causal_attention.cpu import LIB, check_inputs
-from kernels.tree_attention.plan import node_order
-from kernels.trees import check_tree
+from specopd_kernels.causal_attention.cpu import LIB, check_inputs
+from specopd_kernels.tree_attention.plan import node_order
+from specopd_kernels.trees import check_tree
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class TreeLayout:
 
 def tree_layout(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: torch.Tensor,
                 trunk_lens: Sequence[int]) -> TreeLayout:
-    """Check a tree (``kernels.trees.check_tree``) and lay it out for ``tree_attention``.
+    """Check a tree (``specopd_kernels.trees.check_tree``) and lay it out for ``tree_attention``.
 
     Args:
         anchor, parent, trunk_index: [M] ``ProposalTree`` fields (parent -1 for a child of the trunk; parents

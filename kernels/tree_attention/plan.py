@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.tree_attention.naive import attend
-from kernels.trees import check_tree
+from specopd_kernels.tree_attention.naive import attend
+from specopd_kernels.trees import check_tree
 
 
 @dataclass
@@ -86,7 +86,7 @@ def _depth(parent: torch.Tensor) -> torch.Tensor:
 
 def node_order(anchor: torch.Tensor, trunk_index: torch.Tensor) -> torch.Tensor:
     """[M] node ids sorted by (trunk, anchor); stable, so parents stay before their children (same key, earlier
-    index). The block plan's and the CPU kernel's (``kernels.tree_attention.cpu``) query order."""
+    index). The block plan's and the CPU kernel's (``specopd_kernels.tree_attention.cpu``) query order."""
     key = trunk_index * (int(anchor.max()) + 2) + anchor
     return torch.sort(key, stable=True).indices
 
@@ -97,7 +97,7 @@ def build_tree_plan(anchor: torch.Tensor, parent: torch.Tensor, trunk_index: tor
 
     Args:
         anchor, parent, trunk_index: [M] ``ProposalTree`` fields (parent -1 for a child of the trunk; parents
-            precede children); checked by ``kernels.trees.check_tree``.
+            precede children); checked by ``specopd_kernels.trees.check_tree``.
         trunk_lens: keys held by each trunk's cache.
         block_m: nodes per query block.
         block_n: keys per key block (<= 64: int64 bitmasks).

@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot import dot_block, dot_precision
-from kernels.softmax import online_softmax_update
-from kernels.tree_attention.plan import TreeAttentionPlan
+from specopd_kernels.dot import dot_block, dot_precision
+from specopd_kernels.softmax import online_softmax_update
+from specopd_kernels.tree_attention.plan import TreeAttentionPlan
 
 
 @triton.jit

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from kernels import paths
+from specopd_kernels import paths
 
 CHUNK_ELEMS = 1 << 22  # score elements per chunk of the chunked path (16 MiB in fp32)
 
@@ -353,7 +353,7 @@ Backend = Union[str, Callable]
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> Backend:
-    """"auto" -> the recipe key ``kernels.drafter_attention`` (``kernels.paths``) when it names chunked or flex (e.g.
+    """"auto" -> the recipe key ``kernels.drafter_attention`` (``specopd_kernels.paths``) when it names chunked or flex (e.g.
     to fall back to the chunked path on a GPU), else flex on CUDA (when importable) and chunked elsewhere."""
     if callable(backend):
         return backend

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from kernels import paths
+from specopd_kernels import paths
 from specopd.config import eval_dtype
 from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.prepare import MODELS, check_tokenizer, encode_prompt, load_tokenizer

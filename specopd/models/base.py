@@ -9,9 +9,9 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from executors import get_executor
-from executors.base import check_kernels
-from executors.options import ExecOptions
+from specopd_executors import get_executor
+from specopd_executors.base import check_kernels
+from specopd_executors.options import ExecOptions
 from specopd.models.context import RunContext, TargetCache, VerifyState  # noqa: F401  (also re-exported here)
 from specopd.models.packed import prefill_batch
 from specopd.tree import ProposalTree

@@ -1,5 +1,5 @@
 """Building blocks shared by all target models: RMSNorm, RoPE (computed on the fly), SwiGLU MLP, MoE (and,
-re-exported from ``executors.attention``, the dense attention ``masked_attention`` / ``sdpa_attention``).
+re-exported from ``specopd_executors.attention``, the dense attention ``masked_attention`` / ``sdpa_attention``).
 
 Numerics follow Hugging Face transformers 5.x exactly (same cast order), so our models agree with
 the transformers oracle to fp32 rounding. No buffers anywhere: models are built under the meta device.
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executors.attention import masked_attention, sdpa_attention  # noqa: F401  (the models' plain attention)
-from kernels.layer_ops import cpu as layer_ops
-from kernels.layer_ops import naive as layer_naive
+from specopd_executors.attention import masked_attention, sdpa_attention  # noqa: F401  (the models' plain attention)
+from specopd_kernels.layer_ops import cpu as layer_ops
+from specopd_kernels.layer_ops import naive as layer_naive
 
 # ----------------------------------------------------------------------------------------- RMSNorm
 
@@ -107,7 +107,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, hd]; cos/sin [B, T, rot_dim] (rot_dim <= hd: the rest passes through unrotated). bf16 on the
-    CPU outside autograd: one pass in C (``kernels.layer_ops``, bitwise torch's)."""
+    CPU outside autograd: one pass in C (``specopd_kernels.layer_ops``, bitwise torch's)."""
     if layer_ops.enabled(x, cos, sin):
         return layer_ops.rope(x, cos, sin)
     return layer_naive.rope(x, cos, sin)
@@ -163,7 +163,7 @@ class Rotary:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters and state dict). bf16 on the CPU outside autograd it multiplies by a
-    weight packed once for oneDNN (``kernels.layer_ops.linear``): the same bits as ``F.linear``, which reorders
+    weight packed once for oneDNN (``specopd_kernels.layer_ops.linear``): the same bits as ``F.linear``, which reorders
     the weight on every call. x [..., in] -> [..., out]."""
 
     def __init__(self, *args, **kwargs):

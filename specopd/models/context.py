@@ -9,16 +9,16 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from executors import get_executor
-from executors.base import GrowingCache
-from executors.options import ExecOptions
+from specopd_executors import get_executor
+from specopd_executors.base import GrowingCache
+from specopd_executors.options import ExecOptions
 from specopd.tree import ProposalTree
 
 
 @dataclass
 class TargetCache(GrowingCache):
     """What ``prefill`` keeps of one trunk. ``layers[i]`` is layer i's executor cache (has ``nbytes()``).
-    token_ids / logits / features grow by amortised appends (``executors.base.Rows``) when extended."""
+    token_ids / logits / features grow by amortised appends (``specopd_executors.base.Rows``) when extended."""
 
     token_ids: torch.Tensor  # [T] long (on the model's device)
     layers: list  # one executor cache per decoder layer

@@ -10,8 +10,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from executors.base import check_kernels
-from kernels import cpu_features
+from specopd_executors.base import check_kernels
+from specopd_kernels import cpu_features
 from specopd.settings import RecipeError
 from specopd.models.registry import MODEL_TYPES
 from specopd.models.tensor_parallel import shard_target

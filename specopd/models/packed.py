@@ -8,8 +8,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from executors import get_executor
-from executors.options import ExecOptions
+from specopd_executors import get_executor
+from specopd_executors.options import ExecOptions
 from specopd.models.context import RunContext, TargetCache
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule
+from specopd_kernels.gated_delta.naive import prepare_qk, recurrent_gated_delta_rule
 from specopd.models.base import DecoderLayer as BaseDecoderLayer
 from specopd.models.base import TargetModel
 from specopd.models.common import MLP, Linear, MoE, RMSNorm, Rotary, activation, causal_mask, masked_attention
@@ -160,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.split_qkv(self.conv_seq(u))
         run = recurrent_gated_delta_rule
         if x.is_cuda:  # same arithmetic in one Triton launch (tested against the naive loop)
-            from kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule as run  # Triton, CUDA only
+            from specopd_kernels.gated_delta.fused_recurrent import fused_recurrent_gated_delta_rule as run  # Triton, CUDA only
         o, _, _ = run(q, k, v, g=g, beta=beta)
         return self.finish(o, z)
 

@@ -14,7 +14,7 @@ import zlib
 import safetensors.torch
 import torch
 
-from executors.base import check_kernels
+from specopd_executors.base import check_kernels
 from specopd.settings import RecipeError
 from specopd.models.loading import check_device_dtype, param_dtype, place_weights, resolve_dtype
 from specopd.models.registry import MODEL_TYPES

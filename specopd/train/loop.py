@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from kernels import paths
+from specopd_kernels import paths
 from specopd.config import RecipeConfig, RecipeError
 from specopd.distributed.ray_backend import RayGroup
 from specopd.errors import write_replace

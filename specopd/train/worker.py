@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from kernels import paths
+from specopd_kernels import paths
 from specopd.drafters import build_drafter, load_drafter
 from specopd.errors import BadInputError
 from specopd.models import load_target
