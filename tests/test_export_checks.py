@@ -11,14 +11,13 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from specopd.cli import main
 from specopd.drafters import build_drafter, export_drafter, load_drafter
 from specopd.drafters.layout import DrafterFolderError
 from specopd.errors import UserError
 from specopd.models import load_target
 from specopd.runs import checkpoint as ck
 from specopd.models.tiny import resolve_target_path
-from tiny_runs import TINY_TEST_OVERRIDES, tiny_recipe
+from tiny_runs import TINY_TEST_OVERRIDES, run_cli, tiny_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
@@ -66,13 +65,6 @@ def _bad(good, tmp_path, kind, layout, config=None, tensors=None):
     return folder
 
 
-def _cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    o = capsys.readouterr()
-    return rc, o.out, o.err
-
-
 def _refused(rc, err, needles):
     assert rc == 2, err[-2000:]
     assert "Traceback" not in err and "specopd: error:" in err, err[-2000:]
@@ -81,14 +73,14 @@ def _refused(rc, err, needles):
 
 
 def _eval(capsys, good, folder):
-    return _cli(capsys, "eval", RECIPE, *TINY_TEST_OVERRIDES, "model.target=tiny:llama",
+    return run_cli(capsys, "eval", RECIPE, *TINY_TEST_OVERRIDES, "model.target=tiny:llama",
                 f"trainer.output_dir={good['run']}", f"eval.checkpoint={folder}", "eval.prompts=1",
                 "eval.max_new_tokens=2", "--no-baseline")
 
 
 def _init_from(capsys, tmp_path, folder):
     out = tmp_path / "init-run"
-    rc, so, err = _cli(capsys, "train", RECIPE, *TINY_TEST_OVERRIDES, "model.target=tiny:llama",
+    rc, so, err = run_cli(capsys, "train", RECIPE, *TINY_TEST_OVERRIDES, "model.target=tiny:llama",
                        f"trainer.output_dir={out}", f"drafter.init_from={folder}", "trainer.max_steps=1")
     assert not out.exists()  # refused before the run folder is made
     return rc, so, err
@@ -135,12 +127,12 @@ def test_export_eval_and_init_from_refuse_the_same_folder(good, tmp_path, capsys
     kind, layout, config, tensors, needles = CASES[case]
     folder = _bad(good, tmp_path, kind, layout, config, tensors)
     out = tmp_path / "out"
-    _refused(*_cli(capsys, "export", folder, out)[::2], needles)
+    _refused(*run_cli(capsys, "export", folder, out)[::2], needles)
     assert not out.exists()
     used = tmp_path / "used"
     export_drafter(load_drafter(good["dflash", "ours"], good["target"]), str(used))
     before = {n: (used / n).read_bytes() for n in os.listdir(used)}
-    _refused(*_cli(capsys, "export", folder, used, "--force")[::2], needles)
+    _refused(*run_cli(capsys, "export", folder, used, "--force")[::2], needles)
     assert {n: (used / n).read_bytes() for n in os.listdir(used)} == before
     _refused(*_eval(capsys, good, folder)[::2], needles)
     _refused(*_init_from(capsys, tmp_path, folder)[::2], needles)
@@ -157,7 +149,7 @@ def test_a_weight_stored_as_int64_is_refused_naming_it(good, tmp_path, capsys, k
     folder = _bad(good, tmp_path, kind, layout, tensors={"fc.weight": lambda t: t.long()})
     needles = ["tensor 'fc.weight' is stored as int64", "floating point"]
     out = tmp_path / "out"
-    _refused(*_cli(capsys, "export", folder, out, "--dtype", "bfloat16")[::2], needles)
+    _refused(*run_cli(capsys, "export", folder, out, "--dtype", "bfloat16")[::2], needles)
     assert not out.exists()
     _refused(*_eval(capsys, good, folder)[::2], needles)
     _refused(*_init_from(capsys, tmp_path, folder)[::2], needles)
@@ -181,7 +173,7 @@ def test_a_value_of_the_wrong_type_names_the_file_and_key(good, tmp_path, capsys
     folder = _bad(good, tmp_path, kind, layout, config={key: value})
     shown = key + ("[1]" if isinstance(value, list) else "")
     needles = [f"{folder}/config.json", f"\"{shown}\" is ", f"it must be {want}"]
-    _refused(*_cli(capsys, "export", folder, tmp_path / "out")[::2], needles)
+    _refused(*run_cli(capsys, "export", folder, tmp_path / "out")[::2], needles)
     assert not (tmp_path / "out").exists()
     _refused(*_eval(capsys, good, folder)[::2], needles)
     _refused(*_init_from(capsys, tmp_path, folder)[::2], needles)
@@ -192,8 +184,8 @@ def test_a_good_folder_exports_and_loads_back_bitwise(good, tmp_path, capsys, ki
     """The checks refuse nothing good: ours -> export -> load gives the same tensors bit for bit, and exporting the
     export again gives the same bytes."""
     a, b = tmp_path / "a", tmp_path / "b"
-    assert _cli(capsys, "export", good[kind, "ours"], a)[0] == 0
-    assert _cli(capsys, "export", a, b)[0] == 0
+    assert run_cli(capsys, "export", good[kind, "ours"], a)[0] == 0
+    assert run_cli(capsys, "export", a, b)[0] == 0
     assert all((a / n).read_bytes() == (b / n).read_bytes() for n in os.listdir(a))
     want = load_file(os.path.join(good[kind, "ours"], "model.safetensors"))
     got = load_file(str(a / "model.safetensors"))
@@ -213,7 +205,7 @@ def test_dflash2_from_a_v1_folder_records_the_drafter_that_trains(good, tmp_path
     from specopd.train import loop
 
     def train(out, *extra):
-        return _cli(capsys, "train", RECIPE, *TINY_TEST_OVERRIDES, "model.target=tiny:llama",
+        return run_cli(capsys, "train", RECIPE, *TINY_TEST_OVERRIDES, "model.target=tiny:llama",
                     f"trainer.output_dir={out}", "drafter.kind=dflash2", f"drafter.init_from={good['dflash', 'ours']}", "trainer.max_steps=2",
                     "trainer.save_every=1", "trainer.keep_last=3", "trainer.eval_heldout=false", *extra)
 

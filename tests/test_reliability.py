@@ -18,7 +18,7 @@ from specopd.cli import main
 from specopd.runs import checkpoint as ck
 from specopd.train.checkpointer import RecipeChangeError
 from specopd.train.loop import train
-from tiny_runs import TINY_TEST_OVERRIDES, tiny_recipe
+from tiny_runs import TINY_TEST_OVERRIDES, run_cli, tiny_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
@@ -215,13 +215,6 @@ def load_state(step_dir):
     return load_file(os.path.join(step_dir, "model.safetensors"))
 
 
-def _main(capsys, *argv):
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    o = capsys.readouterr()
-    return rc, o.out, o.err
-
-
 def test_export_and_eval_refuse_a_damaged_step_naming_the_newest_good_one(run, tmp_path, capsys):
     out = _copy(run, tmp_path / "run")
     newest, good = (os.path.join(out, "checkpoints", f"step-{s}") for s in (STEPS, 2))
@@ -230,16 +223,16 @@ def test_export_and_eval_refuse_a_damaged_step_naming_the_newest_good_one(run, t
     _refused(rc, so, err, f"checkpoint {newest} is damaged", "model.safetensors does not match its sha256",
              f"newest checkpoint of the run that verifies is {good}")
     assert not os.path.exists(tmp_path / "exp")
-    rc, so, err = _main(capsys, "eval", RECIPE, *_args(out), "eval.prompts=1", "eval.max_new_tokens=2", "--no-baseline")
+    rc, so, err = run_cli(capsys, "eval", RECIPE, *_args(out), "eval.prompts=1", "eval.max_new_tokens=2", "--no-baseline")
     _refused(rc, so, err, f"checkpoint {newest} is damaged", f"eval.checkpoint={good}")
     f = os.path.join(newest, "model.safetensors")
     os.truncate(f, os.path.getsize(f) // 2)  # a truncated step: named, no SafetensorError traceback
-    rc, so, err = _main(capsys, "export", newest, tmp_path / "exp")
+    rc, so, err = run_cli(capsys, "export", newest, tmp_path / "exp")
     _refused(rc, so, err, "(truncated or overwritten)", good)
-    rc, so, err = _main(capsys, "eval", RECIPE, *_args(out), f"eval.checkpoint={newest}", "eval.prompts=1",
+    rc, so, err = run_cli(capsys, "eval", RECIPE, *_args(out), f"eval.checkpoint={newest}", "eval.prompts=1",
                         "eval.max_new_tokens=2", "--no-baseline")
     _refused(rc, so, err, f"checkpoint {newest} is damaged", "truncated")
-    assert _main(capsys, "export", good, tmp_path / "exp")[0] == 0
+    assert run_cli(capsys, "export", good, tmp_path / "exp")[0] == 0
 
 
 def test_init_from_and_released_folders_are_verified(run, tmp_path):

@@ -1,5 +1,5 @@
-"""The smallest useful training runs, for tests (seconds on one CPU core): ``TINY_TEST_OVERRIDES`` and
-``tiny_recipe`` (a validated tiny recipe writing to a folder)."""
+"""The smallest useful training runs, for tests (seconds on one CPU core): ``TINY_TEST_OVERRIDES``,
+``tiny_recipe`` (a validated tiny recipe writing to a folder) and ``run_cli`` (the CLI in-process)."""
 from __future__ import annotations
 
 from specopd.config import load_recipe
@@ -15,3 +15,13 @@ def tiny_recipe(output_dir: str, overrides=(), target: str = "tiny:llama"):
     """A validated tiny RecipeConfig writing to ``output_dir`` (``overrides``: extra a.b=c strings)."""
     return load_recipe(None, TINY_TEST_OVERRIDES + [f"model.target={target}", f"trainer.output_dir={output_dir}"]
                        + list(overrides))
+
+
+def run_cli(capsys, *argv) -> tuple:
+    """``specopd.cli.main(argv)`` in this process: (exit code, stdout, stderr) of that call alone."""
+    from specopd.cli import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    o = capsys.readouterr()
+    return rc, o.out, o.err
