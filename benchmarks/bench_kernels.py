@@ -30,9 +30,12 @@ import time
 
 import torch
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from specopd.errors import write_replace  # noqa: E402  (after the checkout is on sys.path)
 
 # recipe: tree attention (T, anchors, W, hd, H, Hkv); GDN (T, anchors, W, H, K, V); QSA (T, hd, H, Hkv, Hi, di, topk)
 FULL = {
@@ -297,11 +300,9 @@ def main(argv=None) -> int:
 
     def save():  # after every row: a run cut short by its time limit keeps what finished
         if args.json:
-            tmp = args.json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreted)",
-                               dtype=str(dt), torch=torch.__version__, rows=rows), f, indent=1)
-            os.replace(tmp, args.json)
+            write_replace(args.json, json.dumps(dict(
+                device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreted)", dtype=str(dt),
+                torch=torch.__version__, rows=rows), indent=1))
 
     recipes = [x for x in args.recipes.split(",") if x]
     for recipe in recipes:

@@ -23,6 +23,10 @@ import sys
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from specopd.errors import write_replace  # noqa: E402  (after the checkout is on sys.path)
 
 QUESTIONS = {
     "setup": "the carried wheels install (no network there)",
@@ -240,10 +244,7 @@ def summary(work: str, out: str, mode: str, final: bool, wall: int) -> int:
                         "steps": {s["step"]: s["status"] for s in mine}}
     doc = {"mode": mode, "wall_s": wall, "plan_total_s": sum(p[1] for p in plan), "questions": questions,
            "steps": steps}
-    tmp = os.path.join(out, "summary.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, os.path.join(out, "summary.json"))
+    write_replace(os.path.join(out, "summary.json"), json.dumps(doc, indent=1, default=str))
     if not final:
         return 0
     print(f"gpu_check ({mode}) done in {wall} s (plan {doc['plan_total_s']} s); summary: {out}/summary.json")

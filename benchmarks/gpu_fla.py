@@ -22,6 +22,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "tests")) if p not in sys.path]
 
+from specopd.errors import write_replace  # noqa: E402  (after the checkout is on sys.path)
+
 
 def autotuners() -> dict:
     """{module.kernel: Triton Autotuner} of every loaded fla module (under ``triton.heuristics`` wrappers too)."""
@@ -94,9 +96,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.json:
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(rows, f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
+            write_replace(args.json, json.dumps(rows, indent=1))
 
     if not fla_available():
         add(kind="missing", note="fla-core does not import here (carry its wheel: benchmarks/gpu_wheels.txt)")

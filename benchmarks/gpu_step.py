@@ -33,9 +33,12 @@ import sys
 import time
 import traceback
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from specopd.errors import write_replace  # noqa: E402  (after the checkout is on sys.path)
 
 METHODS = ("specopd", "draft_opd")
 # --tiny: the recipe's depth (its drafter's feature layers 1..33 exist) and drafter, every width toy-sized
@@ -54,10 +57,7 @@ class Rows:
     def add(self, **row) -> dict:
         self.doc["rows"].append(row)
         if self.path:
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(self.doc, f, indent=1, default=str)
-            os.replace(tmp, self.path)
+            write_replace(self.path, json.dumps(self.doc, indent=1, default=str))
         return row
 
 
