@@ -271,7 +271,7 @@ def test_public_names_stay_where_they_are():
     from specopd.models.common import causal_mask, masked_attention, sdpa_attention
     from specopd.tree import ProposalTree
 
-    assert sorted(DRAFTERS) == ["dflash", "dflash2", "dspark"] and Drafter is DFlashDrafter
+    assert sorted(DRAFTERS) == ["dflash", "dflash2", "dspark", "eagle3"] and Drafter is DFlashDrafter
     assert DRAFTERS["dspark"] is DSparkDrafter and issubclass(DSparkDrafter, DFlashDrafter)
     assert DRAFTERS["dflash2"] is DFlash2Drafter and issubclass(DFlash2Drafter, DFlashDrafter)
     assert {"llama", "qwen3", "qwen3_next", "qwen3_5", "qwen4_exp"} <= set(MODEL_TYPES)

@@ -10,15 +10,17 @@ from specopd.drafters.dflash import (DFlashDrafter, choose_mask, default_target_
                                      target_config, target_identity, target_rope_theta)
 from specopd.drafters.dflash2 import V2_KEYS, DFlash2Drafter
 from specopd.drafters.dspark import DSparkDrafter
+from specopd.drafters.eagle3 import EAGLE3_KEYS, Eagle3Drafter, eagle3_default_layers
 
-DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter, "dflash2": DFlash2Drafter}
-Drafter = DFlashDrafter  # the base class of every kind
+DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter, "dflash2": DFlash2Drafter, "eagle3": Eagle3Drafter}
+Drafter = DFlashDrafter  # the base class of the block drafters (EAGLE-3: ``AutoregressiveDrafter``)
 
 _OVERRIDES = {"num_heads": "num_heads", "num_attention_heads": "num_heads", "num_kv_heads": "num_kv_heads",
               "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
               "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "hidden_act": "hidden_act",
               "markov_rank": "markov_rank", "confidence_head": "confidence_head",
-              "confidence_with_markov": "confidence_with_markov", **{k: k for k in V2_KEYS}}
+              "confidence_with_markov": "confidence_with_markov", **{k: k for k in V2_KEYS},
+              **{k: k for k in EAGLE3_KEYS}}
 
 
 def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, seed: int = 0,
@@ -40,18 +42,22 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
             markov_rank (DSpark's r, default 256), confidence_head, confidence_with_markov (default: the target's);
             DFlash V2: conv_kernel_size, conv_group_size (default: 16, or the largest divisor of hidden_size below
             it), selector_rank, selector_top_k (default 8, at most vocab_size), input_embedding_scale,
-            output_multiplier, final_logit_softcapping (``DFlash2Config``).
+            output_multiplier, final_logit_softcapping (``DFlash2Config``); EAGLE-3: draft_vocab (the head's target
+            ids, sorted; default: the whole vocabulary), norm_before_fc, norm_before_residual, own_embedding,
+            attention_bias (``Eagle3Config``).
 
     Returns:
-        DFlashDrafter, DSparkDrafter or DFlash2Drafter.
+        DFlashDrafter, DSparkDrafter, DFlash2Drafter or Eagle3Drafter.
     """
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS)}")
-    allowed = sorted(k for k in _OVERRIDES if kind == "dflash2" or k not in V2_KEYS)
+    allowed = sorted(k for k in _OVERRIDES if (kind == "dflash2" or k not in V2_KEYS)
+                     and (kind == "eagle3" or k not in EAGLE3_KEYS))
     bad = sorted(set(overrides) - set(allowed))
     if bad:
         raise ValueError(f"unknown drafter override(s) {bad} for a {kind} drafter; allowed: {allowed} "
-                         f"(hidden_size always equals the target's; {', '.join(V2_KEYS)}: DFlash V2 only)")
+                         f"(hidden_size always equals the target's; {', '.join(V2_KEYS)}: DFlash V2 only; "
+                         f"{', '.join(EAGLE3_KEYS)}: EAGLE-3 only)")
     d = int(target.hidden_size)
     heads = int(target_config(target, "num_attention_heads", max(1, d // 64)))
     sizes = dict(num_heads=heads, num_kv_heads=int(target_config(target, "num_key_value_heads", heads)),
@@ -60,6 +66,8 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
                  rms_norm_eps=float(target_config(target, "rms_norm_eps", 1e-6)), rope_theta=target_rope_theta(target))
     for k, v in overrides.items():
         sizes[_OVERRIDES[k]] = v
+    if kind == "eagle3":
+        return build_eagle3(target, num_layers, block_size, seed, feature_layers, sizes)
     if feature_layers is None:
         feature_layers = default_target_layer_ids(target.num_layers, num_layers)
     if kind == "dflash2":
@@ -70,6 +78,32 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
                         feature_layers=tuple(int(i) for i in feature_layers), hidden_size=d,
                         mask_token_id=mask_id, learned_mask=learned, target=target_identity(target), **sizes)
     return DRAFTERS[kind](target, cfg, seed=seed)
+
+
+def build_eagle3(target, num_layers: int, block_size: int, seed: int, feature_layers, sizes: dict):
+    """``build_drafter("eagle3", ...)``.
+
+    Args:
+        target, num_layers, block_size, seed: as ``build_drafter``.
+        feature_layers: None: vLLM's aux layers (``eagle3_default_layers``).
+        sizes: the architecture (``Eagle3Config`` fields); ``draft_vocab`` (target ids) sets the draft vocabulary.
+
+    Returns:
+        Eagle3Drafter.
+    """
+    vocab = sizes.pop("draft_vocab", None)
+    if feature_layers is None:
+        feature_layers = eagle3_default_layers(target.num_layers)
+    if vocab is not None:
+        vocab = torch.as_tensor(vocab, dtype=torch.long).reshape(-1).unique()
+        sizes["draft_vocab_size"] = 0 if vocab.numel() == int(target.vocab_size) else int(vocab.numel())
+    cfg = Eagle3Drafter.config_class(kind="eagle3", num_layers=int(num_layers), block_size=int(block_size),
+                                     feature_layers=tuple(int(i) for i in feature_layers),
+                                     hidden_size=int(target.hidden_size), target=target_identity(target), **sizes)
+    d = Eagle3Drafter(target, cfg, seed=seed)
+    if vocab is not None and cfg.draft_vocab_size:
+        d.set_draft_vocab(vocab)
+    return d
 
 
 def shift_tokens(anchor_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ class DrafterRecipeConfig:
     """The recipe's drafter: section (the drafter's architecture itself is ``specopd.drafters.DrafterConfig``)."""
     kind: str = setting("dflash", resume=REFUSE)
     """dflash (parallel block drafter) | dspark (DFlash + Markov head + confidence head) | dflash2 (DFlash V2 as vLLM
-    serves it: convolutions along the block, a top-K candidate selector drafted slot by slot)."""
+    serves it: convolutions along the block, a top-K candidate selector drafted slot by slot) | eagle3 (EAGLE-3 as
+    vLLM / SpecForge: one token per step on its own hidden state; block_size - 1 steps)."""
     num_layers: int = setting(1, resume=REFUSE)
     """Number of drafter decoder layers."""
     block_size: int = setting(5, resume=REFUSE)
@@ -41,7 +42,7 @@ class DrafterRecipeConfig:
     intermediate_size (default: the target's). An unknown key is an error naming the allowed ones."""
 
     def __post_init__(self):
-        check_choice("drafter", "kind", self.kind, ["dflash", "dspark", "dflash2"])
+        check_choice("drafter", "kind", self.kind, ["dflash", "dspark", "dflash2", "eagle3"])
         check_range("drafter", "num_layers", self.num_layers, lo=1)
         if self.block_size < 2:
             raise RecipeError(f"drafter.block_size={self.block_size!r} is out of range: it counts the anchor, as "

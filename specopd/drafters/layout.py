@@ -20,12 +20,15 @@ from safetensors import SafetensorError
 from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
 from specopd.drafters.dflash2 import V2_KEYS
+from specopd.drafters.eagle3 import eagle3_config_from_released, eagle3_released_config
 from specopd.errors import (BadInputError, DamagedFolderError, FolderNotEmptyError, make_dir, open_write, read_text,
                             replacing_path)
 
-ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
+ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel",
+        "eagle3": "LlamaForCausalLMEagle3"}
 KINDS = tuple(ARCH)
-KIND_OF_ARCH = {v: k for k, v in ARCH.items()}
+KIND_OF_ARCH = {**{v: k for k, v in ARCH.items()}, "Eagle3LlamaForCausalLM": "eagle3"}  # both names vLLM loads
+EAGLE3_INDEX = ("d2t", "t2d")  # EAGLE-3's vocabulary maps: int64 / bool, never cast
 AUTO_MAP = {"dflash": "dflash.DFlashDraftModel", "dspark": "dspark.DSparkDraftModel"}  # V2 ships no HF code
 V2_REQUIRED = V2_KEYS[:4]  # vLLM reads these with dflash_config[key]: a V2 folder without them does not load
 MASK_FILE = "mask_embedding.pt"
@@ -311,6 +314,8 @@ def config_from_released(raw: dict, path: str, target_layers: Optional[int] = No
         raise ValueError(f"{path}/config.json: architectures {archs} is not DFlashDraftModel / DSparkDraftModel / "
                          f"DFlash2DraftModel")
     kind = kinds[0]
+    if kind == "eagle3":
+        return eagle3_config_from_released(raw, path, f, target_layers)
     if raw.get("model_type") not in ("qwen3", "dspark"):
         raise ValueError(f"{path}/config.json: model_type {raw.get('model_type')!r}: released DFlash / DSpark drafters "
                          f"are Qwen3 decoder layers (model_type 'qwen3'); other drafter architectures are not supported")
@@ -546,6 +551,10 @@ def read_drafter(path: str, target_layers: Optional[int] = None, what: Optional[
         for k in list(sd):  # early SpecForge checkpoints nest the DSpark heads under logit_head.
             if k.startswith("logit_head."):
                 sd[k[len("logit_head."):]] = sd.pop(k)
+            if cfg.kind == "eagle3" and k.startswith("midlayer."):  # SpecForge's one layer (vLLM maps it alike)
+                sd["layers.0." + k[len("midlayer."):]] = sd.pop(k)
+        if cfg.kind == "eagle3":  # without embed_tokens vLLM shares the target's
+            cfg.own_embedding = "embed_tokens.weight" in sd
     return DrafterFolder(path, raw, cfg, sd, released)
 
 
@@ -587,7 +596,7 @@ def check_drafter(f: DrafterFolder, ident: Optional[dict] = None) -> None:
                                  f"{e}); correct config.json or give another drafter folder") from None
     sd = f.sd
     own = [k for k in sd if k.split(".")[0] in ("embed_tokens", "lm_head", "model") or "embed_tokens" in k]
-    if own:
+    if own and cfg.kind != "eagle3":
         raise DrafterFolderError(f"{f.path}: the folder ships its own {own[0]!r}; DFlash drafters share the "
                                  f"target's embedding and lm_head (drafters with their own are not supported)")
     missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
@@ -613,7 +622,12 @@ def check_drafter(f: DrafterFolder, ident: Optional[dict] = None) -> None:
             raise DrafterFolderError(f"{f.path}: tensor {k!r} is {list(t.shape)}, but its config.json needs "
                                      f"{list(want[k].shape)}; the config.json and the weights are of different "
                                      f"drafters: give the config.json saved with these weights")
-        if t.dtype not in DTYPES.values():
+        if cfg.kind == "eagle3" and k in EAGLE3_INDEX:
+            if t.dtype != want[k].dtype:
+                raise DrafterFolderError(f"{f.path}: tensor {k!r} is stored as {str(t.dtype).replace('torch.', '')}, "
+                                         f"EAGLE-3's {k} is {str(want[k].dtype).replace('torch.', '')} (SpecForge's "
+                                         f"layout): give the folder as SpecForge wrote it")
+        elif t.dtype not in DTYPES.values():
             raise DrafterFolderError(f"{f.path}: tensor {k!r} is stored as {str(t.dtype).replace('torch.', '')}, but "
                                      f"drafter weights are floating point ({', '.join(DTYPES)}); it is damaged or not "
                                      f"a drafter's weight: give another drafter folder (or export / train it again)")
@@ -640,6 +654,8 @@ def load_drafter(path: str, target, dtype: Optional[torch.dtype] = None):
 
 def released_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     """DrafterConfig -> the released config.json (+ a ``specopd`` entry with what engines need not read)."""
+    if cfg.kind == "eagle3":
+        return eagle3_released_config(cfg, {v: k for k, v in DTYPES.items()}[dtype], FORMAT)
     t = cfg.target or {}
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": [int(i) for i in cfg.feature_layers]}
     if cfg.kind == "dspark":
@@ -722,9 +738,12 @@ def write_released(out_dir: str, cfg: DrafterConfig, state_dict: dict, dtype: Op
     if (mask is not None) != bool(cfg.learned_mask):
         raise ValueError("state dict and config disagree on the learned mask vector")
     if dtype is None:
-        dtype = next(iter(sd.values())).dtype
+        dtype = next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32)
     sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    odd = [k for k, v in sd.items() if v.dtype not in DTYPES.values()]
+    odd = [k for k, v in sd.items() if v.dtype not in DTYPES.values() and not (cfg.kind == "eagle3" and
+                                                                                k in EAGLE3_INDEX)]
+    if cfg.kind == "eagle3" and cfg.num_layers == 1:  # SpecForge's name of the one layer
+        sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
     if dtype not in DTYPES.values() or odd:  # checked before the first byte is written
         raise ValueError(f"the released layout holds {', '.join(DTYPES)} weights, not "
                          f"{sd[odd[0]].dtype if odd else dtype}{f' ({odd[0]})' if odd else ''}: give "
@@ -793,6 +812,13 @@ def export_folder(src: str, out_dir: str, dtype: Optional[torch.dtype] = None,
 def serving_commands(out_dir: str, cfg: DrafterConfig, target_path: Optional[str] = None) -> list:
     """The vLLM and SGLang command lines that serve ``target_path`` with the exported drafter."""
     tgt = target_path or "<TARGET_MODEL_DIR>"
+    if cfg.kind == "eagle3":
+        spec = json.dumps({"method": "eagle3", "model": os.path.abspath(out_dir),
+                           "num_speculative_tokens": cfg.draft_len})
+        return [f"vllm serve {tgt} --speculative-config '{spec}'",
+                f"python -m sglang.launch_server --model-path {tgt} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {os.path.abspath(out_dir)} --speculative-num-steps {cfg.draft_len} "
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {cfg.block_size}"]
     spec = json.dumps({"method": "dflash", "model": os.path.abspath(out_dir), "num_speculative_tokens": cfg.draft_len})
     return [f"vllm serve {tgt} --speculative-config '{spec}'",
             f"python -m sglang.launch_server --model-path {tgt} --speculative-algorithm DFLASH "
@@ -815,6 +841,10 @@ def describe_export(src: str, out_dir: str, cfg: DrafterConfig, target_path: Opt
     lines = [f"exported the {cfg.kind} drafter of {src} to {out_dir} (released layout: block_size {cfg.block_size} "
              f"= anchor + {cfg.draft_len} drafted tokens, target_layer_ids {list(cfg.feature_layers)}, "
              f"mask_token_id {cfg.mask_token_id})"]
+    if cfg.kind == "eagle3":
+        lines = [f"exported the eagle3 drafter of {src} to {out_dir} (LlamaForCausalLMEagle3: "
+                 f"{cfg.draft_len} steps, eagle_aux_hidden_state_layer_ids {[i + 1 for i in cfg.feature_layers]}, "
+                 f"draft vocabulary {cfg.draft_vocab_size or 'the whole target vocabulary'})"]
     if cfg.learned_mask:
         lines.append(f"note: this target has no spare token id, so the drafter learned its mask vector "
                      f"({out_dir}/{MASK_FILE}); vLLM substitutes it for embed_tokens[{cfg.mask_token_id}]")

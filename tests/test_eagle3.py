@@ -1,0 +1,242 @@
+"""EAGLE-3 (``drafter.kind: eagle3``): the forward against a plain-torch transcription of vLLM's ``llama_eagle3.py`` and
+its EAGLE proposer (draft-vocabulary mapping included), the released folder (load, export back bitwise, SpecForge's
+names, checks), the unrolled branches against drafting one anchor at a time, and the training step on a tiny target."""
+import json
+import os
+
+import pytest
+import safetensors.torch
+import torch
+
+from specopd.drafters import build_drafter, export_drafter, load_drafter
+from specopd.drafters.eagle3 import eagle3_default_layers
+from specopd.drafters.layout import DrafterFolderError, read_drafter
+from specopd.models import load_target
+from tests.oracle import load_hf, make_tiny_checkpoint
+
+V = 128
+BS = 4  # block_size: W = 3 steps
+W = BS - 1
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("eagle3"), num_hidden_layers=6, vocab_size=V,
+                                hidden_size=32, intermediate_size=48)
+
+
+@pytest.fixture(scope="module")
+def target(ckpt):
+    return load_target(ckpt)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return load_hf(ckpt)
+
+
+def _drafter(target, seed=0, layers=1, vocab=None, **kw):
+    d = build_drafter("eagle3", target, num_layers=layers, block_size=BS, seed=seed,
+                      **({"draft_vocab": vocab} if vocab is not None else {}), **kw)
+    with torch.no_grad():  # make the norms matter, and the head differ from the target's
+        g = torch.Generator().manual_seed(seed + 7)
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        d.lm_head.weight.add_(torch.randn(d.lm_head.weight.shape, generator=g) * 0.3)
+    return d
+
+
+SUB = torch.arange(0, V, 2)  # a draft vocabulary of the even ids
+
+
+# ------------------------------------------------------------------ vLLM's forward, transcribed in plain torch
+def _rms(x, w, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _rope(x, pos, theta):
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2).float() / hd))
+    f = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class VllmEagle3:
+    """vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``) read from a folder as vLLM reads it, and the EAGLE
+    proposer's schedule (``llm_base_proposer.py``): the first pass over rows (x_{p+1}, aux hidden p) at positions p,
+    then one row per step fed the sampled token and the previous step's pre-norm hidden; logits over the target's
+    vocabulary with -inf off the draft ids (``compute_logits``: target = i + d2t[i])."""
+
+    def __init__(self, folder, embed):
+        self.c = json.load(open(os.path.join(folder, "config.json")))
+        sd = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+        self.w = {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}
+        self.embed = self.w.get("embed_tokens.weight", embed)
+        self.aux = self.c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        self.eps, self.theta = self.c["rms_norm_eps"], self.c["rope_theta"]
+        self.h, self.hkv = self.c["num_attention_heads"], self.c["num_key_value_heads"]
+        self.hd = self.c["head_dim"]
+        self.cache = [([], []) for _ in range(self.c["num_hidden_layers"])]
+
+    def aux_hidden(self, hf, ids):
+        """vLLM's aux hidden states: the input of each aux layer (HF hidden_states[i]), concatenated."""
+        hs = hf(ids[None], output_hidden_states=True).hidden_states
+        return torch.cat([hs[i][0] for i in self.aux], -1)
+
+    def combine(self, x):
+        if self.c["eagle_config"].get("norm_before_fc"):
+            x = _rms(x, self.w["input_norm.weight"], self.eps)
+        return x @ self.w["fc.weight"].T
+
+    def model(self, ids, pos, hidden):
+        e = self.embed[ids]
+        res = None
+        for i in range(self.c["num_hidden_layers"]):
+            p = f"layers.{i}."
+            if i == 0:
+                e2 = _rms(e, self.w[p + "input_layernorm.weight"], self.eps)
+                if self.c.get("norm_before_residual"):
+                    hidden = _rms(hidden, self.w[p + "hidden_norm.weight"], self.eps)
+                    res = hidden
+                else:
+                    res = hidden
+                    hidden = _rms(hidden, self.w[p + "hidden_norm.weight"], self.eps)
+                x = torch.cat([e2, hidden], -1)
+            else:
+                res = hidden + res
+                x = _rms(res, self.w[p + "input_layernorm.weight"], self.eps)
+            n = x.shape[0]
+            q = _rope((x @ self.w[p + "self_attn.q_proj.weight"].T).view(n, self.h, self.hd), pos, self.theta)
+            k = _rope((x @ self.w[p + "self_attn.k_proj.weight"].T).view(n, self.hkv, self.hd), pos, self.theta)
+            v = (x @ self.w[p + "self_attn.v_proj.weight"].T).view(n, self.hkv, self.hd)
+            kc, vc = self.cache[i]
+            kc.append(k)
+            vc.append(v)
+            K, Vv = torch.cat(kc), torch.cat(vc)
+            K = K.repeat_interleave(self.h // self.hkv, 1)
+            Vv = Vv.repeat_interleave(self.h // self.hkv, 1)
+            past = K.shape[0] - n
+            s = torch.einsum("nhd,mhd->hnm", q, K) * self.hd ** -0.5
+            s = s.masked_fill(torch.ones(n, K.shape[0], dtype=torch.bool).tril(past).logical_not()[None], float("-inf"))
+            o = torch.einsum("hnm,mhd->nhd", s.softmax(-1), Vv).reshape(n, -1) @ self.w[p + "self_attn.o_proj.weight"].T
+            res = o + res
+            x = _rms(res, self.w[p + "post_attention_layernorm.weight"], self.eps)
+            hidden = (torch.nn.functional.silu(x @ self.w[p + "mlp.gate_proj.weight"].T) *
+                      (x @ self.w[p + "mlp.up_proj.weight"].T)) @ self.w[p + "mlp.down_proj.weight"].T
+        res = hidden + res
+        return _rms(res, self.w["norm.weight"], self.eps), res
+
+    def logits(self, h):
+        z = h @ self.w["lm_head.weight"].T
+        if "d2t" not in self.w:
+            return z
+        out = torch.full((h.shape[0], self.c["vocab_size"]), float("-inf"))
+        out[:, torch.arange(z.shape[1]) + self.w["d2t"]] = z
+        return out
+
+    def propose(self, hf, ids, next_token, steps):
+        """Greedy draft after the prompt ``ids`` [T] whose bonus token is ``next_token`` -> (tokens, logits [W, V])."""
+        hidden = self.combine(self.aux_hidden(hf, ids))
+        inp = torch.cat([ids[1:], torch.tensor([next_token])])
+        normed, pre = self.model(inp, torch.arange(ids.numel()), hidden)
+        h, g, pos = normed[-1:], pre[-1:], ids.numel() - 1
+        toks, logits = [], []
+        for k in range(steps):
+            z = self.logits(h)
+            t = int(z.argmax(-1))
+            toks.append(t)
+            logits.append(z[0])
+            if k + 1 == steps:
+                break
+            pos += 1
+            h, g = self.model(torch.tensor([t]), torch.tensor([pos]), g)
+        return torch.tensor(toks), torch.stack(logits)
+
+
+@pytest.mark.parametrize("layers,vocab,flags", [(1, None, {}), (1, SUB, {}), (2, SUB, {"norm_before_residual": True}),
+                                                (1, SUB, {"norm_before_fc": True, "own_embedding": True})])
+@torch.no_grad()
+def test_forward_matches_vllm_transcription(target, hf, layers, vocab, flags, tmp_path):
+    d = _drafter(target, layers=layers, vocab=vocab, **flags)
+    out = str(tmp_path / "e3")
+    export_drafter(d, out)
+    ref = VllmEagle3(out, target.model.embed_tokens.weight.detach())
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (9,), generator=g)
+    nxt = 5
+    want_tok, want_logits = ref.propose(hf, ids, nxt, W)
+    feats = target.hidden_states(ids[None], list(d.feature_layers))[0]
+    ctx = d.context_cache(feats, torch.cat([ids[1:], torch.tensor([nxt])]))
+    tok, logits = d.draft_batch([ctx], torch.tensor([nxt]), 0.0)
+    assert torch.equal(tok[0], want_tok)
+    fin = torch.isfinite(want_logits)
+    assert torch.equal(torch.isfinite(logits[0]), fin)
+    assert (logits[0][fin] - want_logits[fin]).abs().max() <= 1e-5
+    # the training path (unroll, teacher-forced on the same tokens) gives the same logits
+    trunk = torch.cat([ids, torch.tensor([nxt])])
+    h, _ = d.unroll([feats], [trunk], torch.tensor([ids.numel()]), tokens=want_tok[None])
+    z = d.logits_from_hidden(h)[0]
+    assert (z[fin] - want_logits[fin]).abs().max() <= 1e-5
+
+
+def test_default_aux_layers_are_vllms(target):
+    d = build_drafter("eagle3", target)
+    assert d.feature_layers == eagle3_default_layers(6) == (1, 2, 2)  # vLLM (2, L // 2, L - 3) minus one
+    assert eagle3_default_layers(30) == (1, 14, 26)  # SmolLM2-135M: vLLM's [2, 15, 27]
+
+
+# ------------------------------------------------------------------ the released folder
+def test_export_is_specforge_layout_and_loads_back_bitwise(target, tmp_path):
+    d = _drafter(target, vocab=SUB)
+    out = str(tmp_path / "out")
+    export_drafter(d, out)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == SUB.numel()
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in d.feature_layers]
+    sd = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
+    assert "midlayer.self_attn.q_proj.weight" in sd and sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(SUB.numel()) + sd["d2t"], SUB) and int(sd["t2d"].sum()) == SUB.numel()
+    e = load_drafter(out, target)
+    for k, v in d.state_dict().items():
+        assert torch.equal(e.state_dict()[k], v), k
+    again = str(tmp_path / "again")
+    export_drafter(e, again)
+    for name in ("model.safetensors", "config.json"):
+        assert open(os.path.join(out, name), "rb").read() == open(os.path.join(again, name), "rb").read()
+
+
+def test_specforge_folder_with_its_embedding_and_no_aux_ids(target, tmp_path):
+    d = _drafter(target, vocab=SUB)
+    out = str(tmp_path / "sf")
+    export_drafter(d, out)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    del cfg["specopd"], cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    json.dump(cfg, open(os.path.join(out, "config.json"), "w"))
+    sd = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
+    sd["embed_tokens.weight"] = torch.randn(V, 32)
+    safetensors.torch.save_file(sd, os.path.join(out, "model.safetensors"))
+    e = load_drafter(out, target)
+    assert e.config.own_embedding and e.feature_layers == eagle3_default_layers(6)
+    assert torch.equal(e.embed_tokens.weight, sd["embed_tokens.weight"]) and not e.embed_tokens.weight.requires_grad
+    assert torch.equal(e.embed(torch.tensor([3])), sd["embed_tokens.weight"][3:4])
+
+
+def test_folder_checks_name_the_tensor(target, tmp_path):
+    d = _drafter(target, vocab=SUB)
+    out = str(tmp_path / "bad")
+    export_drafter(d, out)
+    sd = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
+    sd["d2t"] = sd["d2t"].float()
+    safetensors.torch.save_file(sd, os.path.join(out, "model.safetensors"))
+    with pytest.raises(DrafterFolderError, match="'d2t' is stored as float32"):
+        load_drafter(out, target)
+    sd["d2t"] = sd["d2t"].long()
+    sd["lm_head.weight"] = sd["lm_head.weight"][:10]
+    safetensors.torch.save_file(sd, os.path.join(out, "model.safetensors"))
+    with pytest.raises(DrafterFolderError, match="lm_head.weight"):
+        load_drafter(out, target)
+    assert read_drafter(out).cfg.kind == "eagle3"
