@@ -379,13 +379,14 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw):
+    def forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, *xw):
         with torch.autocast(rows.device.type, enabled=False):  # precision is set here, not by autocast
-            return _ChunkedHead._forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw)
+            return _ChunkedHead._forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, *xw)
 
     @staticmethod
-    def _forward(ctx, rows, chunk, temperature, hp, wp, targets, *xw):
+    def _forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, *xw):
         xs, ws = xw[0::2], xw[1::2]
+        ctx.qids = qids
         dev = rows.device
         alpha = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if hp is not None else None
         nll = torch.zeros(rows.numel(), dtype=torch.float32, device=dev) if targets is not None else None
@@ -395,7 +396,8 @@ class _ChunkedHead(torch.autograd.Function):
         with ChunkBuffers.pooled(min(chunk, rows.numel()), ws[0].shape[0], dev) as bufs:  # slots: 0 zq, 1 p
             ctx.stats = ctx.kept = None
             # kernels/e2e_tv: alpha (and a CE term's nll when q's temperature is 1: the kernel's own softmax)
-            if alpha is not None and not greedy and (nll is None or temperature == 1.0) and use_tv_kernel(dev):
+            if (alpha is not None and not greedy and (nll is None or temperature == 1.0) and use_tv_kernel(dev)
+                    and qids is None):
                 ctx.stats = torch.empty(rows.numel(), 5, dtype=torch.float32, device=dev)  # for the backward
                 for s in range(0, rows.numel(), chunk):
                     r = rows[s: s + chunk]
@@ -408,7 +410,8 @@ class _ChunkedHead(torch.autograd.Function):
                 # one chunk in a pooled set: the backward reads these logits back if nothing used the set since
                 ctx.kept = (bufs, bufs.uses) if chunk >= rows.numel() and bufs.uses else None
             else:
-                _ChunkedHead._forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx)
+                _ChunkedHead._forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx,
+                                            qids)
         ctx.gidx = gidx
         ctx.chunk, ctx.temperature, ctx.device_type = chunk, temperature, dev.type
         ctx.has_alpha, ctx.has_nll, ctx.n_terms = alpha is not None, nll is not None, len(xs)
@@ -417,7 +420,25 @@ class _ChunkedHead(torch.autograd.Function):
         return (alpha if alpha is not None else empty), (nll if nll is not None else empty)
 
     @staticmethod
-    def _forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx):
+    def _p_chunk(hp, wp, r, bufs, slot, temperature, qids):
+        """p = softmax(hp @ wp^T / T) of rows r [R, V]; with ``qids`` [Vq] its columns at those target ids [R, Vq]
+        (normalised over the whole vocabulary; a fresh [R, V] then, q's buffers being Vq wide)."""
+        if qids is None:
+            return softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=slot).div_(temperature))[0]
+        return softmax_(chunk_logits((hp,), (wp,), r).div_(temperature))[0][:, qids]
+
+    @staticmethod
+    def _p_argmax(hp, wp, r, bufs, qids):
+        """argmax p of rows r [R]: a target id, or with ``qids`` its column in q (-1 when q has no such column)."""
+        if qids is None:
+            return chunk_logits((hp,), (wp,), r, bufs, slot=1).argmax(-1)
+        g = chunk_logits((hp,), (wp,), r).argmax(-1)
+        col = torch.full((wp.shape[0],), -1, dtype=torch.long, device=g.device)
+        col[qids] = torch.arange(qids.numel(), device=g.device)
+        return col[g]
+
+    @staticmethod
+    def _forward_torch(rows, chunk, temperature, hp, wp, targets, xs, ws, bufs, alpha, nll, gidx, qids=None):
         """The forward's chunks in torch ops (alpha, nll, greedy alpha; written into alpha / nll / gidx)."""
         greedy = gidx is not None
         tq = 1.0 if greedy else temperature  # q's temperature in alpha
@@ -436,11 +457,11 @@ class _ChunkedHead(torch.autograd.Function):
                 if nll is None or tq != 1.0:
                     q, _ = softmax_(zq.div_(tq))
                 if greedy:
-                    g = chunk_logits((hp,), (wp,), r, bufs, slot=1).argmax(-1)  # [R]
+                    g = _ChunkedHead._p_argmax(hp, wp, r, bufs, qids)  # [R]
                     gidx[s: s + chunk] = g
-                    alpha[s: s + chunk] = q.gather(1, g[:, None]).squeeze(1)
+                    alpha[s: s + chunk] = torch.where(g >= 0, q.gather(1, g.clamp_min(0)[:, None]).squeeze(1), 0.0)
                 else:
-                    p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=1).div_(temperature))
+                    p = _ChunkedHead._p_chunk(hp, wp, r, bufs, 1, temperature, qids)
                     alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
                     del p
             del zq
@@ -454,7 +475,7 @@ class _ChunkedHead(torch.autograd.Function):
     def _backward(ctx, g_alpha, g_nll):
         rows, hp, wp, targets, *xw = ctx.saved_tensors
         xs, ws = xw[0::2], xw[1::2]
-        need = ctx.needs_input_grad[6:]
+        need = ctx.needs_input_grad[7:]
         dx = [torch.zeros_like(x) if need[2 * k] else None for k, x in enumerate(xs)]
         dw = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[2 * k + 1] else None
               for k, w in enumerate(ws)]
@@ -485,14 +506,15 @@ class _ChunkedHead(torch.autograd.Function):
                         q, _ = softmax_(z)
                         gi = ctx.gidx[s: s + ctx.chunk]
                         ar = torch.arange(r.numel(), device=q.device)
-                        coef = q[ar, gi] * g_alpha[s: s + ctx.chunk]  # alpha * dL/dalpha [R]
+                        coef = torch.where(gi >= 0, q[ar, gi.clamp_min(0)], 0.0) * g_alpha[s: s + ctx.chunk]
+                        gi = gi.clamp_min(0)  # a column q lacks (-1): coef 0 there
                         ga = q.mul_(-coef[:, None])
                         ga[ar, gi] += coef
                         g = ga if g is None else g.add_(ga)
                         del q
                     elif use_a:  # q (ind - <q, ind>) * dL/dalpha / T
                         q, _ = softmax_(z.div_(T))
-                        p, _ = softmax_(chunk_logits((hp,), (wp,), r, bufs, slot=2).div_(T))
+                        p = _ChunkedHead._p_chunk(hp, wp, r, bufs, 2, T, ctx.qids)
                         # ind = 1[q < p] + 1/2 1[q == p] = (sign(p - q) + 1) / 2, in p's storage (p - q == 0 iff p == q)
                         ind = p.sub_(q).sign_().add_(1.0).mul_(0.5)  # [R, V]
                         qi = torch.mul(q, ind, out=bufs.scratch(torch.float32, r.numel())).sum(-1)  # <q, ind> [R]
@@ -505,7 +527,7 @@ class _ChunkedHead(torch.autograd.Function):
         grads = []
         for k in range(len(xs)):
             grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
-        return (None, None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, None, *grads)
 
     @staticmethod
     def _grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha, ce=None, recompute=True):
@@ -747,9 +769,12 @@ def _target_side(hp, p_weight, weight, n, w):
 
 
 def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p_weight=None, targets=None,
-              tp=None):
+              tp=None, q_ids=None):
     n, w = hq.shape[:2]
     vp = tp is not None and tp.size > 1
+    if q_ids is not None and (vp or markov is not None or p_weight is None):
+        raise ValueError("q on a draft vocabulary (q_ids) needs the target's p_weight, and takes no Markov term or "
+                         "vocabulary-parallel head")
     if vp:  # weight and p_weight are this rank's block of the vocabulary
         tp.vocab_block(weight.shape[0] * tp.size)
     terms = _flat_terms(hq, weight, markov, weight.shape[0] * tp.size if vp else None)
@@ -767,7 +792,8 @@ def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p
         full = (False,) + (True,) * (len(terms) // 2 - 1)  # the lm_head's block; DSpark's W2 whole
         a, nl = _VocabParallelHead.apply(rows, chunk, float(temperature), hpf, wp, tflat, tp, full, *terms)
     else:
-        a, nl = _ChunkedHead.apply(rows, chunk, float(temperature), hpf, wp, tflat, *terms)
+        a, nl = _ChunkedHead.apply(rows, chunk, float(temperature), hpf, wp, tflat,
+                                   None if q_ids is None else q_ids.to(hq.device), *terms)
     alpha = nll = None
     if hp is not None:
         alpha = torch.zeros(n * w, dtype=torch.float32, device=hq.device).index_put((rows,), a).view(n, w)
@@ -779,7 +805,7 @@ def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p
 def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
                  markov=None, mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0,
                  chunk_rows="auto", ce_targets: Optional[torch.Tensor] = None, ce_weight: float = 0.0,
-                 tp=None) -> FusedOut:
+                 tp=None, q_ids: Optional[torch.Tensor] = None) -> FusedOut:
     """E2E-TV from hidden states, equal to ``e2e_tv_loss(q_logits, p_logits, mask, denom, temperature)`` with
     ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T``, never materialising [N, W, V];
     with ``ce_weight`` > 0, plus ``ce_weight * ce_loss(q_logits, ce_targets, mask, denom)`` from the same pass.
@@ -799,6 +825,9 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
         tp: the tensor-parallel group the vocabulary is split over (``specopd.models.tensor_parallel.vocab_group``):
             then ``weight`` and ``p_weight`` are this rank's block [V / N, D] (W2 stays [V, r]), the softmaxes and
             alpha are reduced over the group, and every rank returns the same loss and gradients; None: whole.
+        q_ids: [Vq] the target ids of ``weight``'s rows when q lives on a draft vocabulary (EAGLE-3's head): alpha =
+            sum_i min(q_i, p[q_ids[i]]) with p over the whole vocabulary (``p_weight`` required); ``ce_targets``
+            are then columns of q.
 
     Returns:
         ``FusedOut(loss, alpha, nll)``: the scalar loss, alpha [N, W] fp32 detached (0 past a branch's valid
@@ -813,7 +842,7 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
         raise ValueError(f"ce_weight > 0 needs ce_targets [N, W] = [{n}, {w}] (the reference tokens); got "
                          f"{None if ce_targets is None else list(ce_targets.shape)}")
     alpha, nll = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight,
-                           targets=ce_targets if ce_weight > 0 else None, tp=tp)
+                           targets=ce_targets if ce_weight > 0 else None, tp=tp, q_ids=q_ids)
     loss = e2e_tv_from_alpha(alpha, valid, denom)
     if nll is not None:
         loss = loss + ce_weight * _masked_branch_mean(nll, valid, denom)
@@ -823,7 +852,7 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
 def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, markov=None,
              mask: Optional[torch.Tensor] = None, denom=None, weights=None, hp: Optional[torch.Tensor] = None,
              p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto",
-             tp=None) -> FusedOut:
+             tp=None, q_ids: Optional[torch.Tensor] = None) -> FusedOut:
     """Off-policy CE from hidden states, equal to ``ce_loss(q_logits, targets, mask, denom, weights)`` (q at T = 1).
 
     Args:
@@ -839,6 +868,7 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
         temperature: T of alpha (the CE itself is at T = 1).
         chunk_rows: rows per chunk, or "auto".
         tp: the group the vocabulary is split over, as in ``fused_e2e_tv`` (the target's logit on its owner).
+        q_ids: as in ``fused_e2e_tv`` (``targets`` are then columns of q).
 
     Returns:
         ``FusedOut(loss, alpha)``; alpha [N, W] when ``hp`` is given, else None.
@@ -848,7 +878,7 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
         raise ValueError(f"targets must be [N, W] = [{n}, {w}]; got {list(targets.shape)}")
     m = _mask(mask, (n, w), hq.device)
     alpha, nll = _run_head(hq, weight, markov, m, chunk_rows, temperature, hp=hp, p_weight=p_weight, targets=targets,
-                           tp=tp)
+                           tp=tp, q_ids=q_ids)
     loss = _masked_branch_mean(nll, m, denom, position_weights(weights, w, hq.device))
     return FusedOut(loss, None if alpha is None else alpha.detach(), nll.detach())
 

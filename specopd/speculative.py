@@ -31,8 +31,10 @@ class BlockDrafter(Protocol):
     def context_cache(self) -> object:
         """An empty decoding cache of one sequence's context (its ``len`` = positions held)."""
 
-    def extend_contexts(self, ctxs: Seq[object], features: Seq[torch.Tensor]) -> None:
-        """Append features[b] [n_b, F] to ctxs[b], all in one pass."""
+    def extend_contexts(self, ctxs: Seq[object], features: Seq[torch.Tensor],
+                        next_tokens: Seq[torch.Tensor] = None) -> None:
+        """Append features[b] [n_b, F] to ctxs[b], all in one pass; ``next_tokens[b]`` [n_b] the token after each new
+        row (the last one the anchor token): autoregressive drafters (EAGLE-3, MTP) read it, block drafters not."""
 
     def draft_batch(self, ctxs: Seq[object], anchor_tokens: torch.Tensor, temperature: float,
                     generators=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +119,7 @@ def draft(drafter: BlockDrafter, seqs: Seq[Sequence], temperature: float, genera
     Returns:
         (drafts [A, W], q logits [A, W, V]).
     """
-    new = []
+    new, nxt = [], []
     for s in seqs:
         if s.ctx is None:
             s.ctx = drafter.context_cache()
@@ -129,7 +131,9 @@ def draft(drafter: BlockDrafter, seqs: Seq[Sequence], temperature: float, genera
             raise ValueError("the sequence's cache has no drafter features: start(target, prompt, "
                              "feature_layers=drafter.feature_layers)")
         new.append(s.cache.features[have:need] if have < need else None)
-    grow = [(s.ctx, f) for s, f in zip(seqs, new) if f is not None]
+        ids = s.cache.token_ids[have + 1: need + 1].to("cpu")  # row p reads x_(p+1); the last is the anchor token
+        nxt.append(torch.cat([ids, torch.tensor([s.anchor_token])[: need - have - ids.numel()]]))
+    grow = [(s.ctx, f, x) for s, f, x in zip(seqs, new, nxt) if f is not None]
     if grow:  # [n_b, F] per sequence: only what was committed since its last draft
         drafter.extend_contexts(*zip(*grow))
     atok = torch.tensor([s.anchor_token for s in seqs])

@@ -2,6 +2,7 @@
 its EAGLE proposer (draft-vocabulary mapping included), the released folder (load, export back bitwise, SpecForge's
 names, checks), the unrolled branches against drafting one anchor at a time, and the training step on a tiny target."""
 import json
+import math
 import os
 
 import pytest
@@ -240,3 +241,79 @@ def test_folder_checks_name_the_tensor(target, tmp_path):
     with pytest.raises(DrafterFolderError, match="lm_head.weight"):
         load_drafter(out, target)
     assert read_drafter(out).cfg.kind == "eagle3"
+
+
+# ------------------------------------------------------------------ training: the unrolled branches
+@pytest.mark.parametrize("bs,vocab", [(BS, None), (BS, SUB), (2, SUB)])
+def test_unrolled_branches_equal_drafting_one_anchor_at_a_time(target, bs, vocab):
+    """Two trunks, branches in no order: the first valid anchor (1), the last (T - 1), three on one anchor; W = 1
+    too. Each branch with its own generator: the same tokens and the same logits as the decoding path drafting
+    that anchor alone (its own StepContext, cached attention: a second implementation)."""
+    d = build_drafter("eagle3", target, block_size=bs, seed=1, **({"draft_vocab": vocab} if vocab is not None else {}))
+    g = torch.Generator().manual_seed(0)
+    trunks = [torch.randint(0, V, (8,), generator=g), torch.randint(0, V, (6,), generator=g)]
+    feats = [target.hidden_states(t[None], list(d.feature_layers))[0] for t in trunks]
+    anchors = torch.tensor([3, 1, 7, 5, 2, 3, 3, 1])
+    tix = torch.tensor([0, 0, 0, 1, 1, 0, 0, 1])
+    rows = [torch.tensor([b]) for b in range(8)]
+    h, tok = d.unroll(feats, trunks, anchors, tix, 1.0, [torch.Generator().manual_seed(10 + b) for b in range(8)],
+                      rows)
+    z = d.logits_from_hidden(h)
+    for b in range(8):
+        t, a = trunks[tix[b]], int(anchors[b])
+        ctx = d.context_cache(feats[tix[b]][:a], t[1:a + 1])
+        want_tok, want_z = d.draft_batch([ctx], t[a:a + 1], 1.0, [torch.Generator().manual_seed(10 + b)])
+        assert torch.equal(tok[b], want_tok[0]), b
+        fin = torch.isfinite(want_z[0])
+        assert torch.equal(torch.isfinite(z[b]), fin) and (z[b][fin] - want_z[0][fin]).abs().max() <= 1e-5, b
+        if vocab is not None:
+            assert bool(torch.isin(tok[b], vocab).all())
+    # teacher forcing on the drafted tokens gives the same hidden states (the loss's forward)
+    h2 = d.hidden(feats, anchors, tix, None, trunks, tok)
+    assert (h2 - h).abs().max() <= 1e-6
+
+
+def test_anchor_zero_is_refused_with_a_message(target):
+    d = build_drafter("eagle3", target, block_size=BS)
+    t = torch.arange(6)
+    with pytest.raises(ValueError, match="anchor 0 has no context row"):
+        d.unroll([target.hidden_states(t[None], list(d.feature_layers))[0]], [t], torch.tensor([0]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_draft_vocabulary_loss_equals_the_full_vocabulary_one(temperature):
+    """alpha = sum_i min(q_i, p[d2t(i)]) with p over the whole vocabulary, from [chunk, V] pieces: equal to
+    e2e_tv_loss on q's logits spread over V with -inf off the draft ids; gradients too."""
+    from specopd.losses import e2e_tv_loss, fused_e2e_tv
+
+    g = torch.Generator().manual_seed(0)
+    n, w, dim = 5, 3, 16
+    wq = torch.randn(SUB.numel(), dim, generator=g, requires_grad=True)
+    wp = torch.randn(V, dim, generator=g)
+    hq = torch.randn(n, w, dim, generator=g, requires_grad=True)
+    hp = torch.randn(n, w, dim, generator=g) * 2
+    out = fused_e2e_tv(hq, wq, hp, p_weight=wp, q_ids=SUB, temperature=temperature, chunk_rows=4)
+    out.loss.backward()
+    got = (hq.grad.clone(), wq.grad.clone())
+    hq.grad = wq.grad = None
+    zq = torch.full((n, w, V), float("-inf"))
+    zq[..., SUB] = hq @ wq.T
+    ref = e2e_tv_loss(zq, hp @ wp.T, temperature=temperature)
+    ref.backward()
+    assert torch.allclose(out.loss, ref, atol=1e-6)
+    assert torch.allclose(got[0], hq.grad, atol=1e-6) and torch.allclose(got[1], wq.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["specopd", "offpolicy_ce", "offpolicy_e2e_tv", "draft_opd"])
+def test_every_method_trains_an_eagle3_drafter(tmp_path, method):
+    from specopd.train.loop import train
+    from tests.tiny_runs import tiny_recipe
+
+    out = str(tmp_path / "run")
+    summary = train(tiny_recipe(out, ["drafter.kind=eagle3", f"trainer.method={method}", "trainer.max_steps=2",
+                                      "trainer.eval_heldout=false"]), progress=False)
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert summary["steps"] == 2 and [m["step"] for m in lines] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and m["branches"] > 0 for m in lines)
+    e = load_drafter(summary["final_checkpoint"], load_target(os.path.join(out, "tiny-target-llama")))
+    assert e.kind == "eagle3"

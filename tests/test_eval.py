@@ -55,7 +55,7 @@ class RandomDrafter:
     def context_cache(self):
         return PositionContext()
 
-    def extend_contexts(self, ctxs, features):
+    def extend_contexts(self, ctxs, features, next_tokens=None):
         for c, f in zip(ctxs, features):
             c.extend(f)
 

@@ -80,7 +80,7 @@ def _scores(qh, kc, kb, anchors, scale):
     a = kc.shape[1]
     if a == 0:
         return None, s_blk
-    s_ctx = torch.bmm(qh.view(hkv, n * r, hd), kc.transpose(1, 2)).mul_(scale).view(hkv, n, r, a)
+    s_ctx = torch.bmm(qh.reshape(hkv, n * r, hd), kc.transpose(1, 2)).mul_(scale).view(hkv, n, r, a)
     hidden = torch.arange(a, device=qh.device)[None, :] >= anchors[:, None]  # [n, a]: keys p >= a_b
     return s_ctx.masked_fill_(hidden[None, :, None, :], float("-inf")), s_blk
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specopd.drafters.attention import BranchLayout, branch_attention, cached_branch_attention
-from specopd.sampling import pick_tokens, sample_from_hidden
+from specopd.sampling import sample_from_hidden
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0) -> torch.Tensor:
@@ -312,7 +312,7 @@ class AutoregressiveDrafter(nn.Module):
         logits, drafted = [], []
         for k in range(1, self.draft_len + 1):
             z = self.logits_from_hidden(h_k)
-            tok = pick_tokens(z, temperature, generators, rows)
+            tok = self._pick(h_k, temperature, generators, rows)  # unroll's sampler: the same draws
             logits.append(z)
             drafted.append(tok)
             if k == self.draft_len:

@@ -554,10 +554,13 @@ class DFlashDrafter(nn.Module):
         return ctx
 
     @torch.no_grad()
-    def extend_contexts(self, ctxs: Sequence["DraftContext"], features: Sequence[torch.Tensor]) -> None:
+    def extend_contexts(self, ctxs: Sequence["DraftContext"], features: Sequence[torch.Tensor],
+                        next_tokens=None) -> None:
         """Append ``features[b]`` [n_b, F] (positions len(ctxs[b]) ..) to every decoding cache in one pass: the
         new rows of all sequences are projected together (fc, hidden_norm, k/v, RoPE at their own positions) and
-        written after each cache's rows. Nothing already cached is read or recomputed: O(sum_b n_b) work."""
+        written after each cache's rows. Nothing already cached is read or recomputed: O(sum_b n_b) work.
+        ``next_tokens`` (the token after each row, ``BlockDrafter``'s) is not read: a block's context is features
+        alone."""
         ctxs = list(ctxs)
         feats = self._features(features)
         if len(feats) != len(ctxs) or any(c.drafter is not self for c in ctxs):

@@ -141,6 +141,8 @@ class Eagle3Drafter(AutoregressiveDrafter):
                 p.zero_()
             elif p.dim() >= 2 and not name.startswith(("lm_head", "embed_tokens")):
                 p.copy_(torch.randn(p.shape, generator=g) * INIT_STD)
+        if self.lm_head.weight.is_meta:  # a shape-only build (the memory plan): nothing to copy
+            return
         self.set_draft_vocab(torch.arange(self.lm_head.weight.shape[0]))
         if self.config.own_embedding:
             self.embed_tokens.weight.copy_(self.target.model.embed_tokens.weight)

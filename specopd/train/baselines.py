@@ -61,5 +61,7 @@ def draft_opd_rollout(worker, sample_ids, step) -> tuple:
         anchor_tokens=torch.tensor([b[2] for b in blocks], device=dev),
         tokens=torch.stack([b[3] for b in blocks]),
         features=[s.cache.features for s in seqs],
-        sample_ids=list(sample_ids), reference=False)
+        sample_ids=list(sample_ids), reference=False,
+        trunk_tokens=[torch.cat([s.cache.token_ids.to(dev)] + ([torch.tensor([s.last], device=dev)]
+                                                               if s.last is not None else [])) for s in seqs])
     return proposals, torch.stack([b[4] for b in blocks])

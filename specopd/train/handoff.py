@@ -49,6 +49,8 @@ class Proposals:
     hidden: Optional[torch.Tensor] = None  # [N, W, D] drafter forward with its graph (None: Draft-OPD's, or taken)
     reference_tokens: Optional[torch.Tensor] = None  # [N, W] int64, the trunk's tokens after each anchor (the CE
     #                                                  labels of trainer.ce_weight; None when it is 0)
+    trunk_tokens: Optional[List[torch.Tensor]] = None  # per trunk [T_i]: an autoregressive drafter's context rows
+    #                                                    read them (a forward run again: Draft-OPD's)
 
     def branches(self) -> Branches:
         return Branches(self.anchors, self.trunk_index, self.tokens, self.reference)

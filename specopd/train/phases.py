@@ -141,21 +141,24 @@ def propose(worker: "Worker", caches: Sequence[Union["TargetCache", Trunk]], sam
         trunks = [c.token_ids for c in caches]
         feats = [c.features for c in caches]
         anchor_tokens = torch.cat([trunks[i][starts[r]] for i, r in enumerate(rows)])
-        with w.autocast():
-            h = w.drafter.hidden(feats, starts, tix, anchor_tokens)  # [N, W, D]
         want_ce = t.ce_weight > 0
         ref_tokens = None
         if reference or want_ce:
             offs = starts[:, None] + 1 + torch.arange(w.W, device=w.device)
             ref_tokens = torch.cat([trunks[i][offs[r]] for i, r in enumerate(rows)])
-        if reference:
-            tokens = ref_tokens
+        gens = None if reference else [w.generator("branch", step, int(s)) for s in sample_ids]
+        if getattr(w.drafter, "autoregressive", False):  # EAGLE-3: each step reads the token drafted before
+            with w.autocast():  # (reference: training-time test, the reference's tokens on its own hidden states)
+                h, tokens = w.drafter.unroll(feats, trunks, starts, tix, temp, gens, rows,
+                                             tokens=ref_tokens if reference else None, chunk_rows=t.loss_chunk_rows)
         else:
-            gens = [w.generator("branch", step, int(s)) for s in sample_ids]
-            tokens = w.drafter.sample_tokens(h, anchor_tokens, temp, gens, rows, chunk_rows=t.loss_chunk_rows)
+            with w.autocast():
+                h = w.drafter.hidden(feats, starts, tix, anchor_tokens)  # [N, W, D]
+            tokens = ref_tokens if reference else \
+                w.drafter.sample_tokens(h, anchor_tokens, temp, gens, rows, chunk_rows=t.loss_chunk_rows)
     return Proposals(anchors=starts, trunk_index=tix, anchor_tokens=anchor_tokens, tokens=tokens,
                      features=feats, sample_ids=list(sample_ids), reference=reference, hidden=h,
-                     reference_tokens=ref_tokens if want_ce else None)
+                     reference_tokens=ref_tokens if want_ce else None, trunk_tokens=trunks)
 
 
 @torch.no_grad()
@@ -187,12 +190,42 @@ def score(worker: "Worker", proposals: Union[Proposals, Branches], caches) -> to
 
 
 def _head_terms(worker: "Worker", proposals: Proposals):
-    """(lm_head weight [V, D] (this rank's block [V / N, D] with ``vocab_tp``), DSpark's Markov term
-    (W1[prev] [N, W, r], W2 [V, r]) or None, prev [N, W])."""
+    """(q's head weight: the target's lm_head [V, D] (this rank's block [V / N, D] with ``vocab_tp``), or an
+    autoregressive drafter's own head [Vq, D]; DSpark's Markov term (W1[prev] [N, W, r], W2 [V, r]) or None;
+    prev [N, W])."""
     prev = shift_tokens(proposals.anchor_tokens, proposals.tokens)
+    if getattr(worker.drafter, "autoregressive", False):
+        return worker.drafter.head_weight(), None, prev
     head = getattr(worker.drafter, "markov_head", None)
     markov = None if head is None else (worker.drafter.markov_features(prev), head.markov_w2.weight)
     return worker.target.lm_head.weight, markov, prev
+
+
+def _own_head(worker: "Worker") -> dict:
+    """The fused losses' extra arguments for a drafter with its own head (EAGLE-3): p from the target's lm_head,
+    q on the head's columns (``q_ids``: their target ids, None when they are the whole vocabulary); {} else."""
+    d = worker.drafter
+    if not getattr(d, "autoregressive", False):
+        return {}
+    if worker.vocab_tp is not None and worker.vocab_tp.size > 1:
+        raise NotImplementedError(f"a {d.kind} drafter has its own lm_head: model.vocab_parallel is not supported "
+                                  f"with it; turn it off")
+    return {"p_weight": worker.target.lm_head.weight, "q_ids": d.vocab_ids}
+
+
+def _columns(worker: "Worker", tokens: torch.Tensor) -> tuple:
+    """Target ids [N, W] -> (q's columns [N, W], in q's vocabulary [N, W] bool) for a drafter with a draft
+    vocabulary; (tokens, None) otherwise."""
+    ids = getattr(worker.drafter, "vocab_ids", None)
+    if ids is None:
+        return tokens, None
+    col = torch.full((int(worker.target.vocab_size),), -1, dtype=torch.long, device=ids.device)
+    col[ids] = torch.arange(ids.numel(), device=ids.device)
+    c = col[tokens.to(ids.device)]
+    return c.clamp_min(0), c >= 0
+
+
+TTT_DECAY = 0.8  # SpecForge / EAGLE-3's training-time test: step k's loss weighted 0.8^k
 
 
 def _ce_targets(worker: "Worker", proposals: Proposals, hp: torch.Tensor) -> Optional[torch.Tensor]:
@@ -250,17 +283,26 @@ def loss_backward(worker: "Worker", proposals: Proposals, hp: torch.Tensor, deno
         if h is None:
             with w.autocast():
                 h = w.drafter.hidden(proposals.features, proposals.anchors, proposals.trunk_index,
-                                     proposals.anchor_tokens)
+                                     proposals.anchor_tokens, *([proposals.trunk_tokens, tokens] if
+                                                                proposals.trunk_tokens is not None else []))
         weight, markov, prev = _head_terms(w, proposals)
         kw = dict(markov=markov, denom=denom, temperature=t.acceptance_temperature, chunk_rows=t.loss_chunk_rows,
-                  tp=w.vocab_tp)
+                  tp=w.vocab_tp, **_own_head(w))
         hp = hp.to(h.device)
         if getattr(w.drafter, "has_selector", False):  # DFlash V2: q lives on each slot's top K
             out = _selector_loss(w, proposals, h, hp, denom, method)
         elif method == "offpolicy_ce":
-            out = fused_ce(h, weight, tokens, hp=hp, **kw)
+            cols, inside = _columns(w, tokens)
+            ttt = getattr(w.drafter, "autoregressive", False)  # training-time test: SpecForge's step weights
+            out = fused_ce(h, weight, cols, hp=hp, mask=inside,
+                           weights=TTT_DECAY ** torch.arange(w.W, dtype=torch.float32) if ttt else None, **kw)
         else:
-            out = fused_e2e_tv(h, weight, hp, ce_targets=_ce_targets(w, proposals, hp), ce_weight=t.ce_weight, **kw)
+            ce = _ce_targets(w, proposals, hp)
+            if ce is not None and getattr(w.drafter, "vocab_ids", None) is not None:
+                raise NotImplementedError("trainer.ce_weight > 0 with a draft vocabulary (EAGLE-3 d2t): its labels may "
+                                          "lie outside the head's columns; set trainer.ce_weight: 0 or use "
+                                          "trainer.method: offpolicy_ce")
+            out = fused_e2e_tv(h, weight, hp, ce_targets=ce, ce_weight=t.ce_weight, **kw)
         loss, alpha = out.loss, out.alpha
         if getattr(w.drafter, "has_confidence", False) and w.cfg.drafter.confidence_weight > 0:
             with w.autocast():
@@ -517,7 +559,7 @@ def _eval_sums(worker: "Worker", prop: Proposals, hp: torch.Tensor) -> dict:
         weight, markov, _ = _head_terms(w, prop)
         alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov,
                              temperature=w.cfg.trainer.acceptance_temperature,
-                             chunk_rows=w.cfg.trainer.loss_chunk_rows, tp=w.vocab_tp).alpha
+                             chunk_rows=w.cfg.trainer.loss_chunk_rows, tp=w.vocab_tp, **_own_head(w)).alpha
     return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
             "surv_sum": prefix_survival(alpha).sum(0).tolist()}
 
