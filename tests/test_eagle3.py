@@ -317,3 +317,31 @@ def test_every_method_trains_an_eagle3_drafter(tmp_path, method):
     assert all(math.isfinite(m["loss"]) and m["branches"] > 0 for m in lines)
     e = load_drafter(summary["final_checkpoint"], load_target(os.path.join(out, "tiny-target-llama")))
     assert e.kind == "eagle3"
+
+
+# ------------------------------------------------------------------ decoding: lossless
+from tests.test_eval import PROMPT, chi2, chi2_threshold, empirical_two_tokens, exact_two_tokens, small  # noqa: E402,F401
+
+
+def test_greedy_speculative_decoding_equals_plain_greedy(target):
+    from specopd.eval import SpeculativeDecoder, autoregressive
+
+    d = _drafter(target, vocab=SUB)
+    prompt = torch.tensor([3, 9, 4, 1, 7])
+    want = autoregressive(target, prompt, 20, temperature=0.0).tokens
+    for p in (prompt, prompt[:1]):  # a one-token prompt: anchor 0 has no context row
+        res = SpeculativeDecoder(target, d, temperature=0.0).generate(p, 20)
+        assert res.tokens.tolist() == autoregressive(target, p, 20, temperature=0.0).tokens.tolist()
+    assert SpeculativeDecoder(target, d, temperature=0.0).generate(prompt, 20).tokens.tolist() == want.tolist()
+
+
+def test_lossless_at_t1_with_an_eagle3_drafter(small):
+    from specopd.eval import SpeculativeDecoder
+
+    d = build_drafter("eagle3", small, block_size=3, seed=3, draft_vocab=torch.tensor([0, 2, 3, 5, 6]))
+    with torch.no_grad():
+        d.lm_head.weight.mul_(40)  # a confident head, so rounds accept and reject
+    dec = SpeculativeDecoder(small, d, temperature=1.0)
+    exact = exact_two_tokens(small, PROMPT, 1.0).flatten()
+    stat, df = chi2(empirical_two_tokens(dec, PROMPT, 800), exact)
+    assert stat < chi2_threshold(df), f"chi2 {stat:.1f} (df {df})"

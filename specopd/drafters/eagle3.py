@@ -35,7 +35,7 @@ def eagle3_default_layers(num_target_layers: int) -> tuple:
     """vLLM's default aux layers (2, L // 2, L - 3) (the input of those layers) as our feature layers (the output of
     the layer before)."""
     L = int(num_target_layers)
-    return tuple(max(0, i - 1) for i in (2, L // 2, L - 3))
+    return tuple(min(max(0, i - 1), L - 1) for i in (2, L // 2, L - 3))
 
 
 class Eagle3Attention(nn.Module):

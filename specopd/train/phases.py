@@ -284,7 +284,7 @@ def loss_backward(worker: "Worker", proposals: Proposals, hp: torch.Tensor, deno
             with w.autocast():
                 h = w.drafter.hidden(proposals.features, proposals.anchors, proposals.trunk_index,
                                      proposals.anchor_tokens, *([proposals.trunk_tokens, tokens] if
-                                                                proposals.trunk_tokens is not None else []))
+                                                                getattr(w.drafter, "autoregressive", False) else []))
         weight, markov, prev = _head_terms(w, proposals)
         kw = dict(markov=markov, denom=denom, temperature=t.acceptance_temperature, chunk_rows=t.loss_chunk_rows,
                   tp=w.vocab_tp, **_own_head(w))
