@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specopd.drafters.attention import BranchLayout, branch_attention, cached_branch_attention
+from specopd.drafters.dflash import DraftContext
 from specopd.sampling import sample_from_hidden
 
 
@@ -345,48 +346,11 @@ class AutoregressiveDrafter(nn.Module):
         return ctx.last[0], ctx.last[1]
 
 
-class StepContext:
-    """Decoding cache of one sequence for an autoregressive drafter: every layer's K/V of its context rows
-    [T, Hkv, hd] and the last row's (normed, hidden_out, token). ``len(ctx)`` = T = the anchor of the next draft.
-    The steps' own K/V are never kept (they change every round)."""
+class StepContext(DraftContext):
+    """Decoding cache of one sequence for an autoregressive drafter: DFlash's ``DraftContext`` (every layer's K/V of
+    its context rows [T, Hkv, hd], grown in place) plus the last row's (normed, hidden_out, token).
+    ``len(ctx)`` = T = the anchor of the next draft. The steps' own K/V are never kept (they change every round)."""
 
     def __init__(self, drafter: AutoregressiveDrafter, capacity: int = 0):
-        self.drafter = drafter
-        self.length = 0
+        super().__init__(drafter, capacity)
         self.last = None
-        self.k: list = []
-        self.v: list = []
-        self.alloc(max(int(capacity), 0))
-
-    def __len__(self) -> int:
-        return self.length
-
-    def alloc(self, cap: int) -> None:
-        d = self.drafter
-        new_k, new_v = [], []
-        for i, layer in enumerate(d.layers):
-            a = layer.self_attn
-            k = torch.empty(cap, a.hkv, a.hd, device=d.device, dtype=d.dtype)
-            v = torch.empty(cap, a.hkv, a.hd, device=d.device, dtype=d.dtype)
-            if self.k:
-                k[: self.length] = self.k[i][: self.length]
-                v[: self.length] = self.v[i][: self.length]
-            new_k.append(k)
-            new_v.append(v)
-        self.k, self.v = new_k, new_v
-
-    @property
-    def capacity(self) -> int:
-        return int(self.k[0].shape[0]) if self.k else 0
-
-    def reserve(self, length: int) -> None:
-        """Room for ``length`` rows (capacity doubles)."""
-        if length > self.capacity:
-            self.alloc(max(length, 2 * self.capacity, 16))
-
-    def kv(self, i: int):
-        """Layer i's context (k, v) [T, Hkv, hd] (views)."""
-        return self.k[i][: self.length], self.v[i][: self.length]
-
-    def nbytes(self) -> int:
-        return int(sum(t.numel() * t.element_size() for t in self.k + self.v))

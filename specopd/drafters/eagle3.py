@@ -176,13 +176,8 @@ class Eagle3Drafter(AutoregressiveDrafter):
     def mask_token_id(self) -> Optional[int]:
         return None
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
+    dtype = DFlashDrafter.dtype  # fc's, as DFlash's
+    device = DFlashDrafter.device
 
     @property
     def vocab_ids(self) -> Optional[torch.Tensor]:
