@@ -110,6 +110,29 @@ class TargetModel(nn.Module):
         return torch.cat([ctx.features[i] for i in feature_layers], dim=-1)
 
     @torch.no_grad()
+    def copy_weights_(self, state_dict: dict) -> None:
+        """Copy ``state_dict`` (our parameter name -> tensor) into the existing parameters, in place: the same
+        tensors stay (a drafter sharing the embedding and lm_head sees the new ones), caches keyed on a weight's
+        version are rebuilt. Every name, shape and dtype is checked before anything is copied; the first mismatch
+        is a ValueError naming it (a missing or unknown name, a shape, a dtype)."""
+        own = dict(self.named_parameters())
+        for k in own:
+            if k not in state_dict:
+                raise ValueError(f"copy_weights_: the new weights lack {k!r} (every parameter is replaced; none is kept "
+                                 f"from the old weights)")
+        for k, v in state_dict.items():
+            p = own.get(k)
+            if p is None:
+                raise ValueError(f"copy_weights_: {k!r} is not a parameter of this {self.model_type} target")
+            if tuple(v.shape) != tuple(p.shape):
+                raise ValueError(f"copy_weights_: {k!r} has shape {tuple(v.shape)}, the target's is {tuple(p.shape)}")
+            if v.dtype != p.dtype:
+                raise ValueError(f"copy_weights_: {k!r} is {v.dtype}, the target's parameter is {p.dtype} (convert it "
+                                 f"first: specopd.models.loading.policy_weights does)")
+        for k, p in own.items():
+            p.copy_(state_dict[k])
+
+    @torch.no_grad()
     def prefill(self, trunk_ids: torch.Tensor, cache: Optional[TargetCache] = None, *,
                 feature_layers: Optional[Sequence[int]] = None, gdn_checkpoint_every: int = 64,
                 keep_logits: bool = True, keep_hidden: Optional[bool] = None,

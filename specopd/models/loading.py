@@ -121,8 +121,28 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
     cls = MODEL_TYPES[mt]
     with torch.device("meta"):
         model = cls(cfg)
+    sd = checkpoint_params(model, read_state_dict(path), cfg, path)
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        plan = shard_target(model, tensor_parallel)
+        sd = {k: tensor_parallel.shard(v, *plan[k]) if k in plan else v for k, v in sd.items()}
+    return place_weights(model, sd, dtype, device, kernels)
+
+
+def checkpoint_params(model, raw: dict, cfg: dict, where: str) -> dict:
+    """A checkpoint's tensors (Hugging Face names) -> every parameter of ``model`` by our name: converted
+    (``convert_checkpoint``), renamed (``checkpoint_key``), shapes checked, tied ones filled in.
+
+    Args:
+        model: the target (on any device, meta included): its parameters' names and shapes are checked against.
+        raw: tensor name -> tensor, as read from the checkpoint.
+        cfg: the model's config dict (``read_config``).
+        where: the checkpoint, named in errors.
+
+    Returns:
+        our parameter name -> tensor (dtypes as given). A tensor with no place, of another shape, or a parameter
+    missing: ValueError naming it."""
+    cls, mt = type(model), cfg.get("model_type")
     ours = dict(model.named_parameters())
-    raw = read_state_dict(path)
     convert = getattr(cls, "convert_checkpoint", None)  # optional: (raw dict, cfg) -> dict, e.g. fuse split tensors
     if convert is not None:
         raw = convert(raw, cfg)
@@ -145,12 +165,32 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
             sd[k] = sd[tied[k]]
             missing.remove(k)
     if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s) our {mt} model needs, e.g. "
+        raise ValueError(f"checkpoint {where} lacks {len(missing)} tensor(s) our {mt} model needs, e.g. "
                          f"{missing[:5]}; refusing to initialise them at random")
-    if tensor_parallel is not None and tensor_parallel.size > 1:
-        plan = shard_target(model, tensor_parallel)
-        sd = {k: tensor_parallel.shard(v, *plan[k]) if k in plan else v for k, v in sd.items()}
-    return place_weights(model, sd, dtype, device, kernels)
+    return sd
+
+
+def policy_weights(target, source) -> dict:
+    """New weights for ``target`` from ``source`` (a Hugging Face folder of the same architecture, or a state dict
+    with Hugging Face names), by our parameter names, floating point ones in the target's parameter dtypes: what
+    ``TargetModel.copy_weights_`` takes. A folder whose config.json differs from the target's in a key that changes
+    what runs, a missing tensor, a shape: ValueError naming it."""
+    cfg = dict(vars(target.config))
+    if isinstance(source, dict):
+        raw, where = source, "the given state dict"
+    else:
+        new, where = read_config(source), str(source)
+        ignore = {"_name_or_path", "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache"}
+        for k in sorted((set(new) & set(cfg)) - ignore):
+            if new[k] != cfg[k]:
+                raise ValueError(f"{source}/config.json: {k} = {new[k]!r}, but the target running has "
+                                 f"{k} = {cfg[k]!r}; a new policy version must keep the architecture (swap only "
+                                 f"its weights), so start a new follow run for another model")
+        raw = read_state_dict(source)
+    sd = checkpoint_params(target, raw, cfg, where)
+    own = dict(target.named_parameters())
+    return {k: v.to(own[k].dtype) if v.is_floating_point() and own[k].is_floating_point() else v
+            for k, v in sd.items()}
 
 
 def param_dtype(model, key: str, dtype: torch.dtype) -> torch.dtype:
