@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
+import threading
 import time
 import zlib
 from typing import Callable, Iterator, Optional
@@ -16,14 +18,18 @@ import torch
 from specopd_kernels import paths
 from specopd.drafters import build_drafter, load_drafter
 from specopd.errors import BadInputError
+from specopd.settings import RecipeError
 from specopd.models import load_target
-from specopd.models.loading import resolve_dtype
+from specopd.models.loading import policy_weights, resolve_dtype
 from specopd.models.tensor_parallel import vocab_group
 from specopd.models.tiny import resolve_target_path
 from specopd.profiling import Profiler
 from specopd.train.data import load_dataset, split_dataset, valid_anchors
 from specopd.train.determinism import apply_deterministic
 from specopd.train.handoff import Staged
+
+
+SWAP_LOCK = threading.Lock()  # in-process workers share one target: one of them swaps its weights
 
 
 def seed_for(*parts) -> int:
@@ -85,8 +91,31 @@ class Worker:
                                          **dict(d.architecture))
         self.drafter.train()
         self.W = int(self.drafter.draft_len)
+        self.read_data(cfg)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        t = cfg.trainer
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr, betas=tuple(t.betas), eps=1e-8)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(t.lr_warmup_steps, t.max_steps, t.min_lr_ratio))
+        self.prof = Profiler(f"target{rank}" if role == "target" else f"worker{rank}", enabled=cfg.profile.enabled)
+        self.phase_s: dict = {}  # seconds per phase of the current step (``span``), reset when a step starts
+        self.allreduce: Optional[Callable] = None  # sums gradients across the workers in place (``set_allreduce``)
+        self.cached_trunks: dict = {}  # trainer.cache_trunks: sample id -> TargetCache without layer caches
+        self.staged: Optional[Staged] = None  # a step's share between phases.stage and finish (split: the drafter's
+        #                                       hops, drafter_propose -> drafter_update)
+        self.trunk_caches: Optional[list] = None  # split roles, target side: between target_prefill and target_score
+        self.steps_done = 0  # optimizer steps applied to this replica (checkpoints are labelled with it)
+
+    # ------------------------------------------------------------------ data
+    def read_data(self, cfg) -> None:
+        """Read ``cfg``'s data (``load_dataset``) and split it: the samples, their anchors, the train / held-out ids."""
+        rank = self.rank
         self.data_stats: dict = {}  # what the data reading read, dropped, cut, skipped (-> train_summary.json)
-        self.dataset = load_dataset(cfg, target, progress=rank == 0, stats=self.data_stats)
+        self.dataset = load_dataset(cfg, self.target, progress=rank == 0, stats=self.data_stats)
         train_ids, heldout_ids = split_dataset(self.dataset, cfg.data.heldout, cfg.data.seed)
         self.anchor_positions = [valid_anchors(s, self.W) for s in self.dataset]  # per sample, sorted
         ok = lambda i: self.anchor_positions[i].numel() > 0  # noqa: E731
@@ -105,23 +134,28 @@ class Worker:
         if not self.train_ids:
             raise ValueError(f"no training sequence has a response of at least drafter.block_size={self.W + 1} "
                              f"tokens; lower drafter.block_size or raise data.seq_len")
-        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        t = cfg.trainer
-        decay = [p for p in self.params if p.dim() >= 2]
-        no_decay = [p for p in self.params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.lr, betas=tuple(t.betas), eps=1e-8)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(t.lr_warmup_steps, t.max_steps, t.min_lr_ratio))
-        self.prof = Profiler(f"target{rank}" if role == "target" else f"worker{rank}", enabled=cfg.profile.enabled)
-        self.phase_s: dict = {}  # seconds per phase of the current step (``span``), reset when a step starts
-        self.allreduce: Optional[Callable] = None  # sums gradients across the workers in place (``set_allreduce``)
-        self.cached_trunks: dict = {}  # trainer.cache_trunks: sample id -> TargetCache without layer caches
-        self.staged: Optional[Staged] = None  # a step's share between phases.stage and finish (split: the drafter's
-        #                                       hops, drafter_propose -> drafter_update)
-        self.trunk_caches: Optional[list] = None  # split roles, target side: between target_prefill and target_score
-        self.steps_done = 0  # optimizer steps applied to this replica (checkpoints are labelled with it)
+        self.cached_trunks = {}  # trainer.cache_trunks: the trunks of the samples read before are gone
+
+    def set_data(self, path: str) -> None:
+        """Train and evaluate on the prepared records of ``path`` from now on (``specopd.follow``: each policy
+        version's rollouts), read and split as ``data.source: prepared`` reads ``data.path``."""
+        self.read_data(dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, source="prepared",
+                                                                              path=path)))
+
+    def swap_policy(self, source, version) -> None:
+        """Replace the target's weights in place by the policy ``source`` (a Hugging Face folder or a state dict,
+        ``policy_weights``), once per ``version``: in-process workers share one target."""
+        with SWAP_LOCK:
+            if getattr(self.target, "policy_version", None) != version:
+                self._swap_target(source, version)
+
+    def _swap_target(self, source, version) -> None:
+        """``swap_policy`` without the lock."""
+        if int(self.cfg.runtime.tensor_parallel) > 1:
+            raise RecipeError("runtime.tensor_parallel > 1: swapping a sharded target's weights is not supported yet; "
+                              "follow a policy with runtime.tensor_parallel=1")
+        self.target.copy_weights_(policy_weights(self.target, source))
+        self.target.policy_version = version
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
