@@ -17,6 +17,7 @@ from specopd.data.config import DataConfig
 from specopd.drafters.config import DrafterRecipeConfig
 from specopd.errors import nonfinite_keys, read_text
 from specopd.eval.config import EvalConfig
+from specopd.follow_config import FollowConfig
 from specopd.mainjob_config import PipelineConfig
 from specopd.models.config import TINY_MODEL_TYPES, TINY_PREFIX, ModelConfig  # noqa: F401 - re-exported
 from specopd.profiling import ProfileConfig
@@ -90,6 +91,8 @@ class RecipeConfig:
     """The main job (prepare, warm up, train, evaluate); off by default."""
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     """Which compute path runs where there is a choice (the CPU kernels, the drafter's attention)."""
+    follow: FollowConfig = field(default_factory=FollowConfig)
+    """``specopd follow``: a drafter that follows a moving policy (an RL run)."""
 
     def __post_init__(self):
         if self.model.dtype == "auto":  # resolved when the recipe is read: the machine it runs on decides
@@ -121,22 +124,27 @@ def vocab_parallel_head(cfg) -> bool:
     return int(r.tensor_parallel) > 1 and r.tp_lm_head != "replicated"
 
 
+# sections a checkpoint records only when they differ from their defaults (``recipe_record``)
+OPTIONAL_SECTIONS = {"kernels": KernelsConfig, "follow": FollowConfig}
+
+
 def recipe_record(cfg) -> dict:
-    """The recipe as a checkpoint records it: ``to_dict``, without the kernels section while every path is at its
-    default (so checkpoints of runs on the default paths are the bytes they were before the section existed)."""
+    """The recipe as a checkpoint records it: ``to_dict``, without the kernels and follow sections while they are at
+    their defaults (so checkpoints of runs on the defaults are the bytes they were before the sections existed)."""
     d = to_dict(cfg)
-    if cfg.kernels == KernelsConfig():
-        del d["kernels"]
+    for name, cls in OPTIONAL_SECTIONS.items():
+        if getattr(cfg, name) == cls():
+            del d[name]
     return d
 
 
 def recorded_recipe(d: Optional[dict]) -> Optional[dict]:
-    """A checkpoint's recipe under today's key names (``upgrade_keys``) with the kernels section filled in: a record
-    without one ran on the default paths."""
+    """A checkpoint's recipe under today's key names (``upgrade_keys``) with the kernels and follow sections filled
+    in: a record without one ran on their defaults."""
     if d is None:
         return None
     d = upgrade_keys(d)
-    return {**d, "kernels": {**to_dict(KernelsConfig()), **(d["kernels"] if "kernels" in d else {})}}
+    return {**d, **{name: {**to_dict(cls()), **(d[name] if name in d else {})} for name, cls in OPTIONAL_SECTIONS.items()}}
 
 
 def eval_dtype(cfg) -> str:

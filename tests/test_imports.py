@@ -49,14 +49,14 @@ LAYERS = [
     ("distributed", ("specopd.distributed",)),
     ("train", ("specopd.train",)),
     ("eval", ("specopd.eval",)),
-    ("jobs", ("specopd.mainjob",)),
+    ("jobs", ("specopd.mainjob", "specopd.follow")),
     ("cli", ("specopd.cli",)),
 ]
 # import only leaves: the recipe root (specopd.config) and each component's section beside its code (which import
 # only specopd.settings), so that any module can read a section and the root can import them all
 LEAVES = ("specopd", "specopd.config", "specopd.settings", "specopd.errors", "specopd.profiling", "specopd.signals",
           "specopd.models.config", "specopd.drafters.config", "specopd.data.config", "specopd.train.config",
-          "specopd.eval.config", "specopd.mainjob_config", "specopd_kernels.paths", "specopd_kernels.cpu_features")
+          "specopd.eval.config", "specopd.mainjob_config", "specopd.follow_config", "specopd_kernels.paths", "specopd_kernels.cpu_features")
 STANDALONE = ("specopd_kernels", "specopd_executors")  # import nothing from specopd, leaves included
 BELOW_JOBS = ("specopd/eval", "specopd/distributed", "specopd/train", "specopd/data", "specopd/runs", "specopd/drafters",
               "specopd/models", "executors", "kernels")

@@ -17,7 +17,8 @@ TINY = os.path.join(ROOT, "recipes", "tiny.yaml")
 # where each section is defined: beside the code that reads it
 HOMES = {"model": "specopd.models.config", "drafter": "specopd.drafters.config", "data": "specopd.data.config",
          "trainer": "specopd.train.config", "runtime": "specopd.train.config", "eval": "specopd.eval.config",
-         "profile": "specopd.profiling", "pipeline": "specopd.mainjob_config", "kernels": "specopd_kernels.paths"}
+         "profile": "specopd.profiling", "pipeline": "specopd.mainjob_config", "kernels": "specopd_kernels.paths",
+         "follow": "specopd.follow_config"}
 
 
 def test_each_section_is_defined_beside_its_component():

@@ -22,7 +22,7 @@ from specopd.train.group import load_worker_state, worker_state
 from specopd.train.inputs import input_changes, input_fingerprints
 from specopd.train.step import NonFiniteError
 
-SECTIONS = ("model", "drafter", "data", "trainer", "runtime", "eval", "profile", "pipeline", "kernels")
+SECTIONS = ("model", "drafter", "data", "trainer", "runtime", "eval", "profile", "pipeline", "kernels", "follow")
 
 
 class RecipeChangeError(RecipeError):
