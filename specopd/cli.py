@@ -25,6 +25,7 @@ from specopd.errors import (BadInputError, DamagedFolderError, MissingInputError
                             open_write, output_file_problem, refuse_link)
 from specopd.eval.cli import main_eval
 from specopd.eval.engine import eval_with_vllm, main_serve_check
+from specopd.follow.job import follow
 from specopd.memory import format_plan, memory_plan, target_shape
 from specopd.profiling import render
 from specopd.runs.checkpoint import MARKER, CheckpointError, find_latest, newest_good, read_state, verify
@@ -204,6 +205,17 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_follow(args) -> int:
+    """Follow a moving policy: swap each new version in, train on its rollouts, publish its drafter."""
+    try:
+        follow(args.recipe, args.overrides)
+    except (CheckpointError, RecipeChangeError, WorkerLostError, ClusterTooSmallError) as e:
+        if os.environ.get("SPECOPD_DEBUG"):
+            raise
+        return _fail(str(e), 1)
+    return 0
+
+
 def cmd_eval(args) -> int:
     cfg = _load(args.recipe, args.overrides)
     _check_json(args)
@@ -310,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dry-run", action="store_true", help="validate the recipe and print the plan; no training")
     tr.add_argument("--json", help="write the plan (--dry-run) or the run summary to this file")
     tr.set_defaults(fn=cmd_train)
+    fo = sub.add_parser("follow", help="keep a drafter next to a moving policy (an RL run): watch policy versions "
+                                       "and rollouts, train, publish per version")
+    fo.add_argument("recipe", help="YAML recipe with a follow: section, e.g. recipes/tiny-follow.yaml")
+    fo.add_argument("overrides", nargs="*", help="section.key=value overrides (e.g. follow.policies=DIR)")
+    fo.set_defaults(fn=cmd_follow)
     ev = sub.add_parser("eval", help="speculative decoding with a trained drafter (acceptance length)")
     ev.add_argument("recipe")
     ev.add_argument("overrides", nargs="*")
