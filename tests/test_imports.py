@@ -1,6 +1,6 @@
 """Imports flow one way, down these layers (lowest last):
 
-    cli -> mainjob -> eval -> train -> distributed -> memory -> data -> runs -> models / drafters -> executors
+    cli -> mainjob / follow -> eval -> train -> distributed -> memory -> data -> runs -> models / drafters -> executors
         -> kernels
 
 - eval reads a run (its checkpoints, its data split as training made it: ``specopd.train.data``) and never trains.
@@ -56,7 +56,8 @@ LAYERS = [
 # only specopd.settings), so that any module can read a section and the root can import them all
 LEAVES = ("specopd", "specopd.config", "specopd.settings", "specopd.errors", "specopd.profiling", "specopd.signals",
           "specopd.models.config", "specopd.drafters.config", "specopd.data.config", "specopd.train.config",
-          "specopd.eval.config", "specopd.mainjob_config", "specopd.follow_config", "specopd_kernels.paths", "specopd_kernels.cpu_features")
+          "specopd.eval.config", "specopd.mainjob_config", "specopd.follow_config", "specopd_kernels.paths",
+          "specopd_kernels.cpu_features")
 STANDALONE = ("specopd_kernels", "specopd_executors")  # import nothing from specopd, leaves included
 BELOW_JOBS = ("specopd/eval", "specopd/distributed", "specopd/train", "specopd/data", "specopd/runs", "specopd/drafters",
               "specopd/models", "executors", "kernels")
