@@ -67,6 +67,8 @@ def test_weights_swapped_in_place_are_the_ones_used(tmp_path):
         assert torch.equal(got, want)
         old = load_target(policy(root, 1), dtype=torch.float32)
         assert not torch.equal(got, old.score(tree, old.prefill(trunk)))
+        assert f.add_rollouts(rollouts(1, 3, first=8), 1) == 0  # version 1's policy is gone: late, not trained on
+        assert f.metrics()["versions"]["1"]["late"] == 3
 
 
 def test_a_policy_of_another_shape_or_config_is_refused_naming_it(tmp_path):
@@ -249,3 +251,12 @@ def test_the_follower_runs_as_a_ray_actor(tmp_path):
     finally:
         if started:
             ray.shutdown()
+
+
+def test_a_follow_recipe_without_a_budget_or_sources_is_a_users_mistake(tmp_path, capsys):
+    from specopd.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="follow.steps_per_version=0 and follow.seconds_per_version=0"):
+        load_recipe(RECIPE, ["follow.steps_per_version=0"])
+    rc, _, err = run_cli(capsys, "follow", RECIPE, f"trainer.output_dir={tmp_path / 'run'}", "follow.policies=''")
+    assert rc == 2 and "needs follow.policies" in err

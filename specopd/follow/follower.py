@@ -217,8 +217,16 @@ class DrafterFollower:
     def add_rollouts(self, records, version: int) -> int:
         """Rollouts sampled by policy ``version``: records in the prepared-data format (``id``, ``input_ids``,
         ``response_start``) or conversations (``messages`` / ``conversations``), each with this
-        ``policy_version`` (or none). Returns how many were taken."""
+        ``policy_version`` (or none). Returns how many were taken: rollouts of a version older than the policy
+        loaded are late (counted in ``metrics``, not trained on)."""
         version = self._check_version(version)
+        cur = self.policy["version"]
+        if cur is not None and version < cur:  # the target no longer runs that policy: counted, not trained on
+            n = len(list(records))
+            self._version(version)["late"] = self._version(version).get("late", 0) + n
+            print(f"[follow] {n} rollouts of policy version {version} came after version {cur} was loaded: counted "
+                  f"as late, not trained on", flush=True)
+            return 0
         got = []
         for i, rec in enumerate(records):
             where = (rec.get("where") if isinstance(rec, dict) else None) or f"add_rollouts(version={version}) record {i}"
