@@ -140,6 +140,9 @@ def test_rollout_lines_are_read_once_and_only_when_complete(tmp_path):
     append(path, [{"id": "x"}])
     with pytest.raises(Exception, match=r"rollouts.jsonl:4: .*policy_version"):
         again.poll()
+    path.write_text("")
+    with pytest.raises(Exception, match="only appended to"):
+        again.poll()
 
 
 # ---------------------------------------------------------------------------------------------- exports

@@ -143,6 +143,10 @@ class RolloutReader:
         out, self.restored = self.restored, []
         for name in self._names():
             st = self.files.setdefault(name, {"read_to": 0, "lines": 0, "pending": []})
+            if os.path.getsize(self._file(name)) < st["read_to"]:
+                raise BadInputError(f"{self._file(name)} is shorter than the {st['read_to']} bytes already read: "
+                                    f"rollout files are only appended to; restore it, or start a new follow run "
+                                    f"(another trainer.output_dir)")
             with open(self._file(name), "rb") as f:
                 f.seek(st["read_to"])
                 data = f.read()
