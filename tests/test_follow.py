@@ -263,3 +263,27 @@ def test_a_follow_recipe_without_a_budget_or_sources_is_a_users_mistake(tmp_path
         load_recipe(RECIPE, ["follow.steps_per_version=0"])
     rc, _, err = run_cli(capsys, "follow", RECIPE, f"trainer.output_dir={tmp_path / 'run'}", "follow.policies=''")
     assert rc == 2 and "needs follow.policies" in err
+
+
+def test_ray_workers_swap_the_policy_in_place_too(tmp_path):
+    """runtime.backend=ray: the actors swap each version in; their held-out AL before and after the update equals
+    that of in-process workers on the same rollouts (the same weights are used)."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        got = {}
+        for backend in ("local", "ray"):
+            extra = [f"runtime.backend={backend}", "runtime.num_workers=2"]
+            with DrafterFollower(None, overrides(tmp_path / backend, *extra), progress=False) as f:
+                for v in (1, 2):
+                    f.update_policy(policy(tmp_path / "p", v), v)
+                    f.add_rollouts(rollouts(v), v)
+                    f.train(steps=1)
+                got[backend] = [x for r in f.metrics()["versions"].values() for x in (r["before"], r["after"])]
+        assert got["ray"] == pytest.approx(got["local"], rel=1e-6, abs=1e-6)
+        assert got["local"][2] != got["local"][1]  # version 2's policy changes the AL the drafter gets
+    finally:
+        if started:
+            ray.shutdown()
