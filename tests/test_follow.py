@@ -287,3 +287,18 @@ def test_ray_workers_swap_the_policy_in_place_too(tmp_path):
     finally:
         if started:
             ray.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash2", "eagle3"])
+def test_every_trained_drafter_kind_follows_and_exports(tmp_path, kind):
+    from specopd.drafters import load_drafter
+
+    with DrafterFollower(None, overrides(tmp_path / "run", f"drafter.kind={kind}"), progress=False) as f:
+        for v in (0, 1):
+            f.update_policy(policy(tmp_path / "p", v), v)
+            f.add_rollouts(rollouts(v), v)
+            f.train(steps=1)
+            path = f.export(v)
+        want = f.group.workers[0].drafter.state_dict()
+    got = load_drafter(path, load_target(policy(tmp_path / "p", 1), dtype=torch.float32))
+    assert got.kind == kind and all(torch.equal(got.state_dict()[k], v.cpu()) for k, v in want.items())
