@@ -64,22 +64,15 @@ PATHS = {  # --paths: the CPU code paths of a step as the recipe's kernels keys,
 }
 
 
-class use_path:
-    """Sets a ``PATHS`` entry (the recipe's kernels keys, through ``specopd_kernels.paths``) for the block, then restores
-    what it found."""
+def use_path(w, name: str) -> None:
+    """Hand a ``PATHS`` entry (the recipe's kernels keys) to worker ``w``'s target and drafter: the workers of one
+    dtype share their target, so each step first gives it its own path."""
+    from specopd.models.common import hand_down
+    from specopd_kernels.paths import KernelsConfig
 
-    def __init__(self, name: str):
-        self.p = PATHS[name]
-
-    def __enter__(self):
-        from specopd_kernels import paths
-
-        self.kept = paths.configure(**{k: self.p.get(k, "auto") for k in paths.CHOICES})
-
-    def __exit__(self, *exc):
-        from specopd_kernels import paths
-
-        paths.configure(**self.kept)
+    choice = KernelsConfig(**PATHS[name])
+    hand_down(w.target, choice)
+    hand_down(w.drafter, choice)
 
 
 def cpu_name() -> str:
@@ -185,11 +178,11 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
     stats = {k: {"steps": 0, "tokens": 0, "seconds": 0.0, "phase_s": {}} for k in workers}
     for step, ids in enumerate(batches):
         for key, w in workers.items():
-            with use_path(key[2]):
-                t0 = time.perf_counter()
-                n = phases.stage(w, ids, step)["branches"]
-                m = phases.finish(w, n)
-                dt = time.perf_counter() - t0
+            use_path(w, key[2])
+            t0 = time.perf_counter()
+            n = phases.stage(w, ids, step)["branches"]
+            m = phases.finish(w, n)
+            dt = time.perf_counter() - t0
             print(f"  [{setting}] step {step} {' '.join(key)}: {dt:.2f} s, {m['supervised_tokens']} tokens",
                   flush=True)
             if step < warmup:
@@ -204,8 +197,8 @@ def bench_training(target_dir: str, setting: str, dtypes: list, steps: int, warm
         def one(w=w):
             n = phases.stage(w, batches[warmup], warmup)["branches"]
             return phases.finish(w, n)
-        with use_path(key[2]):
-            m, flops = count_flops(one)
+        use_path(w, key[2])
+        m, flops = count_flops(one)
         stats[key]["flops_per_token"] = flops / m["supervised_tokens"]
         stats[key]["tokens_per_s"] = stats[key]["tokens"] / stats[key]["seconds"]
     return {"setting": setting, "seq_len": seq_len, "batch": w0.cfg.data.batch_size,

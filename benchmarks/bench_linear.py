@@ -22,7 +22,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from specopd_kernels import paths  # noqa: E402
+from specopd.models.common import hand_down  # noqa: E402
+from specopd_kernels.paths import KernelsConfig  # noqa: E402
 from specopd_kernels.layer_ops import cpu as layer_ops  # noqa: E402
 
 LAYERS = {"q / o": (576, 576), "k / v": (576, 192), "gate + up": (576, 3072), "down": (1536, 576),
@@ -84,14 +85,13 @@ def bench_decode(n_prompts: int, n_new: int) -> str:
         secs, toks, outs = {"torch": 0.0, on: 0.0}, {"torch": 0, on: 0}, {"torch": [], on: []}
         for i, p in enumerate(prompts):
             for mode in ("torch", on) if i % 2 == 0 else (on, "torch"):
-                paths.configure(cpu_linear=mode)
+                hand_down(t, KernelsConfig(cpu_linear=mode))
                 autoregressive(t, p, 2, temperature=0.0)  # warm-up (packs on the first call)
                 t0 = time.perf_counter()
                 out = autoregressive(t, p, n_new, temperature=0.0).tokens
                 secs[mode] += time.perf_counter() - t0
                 toks[mode] += out.numel()
                 outs[mode].append(out)
-        paths.configure(cpu_linear="auto")
         same = all(torch.equal(a, b) for a, b in zip(outs["torch"], outs[on]))
         base = toks["torch"] / secs["torch"]
         for mode in ("torch", on):

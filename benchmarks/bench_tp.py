@@ -247,9 +247,9 @@ def loss_rank(rank: int, world: int, init: str, spec: dict, out: str) -> None:
     ``out``.RANK."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from specopd_kernels import paths
+    from specopd_kernels.paths import KernelsConfig
 
-    paths.configure(cpu_tv_loss="torch" if spec["mode"] == "whole_torch" else "auto")
+    choice = KernelsConfig(cpu_tv_loss="torch" if spec["mode"] == "whole_torch" else "auto")
     torch.set_num_threads(max(1, spec["threads"] // world))
     tp = None
     if world > 1:
@@ -266,7 +266,7 @@ def loss_rank(rank: int, world: int, init: str, spec: dict, out: str) -> None:
                 alpha = GatherTV.apply(hq.reshape(-1, hq.shape[-1]), hp.reshape(-1, hp.shape[-1]), w, tp, 1.0, chunk)
                 loss = e2e_tv_from_alpha(alpha.view(hq.shape[:2]))
             else:
-                loss = fused_e2e_tv(hq, w, hp, temperature=1.0, tp=tp).loss
+                loss = fused_e2e_tv(hq, w, hp, temperature=1.0, tp=tp, kernel_paths=choice).loss
             loss.backward()
             return float(loss.detach())
 

@@ -63,11 +63,11 @@ def _backend(q, options) -> str:
 def score_backend(device, options, q=None, k=None) -> str:
     """The score path: ``options.gqa_backend``; "auto" = "triton" where ``options.kernels`` is, else "cpu"
     (``specopd_kernels.tree_attention.cpu``) where ``causal_cpu.enabled(q, k)`` (bf16 on a CPU with AVX512-BF16 and no AMX,
-    ``kernels.cpu_attention``), else "blocked".
+    ``options.kernel_paths``' ``cpu_attention``), else "blocked".
 
     Args:
         device: where the pass runs.
-        options: run options (``gqa_backend``, ``kernels``).
+        options: run options (``gqa_backend``, ``kernels``, ``kernel_paths``).
         q, k: [..., H, hd] / [..., Hkv, hd] the layer's queries and keys (their dtype and head dim decide "cpu");
             None: "cpu" is never picked.
 
@@ -78,7 +78,8 @@ def score_backend(device, options, q=None, k=None) -> str:
     if backend == "auto":
         if resolve_kernels(options, device) == "triton":
             return "triton"
-        return "cpu" if q is not None and causal_cpu.enabled(q, k) else "blocked"
+        cpu = q is not None and causal_cpu.enabled(q, k, as_options(options).kernel_paths)
+        return "cpu" if cpu else "blocked"
     if backend == "triton":
         resolve_kernels(replace(as_options(options), kernels="triton"), device)  # clear error off CUDA
     if backend == "cpu" and not (q is None or (q.device.type == "cpu" and q.dtype == torch.bfloat16
@@ -120,7 +121,7 @@ def attend_causal(q, k, v, scaling, options=None):
     """
     tq, tk = q.shape[1], k.shape[1]
     if _backend(q, options) == "sdpa" and tq > 0:
-        if causal_cpu.enabled(q, k):  # bf16 on a CPU without AMX: our kernel (kernels/causal_attention)
+        if causal_cpu.enabled(q, k, as_options(options).kernel_paths):  # bf16, no AMX: kernels/causal_attention
             return causal_cpu.causal_attention(q[0], k[0], v[0], [0, tq], [0, tk], scaling)[None]
         if q.device.type == "cpu" and (tq == tk or tq == 1):  # no mask object: the CPU flash kernel, GQA in place
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -136,8 +137,8 @@ def varlen_backend(q, k, options) -> str:
     """Packed causal prefill: ``options.varlen_backend`` "auto" | "flash_attn" | "torch" | "cpu" | "loop".
     "auto" = on CUDA flash-attn's ``flash_attn_varlen_func`` when importable, else torch's ``varlen_attn`` (torch >=
     2.9, bf16 / fp16), else "loop"; on the CPU "cpu" (``specopd_kernels.causal_attention``: every trunk in one call) where
-    ``causal_cpu.enabled`` (bf16, AVX512-BF16 without AMX, ``kernels.cpu_attention``), else "loop" (per-sequence
-    ``attend_causal``: exact, any device)."""
+    ``causal_cpu.enabled`` (bf16, AVX512-BF16 without AMX, ``options.kernel_paths``' ``cpu_attention``), else "loop"
+    (per-sequence ``attend_causal``: exact, any device)."""
     backend = as_options(options).varlen_backend
     if backend not in ("auto", "flash_attn", "torch", "cpu", "loop"):
         raise ValueError(f"unknown varlen_backend {backend!r}; use 'auto', 'flash_attn', 'torch', 'cpu' or 'loop'")
@@ -147,7 +148,8 @@ def varlen_backend(q, k, options) -> str:
     if backend != "auto":
         return backend
     if q.device.type == "cpu":
-        return "cpu" if causal_cpu.enabled(q, k) and _backend(q, options) == "sdpa" else "loop"
+        cpu = causal_cpu.enabled(q, k, as_options(options).kernel_paths) and _backend(q, options) == "sdpa"
+        return "cpu" if cpu else "loop"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return "loop"
     try:

@@ -1,15 +1,15 @@
-"""Which compute path this process runs where there is a choice: the CPU (C) kernels and the drafter's attention.
+"""Which compute path an op runs where there is a choice: the CPU (C) kernels and the drafter's attention.
 
-The recipe's ``kernels:`` section (``KernelsConfig``, defined here) sets them through ``configure_from`` in every
-process that computes (the training driver, each worker, Ray actors included, and ``specopd eval``), so a driver
-and its workers, or a run and its resume, run the same paths; the ops read them with ``mode``. Outside a recipe
-(a script, a test) every path is "auto" unless ``configure`` says otherwise.
+The recipe's ``kernels:`` section (``KernelsConfig``, defined here) is the one description of the choice. It is
+handed down, never kept in a process-wide table: ``load_target(..., kernel_paths=)`` gives it to the target's layers
+and executors (``ExecOptions.kernel_paths``), a drafter takes its target's, and the fused losses and the sampler take
+it as an argument; each op reads its value with ``mode(choice, name)``. None (outside a recipe: a script, a test)
+is "auto" everywhere.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Optional
 
 CHOICES = {  # name -> its values, "auto" (the default) first
     "cpu_attention": ("auto", "cpu", "torch"),  # bf16 causal and tree attention in C (kernels/causal_attention)
@@ -19,7 +19,6 @@ CHOICES = {  # name -> its values, "auto" (the default) first
     "cpu_sampling": ("auto", "cpu", "torch"),  # draws at T > 0 in C (kernels/sampling)
     "drafter_attention": ("auto", "chunked", "flex"),  # the drafter's branch attention (specopd/drafters)
 }
-CHOSEN = dict.fromkeys(CHOICES, "auto")
 
 # every path may change on a resume and takes effect from the resumed step on: the recipe's resume policy
 # "from_here" (specopd.settings.FROM_HERE; kernels/ imports nothing from specopd)
@@ -56,41 +55,14 @@ class KernelsConfig:
             value = getattr(self, name)
             if value not in choices:
                 raise PathChoiceError(f"kernels.{name}={value!r} is not valid; choose one of {list(choices)}")
-  # this process's paths (tests may patch an entry with monkeypatch.setitem)
 
 
-def mode(name: str) -> str:
-    """This process's choice for ``name``; a value outside ``CHOICES[name]`` is a ValueError naming the recipe key."""
-    value = CHOSEN[name]
+def mode(choice: Optional[KernelsConfig], name: str) -> str:
+    """``choice``'s value for ``name`` (one of ``CHOICES``); None (no recipe) is "auto". A value outside
+    ``CHOICES[name]`` (a field changed after the check) is a ValueError naming the recipe key."""
+    if name not in CHOICES:
+        raise ValueError(f"kernels.{name}: no such compute path; the paths are {sorted(CHOICES)}")
+    value = "auto" if choice is None else getattr(choice, name)
     if value not in CHOICES[name]:
         raise ValueError(f"kernels.{name}={value!r}: use one of {CHOICES[name]}")
     return value
-
-
-def configure(**choices: str) -> dict:
-    """Set some paths (``name=value``); returns the previous values of those names."""
-    for name, value in choices.items():
-        if name not in CHOICES:
-            raise ValueError(f"kernels.{name}: no such compute path; the paths are {sorted(CHOICES)}")
-        if value not in CHOICES[name]:
-            raise ValueError(f"kernels.{name}={value!r}: use one of {CHOICES[name]}")
-    before = {name: CHOSEN[name] for name in choices}
-    CHOSEN.update(choices)
-    return before
-
-
-def configure_from(section) -> dict:
-    """Set every path from a recipe's ``kernels`` section (an object with one attribute per name, or a dict; a name
-    it lacks is "auto")."""
-    get = section.get if isinstance(section, dict) else (lambda name, default: getattr(section, name, default))
-    return configure(**{name: get(name, "auto") for name in CHOICES})
-
-
-@contextlib.contextmanager
-def using(**choices: str) -> Iterator[None]:
-    """Run a block with some paths set, then restore them."""
-    before = configure(**choices)
-    try:
-        yield
-    finally:
-        CHOSEN.update(before)

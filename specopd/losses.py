@@ -342,11 +342,11 @@ def raw_logits(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], rows: tor
     return torch.mm(x[rows].to(w.dtype), w.t(), out=out) if compute else out
 
 
-def use_tv_kernel(device) -> bool:
-    """Whether the fused E2E-TV runs alpha and its gradient through kernels/e2e_tv on ``device``: the recipe key
-    ``kernels.cpu_tv_loss`` is "auto" (the C kernel when it builds, else torch) | "cpu" (the kernel, an error if it
-    does not build) | "torch"."""
-    which = paths.mode("cpu_tv_loss")
+def use_tv_kernel(device, kernel_paths=None) -> bool:
+    """Whether the fused E2E-TV runs alpha and its gradient through kernels/e2e_tv on ``device``: ``kernel_paths``
+    (the recipe's ``kernels:`` section; None: all "auto") ``cpu_tv_loss`` is "auto" (the C kernel when it builds, else
+    torch) | "cpu" (the kernel, an error if it does not build) | "torch"."""
+    which = paths.mode(kernel_paths, "cpu_tv_loss")
     if which == "torch" or torch.device(device).type != "cpu":
         return False
     if which == "cpu" and not tv_cpu.available():
@@ -379,12 +379,12 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, *xw):
+    def forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, kernel_paths, *xw):
         with torch.autocast(rows.device.type, enabled=False):  # precision is set here, not by autocast
-            return _ChunkedHead._forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, *xw)
+            return _ChunkedHead._forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, kernel_paths, *xw)
 
     @staticmethod
-    def _forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, *xw):
+    def _forward(ctx, rows, chunk, temperature, hp, wp, targets, qids, kernel_paths, *xw):
         xs, ws = xw[0::2], xw[1::2]
         ctx.qids = qids
         dev = rows.device
@@ -396,8 +396,8 @@ class _ChunkedHead(torch.autograd.Function):
         with ChunkBuffers.pooled(min(chunk, rows.numel()), ws[0].shape[0], dev) as bufs:  # slots: 0 zq, 1 p
             ctx.stats = ctx.kept = None
             # kernels/e2e_tv: alpha (and a CE term's nll when q's temperature is 1: the kernel's own softmax)
-            if (alpha is not None and not greedy and (nll is None or temperature == 1.0) and use_tv_kernel(dev)
-                    and qids is None):
+            if (alpha is not None and not greedy and (nll is None or temperature == 1.0)
+                    and use_tv_kernel(dev, kernel_paths) and qids is None):
                 ctx.stats = torch.empty(rows.numel(), 5, dtype=torch.float32, device=dev)  # for the backward
                 for s in range(0, rows.numel(), chunk):
                     r = rows[s: s + chunk]
@@ -475,7 +475,7 @@ class _ChunkedHead(torch.autograd.Function):
     def _backward(ctx, g_alpha, g_nll):
         rows, hp, wp, targets, *xw = ctx.saved_tensors
         xs, ws = xw[0::2], xw[1::2]
-        need = ctx.needs_input_grad[7:]
+        need = ctx.needs_input_grad[8:]  # after rows .. kernel_paths
         dx = [torch.zeros_like(x) if need[2 * k] else None for k, x in enumerate(xs)]
         dw = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[2 * k + 1] else None
               for k, w in enumerate(ws)]
@@ -527,7 +527,7 @@ class _ChunkedHead(torch.autograd.Function):
         grads = []
         for k in range(len(xs)):
             grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
-        return (None, None, None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, None, None, *grads)
 
     @staticmethod
     def _grad_kernel(ctx, r, s, hp, wp, xs, ws, dw, bufs, g_alpha, ce=None, recompute=True):
@@ -769,7 +769,7 @@ def _target_side(hp, p_weight, weight, n, w):
 
 
 def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p_weight=None, targets=None,
-              tp=None, q_ids=None):
+              tp=None, q_ids=None, kernel_paths=None):
     n, w = hq.shape[:2]
     vp = tp is not None and tp.size > 1
     if q_ids is not None and (vp or markov is not None or p_weight is None):
@@ -793,7 +793,7 @@ def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p
         a, nl = _VocabParallelHead.apply(rows, chunk, float(temperature), hpf, wp, tflat, tp, full, *terms)
     else:
         a, nl = _ChunkedHead.apply(rows, chunk, float(temperature), hpf, wp, tflat,
-                                   None if q_ids is None else q_ids.to(hq.device), *terms)
+                                   None if q_ids is None else q_ids.to(hq.device), kernel_paths, *terms)
     alpha = nll = None
     if hp is not None:
         alpha = torch.zeros(n * w, dtype=torch.float32, device=hq.device).index_put((rows,), a).view(n, w)
@@ -805,7 +805,7 @@ def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p
 def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
                  markov=None, mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0,
                  chunk_rows="auto", ce_targets: Optional[torch.Tensor] = None, ce_weight: float = 0.0,
-                 tp=None, q_ids: Optional[torch.Tensor] = None) -> FusedOut:
+                 tp=None, q_ids: Optional[torch.Tensor] = None, kernel_paths=None) -> FusedOut:
     """E2E-TV from hidden states, equal to ``e2e_tv_loss(q_logits, p_logits, mask, denom, temperature)`` with
     ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T``, never materialising [N, W, V];
     with ``ce_weight`` > 0, plus ``ce_weight * ce_loss(q_logits, ce_targets, mask, denom)`` from the same pass.
@@ -828,6 +828,7 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
         q_ids: [Vq] the target ids of ``weight``'s rows when q lives on a draft vocabulary (EAGLE-3's head): alpha =
             sum_i min(q_i, p[q_ids[i]]) with p over the whole vocabulary (``p_weight`` required); ``ce_targets``
             are then columns of q.
+        kernel_paths: the recipe's ``kernels:`` section (its ``cpu_tv_loss``: ``use_tv_kernel``); None: all "auto".
 
     Returns:
         ``FusedOut(loss, alpha, nll)``: the scalar loss, alpha [N, W] fp32 detached (0 past a branch's valid
@@ -842,7 +843,8 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
         raise ValueError(f"ce_weight > 0 needs ce_targets [N, W] = [{n}, {w}] (the reference tokens); got "
                          f"{None if ce_targets is None else list(ce_targets.shape)}")
     alpha, nll = _run_head(hq, weight, markov, valid, chunk_rows, temperature, hp=hp, p_weight=p_weight,
-                           targets=ce_targets if ce_weight > 0 else None, tp=tp, q_ids=q_ids)
+                           targets=ce_targets if ce_weight > 0 else None, tp=tp, q_ids=q_ids,
+                           kernel_paths=kernel_paths)
     loss = e2e_tv_from_alpha(alpha, valid, denom)
     if nll is not None:
         loss = loss + ce_weight * _masked_branch_mean(nll, valid, denom)
@@ -852,7 +854,7 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
 def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, markov=None,
              mask: Optional[torch.Tensor] = None, denom=None, weights=None, hp: Optional[torch.Tensor] = None,
              p_weight: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_rows="auto",
-             tp=None, q_ids: Optional[torch.Tensor] = None) -> FusedOut:
+             tp=None, q_ids: Optional[torch.Tensor] = None, kernel_paths=None) -> FusedOut:
     """Off-policy CE from hidden states, equal to ``ce_loss(q_logits, targets, mask, denom, weights)`` (q at T = 1).
 
     Args:
@@ -869,6 +871,7 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
         chunk_rows: rows per chunk, or "auto".
         tp: the group the vocabulary is split over, as in ``fused_e2e_tv`` (the target's logit on its owner).
         q_ids: as in ``fused_e2e_tv`` (``targets`` are then columns of q).
+        kernel_paths: as in ``fused_e2e_tv`` (alpha's path when ``hp`` is given).
 
     Returns:
         ``FusedOut(loss, alpha)``; alpha [N, W] when ``hp`` is given, else None.
@@ -878,7 +881,7 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
         raise ValueError(f"targets must be [N, W] = [{n}, {w}]; got {list(targets.shape)}")
     m = _mask(mask, (n, w), hq.device)
     alpha, nll = _run_head(hq, weight, markov, m, chunk_rows, temperature, hp=hp, p_weight=p_weight, targets=targets,
-                           tp=tp, q_ids=q_ids)
+                           tp=tp, q_ids=q_ids, kernel_paths=kernel_paths)
     loss = _masked_branch_mean(nll, m, denom, position_weights(weights, w, hq.device))
     return FusedOut(loss, None if alpha is None else alpha.detach(), nll.detach())
 

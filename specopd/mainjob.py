@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from specopd_kernels import paths
 from specopd.config import CE_TERM_METHODS, auto_dtype, eval_dtype
 from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
 from specopd.data.packaged import conversations_file
@@ -56,11 +55,11 @@ def reference_prompts(pl, tok) -> list:
     return pick(pl.data_num, tokenizer=tok)
 
 
-def _references(pl, model, target_dir: str) -> tuple:
+def _references(pl, model, target_dir: str, kernel_paths=None) -> tuple:
     """-> (reference folder, records of the wanted prompts): the first data_num distinct train prompts answered
     by the target (generated once, cached; a larger data_num generates only the new ones) with
-    ``pipeline.data_engine`` (auto: vLLM when its venv is there). ``pl``, ``model``: the recipe's pipeline and
-    model sections."""
+    ``pipeline.data_engine`` (auto: vLLM when its venv is there). ``pl``, ``model``, ``kernel_paths``: the recipe's
+    pipeline, model and kernels sections."""
     engine, why = auto_engine() if pl.data_engine == "auto" else (pl.data_engine, "pipeline.data_engine")
     name = os.path.basename(os.path.normpath(target_dir))
     kind = {"first_turns": "train", "all_turns": "train-turns"}[pl.data_prompts]
@@ -83,7 +82,7 @@ def _references(pl, model, target_dir: str) -> tuple:
         counts = prepare_data(target_dir, ref_dir, prompts=prompts, prompts_label=label,
                               max_new_tokens=pl.data_max_new_tokens, temperature=pl.data_temperature, top_p=1.0,
                               seed=0, heldout_fraction=0.0, device=dev, dtype=ref_dtype,
-                              batch_size=pl.data_batch_size, engine=engine)
+                              batch_size=pl.data_batch_size, engine=engine, kernel_paths=kernel_paths)
         if counts["failed"]:  # training on part of the prompts would be another run than the recipe asks for
             raise EngineFailed(f"the {engine} engine failed on {counts['failed']} of {len(want)} prompts (listed in "
                                f"{os.path.join(ref_dir, ERRORS_FILE)}); rerun the same command to retry them (the "
@@ -149,7 +148,7 @@ def prepare(cfg, progress: bool = True) -> dict:
     else:
         t0 = _stage(f"2/5 references: {pl.data_num} chat prompts x <= {pl.data_max_new_tokens} tokens answered by "
                     f"the target (T={pl.data_temperature:g})")
-        ref_dir, recs = _references(pl, cfg.model, target_dir)
+        ref_dir, recs = _references(pl, cfg.model, target_dir, cfg.kernels)
         _write_train_data(recs, cfg.data.path)
         n_tok = sum(len(r["input_ids"]) - int(r.get("response_start", r["prompt_len"])) for r in recs)
         print(f"[specopd] {len(recs)} references ({n_tok} response tokens) -> {cfg.data.path}")
@@ -199,7 +198,8 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
 
 
 def _evaluate_rows(cfg, target_dir: str, rows: list, progress: bool) -> list:
-    target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu", kernels=cfg.model.kernels)
+    target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu", kernels=cfg.model.kernels,
+                         kernel_paths=cfg.kernels)
     prompts, meta, _ = run_prompts(cfg.eval, target_dir, target.vocab_size)
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     out, greedy = [], None  # greedy: the target's greedy continuations, shared by every drafter's T=0 replay
@@ -258,7 +258,6 @@ def format_al_table(results: list, temps, w: int, title: str) -> str:
 def run(cfg, progress: bool = True) -> dict:
     """The main job (specopd/DESIGN.md); holds the lock of ``trainer.output_dir`` throughout (one writer)."""
     check_device(cfg)
-    paths.configure_from(cfg.kernels)  # references, warm-up, evaluation: the recipe's compute paths throughout
     with run_lock(cfg.trainer.output_dir, "trainer.output_dir"):
         return _run(cfg, progress)
 

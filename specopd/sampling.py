@@ -15,12 +15,12 @@ from specopd.losses import ChunkBuffers, chunk_logits, even_chunk, raw_logits, r
 
 
 
-def use_sample_kernel(device, temperature: float) -> bool:
+def use_sample_kernel(device, temperature: float, kernel_paths=None) -> bool:
     """Whether draws at ``temperature`` on ``device`` go through kernels/sampling: the same rule as ``draw_``, from
-    bf16 or fp32 logits in one pass per row (no fp32 copy, no [R, V] softmax). The recipe key
-    ``kernels.cpu_sampling`` is "auto" (the C kernel when it builds, else torch) | "cpu" (the kernel, an error if it
-    does not build) | "torch" (``draw_``)."""
-    which = paths.mode("cpu_sampling")
+    bf16 or fp32 logits in one pass per row (no fp32 copy, no [R, V] softmax). ``kernel_paths`` (the recipe's
+    ``kernels:`` section; None: all "auto") ``cpu_sampling`` is "auto" (the C kernel when it builds, else torch) |
+    "cpu" (the kernel, an error if it does not build) | "torch" (``draw_``)."""
+    which = paths.mode(kernel_paths, "cpu_sampling")
     if temperature <= 0 or which == "torch" or torch.device(device).type != "cpu":
         return False
     if which == "cpu" and not sample_cpu.available():
@@ -123,7 +123,7 @@ def _check_temperature(temperature: float) -> None:
 
 @torch.no_grad()
 def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float, rows=None, generators=None, *,
-                       markov=None, chunk_rows="auto", tp=None) -> torch.Tensor:
+                       markov=None, chunk_rows="auto", tp=None, kernel_paths=None) -> torch.Tensor:
     """Tokens drawn from softmax((h @ weight^T [+ e @ w2^T]) / T), logits built chunk by chunk; argmax at T = 0.
 
     Inverse-CDF sampling with one fp64 uniform per token: generator i draws ``u`` for all of its tokens at once
@@ -141,6 +141,7 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
         tp: the group the vocabulary is split over (``specopd.models.tensor_parallel.vocab_group``): ``weight`` is
             this rank's block [V / N, D] (W2 stays [V, r]); each chunk's local logits are gathered into [R, V] for
             the draw, so every rank draws the same tokens, the ones this sampler draws from those logits whole.
+        kernel_paths: the recipe's ``kernels:`` section (``use_sample_kernel``); None: all "auto".
 
     Returns:
         [N, ...] long tokens; rows of no group are -1.
@@ -155,15 +156,15 @@ def sample_from_hidden(h: torch.Tensor, weight: torch.Tensor, temperature: float
         terms += [e.reshape(-1, e.shape[-1]), w2]
     xs, ws = terms[0::2], terms[1::2]
     if tp is not None and tp.size > 1:
-        return _sample_gathered(lead, xs, ws, temperature, rows, generators, chunk_rows, tp)
+        return _sample_gathered(lead, xs, ws, temperature, rows, generators, chunk_rows, tp, kernel_paths)
     chunk = resolve_chunk_rows(chunk_rows, weight.shape[0], h.device)
-    kernel = use_sample_kernel(h.device, temperature)
+    kernel = use_sample_kernel(h.device, temperature, kernel_paths)
     with ChunkBuffers.pooled(min(chunk, max(1, terms[0].shape[0])), weight.shape[0], h.device) as bufs:
         logits_of = (lambda r: raw_logits(xs, ws, r, bufs, 0)) if kernel else (lambda r: chunk_logits(xs, ws, r, bufs))
         return _sample(lead, weight.shape[0], logits_of, temperature, rows, generators, chunk, h.device, kernel)
 
 
-def _sample_gathered(lead, xs, ws, temperature, rows, generators, chunk_rows, tp):
+def _sample_gathered(lead, xs, ws, temperature, rows, generators, chunk_rows, tp, kernel_paths):
     """``sample_from_hidden`` over a vocabulary split across ``tp``: local [R, V / N] logits per chunk (the lm_head's
     block; W2 cut to the same rows), gathered into [R, V] fp32 on every rank for the draw. A gather, not a
     vocabulary-parallel draw: the inverse CDF normalises by the softmax's sum, whose rounding a sum of per-rank sums
@@ -173,14 +174,14 @@ def _sample_gathered(lead, xs, ws, temperature, rows, generators, chunk_rows, tp
     ws = [ws[0]] + [w[lo:hi] for w in ws[1:]]  # DSpark's W2 covers the whole vocabulary
     dev = xs[0].device
     chunk = resolve_chunk_rows(chunk_rows, v, dev)
-    kernel = use_sample_kernel(dev, temperature)
+    kernel = use_sample_kernel(dev, temperature, kernel_paths)
     return _sample(lead, v, lambda r: tp.gather_cols(chunk_logits(xs, ws, r)), temperature, rows, generators, chunk,
                    dev, kernel)
 
 
 @torch.no_grad()
-def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows=None, chunk_rows="auto"
-                ) -> torch.Tensor:
+def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows=None, chunk_rows="auto",
+                kernel_paths=None) -> torch.Tensor:
     """The same sampler as ``sample_from_hidden`` on logits that exist anyway (decoding's q and p); argmax at T = 0.
 
     Args:
@@ -189,13 +190,15 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None, rows=N
         generator: one torch.Generator (or None) for all rows, or with ``rows`` one per group.
         rows: list of index tensors into N (per-sample randomness in training); None: every row.
         chunk_rows: rows per chunk, or "auto".
+        kernel_paths: the recipe's ``kernels:`` section (``use_sample_kernel``); None: all "auto".
 
     Returns:
         [N, ...] long tokens.
     """
     _check_temperature(temperature)
     flat = logits.reshape(-1, logits.shape[-1])
-    kernel = use_sample_kernel(logits.device, temperature) and flat.dtype in (torch.float32, torch.bfloat16)
+    kernel = (use_sample_kernel(logits.device, temperature, kernel_paths)
+              and flat.dtype in (torch.float32, torch.bfloat16))
     return _sample(logits.shape[:-1], logits.shape[-1], (lambda r: flat[r]) if kernel else (lambda r: flat[r].float()),
                    temperature, rows, generator, chunk_rows, logits.device, kernel)
 

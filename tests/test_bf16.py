@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oracle import make_tiny_checkpoint
-from specopd_kernels import paths
+from specopd_kernels.paths import KernelsConfig
 from specopd.drafters import build_drafter
 from specopd.eval import SpeculativeDecoder, autoregressive
 from specopd.models import load_target
@@ -38,15 +38,16 @@ def _models(request, tmp_path_factory):
     width = {"torch": {}, "cpu": {"hidden_size": 128}}[request.param]  # 4 heads: head dim 16 / 32
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("bf16"), vocab_size=V, num_hidden_layers=2,
                                 initializer_range=0.2, **width)
-    t16 = load_target(path, dtype=torch.bfloat16)
-    t32 = load_target(path, dtype=torch.bfloat16).float()  # the same rounded weights: only activations differ
+    choice = KernelsConfig(cpu_attention=request.param)
+    t16 = load_target(path, dtype=torch.bfloat16, kernel_paths=choice)
+    # the same rounded weights: only activations differ
+    t32 = load_target(path, dtype=torch.bfloat16, kernel_paths=choice).float()
     return t16, t32, request.param
 
 
 @pytest.fixture
-def targets(_models, monkeypatch):
-    t16, t32, attention = _models
-    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", attention)
+def targets(_models):
+    t16, t32, _ = _models
     return t16, t32
 
 

@@ -216,17 +216,17 @@ def test_no_library_code_reads_a_compute_path_from_the_environment():
     assert found == []
 
 
-def test_a_worker_applies_its_recipes_compute_paths(monkeypatch, tmp_path):
-    """Every process that hosts a worker (in-process or a Ray actor) runs the recipe's paths."""
+def test_a_worker_applies_its_recipes_compute_paths(tmp_path):
+    """A worker (in-process or in a Ray actor) hands the recipe's paths to its target and drafter; no recipe is
+    "auto" everywhere."""
     from specopd_kernels import paths
     from specopd.train.worker import Worker
 
-    monkeypatch.setattr(paths, "CHOSEN", dict(paths.CHOSEN))
-    Worker(load_recipe(os.path.join(ROOT, "recipes", "tiny.yaml"), [f"trainer.output_dir={tmp_path}",
-                                                                    "kernels.cpu_sampling=torch"]))
-    assert paths.mode("cpu_sampling") == "torch" and paths.mode("cpu_tv_loss") == "auto"
-    with paths.using(cpu_sampling="auto", drafter_attention="chunked"):
-        assert paths.mode("drafter_attention") == "chunked"
-    assert paths.mode("cpu_sampling") == "torch" and paths.mode("drafter_attention") == "auto"
+    w = Worker(load_recipe(os.path.join(ROOT, "recipes", "tiny.yaml"), [f"trainer.output_dir={tmp_path}",
+                                                                        "kernels.cpu_sampling=torch"]))
+    for model in (w.target, w.drafter):
+        assert paths.mode(model.kernel_paths, "cpu_sampling") == "torch"
+        assert paths.mode(model.kernel_paths, "cpu_tv_loss") == "auto"
+    assert paths.mode(None, "cpu_sampling") == "auto" and paths.mode(None, "drafter_attention") == "auto"
     with pytest.raises(ValueError, match="kernels.cpu_fast: no such compute path"):
-        paths.configure(cpu_fast="auto")
+        paths.mode(None, "cpu_fast")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specopd_kernels import paths
+from specopd_kernels.paths import KernelsConfig
 from specopd_kernels.causal_attention import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.LIB.available(), reason=f"attention kernel unavailable: {cpu.LIB.reason()}")
@@ -111,7 +111,7 @@ def test_strided_inputs_and_bad_arguments():
         cpu.causal_attention(q.float(), k.float(), v.float(), cu, cu, 0.125)
 
 
-def test_the_executor_uses_it_for_bf16_packed_and_one_by_one_prefill_alike(monkeypatch):
+def test_the_executor_uses_it_for_bf16_packed_and_one_by_one_prefill_alike():
     """specopd_executors.gqa: varlen "auto" takes the kernel where ``enabled`` (and "loop" then runs it per trunk, the same
     bits); kernels.cpu_attention=torch keeps torch's flash kernel; "cpu" on fp32 is a clear error."""
     from specopd_executors.gqa import attend_varlen, varlen_backend
@@ -119,17 +119,18 @@ def test_the_executor_uses_it_for_bf16_packed_and_one_by_one_prefill_alike(monke
 
     q, k, v, cu, _ = _inputs([40, 7, 90], [40, 7, 90], 9, 3, 64, seed=9)
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", "cpu")
-    assert varlen_backend(q, k, None) == "cpu"
-    packed = attend_varlen(q, k, v, cu_t, 90, 0.125)
-    loop = attend_varlen(q, k, v, cu_t, 90, 0.125, ExecOptions(varlen_backend="loop"))
+    ours = KernelsConfig(cpu_attention="cpu")
+    assert varlen_backend(q, k, ExecOptions(kernel_paths=ours)) == "cpu"
+    packed = attend_varlen(q, k, v, cu_t, 90, 0.125, ExecOptions(kernel_paths=ours))
+    loop = attend_varlen(q, k, v, cu_t, 90, 0.125, ExecOptions(varlen_backend="loop", kernel_paths=ours))
     assert torch.equal(packed, loop)
     assert torch.equal(packed, cpu.causal_attention(q, k, v, cu, cu, 0.125))
-    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", "torch")
-    assert varlen_backend(q, k, None) == "loop"
-    assert torch.equal(attend_varlen(q, k, v, cu_t, 90, 0.125), _torch_flash(q, k, v, cu, cu, 0.125))
+    theirs = ExecOptions(kernel_paths=KernelsConfig(cpu_attention="torch"))
+    assert varlen_backend(q, k, theirs) == "loop"
+    assert torch.equal(attend_varlen(q, k, v, cu_t, 90, 0.125, theirs), _torch_flash(q, k, v, cu, cu, 0.125))
     with pytest.raises(ValueError, match="varlen_backend='cpu' runs bf16"):
         attend_varlen(q.float(), k.float(), v.float(), cu_t, 90, 0.125, ExecOptions(varlen_backend="cpu"))
-    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", "bogus")
+    bad = KernelsConfig()
+    bad.cpu_attention = "bogus"  # changed after the check: refused where it is read
     with pytest.raises(ValueError, match="kernels.cpu_attention"):
-        cpu.mode()
+        cpu.enabled(q, k, bad)

@@ -6,7 +6,7 @@ may differ by one bf16 unit where the fp32 value sits at a rounding boundary: at
 import pytest
 import torch
 
-from specopd_kernels import paths
+from specopd_kernels.paths import KernelsConfig
 from specopd_kernels.layer_ops import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.LIB.available(), reason=f"layer ops kernel unavailable: {cpu.LIB.error}")
@@ -104,24 +104,25 @@ def test_rows_do_not_depend_on_batch_mates_or_threads():
     assert torch.equal(cpu.silu_mul(g[7:9], u[7:9]), full_s[7:9])
 
 
-def test_enabled_only_for_bf16_cpu_tensors_outside_autograd(monkeypatch):
+def test_enabled_only_for_bf16_cpu_tensors_outside_autograd():
     b = torch.zeros(2, 4, dtype=torch.bfloat16)
     assert cpu.enabled(b, b)
     assert not cpu.enabled(b, b.float())
     assert not cpu.enabled(b, b.clone().requires_grad_())
     with torch.no_grad():
         assert cpu.enabled(b, b.clone().requires_grad_())
-    monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "torch")
-    assert not cpu.enabled(b, b)
-    monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "fast")
+    assert not cpu.enabled(b, b, kernel_paths=KernelsConfig(cpu_layer_ops="torch"))
+    bad = KernelsConfig()
+    bad.cpu_layer_ops = "fast"  # changed after the check: refused where it is read
     with pytest.raises(ValueError, match="kernels.cpu_layer_ops"):
-        cpu.enabled(b, b)
+        cpu.enabled(b, b, kernel_paths=bad)
 
 
 def test_a_bf16_target_runs_the_kernels_and_its_greedy_tokens_match_torchs_ops(tmp_path, monkeypatch):
     """A tiny bf16 llama: its forward calls each kernel; with them its logits stay as close to the fp32 forward
     of the same rounded weights as torch's bf16 ops are (the noise unit of tests/test_bf16.py), with the same
     argmax at every position."""
+    from specopd.models.common import hand_down
     from specopd.models.loading import load_target
     from specopd.models.tiny import build_tiny_target
 
@@ -136,8 +137,7 @@ def test_a_bf16_target_runs_the_kernels_and_its_greedy_tokens_match_torchs_ops(t
     with torch.no_grad():
         fast = target(ids).float()
         assert calls.keys() == {"rms_norm", "silu_mul", "rope"}
-        monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "torch")
-        plain = target(ids).float()
+        plain = hand_down(target, KernelsConfig(cpu_layer_ops="torch"))(ids).float()
         exact = target.float()(ids)
     assert torch.equal(fast.argmax(-1), plain.argmax(-1))
     unit = float((plain - exact).abs().max())

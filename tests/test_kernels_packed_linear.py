@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specopd_kernels import paths
+from specopd_kernels.paths import KernelsConfig
 from specopd_kernels.layer_ops import cpu, naive
 
 pytestmark = pytest.mark.skipif(not cpu.packing_available(), reason="torch's oneDNN has no native bf16 on this CPU")
@@ -111,17 +111,19 @@ def test_fp32_packing_is_opt_in_and_within_fp32_rounding(rows, monkeypatch):
     ``F.linear`` is), not necessarily its bits; by default fp32 keeps ``F.linear``."""
     x, w, b = torch.randn(rows, 576), torch.randn(300, 576), torch.randn(300)
     assert not cpu.linear_enabled(x, w, b)
-    monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "all")
-    assert cpu.linear_enabled(x, w, b) and cpu.linear_enabled(x.bfloat16(), w.bfloat16())
-    assert not cpu.linear_enabled(x, w.bfloat16()) and not cpu.linear_enabled(x, w.requires_grad_())
+    every = KernelsConfig(cpu_linear="all")
+    assert cpu.linear_enabled(x, w, b, kernel_paths=every)
+    assert cpu.linear_enabled(x.bfloat16(), w.bfloat16(), kernel_paths=every)
+    assert not cpu.linear_enabled(x, w.bfloat16(), kernel_paths=every)
+    assert not cpu.linear_enabled(x, w.requires_grad_(), kernel_paths=every)
     w.requires_grad_(False)
     exact = naive.linear(x.double(), w.double(), b.double())
     bound = 576 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T + b.double().abs())  # K * eps * sum |terms|
     for got in (cpu.linear(x, cpu.PackedWeight().get(w), b), naive.linear(x, w, b)):
         assert bool(((got.double() - exact).abs() <= bound).all())
-    from specopd.models.common import Linear
+    from specopd.models.common import Linear, hand_down
 
-    lin = Linear(576, 300).requires_grad_(False)
+    lin = hand_down(Linear(576, 300).requires_grad_(False), every)
     calls = []
     real = cpu.linear
     monkeypatch.setattr(cpu, "linear", lambda *a: calls.append(1) or real(*a))
@@ -129,7 +131,7 @@ def test_fp32_packing_is_opt_in_and_within_fp32_rounding(rows, monkeypatch):
     assert calls == [1]
 
 
-def test_enabled_only_for_bf16_cpu_tensors_outside_autograd(monkeypatch):
+def test_enabled_only_for_bf16_cpu_tensors_outside_autograd():
     x, w = torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)
     assert cpu.linear_enabled(x, w) and cpu.linear_enabled(x, w, None)
     assert not cpu.linear_enabled(x[0], w)  # 1-D input: F.linear
@@ -138,20 +140,22 @@ def test_enabled_only_for_bf16_cpu_tensors_outside_autograd(monkeypatch):
     assert not cpu.linear_enabled(x, w.clone().requires_grad_())
     with torch.no_grad():
         assert cpu.linear_enabled(x, w.clone().requires_grad_())
-    monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "torch")
-    assert not cpu.linear_enabled(x, w) and cpu.enabled(x, w)  # the C layer ops stay on
-    monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "auto")
-    monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "torch")
-    assert not cpu.linear_enabled(x, w)
-    monkeypatch.setitem(paths.CHOSEN, "cpu_layer_ops", "auto")
-    monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "packed")
+    torch_linear = KernelsConfig(cpu_linear="torch")
+    assert not cpu.linear_enabled(x, w, kernel_paths=torch_linear)
+    assert cpu.enabled(x, w, kernel_paths=torch_linear)  # the C layer ops stay on
+    assert not cpu.linear_enabled(x, w, kernel_paths=KernelsConfig(cpu_layer_ops="torch"))
     with pytest.raises(ValueError, match="kernels.cpu_linear"):
-        cpu.linear_enabled(x, w)
+        KernelsConfig(cpu_linear="packed")
+    bad = KernelsConfig()
+    bad.cpu_linear = "packed"  # changed after the check: refused where it is read
+    with pytest.raises(ValueError, match="kernels.cpu_linear"):
+        cpu.linear_enabled(x, w, kernel_paths=bad)
 
 
 def test_a_bf16_target_runs_every_linear_through_the_pack_with_the_same_logits(tmp_path, monkeypatch):
     """A tiny bf16 llama: every projection, the fused gate + up, down and lm_head run packed (6 calls a layer + 1),
     and the logits equal those of the same forward with ``F.linear`` bit for bit."""
+    from specopd.models.common import hand_down
     from specopd.models.loading import load_target
     from specopd.models.tiny import build_tiny_target
 
@@ -164,7 +168,6 @@ def test_a_bf16_target_runs_every_linear_through_the_pack_with_the_same_logits(t
     with torch.no_grad():
         fast = target(ids)
         assert len(calls) == 2 * 6 + 1
-        monkeypatch.setitem(paths.CHOSEN, "cpu_linear", "torch")
-        plain = target(ids)
+        plain = hand_down(target, KernelsConfig(cpu_linear="torch"))(ids)
     assert len(calls) == 2 * 6 + 1
     assert torch.equal(fast, plain)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_check import c_kernels_expected
-from specopd_kernels import paths
+from specopd_kernels.paths import KernelsConfig
 from specopd_kernels.sampling import cpu, naive
 from specopd import sampling
 
@@ -138,7 +138,7 @@ def test_rows_are_independent_of_batch_mates_threads_and_strides():
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [0.7, 1.0])
-def test_sampler_kernel_path_draws_what_its_torch_path_draws(monkeypatch, dtype, t):
+def test_sampler_kernel_path_draws_what_its_torch_path_draws(dtype, t):
     """``sample_from_hidden`` and ``pick_tokens`` through the kernel against their torch path (``draw_``), with
     per-group generators and chunks: equal tokens wherever the float64 rule is not within ``NEAR`` of a boundary."""
     g = torch.Generator().manual_seed(5)
@@ -148,12 +148,12 @@ def test_sampler_kernel_path_draws_what_its_torch_path_draws(monkeypatch, dtype,
     rows = [torch.arange(0, 6), torch.arange(6, 12)]
     out = {}
     for path in ("torch", "cpu"):
-        monkeypatch.setitem(paths.CHOSEN, "cpu_sampling", path)
+        choice = KernelsConfig(cpu_sampling=path)
         gens = [torch.Generator().manual_seed(i) for i in range(2)]
-        a = sampling.sample_from_hidden(h, weight, t, rows=rows, generators=gens, chunk_rows=7)
+        a = sampling.sample_from_hidden(h, weight, t, rows=rows, generators=gens, chunk_rows=7, kernel_paths=choice)
         gens = [torch.Generator().manual_seed(i) for i in range(2)]
         logits = (h.to(dtype) @ weight.t()).to(dtype)
-        b = sampling.pick_tokens(logits, t, gens, rows=rows, chunk_rows=5)
+        b = sampling.pick_tokens(logits, t, gens, rows=rows, chunk_rows=5, kernel_paths=choice)
         out[path] = (a, b, logits)
     u = torch.cat([torch.rand(6 * w, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
                    for i in range(2)])
@@ -164,9 +164,9 @@ def test_sampler_kernel_path_draws_what_its_torch_path_draws(monkeypatch, dtype,
     assert torch.equal(out["cpu"][1].reshape(-1)[away], naive.draw(out["cpu"][2].reshape(-1, v).float(), u, t)[away])
 
 
-def test_sample_kernel_setting_is_checked(monkeypatch):
-    monkeypatch.setitem(paths.CHOSEN, "cpu_sampling", "fast")
+def test_sample_kernel_setting_is_checked():
+    bad = KernelsConfig()
+    bad.cpu_sampling = "fast"  # changed after the check: refused where it is read
     with pytest.raises(ValueError, match="kernels.cpu_sampling"):
-        sampling.use_sample_kernel("cpu", 1.0)
-    monkeypatch.setitem(paths.CHOSEN, "cpu_sampling", "auto")
+        sampling.use_sample_kernel("cpu", 1.0, bad)
     assert not sampling.use_sample_kernel("cpu", 0.0)  # T = 0 is an argmax

@@ -9,7 +9,7 @@ to bf16 (relative 2^-8 each: at most 2^-8 * sum_j p_j |v_j|), the output rounded
 import pytest
 import torch
 
-from specopd_kernels import paths
+from specopd_kernels.paths import KernelsConfig
 from specopd_kernels.causal_attention.cpu import LIB
 from specopd_kernels.tree_attention import block_groups, build_tree_plan, tree_attention_blocked, tree_attention_reference
 from specopd_kernels.tree_attention import cpu
@@ -136,7 +136,7 @@ def test_strided_inputs_and_bad_arguments():
         cpu.tree_attention(q.float(), k.float(), v.float(), tk[0].float(), tv[0].float(), lay, 0.125)
 
 
-def test_the_executor_scores_and_verifies_with_it(monkeypatch):
+def test_the_executor_scores_and_verifies_with_it():
     """specopd_executors.gqa: gqa_backend "auto" takes the kernel for bf16 where ``enabled`` (kernels.cpu_attention=cpu forces
     it on any CPU where it builds), the same bits as "cpu" named; "torch" keeps the blocked path; "cpu" on fp32 is a
     clear error."""
@@ -145,11 +145,11 @@ def test_the_executor_scores_and_verifies_with_it(monkeypatch):
 
     q = torch.zeros(1, 4, 9, 64, dtype=torch.bfloat16)
     k = torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16)
-    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", "cpu")
-    assert score_backend(q.device, None, q[0], k[0]) == "cpu"
+    ours = KernelsConfig(cpu_attention="cpu")
+    assert score_backend(q.device, ExecOptions(kernel_paths=ours), q[0], k[0]) == "cpu"
     assert score_backend(q.device, ExecOptions(gqa_backend="cpu"), q[0], k[0]) == "cpu"
-    monkeypatch.setitem(paths.CHOSEN, "cpu_attention", "torch")
-    assert score_backend(q.device, None, q[0], k[0]) == "blocked"
+    theirs = ExecOptions(kernel_paths=KernelsConfig(cpu_attention="torch"))
+    assert score_backend(q.device, theirs, q[0], k[0]) == "blocked"
     with pytest.raises(ValueError, match="gqa_backend='cpu' scores bf16"):
         score_backend(q.device, ExecOptions(gqa_backend="cpu"), q[0].float(), k[0].float())
 

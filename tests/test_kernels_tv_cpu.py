@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_check import c_kernels_expected
-from specopd_kernels import paths
+from specopd_kernels.paths import KernelsConfig
 from specopd_kernels.e2e_tv import cpu, naive
 from specopd import losses
 
@@ -123,7 +123,7 @@ def test_strided_rows_in_place_output_and_nan():
 @pytest.mark.parametrize("wdtype,rank,ce", [(torch.float32, 0, 0.0), (torch.bfloat16, 0, 0.0), (torch.float32, 3, 0.0),
                                             (torch.bfloat16, 2, 0.0), (torch.float32, 0, 0.3), (torch.bfloat16, 0, 0.3),
                                             (torch.bfloat16, 2, 0.3)])
-def test_fused_e2e_tv_kernel_equals_torch_path(monkeypatch, wdtype, rank, ce):
+def test_fused_e2e_tv_kernel_equals_torch_path(wdtype, rank, ce):
     """The fused loss through the kernel against its torch path: loss, alpha and every gradient (one term and
     DSpark's Markov term; fp32 and bf16 lm_head), chunked; ce > 0: trainer.ce_weight's CE term (T = 1) and its nll."""
     g = torch.Generator().manual_seed(rank + 11 + int(ce * 10))
@@ -140,9 +140,9 @@ def test_fused_e2e_tv_kernel_equals_torch_path(monkeypatch, wdtype, rank, ce):
     inputs = [hq] + (list(markov) if markov else [])
     res = {}
     for kind in ("torch", "cpu"):
-        monkeypatch.setitem(paths.CHOSEN, "cpu_tv_loss", kind)
         out = losses.fused_e2e_tv(hq, weight, hp, markov=markov, mask=mask, denom=7, temperature=1.0 if ce else 0.8,
-                                  chunk_rows=5, ce_targets=targets, ce_weight=ce)
+                                  chunk_rows=5, ce_targets=targets, ce_weight=ce,
+                                  kernel_paths=KernelsConfig(cpu_tv_loss=kind))
         res[kind] = (out.loss.detach(), out.alpha, out.nll, torch.autograd.grad(out.loss, inputs))
     (l0, a0, n0, g0), (l1, a1, n1, g1) = res["torch"], res["cpu"]
     assert abs(float(l1) - float(l0)) <= 1e-5 * max(1.0, abs(float(l0)))
@@ -205,10 +205,10 @@ def test_ce_term_errors_name_what_is_wrong():
                               targets=torch.tensor([0, 20, 1]))
 
 
-def test_kernel_choice_errors_name_the_fix(monkeypatch):
-    monkeypatch.setitem(paths.CHOSEN, "cpu_tv_loss", "fast")
+def test_kernel_choice_errors_name_the_fix():
+    bad = KernelsConfig()
+    bad.cpu_tv_loss = "fast"  # changed after the check: refused where it is read
     with pytest.raises(ValueError, match="kernels.cpu_tv_loss"):
-        losses.use_tv_kernel("cpu")
-    monkeypatch.setitem(paths.CHOSEN, "cpu_tv_loss", "auto")
+        losses.use_tv_kernel("cpu", bad)
     assert losses.use_tv_kernel("cpu") == cpu.available()
     assert not losses.use_tv_kernel("meta")

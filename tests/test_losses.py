@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from specopd_kernels import paths
 from specopd.losses import acceptance_length, align_p_logits, ce_loss, confidence_loss, e2e_tv_loss, tv_alpha
 
 N, W, V = 4, 3, 7
@@ -454,7 +453,6 @@ def test_backward_reads_the_forwards_single_chunk_back_bit_for_bit(monkeypatch, 
 
     if not tv_cpu.available():
         pytest.skip(f"the CPU TV kernel does not build: {tv_cpu.unavailable_reason()}")
-    monkeypatch.setitem(paths.CHOSEN, "cpu_tv_loss", "auto")
     reads = []
     raw = losses.raw_logits
     monkeypatch.setattr(losses, "raw_logits", lambda *a, **k: reads.append(k.get("compute", True)) or raw(*a, **k))

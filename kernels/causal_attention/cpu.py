@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -36,17 +36,14 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIB = Library(SOURCE, _declare)
 
 
-def mode() -> str:
-    return paths.mode("cpu_attention")
-
-
-def enabled(q: torch.Tensor, k: torch.Tensor) -> bool:
+def enabled(q: torch.Tensor, k: torch.Tensor, kernel_paths: Optional[paths.KernelsConfig] = None) -> bool:
     """Whether ``specopd_executors.gqa`` should call the kernels for these tensors: bf16 on the CPU outside autograd, a head
-    dim the kernels take, ``mode()`` allowing this CPU, and the library built (``LIB.reason()``)."""
+    dim the kernels take, ``kernel_paths``'s ``cpu_attention`` allowing this CPU (None: "auto"), and the library built
+    (``LIB.reason()``)."""
     d = q.shape[-1]
     if not bf16_cpu_inference(q, k) or d % 32 or d > MAX_HEAD_DIM:
         return False
-    m = mode()
+    m = paths.mode(kernel_paths, "cpu_attention")
     if m == "torch" or (m == "auto" and "amx_bf16" in cpu_flags()):
         return False
     return LIB.available()

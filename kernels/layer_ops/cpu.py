@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Optional
+
 import torch
 
 from specopd_kernels import paths
@@ -38,14 +40,11 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIB = Library(SOURCE, _declare)
 
 
-def mode() -> str:
-    return paths.mode("cpu_layer_ops")
-
-
-def enabled(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: all bf16 on the CPU, none needing a gradient, mode "auto", and
-    the library available (``LIB.error`` says why not)."""
-    return bf16_cpu_inference(*tensors) and mode() == "auto" and LIB.available()
+def enabled(*tensors: torch.Tensor, kernel_paths: Optional[paths.KernelsConfig] = None) -> bool:
+    """Whether the kernels take these tensors: all bf16 on the CPU, none needing a gradient, ``kernel_paths``'s
+    ``cpu_layer_ops`` "auto" (None: "auto"), and the library available (``LIB.error`` says why not)."""
+    return (bf16_cpu_inference(*tensors) and paths.mode(kernel_paths, "cpu_layer_ops") == "auto"
+            and LIB.available())
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,14 +64,15 @@ def packing_available() -> bool:
 LINEAR_MODES = paths.CHOICES["cpu_linear"]
 
 
-def linear_enabled(x: torch.Tensor, *weights: torch.Tensor | None) -> bool:
+def linear_enabled(x: torch.Tensor, *weights: torch.Tensor | None,
+                   kernel_paths: Optional[paths.KernelsConfig] = None) -> bool:
     """Whether ``linear`` takes x [..., K] and these weights / biases (None ones skipped): all bf16 (with
-    ``kernels.cpu_linear=all`` also all fp32) on the CPU outside autograd, x at least 2-D, ``kernels.cpu_layer_ops``
-    "auto", ``kernels.cpu_linear`` not "torch", and oneDNN bf16 here."""
+    ``kernel_paths``'s ``cpu_linear=all`` also all fp32) on the CPU outside autograd, x at least 2-D, ``cpu_layer_ops``
+    "auto", ``cpu_linear`` not "torch" (None: both "auto"), and oneDNN bf16 here."""
     ws = [w for w in weights if w is not None]
-    if x.dim() < 2 or mode() != "auto":
+    if x.dim() < 2 or paths.mode(kernel_paths, "cpu_layer_ops") != "auto":
         return False
-    which = paths.mode("cpu_linear")
+    which = paths.mode(kernel_paths, "cpu_linear")
     if which == "torch" or not packing_available():
         return False
     return bf16_cpu_inference(x, *ws) or (which == "all" and cpu_inference(torch.float32, x, *ws))

@@ -166,7 +166,7 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
                  progress: bool = True, batch_size: int = 4, prompts: Optional[list] = None,
                  prompts_label: Optional[str] = None, engine: str = "builtin", servers: Optional[str] = None,
                  concurrency: int = 8, timeout_s: Optional[float] = None, retry_time_s: Optional[float] = None,
-                 max_total_tokens: Optional[int] = None) -> dict:
+                 max_total_tokens: Optional[int] = None, kernel_paths=None) -> dict:
     """Regenerate responses for the first ``num`` prompts (resumable: records are appended as they finish; a
     rerun skips finished ids). Holds the lock of ``out_dir`` (``specopd.runs.lock``): a second writer there is
     refused.
@@ -181,6 +181,8 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         max_total_tokens: with it, a response also stops where prompt + response reach this many tokens (what a
             trainer cutting sequences there keeps: nothing is generated past it); a prompt leaving no room is
             skipped. builtin and vllm only.
+        kernel_paths: the recipe's ``kernels:`` section the builtin engine's target runs (``load_target``); None:
+            all "auto".
     Returns:
         counts {written, skipped_done, skipped_too_long, failed, total_records}; written + skipped_done +
         skipped_too_long + failed = the number of prompts. Skipped and failed prompts are listed in
@@ -207,7 +209,7 @@ def prepare_data(target_dir: str, out_dir: str, prompts_file: Optional[str] = No
         check_no_links(out_dir)
         return _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed,
                              heldout_fraction, device, dtype, progress, batch_size, prompts, prompts_label, engine,
-                             servers, concurrency, timeout_s, retry_time_s, max_total_tokens)
+                             servers, concurrency, timeout_s, retry_time_s, max_total_tokens, kernel_paths)
 
 
 def check_no_links(out_dir: str) -> None:
@@ -221,7 +223,7 @@ def check_no_links(out_dir: str) -> None:
 
 def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temperature, top_p, seed, heldout_fraction,
                   device, dtype, progress, batch_size, prompts, prompts_label, engine, servers, concurrency,
-                  timeout_s, retry_time_s, max_total_tokens) -> dict:
+                  timeout_s, retry_time_s, max_total_tokens, kernel_paths) -> dict:
     config = read_config(target_dir)
     vocab_size = int(config["vocab_size"])
     tok = load_tokenizer(target_dir, vocab_size)
@@ -273,7 +275,7 @@ def _prepare_data(target_dir, out_dir, prompts_file, num, max_new_tokens, temper
                 budget[pid] = n
     if engine == "builtin":
         _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                          heldout_fraction, device, dtype, batch_size, progress, budget)
+                          heldout_fraction, device, dtype, batch_size, progress, budget, kernel_paths)
     elif engine == "vllm":
         _generate_vllm(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
                        heldout_fraction, dtype, progress, vocab_size, budget)
@@ -307,10 +309,10 @@ def make_record(pid: str, prompt_ids: list, resp: list, finish: str, tok, seed: 
 
 
 def _generate_builtin(target_dir, out_dir, todo, tok, counts, max_new_tokens, temperature, top_p, seed,
-                      heldout_fraction, device, dtype, batch_size, progress, budget) -> None:
+                      heldout_fraction, device, dtype, batch_size, progress, budget, kernel_paths) -> None:
     """Our decoder: ``batch_size`` prompts at a time in one packed target pass a token, appended per batch; a
     response longer than its prompt's ``budget`` is cut there (sampling is per stream: the same as stopping)."""
-    target = load_target(target_dir, dtype=dtype, device=device)
+    target = load_target(target_dir, dtype=dtype, device=device, kernel_paths=kernel_paths)
     stops = stop_token_ids(tok, target)
     bar = tqdm(total=len(todo) * max_new_tokens, desc="references (token budget)", unit="tok", disable=not progress)
     n_tok, t0 = 0, time.perf_counter()

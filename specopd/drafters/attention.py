@@ -352,13 +352,14 @@ def _flex_forward(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale, fn, compile_mask
 Backend = Union[str, Callable]
 
 
-def resolve_backend(backend: Backend, device: torch.device) -> Backend:
-    """"auto" -> the recipe key ``kernels.drafter_attention`` (``specopd_kernels.paths``) when it names chunked or flex (e.g.
-    to fall back to the chunked path on a GPU), else flex on CUDA (when importable) and chunked elsewhere."""
+def resolve_backend(backend: Backend, device: torch.device, kernel_paths=None) -> Backend:
+    """"auto" -> ``kernel_paths``' ``drafter_attention`` (the recipe's kernels: section; None: "auto") when it names
+    chunked or flex (e.g. to fall back to the chunked path on a GPU), else flex on CUDA (when importable) and chunked
+    elsewhere."""
     if callable(backend):
         return backend
     if backend == "auto":
-        backend = paths.mode("drafter_attention")
+        backend = paths.mode(kernel_paths, "drafter_attention")
     if backend not in ("auto", "chunked", "flex"):
         raise ValueError(f"attention backend must be auto | chunked | flex (or a callable); got {backend!r}")
     if backend == "auto":
@@ -369,7 +370,7 @@ def resolve_backend(backend: Backend, device: torch.device) -> Backend:
 
 
 def branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale: float,
-                     backend: Backend = "auto") -> torch.Tensor:
+                     backend: Backend = "auto", kernel_paths=None) -> torch.Tensor:
     """Every block over its context prefix and itself (non-causal inside the block).
 
     Args:
@@ -378,13 +379,14 @@ def branch_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout: BranchLayout, scale:
         k_ctx, v_ctx: [C, Hkv, hd] the packed context of every trunk (trunk 0's rows, then trunk 1's, ...).
         layout: BranchLayout (branches grouped by trunk, sorted by anchor; block b sees its trunk's rows < a_b).
         scale: softmax scale.
-        backend: "auto" (flex on CUDA when importable, else chunked; ``kernels.drafter_attention`` overrides) |
-            "chunked" | "flex" | a callable ``fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale) -> o``.
+        backend: "auto" (flex on CUDA when importable, else chunked; ``kernel_paths``' ``drafter_attention``
+            overrides) | "chunked" | "flex" | a callable ``fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale) -> o``.
+        kernel_paths: the recipe's ``kernels:`` section (the drafter's); None: all "auto".
 
     Returns:
         o [N, S, H, hd].
     """
-    fn = resolve_backend(backend, q.device)
+    fn = resolve_backend(backend, q.device, kernel_paths)
     if callable(fn):
         layout.ran.add(getattr(fn, "__name__", type(fn).__name__))
         return fn(q, k_blk, v_blk, k_ctx, v_ctx, layout, scale)

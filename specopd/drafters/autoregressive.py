@@ -47,6 +47,7 @@ class AutoregressiveDrafter(nn.Module):
     Everything else (the trunk context, the unrolled branches, decoding caches, sampling) is here."""
 
     autoregressive = True  # code outside drafters/ branches on this once (``specopd.train.phases.propose``)
+    kernel_paths = None  # the recipe's kernels: section, its target's (``build_drafter`` / ``load_drafter``)
 
     # -- what the subclass gives -------------------------------------------------------------------------
     def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,7 @@ class AutoregressiveDrafter(nn.Module):
     def _pick(self, h, temperature, generators, rows, chunk_rows="auto"):
         """Target ids [N] drawn from the head on h [N, D] (one [chunk, Vq] at a time)."""
         ids = sample_from_hidden(h.detach()[:, None], self.head_weight().detach(), temperature, rows, generators,
-                                 chunk_rows=chunk_rows)[:, 0]
+                                 chunk_rows=chunk_rows, kernel_paths=self.kernel_paths)[:, 0]
         return self.to_target_ids(ids)
 
     # -- training: the trunk context and the unrolled branches -------------------------------------------
@@ -192,7 +193,7 @@ class AutoregressiveDrafter(nn.Module):
                 step_k[i].append(kk)
                 step_v[i].append(vv)
                 o = branch_attention(torch.stack(step_q[i], 1), torch.stack(step_k[i], 1), torch.stack(step_v[i], 1),
-                                     ks[i], vs[i], layout, self.scale, self.attention_backend)
+                                     ks[i], vs[i], layout, self.scale, self.attention_backend, self.kernel_paths)
                 return o[:, -1]
 
             h_k, g_k = self.rows(tok, g_k, a_s + k - 1, attend)

@@ -11,6 +11,7 @@ from specopd.drafters.dflash import (DFlashDrafter, choose_mask, default_target_
 from specopd.drafters.dflash2 import V2_KEYS, DFlash2Drafter
 from specopd.drafters.dspark import DSparkDrafter
 from specopd.drafters.eagle3 import EAGLE3_KEYS, Eagle3Drafter, eagle3_default_layers
+from specopd.models.common import hand_down
 
 DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter, "dflash2": DFlash2Drafter, "eagle3": Eagle3Drafter}
 Drafter = DFlashDrafter  # the base class of the block drafters (EAGLE-3: ``AutoregressiveDrafter``)
@@ -47,7 +48,7 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
             attention_bias (``Eagle3Config``).
 
     Returns:
-        DFlashDrafter, DSparkDrafter, DFlash2Drafter or Eagle3Drafter.
+        DFlashDrafter, DSparkDrafter, DFlash2Drafter or Eagle3Drafter, running the target's ``kernel_paths``.
     """
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS)}")
@@ -67,7 +68,8 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
     for k, v in overrides.items():
         sizes[_OVERRIDES[k]] = v
     if kind == "eagle3":
-        return build_eagle3(target, num_layers, block_size, seed, feature_layers, sizes)
+        drafter = build_eagle3(target, num_layers, block_size, seed, feature_layers, sizes)
+        return hand_down(drafter, getattr(target, "kernel_paths", None))  # the target's kernels: section
     if feature_layers is None:
         feature_layers = default_target_layer_ids(target.num_layers, num_layers)
     if kind == "dflash2":
@@ -77,7 +79,8 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
     cfg = DRAFTERS[kind].config_class(kind=kind, num_layers=int(num_layers), block_size=int(block_size),
                         feature_layers=tuple(int(i) for i in feature_layers), hidden_size=d,
                         mask_token_id=mask_id, learned_mask=learned, target=target_identity(target), **sizes)
-    return DRAFTERS[kind](target, cfg, seed=seed)
+    drafter = DRAFTERS[kind](target, cfg, seed=seed)
+    return hand_down(drafter, getattr(target, "kernel_paths", None))  # the target's kernels: section
 
 
 def build_eagle3(target, num_layers: int, block_size: int, seed: int, feature_layers, sizes: dict):

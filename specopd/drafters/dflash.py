@@ -163,6 +163,8 @@ def choose_mask(target, mask_token_id: Optional[int] = None, target_dir: Optiona
 class DraftAttention(nn.Module):
     """Qwen3 attention whose keys/values are [k_proj(context) ; k_proj(block)] (same weights)."""
 
+    kernel_paths = None  # the recipe's kernels: section for RoPE and the branch attention (``hand_down``)
+
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.h, self.hkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -183,7 +185,7 @@ class DraftAttention(nn.Module):
             return k[0], v[0]
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.hkv, self.hd))
-        return apply_rope(k, cos, sin), self.v_proj(x).view(b, t, self.hkv, self.hd)
+        return apply_rope(k, cos, sin, self.kernel_paths), self.v_proj(x).view(b, t, self.hkv, self.hd)
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, layout: Optional[BranchLayout], backend="auto"):
         """One draft layer's attention: block queries over [context ; block] keys.
@@ -200,12 +202,12 @@ class DraftAttention(nn.Module):
             [N, S, D].
         """
         n, s, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(n, s, self.h, self.hd)), cos, sin)
+        q = apply_rope(self.q_norm(self.q_proj(x).view(n, s, self.h, self.hd)), cos, sin, self.kernel_paths)
         kb, vb = self.kv(x, cos, sin)
         if layout is None:
             o = cached_branch_attention(q, kb, vb, k_ctx, v_ctx, self.hd ** -0.5)
         else:
-            o = branch_attention(q, kb, vb, k_ctx, v_ctx, layout, self.hd ** -0.5, backend)
+            o = branch_attention(q, kb, vb, k_ctx, v_ctx, layout, self.hd ** -0.5, backend, self.kernel_paths)
         return self.o_proj(o.reshape(n, s, self.h * self.hd))
 
 
@@ -242,6 +244,7 @@ class DFlashDrafter(nn.Module):
 
     kind = "dflash"
     has_confidence = False
+    kernel_paths = None  # the recipe's kernels: section, its target's (``build_drafter`` / ``load_drafter``)
     config_class = DrafterConfig  # the config dataclass of this kind (DFlash V2 adds fields)
     layer_class = DraftLayer  # one draft decoder layer (DFlash V2 adds its convolutions)
 
@@ -498,9 +501,9 @@ class DFlashDrafter(nn.Module):
         if not return_logits:
             head = self.target.lm_head
             return sample_from_hidden(h.detach(), head.weight, temperature, rows, generator, chunk_rows=chunk_rows,
-                                      tp=vocab_group(head)), None
+                                      tp=vocab_group(head), kernel_paths=self.kernel_paths), None
         logits = self.logits_from_hidden(h)
-        return pick_tokens(logits, temperature, generator, rows, chunk_rows), logits
+        return pick_tokens(logits, temperature, generator, rows, chunk_rows, self.kernel_paths), logits
 
     def sample(self, features, anchors, trunk_index=None, anchor_tokens=None, temperature: float = 1.0,
                generator=None, rows=None, return_confidence: bool = False):

@@ -455,7 +455,8 @@ class DFlash2Drafter(DFlashDrafter):
         for slot in range(cands.ids.shape[1]):
             c = Candidates(cands.ids[:, slot], cands.unary[:, slot], cands.gate[:, slot])
             z = self.scores_given(c, prev)  # [N, K]
-            i = draw(slot, z) if draw is not None else pick_tokens(z, temperature, generator, rows)
+            i = draw(slot, z) if draw is not None else pick_tokens(z, temperature, generator, rows,
+                                                                   kernel_paths=self.kernel_paths)
             prev = c.ids.gather(1, i.view(-1, 1)).view(-1)
             toks.append(prev)
             idx.append(i)

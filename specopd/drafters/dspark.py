@@ -132,11 +132,11 @@ class DSparkDrafter(DFlashDrafter):
             if return_logits:
                 lk = self.logits_from_hidden(h[:, k], x)  # [N, V]
                 logits.append(lk)
-                x = pick_tokens(lk, temperature, generator, rows, chunk_rows)
+                x = pick_tokens(lk, temperature, generator, rows, chunk_rows, self.kernel_paths)
             else:
                 x = sample_from_hidden(h[:, k].detach(), w_lm, temperature, rows, generator,
                                        markov=(self.markov_features(x).detach(), w2.detach()), chunk_rows=chunk_rows,
-                                       tp=vocab_group(self.target.lm_head))
+                                       tp=vocab_group(self.target.lm_head), kernel_paths=self.kernel_paths)
             toks.append(x)
         conf = self.confidence_logits(h, torch.stack(prevs, 1))
         return torch.stack(toks, 1), (torch.stack(logits, 1) if return_logits else None), conf

@@ -41,6 +41,8 @@ def eagle3_default_layers(num_target_layers: int) -> tuple:
 class Eagle3Attention(nn.Module):
     """Llama attention (no q/k norms) whose input is 2D in layer 0."""
 
+    kernel_paths = None  # the recipe's kernels: section for RoPE (``hand_down``)
+
     def __init__(self, c: Eagle3Config, in_dim: int):
         super().__init__()
         self.h, self.hkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -62,8 +64,8 @@ class Eagle3Attention(nn.Module):
             [M, D].
         """
         m = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(1, m, self.h, self.hd), cos[None], sin[None])[0]
-        k = apply_rope(self.k_proj(x).view(1, m, self.hkv, self.hd), cos[None], sin[None])[0]
+        q = apply_rope(self.q_proj(x).view(1, m, self.h, self.hd), cos[None], sin[None], self.kernel_paths)[0]
+        k = apply_rope(self.k_proj(x).view(1, m, self.hkv, self.hd), cos[None], sin[None], self.kernel_paths)[0]
         v = self.v_proj(x).view(m, self.hkv, self.hd)
         return self.o_proj(attend(i, q, k, v).reshape(m, self.h * self.hd))
 

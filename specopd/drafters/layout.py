@@ -23,6 +23,7 @@ from specopd.drafters.dflash2 import V2_KEYS
 from specopd.drafters.eagle3 import eagle3_config_from_released, eagle3_released_config
 from specopd.errors import (BadInputError, DamagedFolderError, FolderNotEmptyError, make_dir, open_write, read_text,
                             replacing_path)
+from specopd.models.common import hand_down
 
 ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel",
         "eagle3": "LlamaForCausalLMEagle3"}
@@ -642,6 +643,7 @@ def load_drafter(path: str, target, dtype: Optional[torch.dtype] = None):
     check_against_target(f.cfg, target, path, f.sd)
     check_drafter(f, target_identity(target))
     drafter = DRAFTERS[f.cfg.kind](target, f.cfg)
+    hand_down(drafter, getattr(target, "kernel_paths", None))  # the target's kernels: section
     ours = drafter.state_dict()
     drafter.load_state_dict({k: v.to(device=target.device, dtype=ours[k].dtype) for k, v in f.sd.items()}, strict=True)
     if dtype is not None:

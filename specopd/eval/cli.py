@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from specopd_kernels import paths
 from specopd.config import eval_dtype
 from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.prepare import MODELS, check_tokenizer, encode_prompt, load_tokenizer
@@ -284,7 +283,6 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     """
     ns = _parse_args(args)
     check_device(cfg)
-    paths.configure_from(cfg.kernels)
     temps = parse_temperatures(getattr(ns, "temperatures", None) or [cfg.eval.decode_temperature])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
@@ -303,7 +301,8 @@ def main_eval(cfg, args=None, judge=None) -> dict:
         check_tokenizer(path, f"--bench {ns.bench} formats its questions with the target's tokenizer and chat template"
                               + (f" (model.target={cfg.model.target} is built without a tokenizer)" if
                                  cfg.model.is_tiny else "") + f": {NO_TOKENIZER_FIX}")
-    target = load_target(path, dtype=eval_dtype(cfg), device=_device(cfg.model.device), kernels=cfg.model.kernels)
+    target = load_target(path, dtype=eval_dtype(cfg), device=_device(cfg.model.device), kernels=cfg.model.kernels,
+                         kernel_paths=cfg.kernels)
     drafter, source = load_eval_drafter(cfg, target)
     drafter = drafter.to(target.device)
     stops = () if cfg.model.is_tiny else _eos_ids(target)

@@ -149,7 +149,7 @@ def autoregressive(target, prompt_ids, max_new_tokens: int, temperature: float =
         cache = target.prefill(last, cache=cache, keep_logits=True, **opts)
         logits, cache.logits = cache.logits[-1], None
         dev = generator.device if generator is not None else logits.device  # CPU generators, GPU targets
-        tok = int(pick_tokens(logits.to(dev), temperature, generator))
+        tok = int(pick_tokens(logits.to(dev), temperature, generator, kernel_paths=target.kernel_paths))
         out.append(tok)
         if tok in stops:
             stopped = "stop_token"

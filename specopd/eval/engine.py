@@ -412,7 +412,8 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
 
     def reference(with_drafter: bool = False):
         if "target" not in refs:
-            refs["target"] = load_target(target_dir, dtype=torch_dtype, device="cpu").float()
+            refs["target"] = load_target(target_dir, dtype=torch_dtype, device="cpu",
+                                         kernel_paths=target.kernel_paths).float()
         if not with_drafter:
             return refs["target"]
         if "drafter" not in refs:
@@ -689,7 +690,7 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
         return []
     tdtype = resolve_dtype(eval_dtype(cfg))
     dtype = "bfloat16" if tdtype == torch.bfloat16 else "float32"
-    target = load_target(target_dir, dtype=tdtype, device="cpu")
+    target = load_target(target_dir, dtype=tdtype, device="cpu", kernel_paths=cfg.kernels)
     ids, meta, _ = run_prompts(cfg.eval, target_dir, target.vocab_size, judge=True)
     prompts = [p.tolist() for p in ids]
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))

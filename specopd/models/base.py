@@ -37,6 +37,7 @@ class TargetModel(nn.Module):
     model_type: str = "?"
     layer_kinds: list
     kernels: str = "auto"  # executors' kernels: "auto" | "torch" | "triton" (load_target(..., kernels=))
+    kernel_paths = None  # the recipe's kernels: section (load_target(..., kernel_paths=)); None: all "auto"
     packed_ok: bool = True  # packed prefill works here (prefill_batch sets False after PackedUnsupported)
 
     # -- defaults for the standard pre-norm decoder stack in HF naming (``model.embed_tokens``,
@@ -276,10 +277,12 @@ class TargetModel(nn.Module):
         return out
 
     def run_options(self, cache_options: ExecOptions) -> ExecOptions:
-        """Executor options of one call: the cache's, with ``kernels`` from the target unless the cache names
-        its own; checked here (a clear error naming the fix, e.g. "triton" on a CPU without TRITON_INTERPRET=1)."""
+        """Executor options of one call: the cache's, with ``kernels`` and ``kernel_paths`` from the target unless the
+        cache names its own; checked here (a clear error naming the fix, e.g. "triton" on a CPU without
+        TRITON_INTERPRET=1)."""
         kernels = self.kernels if cache_options.kernels is None else cache_options.kernels
-        opts = dataclasses.replace(cache_options, kernels=kernels)
+        chosen = self.kernel_paths if cache_options.kernel_paths is None else cache_options.kernel_paths
+        opts = dataclasses.replace(cache_options, kernels=kernels, kernel_paths=chosen)
         check_kernels(opts.kernels, self.device)
         return opts
 

@@ -29,6 +29,8 @@ class RMSNorm(nn.Module):
     weight initialised to 0.
     """
 
+    kernel_paths = None  # the recipe's kernels: section (``hand_down``); None: all "auto"
+
     def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
         self.eps = float(eps)
@@ -36,7 +38,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if layer_ops.enabled(x, self.weight):  # bf16 on the CPU outside autograd: one pass in C
+        if layer_ops.enabled(x, self.weight, kernel_paths=self.kernel_paths):  # bf16, CPU, no autograd: one C pass
             return layer_ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
         return layer_naive.rms_norm(x, self.weight, self.eps, self.unit_offset)
 
@@ -105,10 +107,18 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, hd]; cos/sin [B, T, rot_dim] (rot_dim <= hd: the rest passes through unrotated). bf16 on the
-    CPU outside autograd: one pass in C (``specopd_kernels.layer_ops``, bitwise torch's)."""
-    if layer_ops.enabled(x, cos, sin):
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel_paths=None) -> torch.Tensor:
+    """RoPE; bf16 on the CPU outside autograd: one pass in C (``specopd_kernels.layer_ops``, bitwise torch's).
+
+    Args:
+        x: [B, T, H, hd].
+        cos, sin: [B, T, rot_dim] (rot_dim <= hd: the rest passes through unrotated).
+        kernel_paths: the recipe's kernels: section (its ``cpu_layer_ops=torch`` keeps torch's ops); None: "auto".
+
+    Returns:
+        [B, T, H, hd] rotated.
+    """
+    if layer_ops.enabled(x, cos, sin, kernel_paths=kernel_paths):
         return layer_ops.rope(x, cos, sin)
     return layer_naive.rope(x, cos, sin)
 
@@ -152,10 +162,11 @@ class Rotary:
         return memo_cos_sin(positions, self._key + (dtype, str(positions.device)),
                             lambda: rope_cos_sin(positions, inv, dtype))
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q [B, T, H, hd], k [B, T, Hkv, hd], positions [B, T] -> rotated (q, k)."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, kernel_paths=None):
+        """q [B, T, H, hd], k [B, T, Hkv, hd], positions [B, T] -> rotated (q, k) (``kernel_paths``: as
+        ``apply_rope``)."""
         cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin, kernel_paths), apply_rope(k, cos, sin, kernel_paths)
 
 
 # ----------------------------------------------------------------------------------------- Linear
@@ -166,6 +177,8 @@ class Linear(nn.Linear):
     weight packed once for oneDNN (``specopd_kernels.layer_ops.linear``): the same bits as ``F.linear``, which reorders
     the weight on every call. x [..., in] -> [..., out]."""
 
+    kernel_paths = None  # the recipe's kernels: section (``hand_down``); None: all "auto"
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.packed = layer_ops.PackedWeight()  # a cache, not state
@@ -175,9 +188,19 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias) -> torch.Tensor:
         """x @ weight.T (+ ``bias``, None for none) through the packed weight where it applies."""
-        if layer_ops.linear_enabled(x, self.weight, bias):
+        if layer_ops.linear_enabled(x, self.weight, bias, kernel_paths=self.kernel_paths):
             return layer_ops.linear(x, self.packed.get(self.weight), bias)
         return F.linear(x, self.weight, bias)
+
+
+def hand_down(model: nn.Module, kernel_paths) -> nn.Module:
+    """Give ``model`` and every module of it that reads the recipe's ``kernels:`` section (a ``kernel_paths``
+    attribute: RMSNorm, Linear, MLP, the attention layers (their RoPE), a target, a drafter) that choice, a
+    ``KernelsConfig`` or None (all "auto"); returns ``model``. Per model, so two models in one process may differ."""
+    for m in model.modules():
+        if hasattr(m, "kernel_paths"):
+            m.kernel_paths = kernel_paths
+    return model
 
 
 # ----------------------------------------------------------------------------------------- MLP / MoE
@@ -200,6 +223,8 @@ def activation(name: str):
 class MLP(nn.Module):
     """SwiGLU: down(act(gate(x)) * up(x)). [..., D] -> [..., D]."""
 
+    kernel_paths = None  # the recipe's kernels: section (``hand_down``); None: all "auto"
+
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
@@ -209,7 +234,8 @@ class MLP(nn.Module):
         self.gate_up_packed = layer_ops.PackedWeight()  # cat(gate, up) packed for oneDNN: a cache, not state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act is F.silu and layer_ops.enabled(x, self.gate_proj.weight, self.up_proj.weight):
+        if self.act is F.silu and layer_ops.enabled(x, self.gate_proj.weight, self.up_proj.weight,
+                                                    kernel_paths=self.kernel_paths):
             # bf16 on the CPU outside autograd: gate and up as one matmul (the same bits, measured: oneDNN's
             # [N = 2I] blocking there runs faster than two [N = I] calls), silu * up in one pass in C
             gu = self.gate_up(x)
@@ -221,7 +247,7 @@ class MLP(nn.Module):
         """x [..., D] -> [..., 2I] = cat(gate(x), up(x)) as one matmul, through the packed weight where
         ``layer_ops.linear_enabled`` (bf16 oneDNN), else ``F.linear`` on the concatenated weight."""
         g, u = self.gate_proj, self.up_proj
-        if layer_ops.linear_enabled(x, g.weight, u.weight):
+        if layer_ops.linear_enabled(x, g.weight, u.weight, kernel_paths=self.kernel_paths):
             b = None if g.bias is None else torch.cat((g.bias, u.bias)).detach()
             return layer_ops.linear(x, self.gate_up_packed.get(g.weight, u.weight), b)
         return F.linear(x, *self._gate_up())

@@ -18,6 +18,7 @@ class Attention(nn.Module):
     """Full causal GQA self-attention (kind "gqa"). qwen3 adds RMSNorm on each q/k head before RoPE."""
 
     kind = "gqa"
+    kernel_paths = None  # the recipe's kernels: section for RoPE (``common.hand_down``)
 
     def __init__(self, cfg: dict, qk_norm: bool):
         super().__init__()
@@ -42,7 +43,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, positions)
+        q, k = self.rotary(q, k, positions, self.kernel_paths)
         return q, k, v, None
 
     def finish(self, o: torch.Tensor, extra=None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from specopd_executors.base import check_kernels
 from specopd_kernels import cpu_features
 from specopd.settings import RecipeError
+from specopd.models.common import hand_down
 from specopd.models.registry import MODEL_TYPES
 from specopd.models.tensor_parallel import shard_target
 
@@ -96,7 +97,7 @@ def read_state_dict(path: str) -> dict:
 
 
 def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: Optional[dict] = None,
-                kernels: str = "auto", tensor_parallel=None):
+                kernels: str = "auto", tensor_parallel=None, kernel_paths=None):
     """Build our implementation of the checkpoint's ``model_type`` and load every weight.
 
     Args:
@@ -106,6 +107,8 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
         config_overrides: keys replacing config.json's.
         kernels: "torch" (plain torch, exact, any device) | "triton" (``kernels/``: CUDA, or the CPU under
             ``TRITON_INTERPRET=1``) | "auto" (Triton and fla on CUDA, torch on the CPU); kept as ``target.kernels``.
+        kernel_paths: the recipe's ``kernels:`` section (``KernelsConfig``; None: all "auto"), handed to the layers
+            and executors (``specopd.models.common.hand_down``); kept as ``target.kernel_paths``.
 
     Returns:
         TargetModel in eval mode with ``requires_grad=False`` on all parameters.
@@ -125,7 +128,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
     if tensor_parallel is not None and tensor_parallel.size > 1:
         plan = shard_target(model, tensor_parallel)
         sd = {k: tensor_parallel.shard(v, *plan[k]) if k in plan else v for k, v in sd.items()}
-    return place_weights(model, sd, dtype, device, kernels)
+    return hand_down(place_weights(model, sd, dtype, device, kernels), kernel_paths)
 
 
 def checkpoint_params(model, raw: dict, cfg: dict, where: str) -> dict:

@@ -170,6 +170,7 @@ class GatedAttention(nn.Module):
     (1 + w); partial RoPE; output * sigmoid(gate) before o_proj."""
 
     kind = "gqa"
+    kernel_paths = None  # the recipe's kernels: section for RoPE (``common.hand_down``)
 
     def __init__(self, cfg: dict, layer_idx: int = 0):
         super().__init__()
@@ -194,7 +195,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, positions)
+        q, k = self.rotary(q, k, positions, self.kernel_paths)
         return q, k, v, gate.reshape(b, t, -1)
 
     def finish(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

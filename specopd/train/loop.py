@@ -11,7 +11,6 @@ from typing import Optional
 
 import torch
 
-from specopd_kernels import paths
 from specopd.config import RecipeConfig, RecipeError
 from specopd.distributed.ray_backend import RayGroup
 from specopd.errors import write_replace
@@ -79,7 +78,6 @@ class Trainer:
     def prepare(self, fresh: bool) -> None:
         """Everything before the workers: determinism, the controller's seeds, the checks, the worker group."""
         apply_deterministic(self.t.deterministic)
-        paths.configure_from(self.cfg.kernels)  # the driver runs the workers' compute paths (Ray: they set their own)
         if fresh:
             ck.seed_controller_rng(self.cfg.seed)  # byte-reproducible checkpoints (a resume restores the saved states)
         check_loggers(self.t.loggers)  # a missing optional package (tensorboard / wandb / mlflow) names its extra first

@@ -253,7 +253,8 @@ def _selector_loss(worker: "Worker", proposals: Proposals, h: torch.Tensor, hp: 
     if ce:
         out = candidate_ce(r.ids, r.scores, proposals.tokens, r.extra, hp=hp, **kw)
         if t.vocab_ce_weight > 0:  # DFlash's CE on the raw logits, over the whole vocabulary, chunked
-            full = fused_ce(h, lm, proposals.tokens, denom=denom, chunk_rows=t.loss_chunk_rows, tp=worker.vocab_tp)
+            full = fused_ce(h, lm, proposals.tokens, denom=denom, chunk_rows=t.loss_chunk_rows, tp=worker.vocab_tp,
+                            kernel_paths=worker.target.kernel_paths)
             out = FusedOut(out.loss + t.vocab_ce_weight * full.loss, out.alpha, out.nll)
         return out
     return candidate_e2e_tv(r.ids, r.scores, hp, ce_targets=extra, ce_scores=r.extra, ce_weight=ce_weight, **kw)
@@ -287,7 +288,7 @@ def loss_backward(worker: "Worker", proposals: Proposals, hp: torch.Tensor, deno
                                                                 getattr(w.drafter, "autoregressive", False) else []))
         weight, markov, prev = _head_terms(w, proposals)
         kw = dict(markov=markov, denom=denom, temperature=t.acceptance_temperature, chunk_rows=t.loss_chunk_rows,
-                  tp=w.vocab_tp, **_own_head(w))
+                  tp=w.vocab_tp, kernel_paths=w.target.kernel_paths, **_own_head(w))
         hp = hp.to(h.device)
         if getattr(w.drafter, "has_selector", False):  # DFlash V2: q lives on each slot's top K
             out = _selector_loss(w, proposals, h, hp, denom, method)
@@ -559,7 +560,8 @@ def _eval_sums(worker: "Worker", prop: Proposals, hp: torch.Tensor) -> dict:
         weight, markov, _ = _head_terms(w, prop)
         alpha = fused_e2e_tv(prop.hidden, weight, hp, markov=markov,
                              temperature=w.cfg.trainer.acceptance_temperature,
-                             chunk_rows=w.cfg.trainer.loss_chunk_rows, tp=w.vocab_tp, **_own_head(w)).alpha
+                             chunk_rows=w.cfg.trainer.loss_chunk_rows, tp=w.vocab_tp,
+                             kernel_paths=w.target.kernel_paths, **_own_head(w)).alpha
     return {"branches": int(alpha.shape[0]), "alpha_sum": alpha.sum(0).tolist(),
             "surv_sum": prefix_survival(alpha).sum(0).tolist()}
 

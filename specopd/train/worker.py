@@ -15,7 +15,6 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from specopd_kernels import paths
 from specopd.drafters import build_drafter, load_drafter
 from specopd.errors import BadInputError
 from specopd.settings import RecipeError
@@ -67,12 +66,11 @@ class Worker:
         self.cfg, self.rank, self.world_size, self.role = cfg, int(rank), int(world_size), role
         # the recipe's process settings, in whichever process hosts this worker (this one, or a Ray actor's)
         apply_deterministic(cfg.trainer.deterministic)
-        paths.configure_from(getattr(cfg, "kernels", {}))
         self.device = resolve_device(cfg.model.device)
         if target is None:
             path = resolve_target_path(cfg.model, cfg.trainer.output_dir)
             target = load_target(path, dtype=resolve_dtype(cfg.model.dtype), device=self.device, kernels=cfg.model.kernels,
-                                 tensor_parallel=tensor_parallel)
+                                 tensor_parallel=tensor_parallel, kernel_paths=cfg.kernels)
         self.target = target
         self.vocab_tp = vocab_group(target.lm_head)  # runtime.tp_lm_head: the loss's group, or None (whole head)
         d = cfg.drafter
