@@ -186,7 +186,7 @@ def test_forward_matches_vllm_transcription(target, hf, layers, vocab, flags, tm
 
 def test_default_aux_layers_are_vllms(target):
     d = build_drafter("eagle3", target)
-    assert d.feature_layers == eagle3_default_layers(6) == (1, 2, 2)  # vLLM (2, L // 2, L - 3) minus one
+    assert d.feature_layers == eagle3_default_layers(6) == (1, 2)  # vLLM (2, L // 2, L - 3) minus one, distinct
     assert eagle3_default_layers(30) == (1, 14, 26)  # SmolLM2-135M: vLLM's [2, 15, 27]
 
 
@@ -345,3 +345,79 @@ def test_lossless_at_t1_with_an_eagle3_drafter(small):
     exact = exact_two_tokens(small, PROMPT, 1.0).flatten()
     stat, df = chi2(empirical_two_tokens(dec, PROMPT, 800), exact)
     assert stat < chi2_threshold(df), f"chi2 {stat:.1f} (df {df})"
+
+
+# ------------------------------------------------------------------ the tiny recipe: train, resume, export
+@pytest.mark.parametrize("method", ["specopd", "offpolicy_ce"])
+def test_tiny_recipe_trains_resumes_bitwise_and_exports(tmp_path, method, capsys):
+    """``specopd train recipes/tiny-eagle3.yaml``: 3 steps; a run resumed from its step-2 checkpoint ends bit for bit
+    where the straight run does; ``specopd export`` writes LlamaForCausalLMEagle3 and prints vLLM's eagle3 command;
+    ``drafter.init_from`` that export starts from exactly its weights."""
+    import shutil
+
+    from specopd.train.worker import Worker
+    from tests.tiny_runs import run_cli, tiny_recipe
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny-eagle3.yaml")
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = ["train", recipe, f"trainer.method={method}", "trainer.max_steps=3", "trainer.save_every=1",
+            "trainer.keep_last=3", "trainer.eval_heldout=false", "data.num_samples=24", "trainer.anchors_per_seq=4"]
+    assert run_cli(capsys, *args, f"trainer.output_dir={a}")[0] == 0
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step-3")
+    shutil.rmtree(b / "checkpoints" / "step-1")
+    assert run_cli(capsys, *args, f"trainer.output_dir={b}")[0] == 0  # trainer.resume=auto: from step-2
+    assert not (b / "checkpoints" / "step-1").exists()
+    wa, wb = (safetensors.torch.load_file(str(r / "checkpoints" / "step-3" / "model.safetensors")) for r in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not torch.equal(wa["fc.weight"], safetensors.torch.load_file(
+        str(a / "checkpoints" / "step-1" / "model.safetensors"))["fc.weight"])  # it trains
+    rc, out, _ = run_cli(capsys, "export", str(a), str(tmp_path / "out"))
+    assert rc == 0 and '"method": "eagle3"' in out and '"num_speculative_tokens": 4' in out
+    assert json.load(open(tmp_path / "out" / "config.json"))["architectures"] == ["LlamaForCausalLMEagle3"]
+    w = Worker(tiny_recipe(str(tmp_path / "c"), [f"drafter.init_from={tmp_path / 'out'}", "drafter.kind=eagle3",
+                                                 "drafter.block_size=5", "trainer.eval_heldout=false"]))
+    assert w.drafter.kind == "eagle3"
+    assert all(torch.equal(v, wa[k]) for k, v in w.drafter.state_dict().items())
+
+
+# ------------------------------------------------------------------ the outside judge: vLLM serves our export
+from tests.test_vllm import EOS, QUESTIONS, WHY, tiny_target  # noqa: E402,F401
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY is not None, reason=f"no vLLM: {WHY}")
+def test_vllm_serves_our_eagle3_export_round_for_round(tiny_target):
+    """vLLM (``method: eagle3``) serving our export of an EAGLE-3 drafter trained 20 steps on a tiny target agrees
+    with our decoder on vLLM's schedule: at T = 0 every round of every prompt equal, at T = 1 within noise."""
+    from specopd.config import load_recipe
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.drafters.layout import export_folder
+    from specopd.eval.engine import format_judge, judge
+    from specopd.runs.checkpoint import find_latest
+    from specopd.train.loop import train
+
+    tdir, root = tiny_target
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_recipe(os.path.join(repo, "recipes", "tiny-eagle3.yaml"), [
+        f"trainer.output_dir={root / 'e3run'}", f"model.target={tdir}", "trainer.max_steps=20",
+        "trainer.save_every=0", "profile.enabled=false"])
+    train(cfg, progress=False)
+    ck = find_latest(str(root / "e3run"))
+    export = str(root / "e3export")
+    export_folder(ck, export)
+    tok = load_tokenizer(tdir, 128)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    rep = judge(tdir, export, prompts, 32, (0.0, 1.0), [EOS], "float32", seed=0, plain=True, checkpoint=ck,
+                work_dir=str(root / "e3judge"))
+    print(format_judge(rep))
+    checks = rep["checks"]
+    assert checks["vllm speculative greedy == our greedy"][0], format_judge(rep)
+    t0 = rep["by_temperature"]["0"]
+    assert t0["vllm"]["rounds"] == t0["ours_vllm_schedule"]["rounds"] > 0
+    assert t0["vllm"]["accepted_at"] == t0["ours_vllm_schedule"]["accepted_at"], format_judge(rep)
+    assert sum(t0["vllm"]["accepted_at"]) > 0
+    ok, why = checks["T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"]
+    assert ok, why
+    assert rep["by_temperature"]["1"]["disagreements"] == [], format_judge(rep)
+    assert rep["problems"] == [], format_judge(rep)

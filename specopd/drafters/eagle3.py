@@ -33,9 +33,9 @@ EAGLE3_KEYS = ("draft_vocab", "norm_before_fc", "norm_before_residual", "own_emb
 
 def eagle3_default_layers(num_target_layers: int) -> tuple:
     """vLLM's default aux layers (2, L // 2, L - 3) (the input of those layers) as our feature layers (the output of
-    the layer before)."""
+    the layer before), kept inside the target, sorted and distinct (vLLM collects each layer once, in order)."""
     L = int(num_target_layers)
-    return tuple(min(max(0, i - 1), L - 1) for i in (2, L // 2, L - 3))
+    return tuple(sorted({min(max(0, i - 1), L - 1) for i in (2, L // 2, L - 3)}))
 
 
 class Eagle3Attention(nn.Module):
@@ -127,6 +127,9 @@ class Eagle3Drafter(AutoregressiveDrafter):
         """(field, value, what it must be) for every setting this kind cannot be built with: ``DFlashDrafter``'s
         rules but the mask token's (EAGLE-3 has none), and the draft vocabulary's size."""
         bad = [b for b in DFlashDrafter.config_problems(c, ident) if b[0] != "mask_token_id"]
+        ids = list(c.feature_layers)
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            bad.append(("feature_layers", ids, "increasing and distinct: vLLM collects the aux layers sorted, each once"))
         vocab = ident.get("vocab_size")
         if not 0 <= c.draft_vocab_size <= (vocab or c.draft_vocab_size):
             bad.append(("draft_vocab_size", c.draft_vocab_size, f"in [1, vocab_size={vocab}] (0: the target's)"))

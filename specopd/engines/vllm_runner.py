@@ -204,6 +204,13 @@ def generate(args) -> int:
     return 0
 
 
+def _method(drafter: str) -> str:
+    """vLLM's speculative method of an export folder: eagle3 for an EAGLE-3 config.json, else dflash."""
+    with open(os.path.join(drafter, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    return "eagle3" if any("Eagle3" in a for a in archs) else "dflash"
+
+
 def judge(args) -> int:
     """The same requests at each of ``--temperatures`` (or each request's own temperature), with each ``--drafter``
     as DFlash in turn (one engine each, one process for all: the import and start-up are paid once) or plain;
@@ -224,12 +231,13 @@ def judge(args) -> int:
     for drafter, k in zip(drafters, ks):
         spec = None
         if drafter:
-            spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": k,
+            spec = {"method": _method(drafter), "model": drafter, "num_speculative_tokens": k,
                     "draft_sample_method": args.draft_sample_method}
         if results:
             _teardown()
         llm = _llm(args, spec, sampling=_samples(reqs, temps))
-        _log(f"loaded {args.model}" + (f" with DFlash drafter {drafter}" if spec else "") + f"; {len(reqs)} requests")
+        _log(f"loaded {args.model}" + (f" with {spec['method']} drafter {drafter}" if spec else "") +
+             f"; {len(reqs)} requests")
         if args.warmup and reqs:  # untimed, before any counter is read: first-call work stays out of the timing
             w = dict(reqs[0], max_tokens=args.warmup, temperature=0.0)
             llm.generate([{"prompt_token_ids": w["prompt_ids"]}], [_params(w)], use_tqdm=False)

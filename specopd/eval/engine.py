@@ -295,8 +295,14 @@ def check_export(export_dir: str, target, checkpoint: Optional[str] = None) -> l
     except (OSError, json.JSONDecodeError) as e:
         return [f"{export_dir}/config.json cannot be read: {e}"]
     ids = (raw.get("dflash_config") or {}).get("target_layer_ids")
+    eagle = "eagle_config" in raw  # EAGLE-3: vLLM's aux ids are the inputs of layers, ours the outputs: one less
+    if eagle:
+        ids = [int(i) - 1 for i in (raw["eagle_config"] or {}).get("eagle_aux_hidden_state_layer_ids") or []] or None
     n_layers = int(target.num_layers)
-    if not isinstance(ids, list) or not ids:
+    if eagle and ids is None:
+        problems.append("config.json has no eagle_config.eagle_aux_hidden_state_layer_ids (vLLM would use its default "
+                        "layers, not those the drafter was trained on)")
+    elif not isinstance(ids, list) or not ids:
         problems.append(f"config.json has no dflash_config.target_layer_ids (vLLM reads the target layers the drafter "
                         f"conditions on from it)")
     elif any(int(i) < 0 or int(i) >= n_layers for i in ids):
@@ -322,7 +328,8 @@ def check_export(export_dir: str, target, checkpoint: Optional[str] = None) -> l
             export_folder(checkpoint, ref)
             with open(os.path.join(ref, "config.json")) as f:
                 want = json.load(f)
-            for key in ("block_size", "dflash_config", "num_hidden_layers", "hidden_size"):
+            for key in ("block_size", "dflash_config", "eagle_config", "draft_vocab_size", "num_hidden_layers",
+                        "hidden_size"):
                 if raw.get(key) != want.get(key):
                     problems.append(f"config.json {key} = {raw.get(key)} but the checkpoint {checkpoint} has "
                                     f"{want.get(key)}")

@@ -94,7 +94,10 @@ def replay_greedy_al(target, drafter, prompts: Sequence[torch.Tensor], continuat
             match = []
             for s in range(0, anchors.numel(), anchors_per_call):
                 a = anchors[s: s + anchors_per_call]
-                toks, _ = drafter.sample([feats], a, torch.zeros_like(a), seq[a], temperature=0.0)
+                if getattr(drafter, "autoregressive", False):  # EAGLE-3: rows read the trunk's next tokens
+                    toks = drafter.unroll([feats], [seq], a, torch.zeros_like(a), 0.0)[1]
+                else:
+                    toks, _ = drafter.sample([feats], a, torch.zeros_like(a), seq[a], temperature=0.0)
                 ref = seq[a[:, None] + 1 + torch.arange(k, device=dev)]  # [n, k]
                 match.append((toks[:, :k].to(dev) == ref).long().cumprod(1).sum(1))
             match = torch.cat(match).tolist()  # accepted drafts of a round anchored at first + i
