@@ -355,11 +355,35 @@ def drafter_activation_bytes(drafter, n: int, w: int, ctx_rows: int, act: int) -
     """
     c = drafter.config
     d, hq, hkv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    if getattr(drafter, "autoregressive", False):
+        return autoregressive_activation_bytes(c, n, w, ctx_rows, act)
     rows = n * (w + 1)
     per_layer = rows * ((6 * d + 3 * hq + 6 * hkv + 4 * i) * act + 4 * c.num_heads) + ctx_rows * 4 * hkv * act
     once = ctx_rows * 2 * d * act + 2 * n * w * d * act
     markov = n * w * (getattr(c, "markov_rank", 0) + d) * act if getattr(drafter, "has_confidence", False) else 0
     return c.num_layers * per_layer + once + markov, per_layer
+
+
+def autoregressive_activation_bytes(c, n: int, w: int, ctx_rows: int, act: int) -> Tuple[int, int]:
+    """``drafter_activation_bytes`` of an autoregressive drafter (EAGLE-3): every context row runs every layer (the
+    causal pass with grad, once per trunk), each branch runs W - 1 more steps; per row and layer the block drafter's
+    row terms plus the 2D input of layer 0 (2 D); the per-branch step caches: step k's attention keeps the stacked
+    q, k, v of its k steps (k (H + 2 Hkv) hd per branch and layer, sum over k < W); once: fc's output per context
+    row and the normed / pre-norm outputs [N, W, D].
+
+    Args:
+        c: the drafter's config.
+        n, w, ctx_rows, act: as ``drafter_activation_bytes``.
+
+    Returns:
+        (all layers' activation bytes, one layer's).
+    """
+    d, hq, hkv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    row = (8 * d + 3 * hq + 6 * hkv + 4 * i) * act + 4 * c.num_heads
+    steps = n * (w * (w - 1) // 2) * (hq + 2 * hkv) * act
+    per_layer = (ctx_rows + n * max(w - 1, 0)) * row + steps
+    once = ctx_rows * d * act + 2 * n * w * d * act
+    return c.num_layers * per_layer + once, per_layer
 
 
 def selector_bytes(drafter, n: int, w: int, chunk: int, act: int) -> int:
@@ -505,8 +529,11 @@ def memory_plan(cfg, device_bytes: Optional[int] = None) -> Optional[MemoryPlan]
           [Term("loss / sampling chunk", CHUNK_WORKSET_FACTOR * chunk * v * 4, ("propose", "loss_backward"),
                 "trainer.loss_chunk_rows", f"{CHUNK_WORKSET_FACTOR} x [{chunk}, V] fp32")]),
         Term("drafter activations", dact, keep, "trainer.anchors_per_seq",
-             f"{cfg.drafter.num_layers} layers saved for backward (block rows N * (W + 1), context once per trunk) "
-             f"+ the hidden state hq [N, W, D]: from the one forward at propose to the backward"),
+             f"{cfg.drafter.num_layers} layers saved for backward (" + (
+                 "every context row through every layer once per trunk, N * (W - 1) step rows, the per-branch step "
+                 "caches: stacked q / k / v of the steps so far" if getattr(drafter, "autoregressive", False) else
+                 "block rows N * (W + 1), context once per trunk") +
+             ") + the hidden state hq [N, W, D]: from the one forward at propose to the backward"),
         Term("drafter backward", dlayer + n * w * hid * act, ("loss_backward",), "trainer.anchors_per_seq",
              "one layer's activation gradients + the hq gradient [N, W, D]"),
         *([Term("candidate selector (dflash2)", selector_bytes(drafter, n, w, chunk, act), ("propose", "loss_backward"),

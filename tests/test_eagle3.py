@@ -421,3 +421,35 @@ def test_vllm_serves_our_eagle3_export_round_for_round(tiny_target):
     assert ok, why
     assert rep["by_temperature"]["1"]["disagreements"] == [], format_judge(rep)
     assert rep["problems"] == [], format_judge(rep)
+
+
+# ------------------------------------------------------------------ memory plan and recipes
+def test_memory_plan_counts_the_per_branch_step_caches(tmp_path):
+    """The plan's drafter activations of an EAGLE-3 drafter: every context row through the layer, N * (W - 1) step
+    rows, and the step caches (stacked q / k / v of the steps so far: quadratic in W); the same formula by hand."""
+    from specopd.config import load_recipe
+    from specopd.memory import check_memory
+
+    cfg = load_recipe(None, ["model.target=tiny:llama", f"trainer.output_dir={tmp_path}", "drafter.kind=eagle3",
+                             "drafter.block_size=5"])
+    p = check_memory(cfg, device_bytes=10 ** 12)
+    got = next(t for t in p.terms if t.name == "drafter activations").bytes
+    s = p.sizes
+    n, w, d, act = s["branches"], 4, s["hidden"], 4  # fp32 on the CPU
+    hq, hkv, i, h = 4 * 16, 2 * 16, 128, 4  # tiny llama: 4 heads / 2 KV heads of 16, MLP 128
+    ctx = s["sequences_per_gpu"] * s["seq_len"]
+    row = (8 * d + 3 * hq + 6 * hkv + 4 * i) * act + 4 * h
+    want = (ctx + n * (w - 1)) * row + n * (w * (w - 1) // 2) * (hq + 2 * hkv) * act + ctx * d * act + 2 * n * w * d * act
+    assert got == want, (got, want)
+    assert "step caches" in next(t for t in p.terms if t.name == "drafter activations").how
+
+
+@pytest.mark.parametrize("recipe", ["qwen3-8b-eagle3-8gpu.yaml", "qwen3.5-27b-eagle3-8gpu.yaml"])
+def test_8gpu_eagle3_recipes_plan_and_fit(recipe):
+    from specopd.config import load_recipe
+    from specopd.memory import check_memory
+
+    cfg = load_recipe(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", recipe))
+    p = check_memory(cfg)
+    assert cfg.drafter.kind == "eagle3" and p is not None and p.fits and p.shape_source.startswith("recipe model.shape")
+    assert p.sizes["branches"] >= 128  # hundreds of branches per GPU
