@@ -382,7 +382,7 @@ def test_tiny_recipe_trains_resumes_bitwise_and_exports(tmp_path, method, capsys
 
 
 # ------------------------------------------------------------------ the outside judge: vLLM serves our export
-from tests.test_vllm import EOS, QUESTIONS, WHY, tiny_target  # noqa: E402,F401
+from tests.test_vllm import EOS, WHY, tiny_target, trained_export  # noqa: E402,F401
 
 
 @pytest.mark.slow
@@ -390,26 +390,11 @@ from tests.test_vllm import EOS, QUESTIONS, WHY, tiny_target  # noqa: E402,F401
 def test_vllm_serves_our_eagle3_export_round_for_round(tiny_target):
     """vLLM (``method: eagle3``) serving our export of an EAGLE-3 drafter trained 20 steps on a tiny target agrees
     with our decoder on vLLM's schedule: at T = 0 every round of every prompt equal, at T = 1 within noise."""
-    from specopd.config import load_recipe
-    from specopd.data.prepare import encode_prompt, load_tokenizer
-    from specopd.drafters.layout import export_folder
     from specopd.eval.engine import format_judge, judge
-    from specopd.runs.checkpoint import find_latest
-    from specopd.train.loop import train
 
-    tdir, root = tiny_target
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_recipe(os.path.join(repo, "recipes", "tiny-eagle3.yaml"), [
-        f"trainer.output_dir={root / 'e3run'}", f"model.target={tdir}", "trainer.max_steps=20",
-        "trainer.save_every=0", "profile.enabled=false"])
-    train(cfg, progress=False)
-    ck = find_latest(str(root / "e3run"))
-    export = str(root / "e3export")
-    export_folder(ck, export)
-    tok = load_tokenizer(tdir, 128)
-    prompts = [encode_prompt(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    rep = judge(tdir, export, prompts, 32, (0.0, 1.0), [EOS], "float32", seed=0, plain=True, checkpoint=ck,
-                work_dir=str(root / "e3judge"))
+    s = trained_export(tiny_target, "tiny-eagle3.yaml", "e3")
+    rep = judge(s["target"], s["export"], s["prompts"], 32, (0.0, 1.0), [EOS], "float32", seed=0, plain=True,
+                checkpoint=s["checkpoint"], work_dir=str(s["root"] / "e3judge"))
     print(format_judge(rep))
     checks = rep["checks"]
     assert checks["vllm speculative greedy == our greedy"][0], format_judge(rep)

@@ -51,6 +51,11 @@ def tiny_target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(tiny_target):
     """The tiny target, a DFlash drafter trained 20 steps, its export, the prompts."""
+    return trained_export(tiny_target, "tiny.yaml", "")
+
+
+def trained_export(tiny_target, recipe: str, tag: str) -> dict:
+    """A drafter of ``recipes/<recipe>`` trained 20 steps on the tiny target, exported; with the prompts."""
     from specopd.config import load_recipe
     from specopd.data.prepare import encode_prompt, load_tokenizer
     from specopd.drafters.layout import export_folder
@@ -59,12 +64,12 @@ def served(tiny_target):
 
     tdir, root = tiny_target
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_recipe(os.path.join(repo, "recipes", "tiny.yaml"), [
-        f"trainer.output_dir={root / 'run'}", f"model.target={tdir}", "trainer.max_steps=20", "trainer.save_every=0",
-        "profile.enabled=false"])
+    cfg = load_recipe(os.path.join(repo, "recipes", recipe), [
+        f"trainer.output_dir={root / (tag + 'run')}", f"model.target={tdir}", "trainer.max_steps=20",
+        "trainer.save_every=0", "profile.enabled=false"])
     train(cfg, progress=False)
-    ck = find_latest(str(root / "run"))
-    export = str(root / "export")
+    ck = find_latest(str(root / (tag + "run")))
+    export = str(root / (tag + "export"))
     export_folder(ck, export)
     tok = load_tokenizer(tdir, 128)
     prompts = [encode_prompt(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
