@@ -221,7 +221,8 @@ class _MaxVocabTensor(TorchDispatchMode):
 
 @pytest.mark.parametrize("kind,method", [("dflash", "specopd"), ("dspark", "specopd"), ("dflash", "draft_opd"),
                                          ("dflash", "offpolicy_ce"), ("dflash2", "specopd"),
-                                         ("dflash2", "draft_opd"), ("dflash2", "offpolicy_ce")])
+                                         ("dflash2", "draft_opd"), ("dflash2", "offpolicy_ce"),
+                                         ("eagle3", "specopd"), ("eagle3", "offpolicy_ce"), ("eagle3", "draft_opd")])
 def test_step_never_holds_branch_logits(tmp_path, kind, method):
     """No op of a whole training step (prefill, propose, score, loss, backward, optimizer) or of the held-out
     evaluation outputs a vocabulary-sized tensor (other than weights, V2's codebooks [V, r] among them) larger than
