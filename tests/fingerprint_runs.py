@@ -1,7 +1,7 @@
 """Fingerprints of the tiny recipes' runs: the proof that a refactor changed no behaviour.
 
 Runs tiny / tiny-gdn / tiny-qsa on the local and Ray backends, tiny with each other drafter kind (dspark,
-dflash2), and tiny on every schedule of the step (two data-parallel workers, split roles on both backends,
+dflash2; EAGLE-3 through recipes/tiny-eagle3.yaml), and tiny on every schedule of the step (two data-parallel workers, split roles on both backends,
 batch-invariant, Draft-OPD and the two off-policy methods), each straight through and as a stop + resume, and
 prints one sha256 per run over every checkpoint file and every metrics.jsonl / train_summary.json value that is not
 a wall time, with the run's own (temporary) folder written as <out> (state.json and the summary name it; the
@@ -29,6 +29,7 @@ RECIPES = ["tiny", "tiny-gdn", "tiny-qsa"]
 RUNS = ([(recipe, recipe, ["local", "ray"], []) for recipe in RECIPES]
         + [("tiny+dspark", "tiny", ["local"], ["drafter.kind=dspark"]),
            ("tiny+dflash2", "tiny", ["local"], ["drafter.kind=dflash2"]),
+           ("tiny-eagle3", "tiny-eagle3", ["local"], []),  # EAGLE-3 as its recipe writes it
            # every schedule of the step: data-parallel workers, split roles, batch-invariant, each method
            ("tiny+2workers", "tiny", ["local"], ["runtime.num_workers=2"]),
            ("tiny+split", "tiny", ["local", "ray"], ["runtime.roles=split"]),  # 1 target + 1 drafter worker
