@@ -192,14 +192,14 @@ class Evaluator:
         return res
 
 
-def dataset_replies(cfg, prep: dict, out: str) -> str:
+def dataset_replies(cfg, prep, out: str) -> str:
     """The dataset's own replies to the prompts the pipeline's references answer -> <out>/main/data/...jsonl."""
     from specopd.data.conversations import write_dataset_replies
     from specopd.data.prepare import load_tokenizer
     from specopd.mainjob import reference_prompts
     from specopd.models.loading import read_config
 
-    tok = load_tokenizer(prep["target_dir"], int(read_config(prep["target_dir"])["vocab_size"]))
+    tok = load_tokenizer(prep.target_dir, int(read_config(prep.target_dir)["vocab_size"]))
     path = os.path.join(out, "main", "data", f"dataset_replies_{cfg.pipeline.data_num}.jsonl")
     c = write_dataset_replies(tok, path, reference_prompts(cfg.pipeline, tok), cfg.data.seq_len)
     print(f"[bench_al] the dataset's own replies: {c['written']} references ({c['supervised_tokens']} response "
@@ -207,7 +207,7 @@ def dataset_replies(cfg, prep: dict, out: str) -> str:
     return path
 
 
-def regenerate(cfg, prep: dict, args, out: str) -> dict:
+def regenerate(cfg, prep, args, out: str) -> dict:
     """regen_ce's references: the target answers the prompts of the train conversations the equal-steps runs
     draw (``--steps`` x data.batch_size, in their order), as a user regenerates their data before training.
     Resumable (``prepare_data`` skips answered prompts); the seconds of each attempt that ended are summed.
@@ -227,7 +227,7 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
     want = list(dict.fromkeys(samples[i]["id"] for i in order))  # each conversation once, in the order drawn
     # ShareGPT's chunks that open with a reply keep it as context before their first user turn's answer
     by_id = dict(conversation_prompts(conversations_file(cfg.data.path), cfg.data.bad_lines, opening_context=True))
-    tok = load_tokenizer(prep["target_dir"], int(read_config(prep["target_dir"])["vocab_size"]))
+    tok = load_tokenizer(prep.target_dir, int(read_config(prep.target_dir)["vocab_size"]))
     room = {rid: cfg.data.seq_len - len(encode_prompt(tok, by_id[rid])) for rid in want if rid in by_id}
     prompts = [(rid, by_id[rid]) for rid in want if room.get(rid, 0) > cfg.drafter.block_size]
     engine, why = auto_engine() if args.regen_engine == "auto" else (args.regen_engine, "--regen-engine")
@@ -244,7 +244,7 @@ def regenerate(cfg, prep: dict, args, out: str) -> dict:
         print(f"[bench_al] regen_ce: the target answers them (<= {n_new} tokens, T={args.regen_temperature:g}) with "
               f"the {engine} engine ({why}) -> {rdir}", flush=True)
         t0 = time.perf_counter()
-        counts = prepare_data(prep["target_dir"], rdir, prompts=prompts, prompts_label=f"bench_al: {cfg.data.path}",
+        counts = prepare_data(prep.target_dir, rdir, prompts=prompts, prompts_label=f"bench_al: {cfg.data.path}",
                               max_new_tokens=n_new, temperature=args.regen_temperature, top_p=1.0, seed=0,
                               heldout_fraction=0.0, device="cpu" if cfg.model.device == "auto" else cfg.model.device,
                               dtype=dtype, batch_size=cfg.pipeline.data_batch_size, engine=engine,
@@ -506,6 +506,8 @@ def main(argv=None) -> int:
     print(cmd, flush=True)
     print(provenance_line(), flush=True)
 
+    from dataclasses import asdict, replace
+
     from specopd.config import load_recipe
     from specopd.mainjob import prepare, stage_cfg
     from specopd.models import load_target
@@ -530,8 +532,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     prep = prepare(cfg)
     if args.references == "dataset":
-        prep["train_data"] = cfg.data.path = dataset_replies(cfg, prep, args.out)
-    if not prep["warm"]:
+        cfg.data.path = dataset_replies(cfg, prep, args.out)
+        prep = replace(prep, train_data=cfg.data.path)
+    if not prep.warm:
         raise SystemExit("bench_al: the recipe gives no starting drafter (drafter.init_from or a warm-up)")
     W = int(cfg.drafter.block_size) - 1  # drafted tokens (block_size counts the anchor)
 
@@ -553,9 +556,9 @@ def main(argv=None) -> int:
                                             regen if m == "regen_ce" else None, keep_trunks=not args.no_keep_trunks)
                                   if n > 0 else None)
 
-    target = load_target(prep["target_dir"])
+    target = load_target(prep.target_dir)
     scfg = stage_cfg(cfg, prep)  # model.target: the prepared folder
-    evs = {b: Evaluator(prep["target_dir"], args, args.out, bench=b, target=target, cfg=scfg) for b in benches}
+    evs = {b: Evaluator(prep.target_dir, args, args.out, bench=b, target=target, cfg=scfg) for b in benches}
 
     def ev(folder: str, real: bool) -> dict:
         return {b: e(folder, real) for b, e in evs.items()}
@@ -563,12 +566,12 @@ def main(argv=None) -> int:
     def flat(res: dict) -> dict:
         return {f"{b}/{k}": v["mean_al"] for b, r in res.items() for k, v in r.items()}
 
-    warm_res = ev(prep["warm"], real=True)
+    warm_res = ev(prep.warm, real=True)
     rows = [_row("starting drafter (every method's step 0)", "warm", "start", 0, 0.0, 0.0, warm_res,
-                 checkpoint=prep["warm"])]
+                 checkpoint=prep.warm)]
     curves = {}
     for m, r in runs.items():
-        pts = [{"step": 0, "wall_s": r["regen_s"], "checkpoint": prep["warm"], **flat(warm_res)}]
+        pts = [{"step": 0, "wall_s": r["regen_s"], "checkpoint": prep.warm, **flat(warm_res)}]
         last = r["checkpoints"][-1][0]
         for step, folder in r["checkpoints"]:
             res = ev(folder, real=args.real_at == "all" or step == last)
@@ -583,7 +586,7 @@ def main(argv=None) -> int:
     equal_time = {}
     for m, r in equal_time_runs.items():
         if r is None:  # regen_ce: regenerating alone took the budget
-            step, folder, train_s, loss = 0, prep["warm"], 0.0, None
+            step, folder, train_s, loss = 0, prep.warm, 0.0, None
         else:
             step, folder = r["checkpoints"][-1]
             train_s, loss = r["wall_at"].get(step, float("nan")), r["loss_at"].get(step)
@@ -593,7 +596,7 @@ def main(argv=None) -> int:
                          "checkpoint": folder, "budget_s": budget, **flat(res)}
         rows.append(_row(f"{m} (equal time)", m, "equal_time", step, train_s, regen_s, res, loss, checkpoint=folder))
 
-    title = (f"{os.path.basename(args.recipe)}: every method from {prep['warm']}, "
+    title = (f"{os.path.basename(args.recipe)}: every method from {prep.warm}, "
              f"{', '.join(f'{BENCH_NAMES[b]} ({len(e.prompts)})' for b, e in evs.items())} x {args.max_new_tokens} "
              f"tokens, W={W}; AL incl. bonus")
     print(f"\n{provenance_line()}\n{cmd}\n{title}")
@@ -608,7 +611,7 @@ def main(argv=None) -> int:
                                    if "regen_ce" in equal_time else ""))
     data = {"command": cmd, "provenance": provenance_line(), "title": title, "recipe": args.recipe,
             "overrides": args.overrides, "methods": methods, "benches": benches,
-            "prepare": {k: v for k, v in prep.items() if k != "cfg"}, "warm": flat(warm_res),
+            "prepare": asdict(prep), "warm": flat(warm_res),
             "curves": curves, "equal_time": equal_time, "budget_s": budget, "regen": regen,
             "rows": [{k: v for k, v in r.items() if k != "_res"} for r in rows], "specopd_minus": diffs,
             "specopd_minus_along_curve": curve_diffs,

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch
 
@@ -38,7 +40,28 @@ def _stage(name: str):
     return time.perf_counter()
 
 
-def _target_dir(name: str) -> str:
+@dataclass(frozen=True)
+class Prepared:
+    """What stages 1-3 hand the later ones (paths, never the recipe): the target's folder, the trainer's data and
+    the starting drafter."""
+    target_dir: str
+    """The target's Hugging Face folder (stage 1)."""
+    references: str
+    """Where the trunks come from (stage 2): the references' folder, or the conversations file."""
+    train_data: str
+    """The trainer's data (``data.path`` of the training stages)."""
+    warm: Optional[str]
+    """The starting drafter's folder (stage 3: the warm-up's checkpoint or ``drafter.init_from``); None: fresh."""
+    num_references: int = 0
+    reference_tokens: Optional[int] = None
+    times: dict = field(default_factory=dict, compare=False)
+    """Wall seconds per stage."""
+
+
+def target_stage(model) -> str:
+    """Stage 1 -> the target's folder; ``model``: the recipe's model section (``model.target``: a folder, or a
+    `specopd prepare model` name, converted once)."""
+    name = model.target
     if os.path.isdir(name):
         return name
     if name in MODELS:
@@ -102,17 +125,25 @@ def _write_train_data(recs: list, path: str) -> None:
                                 "prompt_len": int(r.get("response_start", r["prompt_len"]))}) + "\n")
 
 
-def stage_cfg(cfg, prep: dict, **kw):
-    """The recipe of one training stage: a copy of the main recipe with the pipeline off, the prepared target
-    and data, the drafter initialised from the warm drafter (``prep["warm"]``, if any), and ``kw`` as trainer
-    overrides (e.g. method=..., output_dir=..., max_steps=..., lr=...). A stage whose method takes no CE term
-    (off-policy CE, Draft-OPD: ``CE_TERM_METHODS``) trains with ``trainer.ce_weight`` 0 (and reference labels, so
-    that its recorded recipe loads again)."""
+def training_recipe(cfg):
+    """The recipe the training stages take: a copy of the main recipe with its pipeline off, a plain training
+    recipe (the pipeline's keys stay, inert, so that each checkpoint records the job it came from)."""
     c = copy.deepcopy(cfg)
     c.pipeline.enabled = False
-    c.model.target = prep["target_dir"]
-    if prep.get("warm"):
-        c.drafter.init_from = prep["warm"]
+    return c
+
+
+def stage_cfg(run, prep: Prepared, **kw):
+    """The recipe of one training stage: ``training_recipe`` ``run`` (a main recipe is turned into one) on the
+    prepared target and data, the drafter initialised from the starting drafter (``prep.warm``, if any), and
+    ``kw`` as trainer overrides (e.g. method=..., output_dir=..., max_steps=..., lr=...). A stage whose method takes
+    no CE term (off-policy CE, Draft-OPD: ``CE_TERM_METHODS``) trains with ``trainer.ce_weight`` 0 (and reference
+    labels, so that its recorded recipe loads again)."""
+    c = training_recipe(run)
+    c.model.target = prep.target_dir
+    c.data.path = prep.train_data
+    if prep.warm:
+        c.drafter.init_from = prep.warm
     for k, v in kw.items():
         if not hasattr(c.trainer, k):
             raise KeyError(f"stage_cfg: trainer has no key {k!r}")
@@ -122,56 +153,81 @@ def stage_cfg(cfg, prep: dict, **kw):
     return c
 
 
-def _warmup_cfg(cfg, target_dir: str, out: str):
-    pl = cfg.pipeline
-    c = stage_cfg(cfg, {"target_dir": target_dir}, method=pl.warmup_method, output_dir=out,
-                  max_steps=pl.warmup_steps, save_every=0, lr=pl.warmup_lr, min_lr_ratio=pl.warmup_min_lr_ratio,
-                  lr_warmup_steps=min(cfg.trainer.lr_warmup_steps, pl.warmup_steps), eval_heldout=False,
+def _warmup_cfg(run, pl, prep: Prepared, out: str):
+    c = stage_cfg(run, prep, method=pl.warmup_method, output_dir=out, max_steps=pl.warmup_steps, save_every=0,
+                  lr=pl.warmup_lr, min_lr_ratio=pl.warmup_min_lr_ratio,
+                  lr_warmup_steps=min(run.trainer.lr_warmup_steps, pl.warmup_steps), eval_heldout=False,
                   cache_trunks=pl.warmup_method.startswith("offpolicy"))  # each reference prefilled once
     c.drafter.init_from = None
     c.profile.enabled = False
     return c
 
 
-def prepare(cfg, progress: bool = True) -> dict:
-    """Stages 1-3 (each cached): -> {target_dir, references, train_data, warm (checkpoint folder or None), times}."""
-    pl, times = cfg.pipeline, {}
-    t0 = _stage(f"1/5 target {cfg.model.target}")
-    target_dir = _target_dir(cfg.model.target)
-    times["target"] = time.perf_counter() - t0
-
-    if cfg.data.source == "conversations":  # trunks as the file has them: the target scores, nothing is decoded
-        t0 = _stage(f"2/5 trunks: the conversations of data.path={cfg.data.path} as they are (no regeneration)")
-        ref_dir, recs, n_tok = conversations_file(cfg.data.path), [], None
+def references_stage(pl, model, data, kernels, target_dir: str) -> tuple:
+    """Stage 2 -> (where the trunks come from, references, their response tokens or None): the target's answers
+    to the chat prompts written to ``data.path``, or (``data.source: conversations``) the file as it is.
+    ``pl``, ``model``, ``data``, ``kernels``: the recipe's pipeline, model, data and kernels sections."""
+    if data.source == "conversations":  # trunks as the file has them: the target scores, nothing is decoded
+        _stage(f"2/5 trunks: the conversations of data.path={data.path} as they are (no regeneration)")
+        ref_dir = conversations_file(data.path)
         print(f"[specopd] {ref_dir}: the target's chat template, the loss on assistant turns (data.source: "
               f"conversations)")
-    else:
-        t0 = _stage(f"2/5 references: {pl.data_num} chat prompts x <= {pl.data_max_new_tokens} tokens answered by "
-                    f"the target (T={pl.data_temperature:g})")
-        ref_dir, recs = _references(pl, cfg.model, target_dir, cfg.kernels)
-        _write_train_data(recs, cfg.data.path)
-        n_tok = sum(len(r["input_ids"]) - int(r.get("response_start", r["prompt_len"])) for r in recs)
-        print(f"[specopd] {len(recs)} references ({n_tok} response tokens) -> {cfg.data.path}")
-    times["references"] = time.perf_counter() - t0
+        return ref_dir, 0, None
+    _stage(f"2/5 references: {pl.data_num} chat prompts x <= {pl.data_max_new_tokens} tokens answered by "
+           f"the target (T={pl.data_temperature:g})")
+    ref_dir, recs = _references(pl, model, target_dir, kernels)
+    _write_train_data(recs, data.path)
+    n_tok = sum(len(r["input_ids"]) - int(r.get("response_start", r["prompt_len"])) for r in recs)
+    print(f"[specopd] {len(recs)} references ({n_tok} response tokens) -> {data.path}")
+    return ref_dir, len(recs), n_tok
 
-    warm = None
-    if pl.warmup_steps == 0 and cfg.drafter.init_from:
-        t0 = _stage(f"3/5 starting drafter: {cfg.drafter.init_from} (drafter.init_from; no warm-up)")
-        warm = cfg.drafter.init_from
+
+def warmup_stage(run, pl, prep: Prepared, progress: bool = True) -> Optional[str]:
+    """Stage 3 -> the starting drafter's folder (None: a fresh drafter): ``drafter.init_from`` without a warm-up,
+    else the warm-up's last checkpoint (trained once into <output_dir>/warmup). ``run``: the training recipe
+    (``training_recipe``); ``pl``: the pipeline section (``warmup_*``); ``prep``: stages 1-2's hand-off."""
+    init = run.drafter.init_from
+    if pl.warmup_steps == 0:
+        _stage(f"3/5 starting drafter: {init} (drafter.init_from; no warm-up)" if init else
+               f"3/5 warm-up: {pl.warmup_method}, 0 steps from a fresh drafter")
+        return init or None
+    _stage(f"3/5 warm-up: {pl.warmup_method}, {pl.warmup_steps} steps from a fresh drafter")
+    wout = os.path.join(run.trainer.output_dir, "warmup")
+    done = [s for s, _ in complete_checkpoints(wout)]
+    if done and max(done) >= pl.warmup_steps:
+        print(f"[specopd] warm drafter exists: {find_latest(wout)}")
     else:
-        t0 = _stage(f"3/5 warm-up: {pl.warmup_method}, {pl.warmup_steps} steps from a fresh drafter")
-    if pl.warmup_steps > 0:
-        wout = os.path.join(cfg.trainer.output_dir, "warmup")
-        done = [s for s, _ in complete_checkpoints(wout)]
-        if done and max(done) >= pl.warmup_steps:
-            print(f"[specopd] warm drafter exists: {find_latest(wout)}")
-        else:
-            train(_warmup_cfg(cfg, target_dir, wout), progress=progress)
-        warm = find_latest(wout)
-        print(f"[specopd] warm drafter: {warm}")
+        train(_warmup_cfg(run, pl, prep, wout), progress=progress)
+    warm = find_latest(wout)
+    print(f"[specopd] warm drafter: {warm}")
+    return warm
+
+
+def prepare(cfg, progress: bool = True) -> Prepared:
+    """Stages 1-3 (each cached) of the main recipe ``cfg``, each given only its sections -> ``Prepared``."""
+    times = {}
+    t0 = _stage(f"1/5 target {cfg.model.target}")
+    target_dir = target_stage(cfg.model)
+    times["target"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ref_dir, n_refs, n_tok = references_stage(cfg.pipeline, cfg.model, cfg.data, cfg.kernels, target_dir)
+    times["references"] = time.perf_counter() - t0
+    prep = Prepared(target_dir, ref_dir, cfg.data.path, None, n_refs, n_tok, times)
+    t0 = time.perf_counter()
+    warm = warmup_stage(training_recipe(cfg), cfg.pipeline, prep, progress=progress)
     times["warmup"] = time.perf_counter() - t0
-    return {"target_dir": target_dir, "references": ref_dir, "train_data": cfg.data.path, "num_references": len(recs),
-            "reference_tokens": n_tok, "warm": warm, "times": times}
+    return replace(prep, warm=warm)
+
+
+def train_stage(run, prep: Prepared, progress: bool = True) -> tuple:
+    """Stage 4 -> (the training summary, the final checkpoint's folder or None): ``trainer.method`` from the
+    starting drafter on ``runtime``. ``run``: the training recipe (``training_recipe``); ``prep``: stages 1-3's
+    hand-off (the target, the data, the starting drafter)."""
+    t = run.trainer
+    _stage(f"4/5 train: {t.method}, {t.max_steps} steps from the warm drafter on {run.runtime.backend} "
+           f"({run.runtime.num_workers} workers)")
+    summary = train(stage_cfg(run, prep), progress=progress)
+    return summary, find_latest(t.output_dir)
 
 
 def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
@@ -266,13 +322,11 @@ def _run(cfg, progress: bool) -> dict:
     t_all = time.perf_counter()
     out = cfg.trainer.output_dir
     prep = prepare(cfg, progress=progress)
-    times = dict(prep["times"])
-    warm = prep["warm"]
+    times = dict(prep.times)
+    warm = prep.warm
 
-    t0 = _stage(f"4/5 train: {cfg.trainer.method}, {cfg.trainer.max_steps} steps from the warm drafter on "
-                f"{cfg.runtime.backend} ({cfg.runtime.num_workers} workers)")
-    summary = train(stage_cfg(cfg, prep), progress=progress)
-    final = find_latest(out)
+    t0 = time.perf_counter()
+    summary, final = train_stage(training_recipe(cfg), prep, progress=progress)
     times["train"] = time.perf_counter() - t0
 
     temps = list(cfg.pipeline.eval_temperatures)
@@ -288,11 +342,11 @@ def _run(cfg, progress: bool) -> dict:
     rows = [before,
             (f"after: + {cfg.trainer.method} ({summary['steps']} steps)", final)]
     # vLLM's counters and ours on vLLM's schedule side by side, when vLLM is there; ours alone for the rest
-    results = judge_rows(cfg, prep["target_dir"], rows, progress=progress)
+    results = judge_rows(cfg, prep.target_dir, rows, progress=progress)
     done = {r["checkpoint"] for r in results}
     rest = [(label, path) for label, path in rows if not path or path not in done]
     if rest:
-        results = evaluate_rows(cfg, prep["target_dir"], rest, progress=progress) + results
+        results = evaluate_rows(cfg, prep.target_dir, rest, progress=progress) + results
     times["eval"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_all
 
@@ -310,15 +364,15 @@ def _run(cfg, progress: bool) -> dict:
     title = (f"\nAcceptance length (AL = tokens committed per target verification round, incl. the bonus token; max "
              f"{w + 1})\n{provenance_line()}\n{what}, {cfg.eval.max_new_tokens} new tokens each, speculative decoding "
              f"(T=0: greedy, exact match, replayed exactly on the target's greedy continuation; T>0: decoded), "
-             f"{cfg.drafter.kind} W={w}, target {os.path.basename(prep['target_dir'])}")
+             f"{cfg.drafter.kind} W={w}, target {os.path.basename(prep.target_dir)}")
     print(format_al_table(results, temps, w, title))
     print(f"\nwarm-up drafter: {warm}\nfinal drafter:   {final}")
-    export = _export_final(final, out, prep["target_dir"])
+    export = _export_final(final, out, prep.target_dir)
     if cfg.profile.enabled:
         print(f"profile: {os.path.join(out, 'profile')}/timeline.png, trace.json, summary.json")
     print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
-    res = {"table": results, "times_s": times, "train_summary": summary, "references": prep["references"],
-           "num_references": prep["num_references"], "reference_tokens": prep["reference_tokens"],
+    res = {"table": results, "times_s": times, "train_summary": summary, "references": prep.references,
+           "num_references": prep.num_references, "reference_tokens": prep.reference_tokens,
            "warm_checkpoint": warm, "final_checkpoint": final, "export": export, "eval_prompts": cfg.eval.prompts,
            "eval_temperatures": temps, "al_includes_bonus": True}
     with open_write(os.path.join(out, "mainjob_summary.json")) as f:

@@ -165,14 +165,15 @@ def test_a_stage_without_a_ce_term_records_a_recipe_that_loads(tmp_path):
     """stage_cfg turns the CE term off for off-policy CE and Draft-OPD stages; with trainer.ce_labels=target in the
     main recipe the stage's recorded recipe must still load (ce_labels needs ce_weight > 0)."""
     from specopd.config import load_recipe, to_yaml
-    from specopd.mainjob import stage_cfg
+    from specopd.mainjob import Prepared, stage_cfg
 
     cfg = load_recipe(None, ["trainer.ce_weight=0.3", "trainer.ce_labels=target"])
+    prep = Prepared(str(tmp_path), "refs", cfg.data.path, None)
     for method in ("offpolicy_ce", "draft_opd"):
-        c = stage_cfg(cfg, {"target_dir": str(tmp_path)}, method=method)
+        c = stage_cfg(cfg, prep, method=method)
         assert (c.trainer.ce_weight, c.trainer.ce_labels) == (0.0, "reference")
         path = tmp_path / f"{method}.yaml"
         path.write_text(to_yaml(c))
         assert load_recipe(str(path)).trainer.method == method
-    kept = stage_cfg(cfg, {"target_dir": str(tmp_path)}, method="specopd")
+    kept = stage_cfg(cfg, prep, method="specopd")
     assert (kept.trainer.ce_weight, kept.trainer.ce_labels) == (0.3, "target")
