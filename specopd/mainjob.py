@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import torch
-
 from specopd.config import CE_TERM_METHODS, auto_dtype, eval_dtype
 from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
 from specopd.data.packaged import conversations_file
@@ -26,7 +24,7 @@ from specopd.engines import EngineFailed, auto_engine
 from specopd.errors import open_write, remove_path, replacing
 from specopd.eval.bench import by_category, format_categories, provenance_line, run_prompts
 from specopd.eval.cli import acceptance_cells, evaluate_al
-from specopd.eval.engine import judge_rows
+from specopd.eval.engine import judge_rows, torch_threads
 from specopd.eval.replay import greedy_continuations, replay_greedy_al
 from specopd.models import load_target
 from specopd.models.loading import check_device, read_config, resolve_dtype
@@ -245,12 +243,8 @@ def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> li
     Returns:
         [{drafter, checkpoint, by_temperature: {T: numbers}}].
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))  # the driver's evaluation: every core, then back
-    try:
+    with torch_threads(os.cpu_count() or 1):  # the driver's evaluation: every core, then back
         return _evaluate_rows(cfg, target_dir, rows, progress)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _evaluate_rows(cfg, target_dir: str, rows: list, progress: bool) -> list:

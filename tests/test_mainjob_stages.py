@@ -1,9 +1,10 @@
 """The main job's stages: each takes only its own sections and hands the next a ``Prepared`` (paths, never the
-recipe)."""
+recipe); the evaluation decodes our side while vLLM's process runs, with the numbers of one after the other."""
 from __future__ import annotations
 
 import copy
 import os
+import threading
 
 import pytest
 
@@ -56,3 +57,89 @@ def test_target_and_references_stages_take_their_sections(tmp_path, monkeypatch)
     ref, n, tokens = references_stage(cfg.pipeline, cfg.model, cfg.data, cfg.kernels, "unused: nothing is decoded")
     assert (ref, n, tokens) == (str(data), 0, None)
     assert sorted(os.listdir(tmp_path)) == ["sg.json", "t"]
+
+
+def _judge_setup(tmp_path, monkeypatch):
+    """A tiny target, two drafter checkpoints and a stand-in for vLLM's process (deterministic counters) that
+    records whether our side decoded while it ran."""
+    import torch
+
+    import specopd.eval.engine as engine
+    from specopd.drafters import build_drafter, export_drafter
+    from specopd.models import load_target
+    from test_data import write_char_tokenizer
+
+    target_dir = make_tiny_checkpoint("llama", tmp_path / "t", vocab_size=128, num_hidden_layers=1,
+                                      max_position_embeddings=256, eos_token_id=2)
+    write_char_tokenizer(target_dir)
+    target = load_target(target_dir)
+    paths = []
+    for seed in (0, 1):
+        d = build_drafter("dflash", target, num_layers=1, block_size=3, seed=seed, feature_layers=[0])
+        paths.append(export_drafter(d, str(tmp_path / f"drafter-{seed}")))
+    cfg = tiny_recipe(str(tmp_path / "run"), [f"model.target={target_dir}", "drafter.block_size=3",
+                                              "drafter.feature_layers=[0]", "eval.prompts=2",
+                                              "eval.max_new_tokens=5", "pipeline.eval_temperatures=[0.0,1.0]"])
+    seen = {"ours_started": threading.Event()}
+    real_greedy = engine.greedy_continuations
+
+    def greedy(*a, **kw):
+        seen["ours_started"].set()
+        return real_greedy(*a, **kw)
+
+    def fake_vllm(target_dir, exports, prompts, max_new_tokens, temps, stops, dtype, seed=0, work_dir=None):
+        seen["vllm_first"] = not seen["ours_started"].is_set()
+        seen["thread"] = threading.current_thread() is not threading.main_thread()
+        seen["overlap"] = seen["vllm_first"] and seen["ours_started"].wait(timeout=30)  # ours starts meanwhile
+        g = torch.Generator().manual_seed(len(prompts))
+        return [{"num_speculative_tokens": 2, "patched": [], "runs": [
+            {"temperature": t, "tokens_per_s": 1.0, "wall_s": 1.0,
+             "counters": {"num_drafts": 10, "num_draft_tokens": 20, "num_accepted_tokens": int(a),
+                          "accepted_per_pos": [int(a), 0]},
+             "outputs": [{"token_ids": [], "finish": "length", "steps": None} for _ in prompts]}
+            for t, a in zip(temps, torch.randint(0, 10, (len(temps),), generator=g))]} for _ in exports]
+
+    monkeypatch.setenv("SPECOPD_VLLM_JUDGE", "1")
+    monkeypatch.setattr(engine, "vllm_missing_reason", lambda: None)
+    monkeypatch.setattr(engine, "greedy_continuations", greedy)
+    monkeypatch.setattr(engine, "run_judge_drafters", fake_vllm)
+    return cfg, target_dir, [("before", paths[0]), ("after", paths[1])], seen
+
+
+def _numbers(rows):
+    return [(r["drafter"], r["checkpoint"], {t: {k: v for k, v in x.items() if k != "times"}
+                                             for t, x in r["by_temperature"].items()}) for r in rows]
+
+
+def test_judge_rows_decode_ours_beside_vllm_with_the_same_numbers(tmp_path, monkeypatch):
+    """judge_rows: our side (greedy continuations, ours on vLLM's schedule at T=0 and T=1) decodes while vLLM's
+    process runs, and every number equals the one-after-the-other run's."""
+    from specopd.eval.engine import judge_rows
+
+    cfg, target_dir, rows, seen = _judge_setup(tmp_path, monkeypatch)
+    alone = judge_rows(cfg, target_dir, rows, progress=False, concurrent=False)
+    assert (seen["vllm_first"], seen["thread"]) == (False, False)  # one after the other, in this thread
+    seen["ours_started"].clear()
+    beside = judge_rows(cfg, target_dir, rows, progress=False, concurrent=True)
+    assert (seen["vllm_first"], seen["thread"], seen["overlap"]) == (True, True, True)  # ours began beside it
+    assert [r["drafter"] for r in alone] == ["before | vLLM", "before | ours, vLLM's schedule", "after | vLLM",
+                                             "after | ours, vLLM's schedule"]
+    assert _numbers(beside) == _numbers(alone)
+    ours = [r for r in alone if r["engine"] == "ours"]
+    assert all(r["by_temperature"][t]["rounds"] > 0 for r in ours for t in ("0", "1"))
+    assert ours[0]["by_temperature"]["1"] != ours[1]["by_temperature"]["1"]  # two drafters, two results
+
+
+def test_judge_rows_a_failed_vllm_process_leaves_the_rows_to_ours(tmp_path, monkeypatch, capsys):
+    """vLLM's process fails while our side decodes: the job goes on without the vLLM rows, saying why."""
+    import specopd.eval.engine as engine
+    from specopd.eval.engine import judge_rows
+
+    cfg, target_dir, rows, _ = _judge_setup(tmp_path, monkeypatch)
+
+    def broken(*a, **kw):
+        raise engine.EngineUnavailable("the stand-in vLLM died")
+
+    monkeypatch.setattr(engine, "run_judge_drafters", broken)
+    assert judge_rows(cfg, target_dir, rows, progress=False, concurrent=True) == []
+    assert "vLLM judge failed: the stand-in vLLM died" in capsys.readouterr().out

@@ -3,11 +3,13 @@ counters next to ours, on its schedule too. The two schedules: specopd/eval/DESI
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import tempfile
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -234,6 +236,28 @@ def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: in
                 tokens=tokens, temperature=float(temperature), block_size=k, how="decode", accept_lengths=lengths)
 
 
+def schedule_prompts(temperature: float, num_prompts: int, hot_prompts: Optional[Sequence[int]] = None) -> list:
+    """The prompts ours on vLLM's schedule decodes at ``temperature``: every one at T = 0 (a replay), at T > 0
+    ``hot_prompts`` (None: every one)."""
+    if temperature == 0 or hot_prompts is None:
+        return list(range(num_prompts))
+    return sorted(int(i) for i in hot_prompts)
+
+
+def ours_on_vllm_schedules(target, drafter, prompts: Sequence, max_new_tokens: int, temperatures: Sequence[float],
+                           stop_token_ids: Sequence[int] = (), seed: int = 0,
+                           hot_prompts: Optional[Sequence[int]] = None, greedy: Optional[Sequence] = None) -> dict:
+    """``ours_on_vllm_schedule`` at each temperature on ``schedule_prompts``: {f"{T:g}": result}. It needs nothing
+    of vLLM's run (each prompt's generator is seeded by its index), so the main job decodes it while vLLM runs and
+    hands it to ``judge`` (``ours``)."""
+    out = {}
+    for t in (float(x) for x in temperatures):
+        sel = schedule_prompts(t, len(prompts), hot_prompts)
+        out[f"{t:g}"] = ours_on_vllm_schedule(target, drafter, [prompts[i] for i in sel], max_new_tokens, t,
+                                              stop_token_ids, seed, greedy=greedy)
+    return out
+
+
 def disagreements(ours: dict, vllm: dict, temperature: float) -> list:
     """What differs beyond noise: at T = 0 any count; at T > 0 a per-position acceptance rate more than
     NOISE_SIGMAS standard errors apart. -> list of sentences (empty: they agree)."""
@@ -365,7 +389,7 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
           target=None, own: bool = True, vllm_default: bool = False, progress: bool = False,
           patch_vllm: bool = True, meta: Optional[Sequence[dict]] = None,
           hot_prompts: Optional[Sequence[int]] = None, greedy: Optional[Sequence] = None,
-          vllm_run: Optional[dict] = None) -> dict:
+          vllm_run: Optional[dict] = None, ours: Optional[dict] = None) -> dict:
     """Serve ``drafter_path`` (a checkpoint, exported here, or an export) with ``target_dir`` in vLLM and put
     its counters next to ours on the same prompts, max tokens and stops, at each temperature.
 
@@ -385,6 +409,9 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
         vllm_run: vLLM's speculative run of this drafter on ``prompts`` at ``temperatures`` (``run_judge``'s
             result), when the caller ran it (``run_judge_drafters``: several drafters in one vLLM process); None:
             run here.
+        ours: ours on vLLM's schedule (``ours_on_vllm_schedules`` of this drafter on the same prompts, seed,
+            ``hot_prompts`` and ``greedy``), when the caller decoded it (the main job, beside vLLM's run); None:
+            decoded here.
     Returns:
         {by_temperature: {T: {vllm, ours_vllm_schedule, ours (our own schedule, ``evaluate_al``),
         disagreements, accept_lengths: {side: tokens per round per prompt}, by_category (with meta)}}, checks: {name: (ok, detail)}, problems: [...], export, num_speculative_tokens,
@@ -448,12 +475,14 @@ def judge(target_dir: str, drafter_path: str, prompts: Sequence, max_new_tokens:
     report["num_speculative_tokens"] = spec["num_speculative_tokens"]
     report["vllm_patched"] = list(spec.get("patched", []))
     report["tokens_per_s"]["vllm_spec"] = {f"{r['temperature']:g}": r["tokens_per_s"] for r in spec["runs"]}
+    if ours is None:
+        ours = ours_on_vllm_schedules(target, drafter, prompts, max_new_tokens, temps, stop_token_ids, seed,
+                                      hot_prompts, greedy=full)
     for run in spec["runs"]:
         t = float(run["temperature"])
         v = vllm_numbers(run["counters"], k)
-        sel = list(range(len(prompts))) if t == 0 or hot_prompts is None else sorted(int(i) for i in hot_prompts)
-        ov = ours_on_vllm_schedule(target, drafter, [prompts[i] for i in sel], max_new_tokens, t, stop_token_ids,
-                                   seed, greedy=full)
+        sel = schedule_prompts(t, len(prompts), hot_prompts)
+        ov = ours[f"{t:g}"]
         mine = evaluate_al(target, drafter, [torch.as_tensor(p).reshape(-1) for p in prompts], max_new_tokens, t, seed,
                            stop_token_ids=stop_token_ids, progress=progress) if own else None
         # vLLM on the prompts ours decoded: its own per-request steps there, else (none reported) its counters
@@ -674,7 +703,57 @@ def format_judge(report: dict, title: str = "") -> str:
 
 
 # ------------------------------------------------------------------------------------------- the main job
-def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block, then back (the numbers do not depend on it)."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(n)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
+class VllmBeside:
+    """``fn(*args, **kw)`` (a vLLM process) in a thread from entering the ``with`` block on, while this thread does
+    its own work; ``concurrent=False``: on ``result()``, after it. ``result()`` returns what ``fn`` returned or
+    raises what it raised. Leaving the block waits for the thread, so no vLLM process outlives the caller's
+    work (an error in that work is raised once vLLM's process has ended)."""
+
+    def __init__(self, concurrent: bool, fn, *args, **kw):
+        self.concurrent, self.call, self.box, self.thread = concurrent, (fn, args, kw), {}, None
+
+    def _run(self):
+        fn, args, kw = self.call
+        try:
+            self.box["value"] = fn(*args, **kw)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+            self.box["error"] = e
+
+    def __enter__(self):
+        if self.concurrent:
+            self.thread = threading.Thread(target=self._run, name="specopd-vllm", daemon=False)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.thread is not None:
+            self.thread.join()
+        return False
+
+    def running(self) -> bool:
+        """Whether ``fn`` runs in its thread now."""
+        return self.thread is not None and self.thread.is_alive()
+
+    def result(self):
+        if self.thread is None and not self.box:
+            self._run()
+        if "error" in self.box:
+            raise self.box["error"]
+        return self.box["value"]
+
+
+def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True, concurrent: bool = True) -> list:
     """The main job's vLLM rows: each (label, checkpoint) served by vLLM on the held-out chat prompts at
     ``pipeline.eval_temperatures``, plus ours on vLLM's schedule (at T > 0 on ``eval.prompts`` of them, the same
     number per category, compared with vLLM's own steps there). vLLM's default argmax drafts at T > 0 (another
@@ -687,6 +766,8 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
         target_dir: the target's folder.
         rows: [(label, checkpoint folder)].
         progress: progress output.
+        concurrent: our side (the greedy continuations, ours on vLLM's schedule) decoded while vLLM's process
+            runs (the two share the machine's cores); False: after it. The numbers are the same either way.
 
     Returns:
         rows in ``evaluate_rows``' format for ``format_al_table`` (labels + " | vLLM", " | ours, vLLM's schedule").
@@ -703,31 +784,56 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     # T > 0: ours beside vLLM on eval.prompts of them (decoding each costs a target pass a round); T = 0 replays all
     hot = stratified(meta, cfg.eval.prompts) if meta is not None else list(range(min(len(prompts), cfg.eval.prompts)))
-    greedy = None  # the target's greedy continuations: one decode for every drafter's T = 0 replay
-    if any(float(t) == 0 for t in cfg.pipeline.eval_temperatures):
-        greedy = greedy_continuations(target, ids, cfg.eval.max_new_tokens + cfg.drafter.block_size - 1,
-                                      progress=progress)
     judged = [(label, path, os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)))
               for label, path in rows if path]
     temps = [float(t) for t in cfg.pipeline.eval_temperatures]
     vdir = os.path.join(cfg.trainer.output_dir, "vllm-judge", "vllm")
-    try:  # every drafter in one vLLM process, one engine after another
+    try:
         exports = [ensure_export(path, work) for _, path, work in judged]  # (export, checkpoint or None)
-        if progress:  # vLLM runs as its own process: say what it does and where its log is while it runs
-            print(f"[specopd] vLLM serves {len(exports)} drafter(s) on {len(prompts)} prompts at T="
-                  f"{', '.join(f'{t:g}' for t in temps)}, one process (a few minutes on a CPU; log in {vdir})",
-                  flush=True)
-        runs = run_judge_drafters(target_dir, [e for e, _ in exports], prompts, cfg.eval.max_new_tokens, temps, stops, dtype,
-                                  seed=cfg.eval.seed, work_dir=vdir)
+    except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
+        print(f"[specopd] vLLM judge failed: {e}", flush=True)
+        return []
+    if progress:  # vLLM runs as its own process: say what it does and where its log is while it runs
+        print(f"[specopd] vLLM serves {len(exports)} drafter(s) on {len(prompts)} prompts at T="
+              f"{', '.join(f'{t:g}' for t in temps)}, one process (a few minutes on a CPU; log in {vdir}); ours "
+              f"decodes beside it", flush=True)
+    # every drafter in one vLLM process, one engine after another; our side needs nothing of its run, so it is
+    # decoded meanwhile (``concurrent=False``: one after the other; the same numbers either way)
+    vllm = VllmBeside(concurrent, run_judge_drafters, target_dir, [e for e, _ in exports], prompts,
+                      cfg.eval.max_new_tokens, temps, stops, dtype, seed=cfg.eval.seed, work_dir=vdir)
+    driver = torch.get_num_threads()
+
+    def share():  # one thread beside vLLM's process (a second would wait at each barrier for a core its threads
+        return torch_threads(1 if vllm.running() else driver)  # hold), the driver's after it; the same numbers
+
+    with vllm:
+        greedy = None  # the target's greedy continuations: one decode for every drafter's T = 0 replay
+        if any(t == 0 for t in temps):
+            with share():
+                greedy = greedy_continuations(target, ids, cfg.eval.max_new_tokens + cfg.drafter.block_size - 1,
+                                              progress=progress)
+        ours = []
+        for _, path, _ in judged:
+            try:  # the drafter judge() checks the export against: the checkpoint, or the released folder itself
+                with share():
+                    ours.append(ours_on_vllm_schedules(target, load_drafter(path, target).eval(), prompts,
+                                                       cfg.eval.max_new_tokens, temps, stops, cfg.eval.seed, hot,
+                                                       greedy))
+            except Exception as e:  # noqa: BLE001 - this row is left out below, saying why
+                ours.append(e)
+    try:
+        runs = vllm.result()
     except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
         print(f"[specopd] vLLM judge failed: {e}", flush=True)
         return []
     out = []
-    for (label, path, work), (export, ck), run in zip(judged, exports, runs):
+    for (label, path, work), (export, ck), run, mine in zip(judged, exports, runs, ours):
         try:  # the export vLLM served, checked against the checkpoint it came from (not exported again)
+            if isinstance(mine, Exception):
+                raise mine
             rep = judge(target_dir, export, prompts, cfg.eval.max_new_tokens, temps, stops, dtype, seed=cfg.eval.seed,
                         target=target, own=False, progress=progress, meta=meta, work_dir=work, hot_prompts=hot,
-                        greedy=greedy, vllm_run=run, checkpoint=ck)
+                        greedy=greedy, vllm_run=run, checkpoint=ck, ours=mine)
         except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
             print(f"[specopd] vLLM judge of {path} failed: {e}", flush=True)
             continue
