@@ -162,9 +162,19 @@ def _warmup_cfg(run, pl, prep: Prepared, out: str):
 
 
 def references_stage(pl, model, data, kernels, target_dir: str) -> tuple:
-    """Stage 2 -> (where the trunks come from, references, their response tokens or None): the target's answers
-    to the chat prompts written to ``data.path``, or (``data.source: conversations``) the file as it is.
-    ``pl``, ``model``, ``data``, ``kernels``: the recipe's pipeline, model, data and kernels sections."""
+    """Stage 2: the target's answers to the chat prompts written to ``data.path``, or (``data.source:
+    conversations``) the file as it is.
+
+    Args:
+        pl: the recipe's pipeline section (``data_*``).
+        model: its model section (the references' engine and dtype).
+        data: its data section (``source``, ``path``).
+        kernels: its kernels section (the compute paths of the built-in engine's target).
+        target_dir: the target's folder (stage 1).
+
+    Returns:
+        (where the trunks come from, the number of references, their response tokens or None).
+    """
     if data.source == "conversations":  # trunks as the file has them: the target scores, nothing is decoded
         _stage(f"2/5 trunks: the conversations of data.path={data.path} as they are (no regeneration)")
         ref_dir = conversations_file(data.path)
@@ -181,9 +191,18 @@ def references_stage(pl, model, data, kernels, target_dir: str) -> tuple:
 
 
 def warmup_stage(run, pl, prep: Prepared, progress: bool = True) -> Optional[str]:
-    """Stage 3 -> the starting drafter's folder (None: a fresh drafter): ``drafter.init_from`` without a warm-up,
-    else the warm-up's last checkpoint (trained once into <output_dir>/warmup). ``run``: the training recipe
-    (``training_recipe``); ``pl``: the pipeline section (``warmup_*``); ``prep``: stages 1-2's hand-off."""
+    """Stage 3: ``drafter.init_from`` without a warm-up, else the warm-up's last checkpoint (trained once into
+    <output_dir>/warmup).
+
+    Args:
+        run: the training recipe (``training_recipe``).
+        pl: the pipeline section (``warmup_*``).
+        prep: stages 1-2's hand-off (the target, the data).
+        progress: progress bars.
+
+    Returns:
+        the starting drafter's folder, or None (a fresh drafter).
+    """
     init = run.drafter.init_from
     if pl.warmup_steps == 0:
         _stage(f"3/5 starting drafter: {init} (drafter.init_from; no warm-up)" if init else

@@ -247,9 +247,20 @@ def schedule_prompts(temperature: float, num_prompts: int, hot_prompts: Optional
 def ours_on_vllm_schedules(target, drafter, prompts: Sequence, max_new_tokens: int, temperatures: Sequence[float],
                            stop_token_ids: Sequence[int] = (), seed: int = 0,
                            hot_prompts: Optional[Sequence[int]] = None, greedy: Optional[Sequence] = None) -> dict:
-    """``ours_on_vllm_schedule`` at each temperature on ``schedule_prompts``: {f"{T:g}": result}. It needs nothing
-    of vLLM's run (each prompt's generator is seeded by its index), so the main job decodes it while vLLM runs and
-    hands it to ``judge`` (``ours``)."""
+    """``ours_on_vllm_schedule`` at each temperature on ``schedule_prompts``. It needs nothing of vLLM's run (each
+    prompt's generator is seeded by its index), so the main job decodes it while vLLM runs and hands it to
+    ``judge`` (``ours``).
+
+    Args:
+        target, drafter: the TargetModel and the drafter.
+        prompts: [T_i] prompt ids; max_new_tokens, stop_token_ids, seed: as vLLM's run.
+        temperatures: the temperatures.
+        hot_prompts: at T > 0 the prompts decoded (None: all).
+        greedy: the target's greedy continuations (T = 0 is replayed on them).
+
+    Returns:
+        {f"{T:g}": ``ours_on_vllm_schedule``'s result}.
+    """
     out = {}
     for t in (float(x) for x in temperatures):
         sel = schedule_prompts(t, len(prompts), hot_prompts)
