@@ -26,6 +26,7 @@ CHUNK_BUDGET = {"cuda": 2 << 30, "cpu": 1 << 30}
 # slower from 384 rows on (measured: the bf16 report in benchmarks/results/).
 DX_ROWS_CPU_BF16 = 341
 DFLASH_POSITION_DECAY = 7.0  # released DFlash CE weights exp(-k / 7) for drafted slot k (0-based)
+TTT_DECAY = 0.8  # SpecForge / EAGLE-3's training-time test: step k's loss (0-based) weighted 0.8^k
 # temperature 0 of alpha: p one-hot at its argmax, q at T = 1 (alpha = q(argmax p)); see ``tv_alpha``.
 GREEDY = 0.0
 
@@ -126,13 +127,16 @@ def e2e_tv_loss(q_logits: torch.Tensor, p_logits: torch.Tensor, mask: Optional[t
 
 def position_weights(kind, width: int, device=None) -> Optional[torch.Tensor]:
     """Per-slot CE weights [W]: None | "dflash" (released DFlash: exp(-k / 7) for drafted slot k, 0-based)
-    | a sequence / tensor of W weights."""
+    | "ttt" (SpecForge's EAGLE-3 training-time test: 0.8^k) | a sequence / tensor of W weights."""
     if kind is None:
         return None
     if isinstance(kind, str):
+        k = torch.arange(width, dtype=torch.float32, device=device)
+        if kind == "ttt":
+            return TTT_DECAY ** k
         if kind != "dflash":
-            raise ValueError(f"position_weights must be None, 'dflash' or [W] weights; got {kind!r}")
-        return torch.exp(-torch.arange(width, dtype=torch.float32, device=device) / DFLASH_POSITION_DECAY)
+            raise ValueError(f"position_weights must be None, 'dflash', 'ttt' or [W] weights; got {kind!r}")
+        return torch.exp(-k / DFLASH_POSITION_DECAY)
     w = torch.as_tensor(kind, dtype=torch.float32, device=device)
     if tuple(w.shape) != (width,) or bool((w < 0).any()):
         raise ValueError(f"position_weights must be W = {width} non-negative weights; got {tuple(w.shape)}")
@@ -165,6 +169,45 @@ def ce_loss(q_logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.
         raise ValueError(f"targets must be [N, W] = {list(q_logits.shape[:2])}; got {list(targets.shape)}")
     nll = -torch.log_softmax(q_logits.float(), -1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     return _masked_branch_mean(nll, mask, denom, position_weights(weights, nll.shape[1], nll.device))
+
+
+def _ttt_reduce(per_pos: torch.Tensor, mask, denom, weights) -> torch.Tensor:
+    """SpecForge's TTT reduction of per-position losses [N, W]: sum over steps weighted ``weights``, over
+    branches / denom (None: N, the mean over every position of a step, masked ones counting 0)."""
+    m = _mask(mask, per_pos.shape, per_pos.device)
+    wt = position_weights(weights, per_pos.shape[1], per_pos.device)
+    per_pos = torch.where(m, per_pos, torch.zeros_like(per_pos))
+    per_branch = (per_pos if wt is None else per_pos * wt[None]).sum(1)
+    return _reduce(per_branch, m.any(1), per_pos.shape[0] if denom is None else denom)
+
+
+def ttt_loss(q_logits: torch.Tensor, p_logits: torch.Tensor, q_ids: Optional[torch.Tensor] = None,
+             mask: Optional[torch.Tensor] = None, denom=None, weights="ttt") -> torch.Tensor:
+    """EAGLE-3's training-time-test loss as SpecForge trains it: at each step the soft cross-entropy
+    -sum_i pt_i log q_i of the drafter against the target's distribution restricted to q's vocabulary and
+    renormalised there (pt = softmax(p_logits[..., q_ids])), its gradient that of the forward KL(pt || q); positions
+    whose target argmax lies outside q's vocabulary count 0 (SpecForge's position mask, t2d[argmax]).
+
+    Args:
+        q_logits: [N, W, Vq] drafter logits over its head's columns.
+        p_logits: [N, W, V] the target's logits at the same positions.
+        q_ids: [Vq] the target ids of q's columns (the draft vocabulary); None: Vq = V, the same ids.
+        mask: [N, W] bool; False positions count 0 (no prefix rule: each step stands alone, as in SpecForge).
+        denom: the global branch count; None: N.
+        weights: per-step weights as in ``position_weights``; default SpecForge's 0.8^k.
+
+    Returns:
+        scalar: sum over branches and steps of weight_k * loss / denom (SpecForge's per-step mean over positions,
+        the steps summed with their weights).
+    """
+    pf = p_logits.float()
+    inside = torch.ones(pf.shape[:2], dtype=torch.bool, device=pf.device)
+    if q_ids is not None:
+        t2d = torch.zeros(pf.shape[-1], dtype=torch.bool, device=pf.device)
+        t2d[q_ids] = True
+        inside, pf = t2d[pf.argmax(-1)], pf[..., q_ids]
+    soft = -(torch.softmax(pf, -1) * torch.log_softmax(q_logits.float(), -1)).sum(-1)
+    return _ttt_reduce(soft, _mask(mask, soft.shape, soft.device) & inside, denom, weights)
 
 
 def confidence_loss(conf_logits: torch.Tensor, alpha: torch.Tensor, mask: Optional[torch.Tensor] = None,
@@ -884,6 +927,114 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
                            tp=tp, q_ids=q_ids, kernel_paths=kernel_paths)
     loss = _masked_branch_mean(nll, m, denom, position_weights(weights, w, hq.device))
     return FusedOut(loss, None if alpha is None else alpha.detach(), nll.detach())
+
+
+class _SoftTargetHead(torch.autograd.Function):
+    """``ttt_loss``'s rows chunk by chunk: q = softmax(sum_k x_k @ w_k^T) [R, Vq], the target's logits
+    zp = hp @ wp^T [R, V] (a fresh [chunk, V] per chunk), pt = softmax(zp[:, qids]).
+    Outputs for the flat rows ``rows`` [R]: soft [R] = lse(z) - <pt, z> (0 where argmax zp is not among qids),
+    alpha [R] = sum_i min(q_i, p[qids_i]) at ``temperature`` (0: q(argmax p)), no gradient.
+    Backward: dsoft/dz = softmax(z) - pt, recomputed per chunk; then the inputs' gradients as ``_ChunkedHead``."""
+
+    @staticmethod
+    def forward(ctx, rows, chunk, temperature, hp, wp, qids, *xw):
+        with torch.autocast(rows.device.type, enabled=False):
+            xs, ws = xw[0::2], xw[1::2]
+            n = rows.numel()
+            soft = torch.zeros(n, dtype=torch.float32, device=rows.device)
+            alpha = torch.zeros_like(soft)
+            chunk = even_chunk(n, chunk)
+            with ChunkBuffers.pooled(min(chunk, n), ws[0].shape[0], rows.device) as bufs:
+                for s in range(0, n, chunk):
+                    r = rows[s: s + chunk]
+                    z = chunk_logits(xs, ws, r, bufs, slot=0)
+                    pt, col = _SoftTargetHead._target(hp, wp, r, qids)
+                    soft[s: s + chunk] = torch.where(col >= 0, torch.logsumexp(z, -1) - (pt * z).sum(-1), 0.0)
+                    del pt
+                    if temperature == GREEDY:  # q at T = 1 at p's argmax (0 when q has no such column)
+                        q, _ = softmax_(z)
+                        alpha[s: s + chunk] = torch.where(col >= 0, q.gather(1, col.clamp_min(0)[:, None])[:, 0], 0.0)
+                    else:
+                        q, _ = softmax_(z.div_(temperature))
+                        p = _ChunkedHead._p_chunk(hp, wp, r, bufs, 1, temperature, qids)
+                        alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
+                        del p
+                    del q, z
+        ctx.chunk = chunk
+        ctx.save_for_backward(rows, hp, wp, qids, *xw)
+        ctx.mark_non_differentiable(alpha)
+        return soft, alpha
+
+    @staticmethod
+    def _target(hp, wp, r, qids):
+        """(pt [R, Vq] = softmax of the target's logits on q's columns, col [R]: argmax p's column in q, -1 when
+        q has none) of rows r."""
+        zp = chunk_logits((hp,), (wp,), r)
+        g = zp.argmax(-1)
+        if qids is None:
+            return softmax_(zp)[0], g
+        col = torch.full((wp.shape[0],), -1, dtype=torch.long, device=g.device)
+        col[qids] = torch.arange(qids.numel(), device=g.device)
+        return softmax_(zp[:, qids])[0], col[g]
+
+    @staticmethod
+    def backward(ctx, g_soft, g_alpha):
+        rows, hp, wp, qids, *xw = ctx.saved_tensors
+        xs, ws = xw[0::2], xw[1::2]
+        with torch.autocast(rows.device.type, enabled=False):
+            need = ctx.needs_input_grad[6:]
+            dx = [torch.zeros_like(x) if need[2 * k] else None for k, x in enumerate(xs)]
+            dw = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[2 * k + 1] else None
+                  for k, w in enumerate(ws)]
+            if g_soft is not None and any(need):
+                with ChunkBuffers.pooled(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device) as bufs:
+                    for s in range(0, rows.numel(), ctx.chunk):
+                        r = rows[s: s + ctx.chunk]
+                        pt, col = _SoftTargetHead._target(hp, wp, r, qids)
+                        g, _ = softmax_(chunk_logits(xs, ws, r, bufs, slot=0))
+                        g.sub_(pt).mul_(torch.where(col >= 0, g_soft[s: s + ctx.chunk], 0.0)[:, None])
+                        _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
+                        del g, pt
+        grads = []
+        for k in range(len(xs)):
+            grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
+        return (None, None, None, None, None, None, *grads)
+
+
+def fused_ttt(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
+              q_ids: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None, denom=None, weights="ttt",
+              temperature: float = 1.0, chunk_rows="auto") -> FusedOut:
+    """``ttt_loss(hq @ weight^T, hp @ p_weight^T, q_ids, mask, denom, weights)`` from hidden states, one [chunk, V]
+    of the target's logits at a time (never [N, W, V]).
+
+    Args:
+        hq: [N, W, D] the drafter's final (normed) hidden state at each TTT step, with grad.
+        weight: [Vq, D] the drafter's head (its own, over the draft vocabulary, or the target's lm_head).
+        hp: [N, W, D] the target's hidden state before lm_head at the same positions; detached.
+        p_weight: [V, D] the target's lm_head (default: ``weight``).
+        q_ids: [Vq] the target ids of ``weight``'s rows; None: the whole vocabulary.
+        mask, denom, weights: as in ``ttt_loss``.
+        temperature: T of alpha (the metrics' acceptance, from the same pass, no gradient); 0: greedy.
+        chunk_rows: rows per chunk, or "auto".
+
+    Returns:
+        ``FusedOut(loss, alpha, nll)``: nll is the per-position soft cross-entropy [N, W] (0 where masked).
+    """
+    n, w = hq.shape[:2]
+    if temperature < 0:
+        raise ValueError(f"temperature must be > 0, or 0 for greedy alpha; got {temperature}")
+    m = _mask(mask, (n, w), hq.device)
+    terms = _flat_terms(hq, weight, None)
+    hpf, wp = _target_side(hp, p_weight, weight, n, w)
+    rows = torch.nonzero(m.reshape(-1)).flatten()
+    chunk = resolve_chunk_rows(chunk_rows, wp.shape[0], hq.device)
+    soft, a = _SoftTargetHead.apply(rows, chunk, float(temperature), hpf, wp,
+                                    None if q_ids is None else q_ids.to(hq.device), *terms)
+    flat = torch.zeros(n * w, dtype=torch.float32, device=hq.device)
+    per_pos = flat.index_put((rows,), soft).view(n, w)
+    alpha = flat.index_put((rows,), a).view(n, w)
+    loss = _ttt_reduce(per_pos, m, denom, weights)
+    return FusedOut(loss, alpha.detach(), per_pos.detach())
 
 
 # ================================================================================ q on candidates (DFlash V2)

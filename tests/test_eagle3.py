@@ -304,6 +304,60 @@ def test_draft_vocabulary_loss_equals_the_full_vocabulary_one(temperature):
     assert torch.allclose(got[0], hq.grad, atol=1e-6) and torch.allclose(got[1], wq.grad, atol=1e-6)
 
 
+def _specforge_ttt(zq, zp, t2d, mask, denom):
+    """SpecForge's TTT loss transcribed (core/eagle3.py + core/loss.py): per step target_p = softmax(target[..., t2d]),
+    position_mask = t2d[argmax target] & loss_mask, loss_k = -sum(position_mask * target_p * log_softmax(logits)) /
+    (positions), total = sum_k 0.8^k loss_k; q's columns are the draft ids in order, [N, W] steps as [B, S]."""
+    total = 0
+    for k in range(zq.shape[1]):
+        target_p = torch.softmax(zp[:, k][:, t2d].float(), -1)
+        pm = (t2d[zp[:, k].argmax(-1)] & mask[:, k]).float()[:, None]
+        loss_k = -torch.sum(pm * target_p * torch.log_softmax(zq[:, k].float(), -1), 1).sum() / denom
+        total = total + 0.8 ** k * loss_k
+    return total
+
+
+@pytest.mark.parametrize("vocab", [True, False])
+def test_ttt_loss_is_specforges_soft_ce_on_the_draft_vocabulary(vocab):
+    """Off-policy TTT: the soft cross-entropy against the target's p restricted to q's vocabulary, per step weighted
+    0.8^k, SpecForge's position mask; the fused form ([chunk, V] pieces, no [N, W, V]) equals the plain one and a
+    transcription of SpecForge's, loss and gradients (fp32)."""
+    from specopd.losses import fused_ttt, ttt_loss
+
+    g = torch.Generator().manual_seed(1)
+    n, w, dim = 6, 4, 16
+    ids = SUB if vocab else None
+    vq = SUB.numel() if vocab else V
+    wq = torch.randn(vq, dim, generator=g, requires_grad=True)
+    wp = torch.randn(V, dim, generator=g)
+    hq = torch.randn(n, w, dim, generator=g, requires_grad=True)
+    hp = torch.randn(n, w, dim, generator=g) * 2
+    if vocab:  # some rows' target argmax inside the draft vocabulary, some outside
+        hp[:3] = wp[SUB[:3]][:, None, :] * 3
+    mask = torch.rand(n, w, generator=g) > 0.2
+    denom = 9.0
+    out = fused_ttt(hq, wq, hp, p_weight=wp, q_ids=ids, mask=mask, denom=denom, chunk_rows=5)
+    out.loss.backward()
+    got = (out.loss.detach(), hq.grad.clone(), wq.grad.clone())
+    hq.grad = wq.grad = None
+    zq, zp = hq @ wq.T, hp @ wp.T
+    plain = ttt_loss(zq, zp, ids, mask, denom)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[SUB if vocab else torch.arange(V)] = True
+    ref = _specforge_ttt(zq, zp, t2d, mask, denom)
+    assert torch.allclose(plain, ref, atol=1e-5, rtol=1e-5)
+    ref.backward()
+    assert torch.allclose(got[0], ref.detach(), atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got[1], hq.grad, atol=1e-5) and torch.allclose(got[2], wq.grad, atol=1e-5)
+    inside = t2d[zp.argmax(-1)] & mask
+    assert bool(inside.any()) and (not vocab or not bool(inside[mask].all()))  # the mask matters in this draw
+    assert torch.equal(out.nll == 0, ~inside) and float(got[0]) > 0
+    full = torch.full((n, w, V), float("-inf"))
+    full[..., SUB if vocab else torch.arange(V)] = zq.detach()
+    from specopd.losses import tv_alpha
+    assert torch.allclose(out.alpha[mask], tv_alpha(full, zp)[mask], atol=1e-6)  # the metrics' alpha, same pass
+
+
 @pytest.mark.parametrize("method", ["specopd", "offpolicy_ce", "offpolicy_e2e_tv", "draft_opd"])
 def test_every_method_trains_an_eagle3_drafter(tmp_path, method):
     from specopd.train.loop import train

@@ -40,7 +40,7 @@ import torch
 
 from specopd.drafters import shift_tokens
 from specopd.losses import (candidate_ce, candidate_e2e_tv, confidence_loss, FusedOut, fused_ce, fused_e2e_tv,
-                            prefix_survival, target_argmax)
+                            fused_ttt, prefix_survival, target_argmax)
 from specopd.signals import uninterrupted
 from specopd.train.baselines import draft_opd_rollout
 from specopd.train.determinism import all_blocks, block_sum, blocks, combine
@@ -213,21 +213,6 @@ def _own_head(worker: "Worker") -> dict:
     return {"p_weight": worker.target.lm_head.weight, "q_ids": d.vocab_ids}
 
 
-def _columns(worker: "Worker", tokens: torch.Tensor) -> tuple:
-    """Target ids [N, W] -> (q's columns [N, W], in q's vocabulary [N, W] bool) for a drafter with a draft
-    vocabulary; (tokens, None) otherwise."""
-    ids = getattr(worker.drafter, "vocab_ids", None)
-    if ids is None:
-        return tokens, None
-    col = torch.full((int(worker.target.vocab_size),), -1, dtype=torch.long, device=ids.device)
-    col[ids] = torch.arange(ids.numel(), device=ids.device)
-    c = col[tokens.to(ids.device)]
-    return c.clamp_min(0), c >= 0
-
-
-TTT_DECAY = 0.8  # SpecForge / EAGLE-3's training-time test: step k's loss weighted 0.8^k
-
-
 def _ce_targets(worker: "Worker", proposals: Proposals, hp: torch.Tensor) -> Optional[torch.Tensor]:
     """The labels of the ``trainer.ce_weight`` term [N, W]: the reference's tokens, or with ``trainer.ce_labels:
     target`` the target's argmax at each scored position of hp (None without the term)."""
@@ -292,11 +277,12 @@ def loss_backward(worker: "Worker", proposals: Proposals, hp: torch.Tensor, deno
         hp = hp.to(h.device)
         if getattr(w.drafter, "has_selector", False):  # DFlash V2: q lives on each slot's top K
             out = _selector_loss(w, proposals, h, hp, denom, method)
+        elif method == "offpolicy_ce" and getattr(w.drafter, "autoregressive", False):
+            # training-time test as SpecForge: soft CE against the target's p on q's vocabulary, steps 0.8^k
+            out = fused_ttt(h, weight, hp, p_weight=w.target.lm_head.weight, q_ids=w.drafter.vocab_ids, denom=denom,
+                            temperature=t.acceptance_temperature, chunk_rows=t.loss_chunk_rows)
         elif method == "offpolicy_ce":
-            cols, inside = _columns(w, tokens)
-            ttt = getattr(w.drafter, "autoregressive", False)  # training-time test: SpecForge's step weights
-            out = fused_ce(h, weight, cols, hp=hp, mask=inside,
-                           weights=TTT_DECAY ** torch.arange(w.W, dtype=torch.float32) if ttt else None, **kw)
+            out = fused_ce(h, weight, tokens, hp=hp, **kw)
         else:
             ce = _ce_targets(w, proposals, hp)
             if ce is not None and getattr(w.drafter, "vocab_ids", None) is not None:
