@@ -273,6 +273,55 @@ def test_unrolled_branches_equal_drafting_one_anchor_at_a_time(target, bs, vocab
     assert (h2 - h).abs().max() <= 1e-6
 
 
+def test_unroll_steps_apart_from_block_size_extend_the_served_draft(target):
+    """``unroll(steps=)`` (training's drafter.ttt_steps): more steps than block_size - 1 begin with exactly the
+    branch the decoding path drafts (same tokens, same logits); fewer steps are the longer unroll's prefix."""
+    d = build_drafter("eagle3", target, block_size=BS, seed=2, draft_vocab=SUB)
+    g = torch.Generator().manual_seed(3)
+    trunk = torch.randint(0, V, (9,), generator=g)
+    feats = [target.hidden_states(trunk[None], list(d.feature_layers))[0]]
+    anchors = torch.tensor([2, 5, 8])
+
+    def gens():
+        return [torch.Generator().manual_seed(20 + b) for b in range(3)]
+
+    rows = [torch.tensor([b]) for b in range(3)]
+    h6, t6 = d.unroll(feats, [trunk], anchors, None, 1.0, gens(), rows, steps=6)
+    h2, t2 = d.unroll(feats, [trunk], anchors, None, 1.0, gens(), rows, steps=2)
+    assert h6.shape[1] == 6 and torch.equal(t2, t6[:, :2]) and (h2 - h6[:, :2]).abs().max() <= 1e-6
+    for b in range(3):
+        a = int(anchors[b])
+        tok, z = d.draft_batch([d.context_cache(feats[0][:a], trunk[1:a + 1])], trunk[a:a + 1], 1.0,
+                               [torch.Generator().manual_seed(20 + b)])
+        assert torch.equal(tok[0], t6[b, :W]), b
+        fin = torch.isfinite(z[0])
+        assert (d.logits_from_hidden(h6[b, :W])[fin] - z[0][fin]).abs().max() <= 1e-5, b
+
+
+def test_ttt_steps_trains_longer_branches_than_served(tmp_path, capsys):
+    """drafter.ttt_steps: the training branches unroll that many steps (metrics, loss), the drafter still serves
+    block_size - 1; fewer steps than served is a note; a parallel drafter or Draft-OPD with another length is a
+    message naming the key."""
+    from specopd.settings import RecipeError
+    from specopd.train.loop import train
+    from specopd.train.worker import Worker
+    from tests.tiny_runs import tiny_recipe
+
+    out = str(tmp_path / "run")
+    base = ["drafter.kind=eagle3", "drafter.block_size=3", "trainer.max_steps=1", "trainer.eval_heldout=false"]
+    summary = train(tiny_recipe(out, base + ["trainer.method=offpolicy_ce", "drafter.ttt_steps=5"]), progress=False)
+    m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    assert len(m["alpha"]) == 5 and m["supervised_tokens"] == 5 * m["branches"] and math.isfinite(m["loss"])
+    assert load_drafter(summary["final_checkpoint"], load_target(os.path.join(out, "tiny-target-llama"))).draft_len == 2
+    capsys.readouterr()
+    w = Worker(tiny_recipe(str(tmp_path / "b"), base[:1] + ["drafter.block_size=5", "drafter.ttt_steps=2"]))
+    assert w.W == 2 and "drafter.ttt_steps=2 < block_size - 1 = 4" in capsys.readouterr().out
+    with pytest.raises(RecipeError, match="drafter.ttt_steps=4: a dflash drafter"):
+        Worker(tiny_recipe(str(tmp_path / "c"), ["drafter.ttt_steps=4"]))
+    with pytest.raises(RecipeError, match="drafter.ttt_steps=5: Draft-OPD"):
+        Worker(tiny_recipe(str(tmp_path / "d"), base[:2] + ["drafter.ttt_steps=5", "trainer.method=draft_opd"]))
+
+
 def test_anchor_zero_is_refused_with_a_message(target):
     d = build_drafter("eagle3", target, block_size=BS)
     t = torch.arange(6)

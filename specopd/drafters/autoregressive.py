@@ -124,7 +124,7 @@ class AutoregressiveDrafter(nn.Module):
         return ks, vs, normed, hid
 
     def unroll(self, features, token_ids, anchors, trunk_index=None, temperature: float = 1.0, generators=None,
-               rows=None, tokens: Optional[torch.Tensor] = None, chunk_rows="auto"):
+               rows=None, tokens: Optional[torch.Tensor] = None, chunk_rows="auto", steps: Optional[int] = None):
         """Draft W tokens after every anchor, all branches of the batch at once, one step at a time.
 
         Step 1 of a branch at anchor a is context row a - 1 (its output, shared by every branch there); step k >= 2
@@ -141,6 +141,7 @@ class AutoregressiveDrafter(nn.Module):
             tokens: [N, W] target ids to feed instead of sampling (teacher forcing: the reference's tokens for
                 training-time test, or tokens drafted before); they are returned as given.
             chunk_rows: rows per chunk of the sampler.
+            steps: W, the steps to unroll (training's ``drafter.ttt_steps``); None: ``draft_len``.
 
         Returns:
             (h [N, W, D] the normed hidden states with their graph, tokens [N, W] target ids).
@@ -149,7 +150,7 @@ class AutoregressiveDrafter(nn.Module):
         toks = [torch.as_tensor(t, dtype=torch.long) for t in token_ids]
         dev = self.device
         anchors = torch.as_tensor(anchors, dtype=torch.long, device=dev).reshape(-1)
-        n, w = anchors.numel(), self.draft_len
+        n, w = anchors.numel(), self.draft_len if steps is None else int(steps)
         tix = (torch.zeros(n, dtype=torch.long, device=dev) if trunk_index is None else
                torch.as_tensor(trunk_index, dtype=torch.long, device=dev).reshape(-1))
         lens = torch.tensor([min(f.shape[0], t.numel() - 1) for f, t in zip(feats, toks)], device=dev)
@@ -217,7 +218,7 @@ class AutoregressiveDrafter(nn.Module):
         if token_ids is None or tokens is None:
             raise ValueError(f"a {self.kind} drafter drafts step by step: hidden() needs the trunks' token_ids and the "
                              f"branch tokens to feed (unroll(...) drafts them)")
-        return self.unroll(features, token_ids, anchors, trunk_index, tokens=tokens)[0]
+        return self.unroll(features, token_ids, anchors, trunk_index, tokens=tokens, steps=tokens.shape[1])[0]
 
     @torch.no_grad()
     def sample_tokens(self, h, anchor_tokens, temperature=1.0, generator=None, rows=None, chunk_rows="auto"):

@@ -22,6 +22,10 @@ class DrafterRecipeConfig:
     block_size: int = setting(5, resume=REFUSE)
     """Block length counting the anchor, as released ("b16" = 16): each branch drafts W = block_size - 1
     tokens (drafter.draft_len). >= 2."""
+    ttt_steps: Optional[int] = setting(None, resume=REFUSE)
+    """Autoregressive drafters (eagle3): the steps a training branch is unrolled (SpecForge's ttt_length, 7 in its
+    recipes), apart from block_size - 1, the steps drafted when served; null: block_size - 1. Draft-OPD drafts as
+    served, so it takes no other value."""
     feature_layers: Optional[List[int]] = setting(None, resume=REFUSE)
     """Target layer ids whose hidden states the drafter reads (released dflash_config.target_layer_ids);
     null -> the released default for num_layers: round(1 + i * (L - 4) / (n - 1)), one layer: [L // 2]."""
@@ -47,6 +51,8 @@ class DrafterRecipeConfig:
         if self.block_size < 2:
             raise RecipeError(f"drafter.block_size={self.block_size!r} is out of range: it counts the anchor, as "
                               f"released (16 drafts 15 tokens), so it must be >= 2")
+        if self.ttt_steps is not None:
+            check_range("drafter", "ttt_steps", self.ttt_steps, lo=1)
         if self.mask_token_id is not None and self.mask_token_id < -1:
             raise RecipeError(f"drafter.mask_token_id={self.mask_token_id}: give a token id, -1 (learned vector) "
                               f"or null (automatic)")
@@ -55,3 +61,17 @@ class DrafterRecipeConfig:
             raise RecipeError(f"drafter.init_from={self.init_from!r}: no such folder (give a drafter folder with "
                               f"config.json + safetensors: <output_dir>/checkpoints/step-N, or a released "
                               f"DFlash / DSpark folder)")
+
+    def train_steps(self, drafter, method: str) -> int:
+        """W of a training branch for ``drafter`` (built from this section) under ``trainer.method``: ``ttt_steps``
+        when set (an autoregressive drafter only), else ``drafter.draft_len``."""
+        w = int(drafter.draft_len)
+        if self.ttt_steps is None:
+            return w
+        if not getattr(drafter, "autoregressive", False):
+            raise RecipeError(f"drafter.ttt_steps={self.ttt_steps}: a {drafter.kind} drafter drafts its whole block in "
+                              f"one pass, so it trains on block_size - 1 = {w} tokens; remove drafter.ttt_steps")
+        if method == "draft_opd" and self.ttt_steps != w:
+            raise RecipeError(f"drafter.ttt_steps={self.ttt_steps}: Draft-OPD trains on the drafts as served "
+                              f"(block_size - 1 = {w} steps); remove drafter.ttt_steps or set it to {w}")
+        return int(self.ttt_steps)

@@ -150,7 +150,8 @@ def propose(worker: "Worker", caches: Sequence[Union["TargetCache", Trunk]], sam
         if getattr(w.drafter, "autoregressive", False):  # EAGLE-3: each step reads the token drafted before
             with w.autocast():  # (reference: training-time test, the reference's tokens on its own hidden states)
                 h, tokens = w.drafter.unroll(feats, trunks, starts, tix, temp, gens, rows,
-                                             tokens=ref_tokens if reference else None, chunk_rows=t.loss_chunk_rows)
+                                             tokens=ref_tokens if reference else None, chunk_rows=t.loss_chunk_rows,
+                                             steps=w.W)
         else:
             with w.autocast():
                 h = w.drafter.hidden(feats, starts, tix, anchor_tokens)  # [N, W, D]

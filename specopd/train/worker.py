@@ -88,7 +88,10 @@ class Worker:
                                          target_dir=None if cfg.model.is_tiny else cfg.model.target,
                                          **dict(d.architecture))
         self.drafter.train()
-        self.W = int(self.drafter.draft_len)
+        self.W = d.train_steps(self.drafter, cfg.trainer.method)
+        if self.W < self.drafter.draft_len and rank == 0:
+            print(f"note: drafter.ttt_steps={self.W} < block_size - 1 = {self.drafter.draft_len}: served drafts run "
+                  f"past the steps trained (SpecForge trains 7 and serves fewer)")
         self.read_data(cfg)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = cfg.trainer
