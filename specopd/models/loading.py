@@ -8,10 +8,12 @@ import warnings
 from typing import Optional
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from specopd_executors.base import check_kernels
 from specopd_kernels import cpu_features
+from specopd.errors import BadInputError
 from specopd.settings import RecipeError
 from specopd.models.common import hand_down
 from specopd.models.registry import MODEL_TYPES
@@ -94,6 +96,91 @@ def read_state_dict(path: str) -> dict:
             raise ValueError(f"tensors listed in the index but absent from the shards: {sorted(missing)[:5]}")
         return sd
     raise FileNotFoundError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def safetensors_files(path: str) -> list:
+    """The safetensors files of a folder: ``model.safetensors``, or the shards its index names."""
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return [os.path.join(path, "model.safetensors")]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        raise FileNotFoundError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+    with open(index) as f:
+        return [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
+
+
+def checkpoint_names(path: str) -> list:
+    """The tensor names of the folder's safetensors (headers only)."""
+    names = []
+    for fp in safetensors_files(path):
+        with safe_open(fp, framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
+def read_selected(path: str, keep) -> dict:
+    """The tensors of the folder whose names ``keep(name)`` accepts, reading only those (a large target's MTP head
+    without its billions of other weights)."""
+    out = {}
+    for fp in safetensors_files(path):
+        if not os.path.isfile(fp):
+            raise FileNotFoundError(f"shard {fp!r} named in {path}/model.safetensors.index.json is missing")
+        with safe_open(fp, framework="pt") as f:
+            for name in f.keys():
+                if keep(name):
+                    out[name] = f.get_tensor(name)
+    return out
+
+
+class NoMTPError(BadInputError):
+    """A target folder without the ``mtp.*`` tensors a ``drafter.kind: mtp`` run needs."""
+
+
+def load_mtp(path: str, target, dtype: Optional[torch.dtype] = None, device=None):
+    """The checkpoint's own MTP module from the target folder ``path`` (its ``mtp.*`` tensors, which ``load_target``
+    leaves out): ``target.build_mtp(n)`` with every weight from the folder, n = the layer count config.json names,
+    else (the released Qwen3-Next config names none) the number of ``mtp.layers.<i>`` in the folder.
+
+    Args:
+        path: the target folder (or an MTP export / checkpoint: the same names).
+        target: the loaded target (its ``build_mtp``, ``mtp_key``, ``mtp_num_layers``).
+        dtype: the weights' dtype (default the target's).
+        device: where they go (default the target's).
+
+    Returns:
+        the MultiTokenPredictor, trainable. A folder without MTP tensors: ``NoMTPError``; tensors that do not fit
+        the config: ``BadInputError`` naming the folder.
+    """
+    if not hasattr(target, "build_mtp"):
+        raise BadInputError(f"drafter.kind=mtp needs a target that ships an MTP head (qwen3_next, qwen3_5); "
+                            f"{path} is a {getattr(target, 'model_type', '?')} target")
+    raw = read_selected(path, lambda name: target.mtp_key(name) is not None)
+    convert = getattr(type(target), "convert_checkpoint", None)
+    if convert is not None:
+        raw = convert(raw, None)
+    sd = {target.mtp_key(k): v for k, v in raw.items()}
+    if not sd:
+        raise NoMTPError(f"{path}: no mtp.* tensors in its safetensors: this checkpoint ships no MTP head (give the "
+                         f"original release's folder, or a folder exported by `specopd export` from an mtp run)")
+    n = target.mtp_num_layers()
+    if n is None:
+        n = 1 + max((int(k.split(".")[1]) for k in sd if k.startswith("layers.")), default=0)
+    with torch.device("meta"):
+        mtp = target.build_mtp(n)
+    ours = dict(mtp.named_parameters())
+    extra = sorted(set(sd) - set(ours))
+    missing = sorted(set(ours) - set(sd))
+    if extra or missing:
+        raise BadInputError(f"{path}: its mtp.* tensors do not fit an MTP head of {n} layer(s) as config.json describes "
+                            f"it: unexpected {['mtp.' + k for k in extra[:5]]}, missing {['mtp.' + k for k in missing[:5]]}")
+    for k, t in sd.items():
+        if tuple(t.shape) != tuple(ours[k].shape):
+            raise BadInputError(f"{path}: tensor mtp.{k} has shape {tuple(t.shape)}, expected {tuple(ours[k].shape)} "
+                                f"from config.json")
+    dtype = target.dtype if dtype is None else resolve_dtype(dtype)
+    device = target.device if device is None else torch.device(device)
+    mtp.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, strict=True, assign=True)
+    return mtp
 
 
 def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: Optional[dict] = None,

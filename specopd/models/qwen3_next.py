@@ -221,6 +221,19 @@ def layer_types_of(cfg: dict) -> list:
     return lt
 
 
+def moe_layers(cfg: dict, n: int) -> list:
+    """Which of layers 0..n-1 use the MoE block: every layer of qwen3_5_moe, none of dense qwen3_5; qwen3_next: layers
+    with ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers`` when num_experts > 0 (HF's and vLLM's rule;
+    vLLM applies it to MTP layer i with i = its index in ``mtp.layers``)."""
+    mt = cfg.get("model_type")
+    if mt in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return [True] * n
+    if mt == "qwen3_next" and (cfg.get("num_experts") or 0) > 0:
+        step, only = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+        return [(i not in only) and (i + 1) % step == 0 for i in range(n)]
+    return [False] * n
+
+
 class DecoderLayer(BaseDecoderLayer):
     def __init__(self, cfg: dict, layer_idx: int, layer_type: str, moe: bool, fused_qkvz: bool):
         super().__init__()
@@ -240,6 +253,82 @@ class _Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), unit_offset=True)
+
+
+def unstack_expert_tensors(sd: dict) -> dict:
+    """The inverse of ``stack_expert_tensors``: ``<p>.experts.gate_up_proj`` / ``<p>.experts.down_proj`` -> the
+    checkpoints' per-expert ``<p>.experts.<e>.{gate,up,down}_proj.weight`` (views: the same bits). Other tensors pass
+    through unchanged."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix, half = name[: -len(".gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, half:]
+        elif name.endswith(".experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+# config.json key naming the number of MTP layers, as vLLM reads it: qwen3_5 checkpoints carry
+# mtp_num_hidden_layers (released: 1); qwen3_next ones may carry num_nextn_predict_layers (the released Qwen3-Next
+# config carries neither: vLLM then builds 1)
+MTP_LAYERS_KEY = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5": "mtp_num_hidden_layers",
+                  "qwen3_5_text": "mtp_num_hidden_layers", "qwen3_5_moe": "mtp_num_hidden_layers",
+                  "qwen3_5_moe_text": "mtp_num_hidden_layers"}
+
+
+class MultiTokenPredictor(nn.Module):
+    """The checkpoint's own MTP module (``mtp.*``; vLLM ``Qwen3NextMultiTokenPredictor`` /
+    ``Qwen3_5MultiTokenPredictor``): ``fc`` over ``[pre_fc_norm_embedding(embed(x_{t+1})) ;
+    pre_fc_norm_hidden(h_t)]``, one full-attention decoder layer of the target's kind (gated attention, the target's
+    MLP or MoE) chosen by ``step % num_layers``, then ``norm``. Embedding and lm_head are the target's (not here).
+    cfg: the target's normalised config (``vars(target.config)``)."""
+
+    def __init__(self, cfg: dict, num_layers: int):
+        super().__init__()
+        d, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
+        if num_layers < 1:
+            raise ValueError(f"an MTP module needs >= 1 layer; got {num_layers}")
+        moe = moe_layers(cfg, num_layers)
+        fused = cfg.get("model_type") == "qwen3_next"
+        self.fc = Linear(2 * d, d, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(d, eps, unit_offset=True)
+        self.pre_fc_norm_hidden = RMSNorm(d, eps, unit_offset=True)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cfg["num_hidden_layers"] + i, "full_attention", moe[i], fused)
+                                    for i in range(num_layers))
+        self.norm = RMSNorm(d, eps, unit_offset=True)
+
+    def combine(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """emb [..., D] (the target's embedding of x_{t+1}), hidden [..., D] (h_t) -> the layer input [..., D]."""
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
+    def layer(self, step: int) -> "DecoderLayer":
+        """The decoder layer of draft step ``step`` (0-based): ``layers[step % num_layers]``."""
+        return self.layers[step % len(self.layers)]
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """Plain causal pass over a sequence (the reference).
+
+        Args:
+            emb: [B, T, D] the target's embedding of the tokens the rows read (x_{t+1}).
+            hidden: [B, T, D] the hidden of the position before (the target's normed h_t, or this head's output).
+            positions: [B, T].
+            step: the draft step (layer ``step % num_layers``).
+
+        Returns:
+            [B, T, D] the normed output (what lm_head reads, and the next step's hidden).
+        """
+        layer = self.layer(step)
+        x = self.combine(emb, hidden)
+        x = x + layer.self_attn(layer.input_layernorm(x), positions)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -290,13 +379,7 @@ class Qwen3NextTarget(TargetModel):
         types = layer_types_of(cfg)
         n = cfg["num_hidden_layers"]
         fused = mt == "qwen3_next"
-        if mt in ("qwen3_5_moe", "qwen3_5_moe_text"):
-            moe = [True] * n
-        elif mt == "qwen3_next" and (cfg.get("num_experts") or 0) > 0:
-            step, only = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
-            moe = [(i not in only) and (i + 1) % step == 0 for i in range(n)]
-        else:
-            moe = [False] * n
+        moe = moe_layers(cfg, n)
         self.config = SimpleNamespace(**cfg)
         self.model = _Backbone(cfg, [DecoderLayer(cfg, i, types[i], moe[i], fused) for i in range(n)])
         self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
@@ -304,9 +387,27 @@ class Qwen3NextTarget(TargetModel):
         tie = cfg.get("tie_word_embeddings", False)
         self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}
 
+    def mtp_num_layers(self) -> Optional[int]:
+        """The number of MTP layers config.json names (``MTP_LAYERS_KEY``), None when it names none."""
+        n = getattr(self.config, MTP_LAYERS_KEY.get(self.model_type, ""), None)
+        return None if n is None else int(n)
+
+    def build_mtp(self, num_layers: int) -> MultiTokenPredictor:
+        """A fresh MTP module of this target's kind (weights to be loaded: ``specopd.models.load_mtp``)."""
+        return MultiTokenPredictor(vars(self.config), num_layers)
+
+    @staticmethod
+    def mtp_key(name: str) -> Optional[str]:
+        """A checkpoint tensor name -> its name in ``MultiTokenPredictor`` (``mtp.fc.weight`` -> ``fc.weight``); None
+        for the target's own tensors."""
+        for prefix in ("mtp.", "model.mtp.", "model.language_model.mtp."):
+            if name.startswith(prefix):
+                return name[len(prefix):]
+        return None
+
     @staticmethod
     def checkpoint_key(name: str) -> Optional[str]:
-        if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
+        if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.", "model.language_model.mtp.")):
             return None
         if name.startswith("model.language_model."):
             return "model." + name[len("model.language_model."):]

@@ -52,10 +52,15 @@ TINY_CONFIGS = {
                                               "mrope_interleaved": True}},
 }
 
+# the qwen3_next tiny config as a dense qwen3_5 (its own GDN projections: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+TINY_CONFIGS["qwen3_5"] = lambda: {**TINY_CONFIGS["qwen3_next"](), "model_type": "qwen3_5",
+                                   "architectures": ["Qwen3_5ForCausalLM"]}
+
 # keys of ``model.tiny`` consumed by the initializer (not written to config.json)
 INIT_KEYS = {"init_head_scale": 2.0, "init_embed_std": 1.0}
 # Hugging Face config keys a tiny target may set although its defaults leave them out (special token ids)
-OPTIONAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+OPTIONAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id",
+                 "num_nextn_predict_layers", "mtp_num_hidden_layers")  # the MTP layer count (qwen3_next, qwen3_5)
 TINY_VERSION = 2  # bump when the construction changes: cached tiny targets / data are rebuilt
 
 
@@ -167,6 +172,13 @@ def build_tiny_target(model_type: str, out_dir: str, seed: int = 0, overrides: d
             continue
         t = _param_init(name, tuple(p.shape), int(seed), int(cfg["hidden_size"]), init)
         sd[name] = t.to(torch.float32).contiguous()
+    n_mtp = model.mtp_num_layers() if hasattr(model, "mtp_num_layers") else None
+    if n_mtp:  # the checkpoint's MTP head, under its released names (mtp.fc.weight, mtp.layers.0. ...)
+        with torch.device("meta"):
+            mtp = model.build_mtp(n_mtp)
+        for name, p in mtp.named_parameters():
+            t = _param_init("mtp." + name, tuple(p.shape), int(seed), int(cfg["hidden_size"]), init)
+            sd["mtp." + name] = t.to(torch.float32).contiguous()
     tmp = out_dir.rstrip("/") + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
