@@ -20,6 +20,7 @@ from specopd.data.packaged import conversations_file
 from specopd.data.prepare import main as main_prepare
 from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError, extend_plan
 from specopd.drafters.layout import DTYPES, describe_export, export_folder
+from specopd.drafters.mtp import describe_mtp_export, export_mtp_folder, is_mtp_folder
 from specopd.engines import EngineFailed, EngineUnavailable
 from specopd.errors import (BadInputError, DamagedFolderError, MissingInputError, UserError, dir_problem,
                             open_write, output_file_problem, refuse_link)
@@ -298,6 +299,15 @@ def cmd_export(args) -> int:
     if why is not None:
         raise BadInputError(f"export folder {args.out_dir!r} cannot be written: {why}; give a new or empty folder")
     check_source(src, run)
+    if is_mtp_folder(src):  # the export carries the target's embedding and lm_head: read from the target's folder
+        tdir = args.target or _run_target(run)
+        if not tdir or not os.path.isdir(tdir):
+            raise BadInputError(f"{src} holds an MTP head, whose export (what vLLM's method mtp loads) carries the "
+                                f"target's embedding and lm_head: give --target TARGET_DIR (the target's folder)")
+        config = export_mtp_folder(src, tdir, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
+                                   force=args.force)
+        print(describe_mtp_export(src, args.out_dir, config, tdir))
+        return 0
     try:
         cfg = export_folder(src, args.out_dir, dtype=DTYPES[args.dtype] if args.dtype else None,
                             max_shard_bytes=int(args.max_shard_gb * 1024 ** 3), force=args.force)

@@ -8,11 +8,12 @@ from specopd.drafters.dflash import (DFlashDrafter, DraftContext, DrafterConfig,
                                      default_target_layer_ids, target_identity, target_rope_theta)
 from specopd.drafters.dflash2 import Candidates, DFlash2Config, DFlash2Drafter, Realized  # noqa: F401
 from specopd.drafters.dspark import DSparkDrafter  # noqa: F401
+from specopd.drafters.mtp import MTPConfig, MTPDrafter, build_mtp, export_mtp  # noqa: F401
 from specopd.sampling import pick_tokens  # noqa: F401
 from specopd.drafters.layout import (describe_export, export_drafter, export_folder, load_drafter,  # noqa: F401
                                      serving_commands)
 
 __all__ = ["Drafter", "build_drafter", "load_drafter", "export_drafter", "export_folder", "serving_commands",
            "shift_tokens", "pick_tokens", "DFlashDrafter", "DSparkDrafter", "DFlash2Drafter", "DFlash2Config",
-           "Candidates", "Realized", "DraftContext", "DrafterConfig",
+           "Candidates", "Realized", "DraftContext", "DrafterConfig", "MTPDrafter", "MTPConfig",
            "DRAFTERS", "default_target_layer_ids", "choose_mask"]

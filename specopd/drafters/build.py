@@ -11,6 +11,7 @@ from specopd.drafters.dflash import (DFlashDrafter, choose_mask, default_target_
 from specopd.drafters.dflash2 import V2_KEYS, DFlash2Drafter
 from specopd.drafters.dspark import DSparkDrafter
 from specopd.drafters.eagle3 import EAGLE3_KEYS, Eagle3Drafter, eagle3_default_layers
+from specopd.drafters.mtp import build_mtp, mtp_skeleton
 from specopd.models.common import hand_down
 
 DRAFTERS = {"dflash": DFlashDrafter, "dspark": DSparkDrafter, "dflash2": DFlash2Drafter, "eagle3": Eagle3Drafter}
@@ -30,7 +31,8 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
     """A freshly initialised drafter for ``target`` (weights deterministic in ``seed``).
 
     Args:
-        kind: "dflash" | "dspark" | "dflash2" (DFlash V2).
+        kind: "dflash" | "dspark" | "dflash2" (DFlash V2) | "mtp" (the target's own MTP head, from ``target_dir``;
+            the other arguments but block_size do not apply).
         target: the TargetModel it drafts for (its embedding and lm_head are shared, frozen).
         num_layers: draft layers.
         block_size: counts the anchor (released: 16 drafts 15 tokens; DSpark's release uses 7).
@@ -48,10 +50,17 @@ def build_drafter(kind: str, target, num_layers: int = 1, block_size: int = 16, 
             attention_bias (``Eagle3Config``).
 
     Returns:
-        DFlashDrafter, DSparkDrafter, DFlash2Drafter or Eagle3Drafter, running the target's ``kernel_paths``.
+        DFlashDrafter, DSparkDrafter, DFlash2Drafter, Eagle3Drafter or MTPDrafter, running the target's
+        ``kernel_paths``.
     """
+    if kind == "mtp":  # the target's own head, loaded from its folder (architecture and weights are the folder's)
+        if target_dir is None and torch.empty(0).device.type == "meta":  # a shape-only build (the memory plan)
+            return mtp_skeleton(target, block_size)
+        if target_dir is None:
+            raise ValueError("an mtp drafter is the target's own MTP head: give target_dir (the target's folder)")
+        return build_mtp(target, target_dir, block_size)
     if kind not in DRAFTERS:
-        raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS)}")
+        raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(DRAFTERS) + ['mtp']}")
     allowed = sorted(k for k in _OVERRIDES if (kind == "dflash2" or k not in V2_KEYS)
                      and (kind == "eagle3" or k not in EAGLE3_KEYS))
     bad = sorted(set(overrides) - set(allowed))

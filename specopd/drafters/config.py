@@ -16,7 +16,8 @@ class DrafterRecipeConfig:
     kind: str = setting("dflash", resume=REFUSE)
     """dflash (parallel block drafter) | dspark (DFlash + Markov head + confidence head) | dflash2 (DFlash V2 as vLLM
     serves it: convolutions along the block, a top-K candidate selector drafted slot by slot) | eagle3 (EAGLE-3 as
-    vLLM / SpecForge: one token per step on its own hidden state; block_size - 1 steps)."""
+    vLLM / SpecForge: one token per step on its own hidden state; block_size - 1 steps) | mtp (the target's own MTP
+    head, qwen3_next / qwen3_5: loaded from the target folder, or from drafter.init_from; block_size - 1 steps)."""
     num_layers: int = setting(1, resume=REFUSE)
     """Number of drafter decoder layers."""
     block_size: int = setting(5, resume=REFUSE)
@@ -35,7 +36,8 @@ class DrafterRecipeConfig:
     a learned vector (exported as mask_embedding.pt)."""
     init_from: Optional[str] = setting(None, resume=SAME_RUN)
     """A drafter folder to start from: ours (a checkpoint step folder) or a released DFlash / DSpark / DFlash V2 folder
-    (config.json with dflash_config + safetensors, e.g. z-lab/Qwen3-8B-DFlash-b16)."""
+    (config.json with dflash_config + safetensors, e.g. z-lab/Qwen3-8B-DFlash-b16); for drafter.kind mtp also a
+    qwen3_next / qwen3_5 target folder (its mtp.* head) or an MTP export."""
     confidence_weight: float = setting(0.1, resume=FROM_HERE)
     """DSpark: weight of the confidence-head loss (ignored for dflash)."""
     architecture: Dict[str, Any] = setting(factory=dict, resume=REFUSE)
@@ -46,7 +48,7 @@ class DrafterRecipeConfig:
     intermediate_size (default: the target's). An unknown key is an error naming the allowed ones."""
 
     def __post_init__(self):
-        check_choice("drafter", "kind", self.kind, ["dflash", "dspark", "dflash2", "eagle3"])
+        check_choice("drafter", "kind", self.kind, ["dflash", "dspark", "dflash2", "eagle3", "mtp"])
         check_range("drafter", "num_layers", self.num_layers, lo=1)
         if self.block_size < 2:
             raise RecipeError(f"drafter.block_size={self.block_size!r} is out of range: it counts the anchor, as "

@@ -21,6 +21,7 @@ from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
 from specopd.drafters.dflash2 import V2_KEYS
 from specopd.drafters.eagle3 import eagle3_config_from_released, eagle3_released_config
+from specopd.drafters.mtp import build_mtp, export_mtp, is_mtp_folder
 from specopd.errors import (BadInputError, DamagedFolderError, FolderNotEmptyError, make_dir, open_write, read_text,
                             replacing_path)
 from specopd.models.common import hand_down
@@ -639,6 +640,9 @@ def load_drafter(path: str, target, dtype: Optional[torch.dtype] = None):
     (default float32: the training precision; bf16 weights convert exactly). A checkpoint folder is verified first
     against its manifest (``check_folder``): a damaged one raises ``DamagedFolderError``; then against the target
     (``check_against_target``) and as ``specopd export`` checks it (``check_drafter``)."""
+    if is_mtp_folder(path):  # an MTP head: a qwen3_next / qwen3_5 target folder, or our MTP checkpoint / export
+        drafter = build_mtp(target, path)
+        return drafter if dtype is None else drafter.to(dtype)
     f = read_drafter(path, target_layers=int(target.num_layers))
     check_against_target(f.cfg, target, path, f.sd)
     check_drafter(f, target_identity(target))
@@ -787,6 +791,8 @@ def export_drafter(drafter, out_dir: str, dtype: Optional[torch.dtype] = None,
     Returns:
         out_dir.
     """
+    if drafter.kind == "mtp":
+        return export_mtp(drafter, out_dir, dtype, force=force)
     write_released(out_dir, drafter.config, drafter.state_dict(), dtype, max_shard_bytes, force=force)
     return out_dir
 

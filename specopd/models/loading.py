@@ -138,8 +138,9 @@ class NoMTPError(BadInputError):
 
 def load_mtp(path: str, target, dtype: Optional[torch.dtype] = None, device=None):
     """The checkpoint's own MTP module from the target folder ``path`` (its ``mtp.*`` tensors, which ``load_target``
-    leaves out): ``target.build_mtp(n)`` with every weight from the folder, n = the layer count config.json names,
-    else (the released Qwen3-Next config names none) the number of ``mtp.layers.<i>`` in the folder.
+    leaves out): ``target.build_mtp(n)`` with every weight from the folder, n = the number of ``mtp.layers.<i>`` in
+    the folder, which the layer count its config.json names (if any: the released Qwen3-Next config names none) must
+    equal.
 
     Args:
         path: the target folder (or an MTP export / checkpoint: the same names).
@@ -162,9 +163,11 @@ def load_mtp(path: str, target, dtype: Optional[torch.dtype] = None, device=None
     if not sd:
         raise NoMTPError(f"{path}: no mtp.* tensors in its safetensors: this checkpoint ships no MTP head (give the "
                          f"original release's folder, or a folder exported by `specopd export` from an mtp run)")
-    n = target.mtp_num_layers()
-    if n is None:
-        n = 1 + max((int(k.split(".")[1]) for k in sd if k.startswith("layers.")), default=0)
+    n = 1 + max((int(k.split(".")[1]) for k in sd if k.startswith("layers.")), default=0)
+    named = target.mtp_num_layers(read_config(path))
+    if named is not None and named != n:
+        raise BadInputError(f"{path}/config.json names {named} MTP layer(s), its safetensors hold {n} "
+                            f"(mtp.layers.0 .. mtp.layers.{n - 1}): fix the config's layer count")
     with torch.device("meta"):
         mtp = target.build_mtp(n)
     ours = dict(mtp.named_parameters())

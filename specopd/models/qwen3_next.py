@@ -387,9 +387,10 @@ class Qwen3NextTarget(TargetModel):
         tie = cfg.get("tie_word_embeddings", False)
         self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}
 
-    def mtp_num_layers(self) -> Optional[int]:
-        """The number of MTP layers config.json names (``MTP_LAYERS_KEY``), None when it names none."""
-        n = getattr(self.config, MTP_LAYERS_KEY.get(self.model_type, ""), None)
+    def mtp_num_layers(self, cfg: Optional[dict] = None) -> Optional[int]:
+        """The number of MTP layers a config names (``MTP_LAYERS_KEY``; ``cfg``: a folder's flat config, default this
+        target's), None when it names none."""
+        n = (vars(self.config) if cfg is None else cfg).get(MTP_LAYERS_KEY.get(self.model_type, ""))
         return None if n is None else int(n)
 
     def build_mtp(self, num_layers: int) -> MultiTokenPredictor:

@@ -13,6 +13,7 @@ from typing import Optional
 from specopd.config import (FROM_HERE, REFUSE, SAME_RUN, RecipeConfig, RecipeError, recipe_record, recorded_recipe,
                             resume_policies, to_dict, to_yaml)
 from specopd.drafters.layout import check_drafter, read_config, read_drafter
+from specopd.drafters.mtp import is_mtp_folder
 from specopd.errors import BadInputError, open_write, own_dir, refuse_link, write_replace
 from specopd.profiling import Profiler
 from specopd.runs import checkpoint as ck
@@ -116,6 +117,12 @@ def drafter_as_loaded(cfg: RecipeConfig) -> RecipeConfig:
     d = cfg.drafter
     if not d.init_from:
         return cfg
+    if is_mtp_folder(d.init_from):  # an MTP head (a target folder, ours, an export): the recipe's block_size drafts
+        if d.kind == "mtp":
+            return cfg
+        print(f"warning: drafter.init_from={d.init_from} holds an MTP head; the run trains it (drafter.kind=mtp, the "
+              f"recipe said {d.kind})")
+        return dataclasses.replace(cfg, drafter=dataclasses.replace(d, kind="mtp", num_layers=1))
     f = read_drafter(d.init_from, what="drafter.init_from")
     check_drafter(f)
     changed = {k: getattr(f.cfg, k) for k in INIT_FROM_KEYS if getattr(f.cfg, k) != getattr(d, k)}
@@ -131,7 +138,7 @@ def recorded_drafter(old: Optional[dict], path: str) -> Optional[dict]:
     """A checkpoint's recorded recipe with its drafter.init_from keys as the checkpoint's drafter has them: a run
     recorded before ``drafter_as_loaded`` kept the recipe's values although the folder's drafter trained."""
     d = (old or {}).get("drafter") or {}
-    if not d.get("init_from"):
+    if not d.get("init_from") or is_mtp_folder(path):  # an MTP run records what trains (drafter_as_loaded)
         return old
     trained, _ = read_config(path)
     return {**old, "drafter": {**d, **{k: getattr(trained, k) for k in INIT_FROM_KEYS}}}

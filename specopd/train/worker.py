@@ -74,7 +74,10 @@ class Worker:
         self.target = target
         self.vocab_tp = vocab_group(target.lm_head)  # runtime.tp_lm_head: the loss's group, or None (whole head)
         d = cfg.drafter
-        if d.init_from:  # ours or a released DFlash / DSpark folder
+        if d.kind == "mtp":  # the target's own head: from drafter.init_from, else from the target's folder
+            self.drafter = build_drafter("mtp", target, block_size=d.block_size, target_dir=d.init_from or
+                                         resolve_target_path(cfg.model, cfg.trainer.output_dir))
+        elif d.init_from:  # ours or a released DFlash / DSpark folder
             self.drafter = load_drafter(d.init_from, target)
             got = (self.drafter.kind, int(self.drafter.block_size), len(self.drafter.layers))
             if got != (d.kind, d.block_size, d.num_layers) and rank == 0:
