@@ -213,9 +213,9 @@ def _method(drafter: str) -> str:
 
 def judge(args) -> int:
     """The same requests at each of ``--temperatures`` (or each request's own temperature), with each ``--drafter``
-    as DFlash in turn (one engine each, one process for all: the import and start-up are paid once) or plain;
-    vLLM's speculative counters are read before and after each temperature's ``generate`` call, so each run gets
-    its own. Output: one drafter's result as before; several: ``{"by_drafter": [result per drafter]}``."""
+    as a ``--method`` drafter (DFlash, EAGLE-3, or an MTP export) in turn (one engine each, one process for all: the
+    import and start-up are paid once) or plain; vLLM's speculative counters are read before and after each
+    temperature's ``generate`` call, so each run gets its own. Output: one drafter's result as before; several: ``{"by_drafter": [result per drafter]}``."""
     reqs = _read(args.input)
     patched = ["cpu_expand_kernel"] if args.patch_cpu_expand and _patch_cpu_expand() else []
     drafters = args.drafter or [None]
@@ -231,7 +231,8 @@ def judge(args) -> int:
     for drafter, k in zip(drafters, ks):
         spec = None
         if drafter:
-            spec = {"method": _method(drafter), "model": drafter, "num_speculative_tokens": k,
+            method = _method(drafter) if args.method == "auto" else args.method
+            spec = {"method": method, "model": drafter, "num_speculative_tokens": k,
                     "draft_sample_method": args.draft_sample_method}
         if results:
             _teardown()
@@ -299,6 +300,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=256, help="requests per llm.generate call (one flush each)")
     p.add_argument("--drafter", action="append", default=None,
                    help="judge: a DFlash export folder; repeat it to judge several, one after another")
+    p.add_argument("--method", default="auto", choices=["auto", "dflash", "eagle3", "mtp"],
+                   help="judge: vLLM's speculative method of the --drafter folders (auto: eagle3 for an EAGLE-3 "
+                        "config.json, else dflash; mtp: a target's MTP head export)")
     p.add_argument("--num-speculative-tokens", type=int, action="append", default=None,
                    help="k (default 4); one, or one per --drafter")
     p.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"],
