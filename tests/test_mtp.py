@@ -330,3 +330,31 @@ def test_qwen35_27b_mtp_recipe_plans(capsys):
 
 def _term(plan, name):
     return next(t for t in plan.terms if t.name == name).bytes
+
+
+def test_init_from_an_export_starts_from_its_bits(tmp_path):
+    """drafter.init_from: an export (or any MTP folder) is where the run starts; a bf16 target trains an fp32 head."""
+    from specopd.models.tiny import resolve_target_path
+    from specopd.train.loop import train
+    from specopd.train.worker import Worker
+    from tests.tiny_runs import tiny_recipe
+
+    out = str(tmp_path / "run")
+    cfg = tiny_recipe(out, MTP_RUN, target="tiny:qwen3_next")
+    tdir = resolve_target_path(cfg.model, out)  # the run's own tiny target, built first
+    target = load_target(tdir)
+    d = build_drafter("mtp", target, block_size=4, target_dir=tdir)
+    with torch.no_grad():
+        d.mtp.fc.weight.mul_(0.5)  # not the target folder's head
+    export = export_drafter(d, str(tmp_path / "export"))
+    cfg = tiny_recipe(out, MTP_RUN + [f"drafter.init_from={export}", "trainer.max_steps=1"], target="tiny:qwen3_next")
+    w = Worker(cfg)
+    assert torch.equal(w.drafter.mtp.fc.weight, d.mtp.fc.weight)
+    assert train(cfg, progress=False)["steps"] == 1
+    bf16 = load_target(tdir, dtype=torch.bfloat16)
+    h = build_drafter("mtp", bf16, block_size=4, target_dir=tdir)
+    assert h.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1))
+    feats = bf16.hidden_states(ids[None], h.feature_layers)[0]
+    hid, toks = h.unroll([feats], [ids], [4, 9], temperature=0.0)
+    assert hid.dtype == torch.float32 and toks.shape == (2, 3)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-from types import SimpleNamespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional
 
 import safetensors.torch
-from safetensors import SafetensorError
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from specopd.drafters.autoregressive import AutoregressiveDrafter
@@ -177,7 +177,7 @@ def build_mtp(target, folder: str, block_size: Optional[int] = None) -> MTPDraft
     ident = target_identity(target)
     if ours and dict(ours.get("target") or {}) != ident:
         raise BadInputError(f"{folder}: an MTP head for the target {ours.get('target')}, not this one ({ident})")
-    mtp = load_mtp(folder, target)
+    mtp = load_mtp(folder, target, dtype=torch.float32)  # the training precision, as every drafter's
     return MTPDrafter(target, mtp_config(target, mtp, block_size, {k: v for k, v in raw.items() if k != "specopd"}),
                       mtp)
 

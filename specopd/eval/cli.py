@@ -168,9 +168,11 @@ def load_eval_drafter(cfg, target):
     if ck == "none":
         d = cfg.drafter
         fl = list(d.feature_layers) if d.feature_layers is not None else None
+        tdir = None if cfg.model.is_tiny else cfg.model.target
+        if d.kind == "mtp":  # the target's own head, as the target folder ships it (a tiny one's too)
+            tdir = d.init_from or resolve_target_path(cfg.model, cfg.trainer.output_dir)
         return build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size, seed=cfg.seed,
-                             feature_layers=fl, mask_token_id=d.mask_token_id,
-                             target_dir=None if cfg.model.is_tiny else cfg.model.target,
+                             feature_layers=fl, mask_token_id=d.mask_token_id, target_dir=tdir,
                              **dict(d.architecture)), "untrained"
     if ck == "latest":
         path = find_latest(cfg.trainer.output_dir)
