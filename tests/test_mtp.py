@@ -358,3 +358,26 @@ def test_init_from_an_export_starts_from_its_bits(tmp_path):
     feats = bf16.hidden_states(ids[None], h.feature_layers)[0]
     hid, toks = h.unroll([feats], [ids], [4, 9], temperature=0.0)
     assert hid.dtype == torch.float32 and toks.shape == (2, 3)
+
+
+def test_a_head_that_does_not_fit_is_named(tmp_path):
+    """A folder whose mtp.* tensors miss one, disagree with its config's layer count, or hold an integer weight:
+    a user error naming the folder and the tensor or key."""
+    from safetensors.torch import save_file
+
+    path = tiny_mtp(tmp_path)
+    target = load_target(path)
+    st = os.path.join(path, "model.safetensors")
+    sd = load_file(st)
+    cases = {"missing ['mtp.norm.weight']": {k: v for k, v in sd.items() if k != "mtp.norm.weight"},
+             "not a floating-point weight": {**sd, "mtp.norm.weight": sd["mtp.norm.weight"].long()}}
+    for why, tensors in cases.items():
+        save_file(tensors, st)
+        with pytest.raises(BadInputError) as e:
+            load_mtp(path, target)
+        assert path in str(e.value) and why in str(e.value) and "mtp.norm.weight" in str(e.value)
+    save_file(sd, st)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    json.dump({**cfg, KEYS["qwen3_next"]: 2}, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(BadInputError, match="names 2 MTP layer"):
+        load_mtp(path, target)

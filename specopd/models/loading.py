@@ -177,6 +177,8 @@ def load_mtp(path: str, target, dtype: Optional[torch.dtype] = None, device=None
         raise BadInputError(f"{path}: its mtp.* tensors do not fit an MTP head of {n} layer(s) as config.json describes "
                             f"it: unexpected {['mtp.' + k for k in extra[:5]]}, missing {['mtp.' + k for k in missing[:5]]}")
     for k, t in sd.items():
+        if not t.is_floating_point():
+            raise BadInputError(f"{path}: tensor mtp.{k} is {t.dtype}, not a floating-point weight")
         if tuple(t.shape) != tuple(ours[k].shape):
             raise BadInputError(f"{path}: tensor mtp.{k} has shape {tuple(t.shape)}, expected {tuple(ours[k].shape)} "
                                 f"from config.json")
