@@ -36,7 +36,8 @@ RUNS = ([(recipe, recipe, ["local", "ray"], []) for recipe in RECIPES]
            ("tiny+invariant", "tiny", ["local"], ["trainer.batch_invariant=true", "runtime.num_workers=2"]),
            ("tiny+draft_opd", "tiny", ["local"], ["trainer.method=draft_opd"]),
            ("tiny+ce", "tiny", ["local"], ["trainer.method=offpolicy_ce"]),
-           ("tiny+e2e_tv", "tiny", ["local"], ["trainer.method=offpolicy_e2e_tv"])])
+           ("tiny+e2e_tv", "tiny", ["local"], ["trainer.method=offpolicy_e2e_tv"]),
+           ("tiny-gdn-mtp", "tiny-gdn-mtp", ["local"], [])])  # the hybrid target's own MTP head
 TIMING = {"step_s", "supervised_tokens_per_s", "phase_s", "time", "wall_s", "elapsed_s", "sup_tok_s", "tokens_per_s"}
 
 
