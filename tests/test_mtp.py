@@ -381,3 +381,14 @@ def test_a_head_that_does_not_fit_is_named(tmp_path):
     json.dump({**cfg, KEYS["qwen3_next"]: 2}, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(BadInputError, match="names 2 MTP layer"):
         load_mtp(path, target)
+
+
+def test_the_head_runs_the_targets_kernel_choice(tmp_path):
+    """The recipe's kernels: section reaches the head's modules as it reaches the target's (``hand_down``)."""
+    path = tiny_mtp(tmp_path)
+    target = load_target(path)
+    marker = object()
+    target.kernel_paths = marker
+    d = build_drafter("mtp", target, target_dir=path)
+    assert d.kernel_paths is marker and d.mtp.layers[0].self_attn.kernel_paths is marker
+    assert load_drafter(path, target).mtp.norm.kernel_paths is marker

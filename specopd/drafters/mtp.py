@@ -19,6 +19,7 @@ from torch import nn
 from specopd.drafters.autoregressive import AutoregressiveDrafter
 from specopd.drafters.dflash import target_identity
 from specopd.errors import BadInputError, FolderNotEmptyError, make_dir, replacing_path, write_replace
+from specopd.models.common import hand_down
 from specopd.models.loading import NoMTPError, checkpoint_names, load_mtp, read_selected
 from specopd.models.qwen3_next import MTP_LAYERS_KEY, stack_expert_tensors, unstack_expert_tensors
 
@@ -178,8 +179,9 @@ def build_mtp(target, folder: str, block_size: Optional[int] = None) -> MTPDraft
     if ours and dict(ours.get("target") or {}) != ident:
         raise BadInputError(f"{folder}: an MTP head for the target {ours.get('target')}, not this one ({ident})")
     mtp = load_mtp(folder, target, dtype=torch.float32)  # the training precision, as every drafter's
-    return MTPDrafter(target, mtp_config(target, mtp, block_size, {k: v for k, v in raw.items() if k != "specopd"}),
-                      mtp)
+    drafter = MTPDrafter(target, mtp_config(target, mtp, block_size, {k: v for k, v in raw.items() if k != "specopd"}),
+                         mtp)
+    return hand_down(drafter, getattr(target, "kernel_paths", None))  # the target's kernels: section
 
 
 def mtp_config(target, mtp: nn.Module, block_size: int, source: dict) -> MTPConfig:
@@ -210,7 +212,8 @@ def mtp_skeleton(target, block_size: int) -> MTPDrafter:
     when it names none), no weights read."""
     with torch.device("meta"):
         mtp = target.build_mtp(target.mtp_num_layers() or 1)
-    return MTPDrafter(target, mtp_config(target, mtp, block_size, {}), mtp)
+    return hand_down(MTPDrafter(target, mtp_config(target, mtp, block_size, {}), mtp),
+                     getattr(target, "kernel_paths", None))
 
 
 def folder_config(cfg: MTPConfig) -> dict:
