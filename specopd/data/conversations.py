@@ -106,6 +106,24 @@ def train_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, t
     return out
 
 
+def train_conversations(num: int, offset: int = 0, seed: int = 0, heldout_fraction: float = 0.1,
+                        convs: Optional[list] = None) -> list:
+    """Whole *train* conversations (``split_of``) that have an assistant turn, in dataset order: the ``num`` from
+    the ``offset``-th on (what fine-tuning a policy toward chat reads; held-out conversations never).
+
+    Args:
+        num, offset: which train conversations (successive calls take successive slices).
+        seed, heldout_fraction: the train / held-out split.
+        convs: [(id, messages)] to choose from (default: ``chitchat_conversations()``).
+
+    Returns:
+        list of (id, messages); fewer than ``num`` only where the train split runs out."""
+    convs = chitchat_conversations() if convs is None else convs
+    train = [(cid, m) for cid, m in convs
+             if split_of(cid, seed, heldout_fraction) == "train" and any(x["role"] == "assistant" for x in m)]
+    return train[offset: offset + num]
+
+
 def pretrain_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
                           max_prompt_tokens: Optional[int] = HELDOUT_MAX_PROMPT_TOKENS) -> list:
     """Up to ``num`` distinct single-turn prompts from *train* conversations: every first user turn

@@ -176,6 +176,16 @@ def steps_numbers(outputs: Sequence[dict], k: int) -> Optional[dict]:
     return _position_numbers(acc, rounds, sum(acc))
 
 
+def steps_accept_lengths(outputs: Sequence[dict]) -> list:
+    """vLLM's per-request verify steps -> accept_lengths [requests][rounds] (tokens a round committed, the bonus
+    included: accepted + 1), what ``al_stderr`` / ``al_diff_stderr`` take: vLLM's counters with a standard error
+    per prompt. A request without steps is a ValueError (the engine ran without per-request metrics)."""
+    if any(o.get("steps") is None for o in outputs):
+        raise ValueError("steps_accept_lengths: a request has no per-request verify steps (vLLM ran without "
+                         "per_request_spec_decode_metrics, or without a drafter)")
+    return [[int(a) + 1 for a in o["steps"]["accepted"]] for o in outputs]
+
+
 # ------------------------------------------------------------------------------------------- our side
 def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: int, temperature: float,
                           stop_token_ids: Sequence[int] = (), seed: int = 0, block_size: Optional[int] = None,
