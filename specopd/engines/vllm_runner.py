@@ -205,10 +205,13 @@ def generate(args) -> int:
 
 
 def _method(drafter: str) -> str:
-    """vLLM's speculative method of an export folder: eagle3 for an EAGLE-3 config.json, else dflash."""
+    """vLLM's speculative method of an export folder: mtp for an MTP head's export (a target's config.json with our
+    ``specopd`` entry of kind mtp), eagle3 for an EAGLE-3 config.json, else dflash."""
     with open(os.path.join(drafter, "config.json")) as f:
-        archs = json.load(f).get("architectures") or []
-    return "eagle3" if any("Eagle3" in a for a in archs) else "dflash"
+        raw = json.load(f)
+    if (raw.get("specopd") or {}).get("kind") == "mtp":
+        return "mtp"
+    return "eagle3" if any("Eagle3" in a for a in raw.get("architectures") or []) else "dflash"
 
 
 def judge(args) -> int:
@@ -301,8 +304,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", action="append", default=None,
                    help="judge: a DFlash export folder; repeat it to judge several, one after another")
     p.add_argument("--method", default="auto", choices=["auto", "dflash", "eagle3", "mtp"],
-                   help="judge: vLLM's speculative method of the --drafter folders (auto: eagle3 for an EAGLE-3 "
-                        "config.json, else dflash; mtp: a target's MTP head export)")
+                   help="judge: vLLM's speculative method of the --drafter folders (auto: mtp for our MTP head "
+                        "export, eagle3 for an EAGLE-3 config.json, else dflash)")
     p.add_argument("--num-speculative-tokens", type=int, action="append", default=None,
                    help="k (default 4); one, or one per --drafter")
     p.add_argument("--draft-sample-method", default="probabilistic", choices=["greedy", "probabilistic"],
