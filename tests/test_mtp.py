@@ -392,3 +392,20 @@ def test_the_head_runs_the_targets_kernel_choice(tmp_path):
     d = build_drafter("mtp", target, target_dir=path)
     assert d.kernel_paths is marker and d.mtp.layers[0].self_attn.kernel_paths is marker
     assert load_drafter(path, target).mtp.norm.kernel_paths is marker
+
+
+def test_offpolicy_ce_is_hard_ce_on_the_reference(tmp_path, monkeypatch):
+    """trainer.method offpolicy_ce trains the head as MTP heads are trained: CE on the reference's tokens at every
+    chained step (``fused_ce``), not EAGLE-3's soft CE against the target (``fused_ttt``)."""
+    import specopd.train.phases as phases
+    from specopd.train.loop import train
+    from tests.tiny_runs import tiny_recipe
+
+    calls = []
+    real = phases.fused_ce
+    monkeypatch.setattr(phases, "fused_ttt", lambda *a, **k: pytest.fail("soft TTT CE used for an MTP head"))
+    monkeypatch.setattr(phases, "fused_ce", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
+    out = str(tmp_path / "run")
+    train(tiny_recipe(out, MTP_RUN + ["trainer.method=offpolicy_ce", "trainer.max_steps=1"], target="tiny:qwen3_next"),
+          progress=False)
+    assert calls and all(s[1] == 3 for s in calls)  # [N, W] reference tokens, W = 3 chained steps

@@ -47,6 +47,8 @@ class AutoregressiveDrafter(nn.Module):
     Everything else (the trunk context, the unrolled branches, decoding caches, sampling) is here."""
 
     autoregressive = True  # code outside drafters/ branches on this once (``specopd.train.phases.propose``)
+    soft_ttt = True  # trainer.method offpolicy_ce: SpecForge's soft CE against the target's p (EAGLE-3); False: CE on
+    # the reference's tokens, each step alike (MTP heads, as they are trained)
     kernel_paths = None  # the recipe's kernels: section, its target's (``build_drafter`` / ``load_drafter``)
 
     # -- what the subclass gives -------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class MTPDrafter(AutoregressiveDrafter):
 
     kind = "mtp"
     has_confidence = False
+    soft_ttt = False  # offpolicy_ce: CE on the reference's next tokens at every chained step, as MTP heads are trained
 
     def __init__(self, target, config: MTPConfig, mtp: nn.Module):
         super().__init__()

@@ -278,7 +278,7 @@ def loss_backward(worker: "Worker", proposals: Proposals, hp: torch.Tensor, deno
         hp = hp.to(h.device)
         if getattr(w.drafter, "has_selector", False):  # DFlash V2: q lives on each slot's top K
             out = _selector_loss(w, proposals, h, hp, denom, method)
-        elif method == "offpolicy_ce" and getattr(w.drafter, "autoregressive", False):
+        elif method == "offpolicy_ce" and getattr(w.drafter, "soft_ttt", False):
             # training-time test as SpecForge: soft CE against the target's p on q's vocabulary, steps 0.8^k
             out = fused_ttt(h, weight, hp, p_weight=w.target.lm_head.weight, q_ids=w.drafter.vocab_ids, denom=denom,
                             temperature=t.acceptance_temperature, chunk_rows=t.loss_chunk_rows)
