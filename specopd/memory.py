@@ -331,8 +331,11 @@ def score_extras(info: TargetInfo, trunk_nodes: List[int], branches: int, t: int
 def build_meta_drafter(cfg, info: TargetInfo):
     d = cfg.drafter
     with torch.device("meta"):
+        arch = dict(d.architecture)
+        if d.draft_vocab_size is not None:  # the head's size (which ids the data chooses does not matter here)
+            arch["draft_vocab"] = torch.arange(min(d.draft_vocab_size, int(info.vocab)), device="cpu")
         return build_drafter(d.kind, info.model, num_layers=d.num_layers, block_size=d.block_size,
-                             feature_layers=d.feature_layers, **dict(d.architecture))
+                             feature_layers=d.feature_layers, **arch)
 
 
 def drafter_activation_bytes(drafter, n: int, w: int, ctx_rows: int, act: int) -> Tuple[int, int]:

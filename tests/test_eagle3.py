@@ -407,6 +407,70 @@ def test_ttt_loss_is_specforges_soft_ce_on_the_draft_vocabulary(vocab):
     assert torch.allclose(out.alpha[mask], tv_alpha(full, zp)[mask], atol=1e-6)  # the metrics' alpha, same pass
 
 
+def _specforge_vocab(samples, ids, size, vocab):
+    """SpecForge's generate_vocab_mapping_file + process_token_dict_to_mappings, transcribed: a Counter over each
+    sample's supervised ids, zero-count ids below ``size`` added when too few, most_common, d2t / t2d."""
+    from collections import Counter
+
+    d = Counter()
+    for i in ids:
+        s = samples[i]
+        m = s.get("loss_mask")
+        sup = s["input_ids"][m.bool()] if m is not None else s["input_ids"][s["prompt_len"]:]
+        u, c = sup.unique(return_counts=True)
+        d.update(dict(zip(u.tolist(), c.tolist())))
+    if len(d) < size:
+        for t in set(range(size)) - set(d):
+            d[t] = 0
+            if len(d) >= size:
+                break
+    used = sorted(k for k, _ in d.most_common(size))
+    return torch.tensor([u - i for i, u in enumerate(used)]), torch.tensor([i in used for i in range(vocab)])
+
+
+@pytest.mark.parametrize("size,distinct", [(12, 40), (45, 30)])
+def test_draft_vocabulary_is_specforges_most_frequent_ids(size, distinct):
+    """frequent_tokens: SpecForge's choice exactly (d2t / t2d), ties (many here) broken as its Counter breaks them,
+    responses only (prompt_len, or a loss_mask), too few distinct ids filled with the lowest unseen."""
+    from specopd.train.data import frequent_tokens
+
+    g = torch.Generator().manual_seed(distinct)
+    samples = [{"input_ids": torch.randint(0, distinct, (20,), generator=g) * 2 % 60, "prompt_len": 6} for _ in range(9)]
+    samples[4]["loss_mask"] = torch.rand(20, generator=g) > 0.5
+    ids = [7, 2, 4, 0, 8, 5, 1]
+    got = frequent_tokens(samples, ids, size, 60)
+    d2t, t2d = _specforge_vocab(samples, ids, size, 60)
+    assert torch.equal(got - torch.arange(size), d2t) and torch.equal(torch.isin(torch.arange(60), got), t2d)
+    assert not torch.equal(got, frequent_tokens(samples, ids[::-1], size, 60)) or size > distinct  # order breaks ties
+
+
+def test_draft_vocab_size_chooses_the_head_from_the_training_data(tmp_path):
+    """drafter.draft_vocab_size: a fresh EAGLE-3 head over the training split's most frequent ids, the same in every
+    build (deterministic), in the checkpoint and the export (d2t / t2d); TTT trains on it; another kind refused."""
+    from specopd.settings import RecipeError
+    from specopd.train.data import frequent_tokens
+    from specopd.train.loop import train
+    from specopd.train.worker import Worker
+    from tests.tiny_runs import tiny_recipe
+
+    out = str(tmp_path / "run")
+    over = ["drafter.kind=eagle3", "drafter.draft_vocab_size=40", "trainer.method=offpolicy_ce", "trainer.max_steps=2",
+            "trainer.eval_heldout=false"]
+    w = Worker(tiny_recipe(out, over))
+    want = frequent_tokens(w.dataset, w.train_ids, 40, 256)
+    assert torch.equal(w.drafter.vocab_ids.cpu(), want) and w.drafter.head_weight().shape[0] == 40
+    summary = train(tiny_recipe(out, over), progress=False)
+    ck = summary["final_checkpoint"]
+    e = load_drafter(ck, load_target(os.path.join(out, "tiny-target-llama")))
+    assert torch.equal(e.vocab_ids.cpu(), want)  # the checkpoint records it
+    export_drafter(e, str(tmp_path / "x"))
+    x = safetensors.torch.load_file(str(tmp_path / "x" / "model.safetensors"))
+    assert json.load(open(tmp_path / "x" / "config.json"))["draft_vocab_size"] == 40
+    assert torch.equal(x["d2t"], want - torch.arange(40)) and int(x["t2d"].sum()) == 40
+    with pytest.raises(RecipeError, match="drafter.draft_vocab_size=40 chooses an EAGLE-3 head"):
+        tiny_recipe(str(tmp_path / "d"), ["drafter.draft_vocab_size=40"])
+
+
 @pytest.mark.parametrize("method", ["specopd", "offpolicy_ce", "offpolicy_e2e_tv", "draft_opd"])
 def test_every_method_trains_an_eagle3_drafter(tmp_path, method):
     from specopd.train.loop import train
@@ -537,7 +601,14 @@ def test_8gpu_eagle3_recipes_plan_and_fit(recipe):
     from specopd.config import load_recipe
     from specopd.memory import check_memory
 
-    cfg = load_recipe(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", recipe))
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", recipe)
+    cfg = load_recipe(path)
     p = check_memory(cfg)
     assert cfg.drafter.kind == "eagle3" and p is not None and p.fits and p.shape_source.startswith("recipe model.shape")
     assert p.sizes["branches"] >= 128  # hundreds of branches per GPU
+    assert cfg.drafter.draft_vocab_size == 32000  # SpecForge's released heads; the whole vocabulary plans larger
+    whole = check_memory(load_recipe(path, ["drafter.draft_vocab_size=null"]))
+    a, b = ({t.name: t.bytes for t in plan.terms} for plan in (p, whole))
+    head = (p.sizes["vocab"] - 32000) * p.sizes["hidden"]  # the head's rows saved, 4 bytes each (fp32 master weights)
+    assert b["drafter weights (fp32)"] - a["drafter weights (fp32)"] == 4 * head
+    assert b["drafter AdamW state"] - a["drafter AdamW state"] == 8 * head

@@ -107,13 +107,13 @@ def build_eagle3(target, num_layers: int, block_size: int, seed: int, feature_la
     if feature_layers is None:
         feature_layers = eagle3_default_layers(target.num_layers)
     if vocab is not None:
-        vocab = torch.as_tensor(vocab, dtype=torch.long).reshape(-1).unique()
+        vocab = torch.as_tensor(vocab, dtype=torch.long, device="cpu").reshape(-1).unique()  # cpu: also in a meta build
         sizes["draft_vocab_size"] = 0 if vocab.numel() == int(target.vocab_size) else int(vocab.numel())
     cfg = Eagle3Drafter.config_class(kind="eagle3", num_layers=int(num_layers), block_size=int(block_size),
                                      feature_layers=tuple(int(i) for i in feature_layers),
                                      hidden_size=int(target.hidden_size), target=target_identity(target), **sizes)
     d = Eagle3Drafter(target, cfg, seed=seed)
-    if vocab is not None and cfg.draft_vocab_size:
+    if vocab is not None and cfg.draft_vocab_size and not d.lm_head.weight.is_meta:  # meta: the memory plan's shapes
         d.set_draft_vocab(vocab)
     return d
 

@@ -27,6 +27,10 @@ class DrafterRecipeConfig:
     """Autoregressive drafters (eagle3): the steps a training branch is unrolled (SpecForge's ttt_length, 7 in its
     recipes), apart from block_size - 1, the steps drafted when served; null: block_size - 1. Draft-OPD drafts as
     served, so it takes no other value."""
+    draft_vocab_size: Optional[int] = setting(None, resume=REFUSE)
+    """EAGLE-3, a fresh drafter: its head covers the draft_vocab_size target ids most frequent in the training data's
+    responses (SpecForge's draft_vocab_size, 32000 in its Llama-3 / Qwen3 releases; d2t / t2d as released, recorded
+    in the checkpoint); null: the whole vocabulary (or architecture.draft_vocab's ids)."""
     feature_layers: Optional[List[int]] = setting(None, resume=REFUSE)
     """Target layer ids whose hidden states the drafter reads (released dflash_config.target_layer_ids);
     null -> the released default for num_layers: round(1 + i * (L - 4) / (n - 1)), one layer: [L // 2]."""
@@ -55,6 +59,12 @@ class DrafterRecipeConfig:
                               f"released (16 drafts 15 tokens), so it must be >= 2")
         if self.ttt_steps is not None:
             check_range("drafter", "ttt_steps", self.ttt_steps, lo=1)
+        if self.draft_vocab_size is not None:
+            check_range("drafter", "draft_vocab_size", self.draft_vocab_size, lo=1)
+            if self.kind != "eagle3" or "draft_vocab" in self.architecture:
+                raise RecipeError(f"drafter.draft_vocab_size={self.draft_vocab_size} chooses an EAGLE-3 head's "
+                                  f"vocabulary from the data: set drafter.kind=eagle3 and leave out "
+                                  f"drafter.architecture.draft_vocab (or remove drafter.draft_vocab_size)")
         if self.mask_token_id is not None and self.mask_token_id < -1:
             raise RecipeError(f"drafter.mask_token_id={self.mask_token_id}: give a token id, -1 (learned vector) "
                               f"or null (automatic)")

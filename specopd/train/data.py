@@ -257,6 +257,29 @@ def split_dataset(samples: list, heldout: float, seed: int) -> tuple:
     return split_ids(len(samples), heldout, seed)
 
 
+def frequent_tokens(samples: list, ids: list, size: int, vocab_size: int) -> torch.Tensor:
+    """EAGLE-3's draft vocabulary as SpecForge chooses it (data/preprocessing.py, generate_vocab_mapping_file): the
+    ``size`` target ids most frequent among the supervised tokens (``loss_mask``, else after ``prompt_len``) of
+    samples ``ids``. Ties fall as SpecForge's Counter.most_common breaks them, fed sample by sample in ``ids``' order
+    (each sample's distinct ids ascending): the id seen first wins; too few distinct ids: the lowest unseen ones.
+
+    Returns:
+        [size] the chosen target ids, sorted (d2t[i] = ids[i] - i, as released).
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    first = torch.full((vocab_size,), len(ids), dtype=torch.long)  # the rank in ``ids`` of the first sample with it
+    for rank, i in enumerate(ids):
+        s = samples[i]
+        x, m = s["input_ids"], s.get("loss_mask")
+        u, c = (x[m.bool()] if m is not None else x[int(s["prompt_len"]):]).unique(return_counts=True)
+        counts[u] += c
+        first[u] = torch.clamp_max(first[u], rank)
+    order = torch.arange(vocab_size)  # ascending ids, then first seen, then count descending (stable sorts)
+    order = order[torch.sort(first[order], stable=True).indices]
+    order = order[torch.sort(-counts[order], stable=True).indices]
+    return order[:size].sort().values
+
+
 def conversation_split(cfg) -> tuple:
     """``data.source: conversations`` -> (samples, train_ids, heldout_ids) exactly as a run of ``cfg`` reads and
     splits them (the same tokenisation cache), without loading the target's weights: what a benchmark needs to

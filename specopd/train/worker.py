@@ -23,7 +23,7 @@ from specopd.models.loading import policy_weights, resolve_dtype
 from specopd.models.tensor_parallel import vocab_group
 from specopd.models.tiny import resolve_target_path
 from specopd.profiling import Profiler
-from specopd.train.data import load_dataset, split_dataset, valid_anchors
+from specopd.train.data import frequent_tokens, load_dataset, split_dataset, valid_anchors
 from specopd.train.determinism import apply_deterministic
 from specopd.train.handoff import Staged
 
@@ -74,6 +74,7 @@ class Worker:
         self.target = target
         self.vocab_tp = vocab_group(target.lm_head)  # runtime.tp_lm_head: the loss's group, or None (whole head)
         d = cfg.drafter
+        dataset = None
         if d.kind == "mtp":  # the target's own head: from drafter.init_from, else from the target's folder
             self.drafter = build_drafter("mtp", target, block_size=d.block_size, target_dir=d.init_from or
                                          resolve_target_path(cfg.model, cfg.trainer.output_dir))
@@ -85,17 +86,25 @@ class Worker:
                       f"num_layers={got[2]}; the recipe's drafter.kind/block_size/num_layers "
                       f"({d.kind}, {d.block_size}, {d.num_layers}) are ignored")
         else:
+            arch = dict(d.architecture)
+            if d.draft_vocab_size is not None:  # EAGLE-3: the training data's most frequent ids (SpecForge's rule)
+                dataset = self.load_data(cfg)
+                train_ids = split_dataset(dataset, cfg.data.heldout, cfg.data.seed)[0]
+                v = int(target.vocab_size)
+                arch["draft_vocab"] = frequent_tokens(dataset, train_ids, min(d.draft_vocab_size, v), v)
             self.drafter = build_drafter(d.kind, target, num_layers=d.num_layers, block_size=d.block_size,
                                          seed=cfg.seed, feature_layers=d.feature_layers,
                                          mask_token_id=d.mask_token_id,  # the target's tokenizer picks MASK
-                                         target_dir=None if cfg.model.is_tiny else cfg.model.target,
-                                         **dict(d.architecture))
+                                         target_dir=None if cfg.model.is_tiny else cfg.model.target, **arch)
+        if d.init_from and d.draft_vocab_size is not None and rank == 0:
+            print(f"warning: drafter.draft_vocab_size={d.draft_vocab_size} is ignored: drafter.init_from={d.init_from} "
+                  f"has its own vocabulary")
         self.drafter.train()
         self.W = d.train_steps(self.drafter, cfg.trainer.method)
         if self.W < self.drafter.draft_len and rank == 0:
             print(f"note: drafter.ttt_steps={self.W} < block_size - 1 = {self.drafter.draft_len}: served drafts run "
                   f"past the steps trained (SpecForge trains 7 and serves fewer)")
-        self.read_data(cfg)
+        self.read_data(cfg, dataset)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = cfg.trainer
         decay = [p for p in self.params if p.dim() >= 2]
@@ -115,11 +124,16 @@ class Worker:
         self.steps_done = 0  # optimizer steps applied to this replica (checkpoints are labelled with it)
 
     # ------------------------------------------------------------------ data
-    def read_data(self, cfg) -> None:
-        """Read ``cfg``'s data (``load_dataset``) and split it: the samples, their anchors, the train / held-out ids."""
+    def load_data(self, cfg) -> list:
+        """``cfg``'s samples (``load_dataset``); ``data_stats`` says what the reading read, dropped, cut, skipped."""
+        self.data_stats: dict = {}  # -> train_summary.json
+        return load_dataset(cfg, self.target, progress=self.rank == 0, stats=self.data_stats)
+
+    def read_data(self, cfg, dataset: Optional[list] = None) -> None:
+        """Read ``cfg``'s data (``load_data``, unless ``dataset`` is what it read) and split it: the samples, their
+        anchors, the train / held-out ids."""
         rank = self.rank
-        self.data_stats: dict = {}  # what the data reading read, dropped, cut, skipped (-> train_summary.json)
-        self.dataset = load_dataset(cfg, self.target, progress=rank == 0, stats=self.data_stats)
+        self.dataset = self.load_data(cfg) if dataset is None else dataset
         train_ids, heldout_ids = split_dataset(self.dataset, cfg.data.heldout, cfg.data.seed)
         self.anchor_positions = [valid_anchors(s, self.W) for s in self.dataset]  # per sample, sorted
         ok = lambda i: self.anchor_positions[i].numel() > 0  # noqa: E731
