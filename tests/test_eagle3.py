@@ -67,7 +67,9 @@ def _rope(x, pos, theta):
 
 
 class VllmEagle3:
-    """vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``) read from a folder as vLLM reads it, and the EAGLE
+    """vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``; ``Eagle3Qwen3ForCausalLM``, ``qwen3_eagle3.py``, when
+    the folder's architecture says so: Qwen3's attention, an RMSNorm over each head of q and k before RoPE) read from a
+    folder as vLLM reads it, and the EAGLE
     proposer's schedule (``llm_base_proposer.py``): the first pass over rows (x_{p+1}, aux hidden p) at positions p,
     then one row per step fed the sampled token and the previous step's pre-norm hidden; logits over the target's
     vocabulary with -inf off the draft ids (``compute_logits``: target = i + d2t[i])."""
@@ -81,6 +83,7 @@ class VllmEagle3:
         self.eps, self.theta = self.c["rms_norm_eps"], self.c["rope_theta"]
         self.h, self.hkv = self.c["num_attention_heads"], self.c["num_key_value_heads"]
         self.hd = self.c["head_dim"]
+        self.qwen3 = self.c["architectures"] == ["Eagle3Qwen3ForCausalLM"]  # vLLM's registry picks the model by it
         self.cache = [([], []) for _ in range(self.c["num_hidden_layers"])]
 
     def aux_hidden(self, hf, ids):
@@ -111,8 +114,12 @@ class VllmEagle3:
                 res = hidden + res
                 x = _rms(res, self.w[p + "input_layernorm.weight"], self.eps)
             n = x.shape[0]
-            q = _rope((x @ self.w[p + "self_attn.q_proj.weight"].T).view(n, self.h, self.hd), pos, self.theta)
-            k = _rope((x @ self.w[p + "self_attn.k_proj.weight"].T).view(n, self.hkv, self.hd), pos, self.theta)
+            q = (x @ self.w[p + "self_attn.q_proj.weight"].T).view(n, self.h, self.hd)
+            k = (x @ self.w[p + "self_attn.k_proj.weight"].T).view(n, self.hkv, self.hd)
+            if self.qwen3:  # Qwen3Attention: q_norm / k_norm per head, then RoPE
+                q = _rms(q, self.w[p + "self_attn.q_norm.weight"], self.eps)
+                k = _rms(k, self.w[p + "self_attn.k_norm.weight"], self.eps)
+            q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
             v = (x @ self.w[p + "self_attn.v_proj.weight"].T).view(n, self.hkv, self.hd)
             kc, vc = self.cache[i]
             kc.append(k)
@@ -159,7 +166,8 @@ class VllmEagle3:
 
 
 @pytest.mark.parametrize("layers,vocab,flags", [(1, None, {}), (1, SUB, {}), (2, SUB, {"norm_before_residual": True}),
-                                                (1, SUB, {"norm_before_fc": True, "own_embedding": True})])
+                                                (1, SUB, {"norm_before_fc": True, "own_embedding": True}),
+                                                (1, SUB, {"qk_norm": True}), (2, None, {"qk_norm": True})])
 @torch.no_grad()
 def test_forward_matches_vllm_transcription(target, hf, layers, vocab, flags, tmp_path):
     d = _drafter(target, layers=layers, vocab=vocab, **flags)
@@ -205,6 +213,26 @@ def test_export_is_specforge_layout_and_loads_back_bitwise(target, tmp_path):
     for k, v in d.state_dict().items():
         assert torch.equal(e.state_dict()[k], v), k
     again = str(tmp_path / "again")
+    export_drafter(e, again)
+    for name in ("model.safetensors", "config.json"):
+        assert open(os.path.join(out, name), "rb").read() == open(os.path.join(again, name), "rb").read()
+
+
+def test_qwen3_variant_exports_its_architecture_and_loads_back_bitwise(target, tmp_path):
+    """The Qwen3 variant (vLLM's qwen3_eagle3.py): Eagle3Qwen3ForCausalLM with q_norm / k_norm per layer; loads back
+    as the same drafter and exports the same bytes; its forward is checked against vLLM's in
+    test_forward_matches_vllm_transcription."""
+    d = _drafter(target, vocab=SUB, qk_norm=True)
+    out, again = str(tmp_path / "q3"), str(tmp_path / "again")
+    export_drafter(d, out)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["architectures"] == ["Eagle3Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    sd = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
+    hd = (d.config.head_dim,)
+    assert sd["midlayer.self_attn.q_norm.weight"].shape == sd["midlayer.self_attn.k_norm.weight"].shape == hd
+    e = load_drafter(out, target)
+    assert e.config.qk_norm and e.state_dict().keys() == d.state_dict().keys()
+    assert all(torch.equal(e.state_dict()[k], v) for k, v in d.state_dict().items())
     export_drafter(e, again)
     for name in ("model.safetensors", "config.json"):
         assert open(os.path.join(out, name), "rb").read() == open(os.path.join(again, name), "rb").read()

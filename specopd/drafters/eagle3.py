@@ -26,9 +26,11 @@ class Eagle3Config(DrafterConfig):
     norm_before_residual: bool = False  # the residual of layer 0 is hidden_norm(g) instead of g
     own_embedding: bool = False  # the folder ships ``embed_tokens`` (frozen); else the target's is shared
     attention_bias: bool = False  # q/k/v projections with biases
+    qk_norm: bool = False  # the Qwen3 variant (vLLM's Eagle3Qwen3ForCausalLM): an RMSNorm over each head of q and k
 
 
-EAGLE3_KEYS = ("draft_vocab", "norm_before_fc", "norm_before_residual", "own_embedding", "attention_bias")
+EAGLE3_KEYS = ("draft_vocab", "norm_before_fc", "norm_before_residual", "own_embedding", "attention_bias", "qk_norm")
+ARCH_QWEN3 = "Eagle3Qwen3ForCausalLM"  # vLLM's qwen3_eagle3.py: llama_eagle3's layout with Qwen3's q / k norms
 
 
 def eagle3_default_layers(num_target_layers: int) -> tuple:
@@ -39,7 +41,8 @@ def eagle3_default_layers(num_target_layers: int) -> tuple:
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention (no q/k norms) whose input is 2D in layer 0."""
+    """Llama attention whose input is 2D in layer 0; the Qwen3 variant (``qk_norm``) normalises each head of q and k
+    (``q_norm`` / ``k_norm`` [hd]) before RoPE, as vLLM's Qwen3 attention."""
 
     kernel_paths = None  # the recipe's kernels: section for RoPE (``hand_down``)
 
@@ -50,6 +53,9 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.hkv * self.hd, bias=c.attention_bias)
         self.v_proj = nn.Linear(in_dim, self.hkv * self.hd, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.h * self.hd, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
 
     def forward(self, x, cos, sin, attend, i):
         """Layer i's attention of M rows.
@@ -64,8 +70,11 @@ class Eagle3Attention(nn.Module):
             [M, D].
         """
         m = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(1, m, self.h, self.hd), cos[None], sin[None], self.kernel_paths)[0]
-        k = apply_rope(self.k_proj(x).view(1, m, self.hkv, self.hd), cos[None], sin[None], self.kernel_paths)[0]
+        q, k = self.q_proj(x).view(1, m, self.h, self.hd), self.k_proj(x).view(1, m, self.hkv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos[None], sin[None], self.kernel_paths)[0]
+        k = apply_rope(k, cos[None], sin[None], self.kernel_paths)[0]
         v = self.v_proj(x).view(m, self.hkv, self.hd)
         return self.o_proj(attend(i, q, k, v).reshape(m, self.h * self.hd))
 
@@ -312,15 +321,20 @@ def eagle3_config_from_released(raw: dict, path: str, f, target_layers: Optional
         rope_scaling=dict(rope_scaling) if rope_scaling else None, hidden_act=str(raw.get("hidden_act", "silu")),
         mask_token_id=None, learned_mask=False, target=target, draft_vocab_size=0 if dv == vocab else dv,
         norm_before_fc=flag("norm_before_fc"), norm_before_residual=flag("norm_before_residual"),
-        attention_bias=flag("attention_bias"))
+        attention_bias=flag("attention_bias"), qk_norm=ARCH_QWEN3 in (raw.get("architectures") or []))
+
+
+def eagle3_arch(cfg: Eagle3Config) -> str:
+    """The released architecture name of ``cfg``: the Qwen3 variant's, or SpecForge's llama one."""
+    return ARCH_QWEN3 if cfg.qk_norm else "LlamaForCausalLMEagle3"
 
 
 def eagle3_released_config(cfg: Eagle3Config, dtype_name: str, fmt: int) -> dict:
-    """Eagle3Config -> the ``LlamaForCausalLMEagle3`` config.json SpecForge writes and vLLM / SGLang load (+ our
-    ``specopd`` entry: kind, block_size, target)."""
+    """Eagle3Config -> the ``LlamaForCausalLMEagle3`` config.json SpecForge writes and vLLM / SGLang load
+    (``Eagle3Qwen3ForCausalLM`` for the Qwen3 variant) (+ our ``specopd`` entry: kind, block_size, target)."""
     t = cfg.target or {}
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "architectures": [eagle3_arch(cfg)], "model_type": "qwen3" if cfg.qk_norm else "llama",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in cfg.feature_layers],
                          "use_aux_hidden_state": True, "norm_before_fc": bool(cfg.norm_before_fc)},
         "norm_before_residual": bool(cfg.norm_before_residual),

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from specopd.drafters.build import DRAFTERS
 from specopd.drafters.dflash import FORMAT, DrafterConfig, default_target_layer_ids, target_identity
 from specopd.drafters.dflash2 import V2_KEYS
-from specopd.drafters.eagle3 import eagle3_config_from_released, eagle3_released_config
+from specopd.drafters.eagle3 import ARCH_QWEN3, eagle3_arch, eagle3_config_from_released, eagle3_released_config
 from specopd.drafters.mtp import build_mtp, export_mtp, is_mtp_folder
 from specopd.errors import (BadInputError, DamagedFolderError, FolderNotEmptyError, make_dir, open_write, read_text,
                             replacing_path)
@@ -29,7 +29,8 @@ from specopd.models.common import hand_down
 ARCH = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel",
         "eagle3": "LlamaForCausalLMEagle3"}
 KINDS = tuple(ARCH)
-KIND_OF_ARCH = {**{v: k for k, v in ARCH.items()}, "Eagle3LlamaForCausalLM": "eagle3"}  # both names vLLM loads
+KIND_OF_ARCH = {**{v: k for k, v in ARCH.items()}, "Eagle3LlamaForCausalLM": "eagle3",  # both names vLLM loads
+                ARCH_QWEN3: "eagle3"}  # and the Qwen3 variant (q / k norms)
 EAGLE3_INDEX = ("d2t", "t2d")  # EAGLE-3's vocabulary maps: int64 / bool, never cast
 AUTO_MAP = {"dflash": "dflash.DFlashDraftModel", "dspark": "dspark.DSparkDraftModel"}  # V2 ships no HF code
 V2_REQUIRED = V2_KEYS[:4]  # vLLM reads these with dflash_config[key]: a V2 folder without them does not load
@@ -850,7 +851,7 @@ def describe_export(src: str, out_dir: str, cfg: DrafterConfig, target_path: Opt
              f"= anchor + {cfg.draft_len} drafted tokens, target_layer_ids {list(cfg.feature_layers)}, "
              f"mask_token_id {cfg.mask_token_id})"]
     if cfg.kind == "eagle3":
-        lines = [f"exported the eagle3 drafter of {src} to {out_dir} (LlamaForCausalLMEagle3: "
+        lines = [f"exported the eagle3 drafter of {src} to {out_dir} ({eagle3_arch(cfg)}: "
                  f"{cfg.draft_len} steps, eagle_aux_hidden_state_layer_ids {[i + 1 for i in cfg.feature_layers]}, "
                  f"draft vocabulary {cfg.draft_vocab_size or 'the whole target vocabulary'})"]
     if cfg.learned_mask:
