@@ -603,6 +603,70 @@ def test_vllm_serves_our_eagle3_export_round_for_round(tiny_target):
     assert rep["problems"] == [], format_judge(rep)
 
 
+SMOL_QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.",
+                  "Explain what a binary search is.", "Give me three tips for better sleep."]
+
+
+@pytest.fixture(scope="module")
+def smollm2_ttt():
+    """SmolLM2-135M-Instruct and an EAGLE-3 drafter trained with TTT (recipes/smollm2-135m-eagle3-sharegpt.yaml,
+    offpolicy_ce) a few dozen steps on ShareGPT's train split, kept under the test cache ($SPECOPD_CACHE: with
+    SPECOPD_TEST_CACHE set, trained once) -> (target folder, checkpoint, run folder)."""
+    try:
+        from specopd.data.packaged import packaged_file
+        from specopd.data.smollm2 import find_gguf, prepare_smollm2
+
+        find_gguf()
+        packaged_file("sharegpt")
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"SmolLM2's GGUF or the packaged ShareGPT not available: {e}")
+    from specopd.config import load_recipe
+    from specopd.runs.checkpoint import find_latest
+    from specopd.train.loop import train
+
+    tdir = prepare_smollm2(verbose=False)
+    run = os.path.join(os.environ["SPECOPD_CACHE"], "tests", "eagle3-smollm2-ttt")
+    steps = 40
+    ck = find_latest(run) if os.path.isdir(run) else None
+    if ck is None or not ck.endswith(f"step-{steps}"):
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        train(load_recipe(os.path.join(repo, "recipes", "smollm2-135m-eagle3-sharegpt.yaml"), [
+            f"model.target={tdir}", "model.dtype=float32", f"trainer.output_dir={run}", f"trainer.max_steps={steps}",
+            "trainer.save_every=0", "trainer.eval_heldout=false", "data.batch_size=8", "data.seq_len=192",
+            "trainer.anchors_per_seq=16", "trainer.lr=3.0e-3", "trainer.lr_warmup_steps=5"]), progress=False)
+        ck = find_latest(run)
+    return tdir, ck, run
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY is not None, reason=f"no vLLM: {WHY}")
+def test_vllm_serves_our_smollm2_eagle3_ttt_drafter_round_for_round(smollm2_ttt):
+    """The issue's model: vLLM serving our export of a SmolLM2-135M-Instruct EAGLE-3 drafter made the usual way (TTT
+    on ShareGPT's train split) agrees with our decoder on vLLM's schedule: at T = 0 every round of every prompt
+    equal (drafts accepted: not vacuous), at T = 1 within noise."""
+    from specopd.data.prepare import encode_prompt, load_tokenizer
+    from specopd.eval.engine import format_judge, judge
+    from specopd.models.loading import read_config
+
+    tdir, ck, run = smollm2_ttt
+    vocab = int(read_config(tdir)["vocab_size"])
+    tok = load_tokenizer(tdir, vocab)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": q}]) for q in SMOL_QUESTIONS]
+    rep = judge(tdir, ck, prompts, 32, (0.0, 1.0), [int(tok.eos_token_id)], "float32", seed=0, plain=True,
+                checkpoint=ck, work_dir=os.path.join(run, "judge"))
+    print(format_judge(rep))
+    checks = rep["checks"]
+    assert checks["vllm speculative greedy == our greedy"][0], format_judge(rep)
+    t0 = rep["by_temperature"]["0"]
+    assert t0["vllm"]["rounds"] == t0["ours_vllm_schedule"]["rounds"] > 0
+    assert t0["vllm"]["accepted_at"] == t0["ours_vllm_schedule"]["accepted_at"], format_judge(rep)
+    assert sum(t0["vllm"]["accepted_at"]) > 0, format_judge(rep)  # the TTT steps made drafts that get accepted
+    ok, why = checks["T=0 rounds, prompt by prompt: vLLM == ours on vLLM's schedule"]
+    assert ok, why
+    assert rep["by_temperature"]["1"]["disagreements"] == [], format_judge(rep)
+    assert rep["problems"] == [], format_judge(rep)
+
+
 # ------------------------------------------------------------------ memory plan and recipes
 def test_memory_plan_counts_the_per_branch_step_caches(tmp_path):
     """The plan's drafter activations of an EAGLE-3 drafter: every context row through the layer, N * (W - 1) step
