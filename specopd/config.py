@@ -126,25 +126,37 @@ def vocab_parallel_head(cfg) -> bool:
 
 # sections a checkpoint records only when they differ from their defaults (``recipe_record``)
 OPTIONAL_SECTIONS = {"kernels": KernelsConfig, "follow": FollowConfig}
+# keys ("section.key" -> default) a checkpoint records only when set, for the same reason
+OPTIONAL_KEYS = {"drafter.ttt_steps": None, "drafter.draft_vocab_size": None}
 
 
 def recipe_record(cfg) -> dict:
-    """The recipe as a checkpoint records it: ``to_dict``, without the kernels and follow sections while they are at
-    their defaults (so checkpoints of runs on the defaults are the bytes they were before the sections existed)."""
+    """The recipe as a checkpoint records it: ``to_dict``, without the kernels and follow sections and the
+    ``OPTIONAL_KEYS`` while they are at their defaults (so checkpoints of runs on the defaults are the bytes they were
+    before those settings existed)."""
     d = to_dict(cfg)
     for name, cls in OPTIONAL_SECTIONS.items():
         if getattr(cfg, name) == cls():
             del d[name]
+    for key, default in OPTIONAL_KEYS.items():
+        sec, _, k = key.partition(".")
+        if d[sec][k] == default:
+            del d[sec][k]
     return d
 
 
 def recorded_recipe(d: Optional[dict]) -> Optional[dict]:
-    """A checkpoint's recipe under today's key names (``upgrade_keys``) with the kernels and follow sections filled
-    in: a record without one ran on their defaults."""
+    """A checkpoint's recipe under today's key names (``upgrade_keys``) with the kernels and follow sections and the
+    ``OPTIONAL_KEYS`` filled in: a record without one ran on their defaults."""
     if d is None:
         return None
     d = upgrade_keys(d)
-    return {**d, **{name: {**to_dict(cls()), **(d[name] if name in d else {})} for name, cls in OPTIONAL_SECTIONS.items()}}
+    d = {**d, **{name: {**to_dict(cls()), **(d[name] if name in d else {})} for name, cls in OPTIONAL_SECTIONS.items()}}
+    for key, default in OPTIONAL_KEYS.items():
+        sec, _, k = key.partition(".")
+        if isinstance(d.get(sec), dict):
+            d[sec] = {k: default, **d[sec]}
+    return d
 
 
 def eval_dtype(cfg) -> str:

@@ -350,6 +350,24 @@ def test_ttt_steps_trains_longer_branches_than_served(tmp_path, capsys):
         Worker(tiny_recipe(str(tmp_path / "d"), base[:2] + ["drafter.ttt_steps=5", "trainer.method=draft_opd"]))
 
 
+def test_new_drafter_keys_stay_out_of_checkpoints_at_their_defaults(tmp_path):
+    """drafter.ttt_steps / draft_vocab_size are recorded only when set (a checkpoint of a run on the defaults is the
+    bytes it was before they existed: the fingerprint runs), read back as their defaults, and a resume that sets one
+    against a checkpoint without it is refused (it changes the experiment)."""
+    from specopd.config import load_recipe, recipe_record, recorded_recipe, to_dict
+    from specopd.train.checkpointer import recipe_changes
+
+    base = ["model.target=tiny:llama", f"trainer.output_dir={tmp_path}", "drafter.kind=eagle3"]
+    rec = recipe_record(load_recipe(None, base))
+    assert "ttt_steps" not in rec["drafter"] and "draft_vocab_size" not in rec["drafter"]
+    back = recorded_recipe(rec)["drafter"]
+    assert back["ttt_steps"] is None and back["draft_vocab_size"] is None
+    changed = load_recipe(None, base + ["drafter.ttt_steps=6", "drafter.draft_vocab_size=64"])
+    assert recipe_record(changed)["drafter"]["ttt_steps"] == 6
+    refused, _, _ = recipe_changes(recorded_recipe(rec), to_dict(changed))
+    assert refused == ["drafter.draft_vocab_size None -> 64", "drafter.ttt_steps None -> 6"], refused
+
+
 def test_anchor_zero_is_refused_with_a_message(target):
     d = build_drafter("eagle3", target, block_size=BS)
     t = torch.arange(6)
