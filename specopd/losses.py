@@ -848,7 +848,8 @@ def _run_head(hq, weight, markov, rows_mask, chunk_rows, temperature, hp=None, p
 def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
                  markov=None, mask: Optional[torch.Tensor] = None, denom=None, temperature: float = 1.0,
                  chunk_rows="auto", ce_targets: Optional[torch.Tensor] = None, ce_weight: float = 0.0,
-                 tp=None, q_ids: Optional[torch.Tensor] = None, kernel_paths=None) -> FusedOut:
+                 tp=None, q_ids: Optional[torch.Tensor] = None, kernel_paths=None,
+                 ce_mask: Optional[torch.Tensor] = None) -> FusedOut:
     """E2E-TV from hidden states, equal to ``e2e_tv_loss(q_logits, p_logits, mask, denom, temperature)`` with
     ``q_logits = hq @ weight^T (+ e @ w2^T)`` and ``p_logits = hp @ p_weight^T``, never materialising [N, W, V];
     with ``ce_weight`` > 0, plus ``ce_weight * ce_loss(q_logits, ce_targets, mask, denom)`` from the same pass.
@@ -872,6 +873,8 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
             sum_i min(q_i, p[q_ids[i]]) with p over the whole vocabulary (``p_weight`` required); ``ce_targets``
             are then columns of q.
         kernel_paths: the recipe's ``kernels:`` section (its ``cpu_tv_loss``: ``use_tv_kernel``); None: all "auto".
+        ce_mask: [N, W] bool, the positions the CE term counts within the valid prefix (a draft vocabulary: labels
+            q has a column for); None: all of it.
 
     Returns:
         ``FusedOut(loss, alpha, nll)``: the scalar loss, alpha [N, W] fp32 detached (0 past a branch's valid
@@ -890,7 +893,8 @@ def fused_e2e_tv(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_
                            kernel_paths=kernel_paths)
     loss = e2e_tv_from_alpha(alpha, valid, denom)
     if nll is not None:
-        loss = loss + ce_weight * _masked_branch_mean(nll, valid, denom)
+        ce_rows = valid if ce_mask is None else valid & _mask(ce_mask, (n, w), hq.device)
+        loss = loss + ce_weight * _masked_branch_mean(nll, ce_rows, denom)
     return FusedOut(loss, alpha.detach(), None if nll is None else nll.detach())
 
 

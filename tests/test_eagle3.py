@@ -399,6 +399,44 @@ def test_draft_vocabulary_loss_equals_the_full_vocabulary_one(temperature):
     assert torch.allclose(got[0], hq.grad, atol=1e-6) and torch.allclose(got[1], wq.grad, atol=1e-6)
 
 
+def test_ce_term_on_a_draft_vocabulary_skips_labels_outside_it():
+    """trainer.ce_weight with a draft vocabulary: E2E-TV plus the CE on the labels' columns, positions whose label q
+    has no column skipped; equal to the plain losses on q spread over V (-inf off the draft ids), gradients too."""
+    from specopd.losses import ce_loss, e2e_tv_loss, fused_e2e_tv
+
+    g = torch.Generator().manual_seed(5)
+    n, w, dim = 5, 3, 16
+    wq = torch.randn(SUB.numel(), dim, generator=g, requires_grad=True)
+    wp = torch.randn(V, dim, generator=g)
+    hq = torch.randn(n, w, dim, generator=g, requires_grad=True)
+    hp = torch.randn(n, w, dim, generator=g) * 2
+    labels = torch.randint(0, V, (n, w), generator=g)
+    inside = labels % 2 == 0  # SUB: the even ids
+    assert bool(inside.any()) and not bool(inside.all())
+    out = fused_e2e_tv(hq, wq, hp, p_weight=wp, q_ids=SUB, ce_targets=labels // 2, ce_weight=0.7, ce_mask=inside,
+                       chunk_rows=4)
+    out.loss.backward()
+    got = (out.loss.detach(), hq.grad.clone(), wq.grad.clone())
+    hq.grad = wq.grad = None
+    zq = torch.full((n, w, V), float("-inf"))
+    zq[..., SUB] = hq @ wq.T
+    ref = e2e_tv_loss(zq, hp @ wp.T) + 0.7 * ce_loss(zq, labels, inside, denom=n)
+    ref.backward()
+    assert torch.allclose(got[0], ref.detach(), atol=1e-6)
+    assert torch.allclose(got[1], hq.grad, atol=1e-6) and torch.allclose(got[2], wq.grad, atol=1e-6)
+
+
+def test_specopd_with_a_ce_term_trains_an_eagle3_drafter_on_a_draft_vocabulary(tmp_path):
+    from specopd.train.loop import train
+    from tests.tiny_runs import tiny_recipe
+
+    out = str(tmp_path / "run")
+    train(tiny_recipe(out, ["drafter.kind=eagle3", "drafter.draft_vocab_size=40", "trainer.ce_weight=0.5",
+                            "trainer.max_steps=2", "trainer.eval_heldout=false"]), progress=False)
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [m["step"] for m in lines] == [1, 2] and all(math.isfinite(m["loss"]) for m in lines)
+
+
 def _specforge_ttt(zq, zp, t2d, mask, denom):
     """SpecForge's TTT loss transcribed (core/eagle3.py + core/loss.py): per step target_p = softmax(target[..., t2d]),
     position_mask = t2d[argmax target] & loss_mask, loss_k = -sum(position_mask * target_p * log_softmax(logits)) /

@@ -214,6 +214,18 @@ def _own_head(worker: "Worker") -> dict:
     return {"p_weight": worker.target.lm_head.weight, "q_ids": d.vocab_ids}
 
 
+def _columns(worker: "Worker", tokens: torch.Tensor) -> tuple:
+    """Target ids [N, W] -> (q's columns [N, W], in q's vocabulary [N, W] bool) for a drafter with a draft
+    vocabulary; (tokens, None) otherwise."""
+    ids = getattr(worker.drafter, "vocab_ids", None)
+    if ids is None:
+        return tokens, None
+    col = torch.full((int(worker.target.vocab_size),), -1, dtype=torch.long, device=ids.device)
+    col[ids] = torch.arange(ids.numel(), device=ids.device)
+    c = col[tokens.to(ids.device)]
+    return c.clamp_min(0), c >= 0
+
+
 def _ce_targets(worker: "Worker", proposals: Proposals, hp: torch.Tensor) -> Optional[torch.Tensor]:
     """The labels of the ``trainer.ce_weight`` term [N, W]: the reference's tokens, or with ``trainer.ce_labels:
     target`` the target's argmax at each scored position of hp (None without the term)."""
@@ -285,12 +297,10 @@ def loss_backward(worker: "Worker", proposals: Proposals, hp: torch.Tensor, deno
         elif method == "offpolicy_ce":
             out = fused_ce(h, weight, tokens, hp=hp, **kw)
         else:
-            ce = _ce_targets(w, proposals, hp)
-            if ce is not None and getattr(w.drafter, "vocab_ids", None) is not None:
-                raise NotImplementedError("trainer.ce_weight > 0 with a draft vocabulary (EAGLE-3 d2t): its labels may "
-                                          "lie outside the head's columns; set trainer.ce_weight: 0 or use "
-                                          "trainer.method: offpolicy_ce")
-            out = fused_e2e_tv(h, weight, hp, ce_targets=ce, ce_weight=t.ce_weight, **kw)
+            ce, inside = _ce_targets(w, proposals, hp), None
+            if ce is not None and t.ce_weight > 0:  # a draft vocabulary: labels as q's columns, those it lacks skipped
+                ce, inside = _columns(w, ce)
+            out = fused_e2e_tv(h, weight, hp, ce_targets=ce, ce_weight=t.ce_weight, ce_mask=inside, **kw)
         loss, alpha = out.loss, out.alpha
         if getattr(w.drafter, "has_confidence", False) and w.cfg.drafter.confidence_weight > 0:
             with w.autocast():
