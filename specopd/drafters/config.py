@@ -24,7 +24,7 @@ class DrafterRecipeConfig:
     """Block length counting the anchor, as released ("b16" = 16): each branch drafts W = block_size - 1
     tokens (drafter.draft_len). >= 2."""
     ttt_steps: Optional[int] = setting(None, resume=REFUSE)
-    """Autoregressive drafters (eagle3): the steps a training branch is unrolled (SpecForge's ttt_length, 7 in its
+    """Autoregressive drafters (eagle3, mtp): the steps a training branch is unrolled (SpecForge's ttt_length, 7 in its
     recipes), apart from block_size - 1, the steps drafted when served; null: block_size - 1. Draft-OPD drafts as
     served, so it takes no other value."""
     draft_vocab_size: Optional[int] = setting(None, resume=REFUSE)
