@@ -701,8 +701,8 @@ def smollm2_ttt():
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         train(load_recipe(os.path.join(repo, "recipes", "smollm2-135m-eagle3-sharegpt.yaml"), [
             f"model.target={tdir}", "model.dtype=float32", f"trainer.output_dir={run}", f"trainer.max_steps={steps}",
-            "trainer.save_every=0", "trainer.eval_heldout=false", "data.batch_size=8", "data.seq_len=192",
-            "trainer.anchors_per_seq=16", "trainer.lr=3.0e-3", "trainer.lr_warmup_steps=5"]), progress=False)
+            "trainer.save_every=0", "trainer.eval_heldout=false", "data.batch_size=4", "data.seq_len=160",
+            "trainer.anchors_per_seq=8", "trainer.lr=3.0e-3", "trainer.lr_warmup_steps=5"]), progress=False)
         ck = find_latest(run)
     return tdir, ck, run
 
