@@ -250,7 +250,14 @@ class Eagle3Drafter(AutoregressiveDrafter):
         return self.logits_from_hidden(self.hidden(features, anchors, trunk_index, None, token_ids, tokens))
 
     # -- save: DFlash's (config.json = asdict(config), model.safetensors = the state dict) --------------------
-    config_dict = DFlashDrafter.config_dict
+    def config_dict(self) -> dict:
+        """DFlash's, without ``qk_norm`` while it is False: checkpoints of the llama layout keep the bytes they had
+        before the Qwen3 variant existed (a folder without it reads as False)."""
+        cfg = DFlashDrafter.config_dict(self)
+        if not cfg["qk_norm"]:
+            del cfg["qk_norm"]
+        return cfg
+
     save = DFlashDrafter.save
 
 
