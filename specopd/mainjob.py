@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from specopd.config import CE_TERM_METHODS, auto_dtype, eval_dtype
+from specopd.config import CE_TERM_METHODS, auto_dtype
 from specopd.data.conversations import pretrain_chat_prompts, train_chat_prompts
 from specopd.data.packaged import conversations_file
 from specopd.data.prepare import ERRORS_FILE, MODELS, load_tokenizer, prepare_data, stop_token_ids
@@ -247,46 +247,53 @@ def train_stage(run, prep: Prepared, progress: bool = True) -> tuple:
     return summary, find_latest(t.output_dir)
 
 
-def evaluate_rows(cfg, target_dir: str, rows: list, progress: bool = True) -> list:
-    """Speculative decoding of the held-out chat prompts with each drafter of ``rows`` at every
-    ``pipeline.eval_temperatures``: T > 0 decoded for real; T = 0 replayed exactly on the target's greedy
-    continuations (``specopd.eval.replay``: the same rounds and counts as real greedy decoding, at a fraction of
-    the cost).
+def evaluate_rows(ev, temps, model, kernels, target_dir: str, rows: list, drafter=None, seed: int = 0,
+                  progress: bool = True) -> list:
+    """Speculative decoding of the held-out chat prompts with each drafter of ``rows`` at every temperature of
+    ``temps``: T > 0 decoded for real; T = 0 replayed exactly on the target's greedy continuations
+    (``specopd.eval.replay``: the same rounds and counts as real greedy decoding, at a fraction of the cost).
 
     Args:
-        cfg: the main job's recipe.
+        ev: the recipe's eval section (the prompts, ``max_new_tokens``, ``seed``, ``dtype``).
+        temps: the temperatures (``pipeline.eval_temperatures``).
+        model: its model section (``dtype``, ``kernels``: the target's).
+        kernels: its kernels section (the target's compute paths).
         target_dir: the target's Hugging Face folder.
-        rows: (label, checkpoint or None) pairs.
+        rows: (label, checkpoint or None) pairs; None: an untrained drafter.
+        drafter: the drafter section an untrained row is built from (``kind``, ``num_layers``, ...).
+        seed: that drafter's seed (the recipe's ``seed``).
         progress: show progress bars.
 
     Returns:
         [{drafter, checkpoint, by_temperature: {T: numbers}}].
     """
     with torch_threads(os.cpu_count() or 1):  # the driver's evaluation: every core, then back
-        return _evaluate_rows(cfg, target_dir, rows, progress)
+        return _evaluate_rows(ev, temps, model, kernels, target_dir, rows, drafter, seed, progress)
 
 
-def _evaluate_rows(cfg, target_dir: str, rows: list, progress: bool) -> list:
-    target = load_target(target_dir, dtype=resolve_dtype(eval_dtype(cfg)), device="cpu", kernels=cfg.model.kernels,
-                         kernel_paths=cfg.kernels)
-    prompts, meta, _ = run_prompts(cfg.eval, target_dir, target.vocab_size)
+def _evaluate_rows(ev, temps, model, kernels, target_dir: str, rows: list, drafter, seed: int,
+                   progress: bool) -> list:
+    target = load_target(target_dir, dtype=resolve_dtype(ev.target_dtype(model.dtype)), device="cpu",
+                         kernels=model.kernels, kernel_paths=kernels)
+    prompts, meta, _ = run_prompts(ev, target_dir, target.vocab_size)
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     out, greedy = [], None  # greedy: the target's greedy continuations, shared by every drafter's T=0 replay
     for label, path in rows:
+        if not path and drafter is None:
+            raise ValueError(f"evaluate_rows: row {label!r} has no checkpoint and no drafter section to build it")
         d = load_drafter(path, target) if path else build_drafter(
-            cfg.drafter.kind, target, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-            seed=cfg.seed, feature_layers=cfg.drafter.feature_layers, mask_token_id=cfg.drafter.mask_token_id,
-            target_dir=target_dir, **dict(cfg.drafter.architecture))
+            drafter.kind, target, num_layers=drafter.num_layers, block_size=drafter.block_size, seed=seed,
+            feature_layers=drafter.feature_layers, mask_token_id=drafter.mask_token_id, target_dir=target_dir,
+            **dict(drafter.architecture))
         res = {}
-        for t in cfg.pipeline.eval_temperatures:
+        for t in temps:
             if float(t) == 0:  # exact: equal to real greedy decoding, round by round (tests/test_replay.py)
                 if greedy is None:
-                    greedy = greedy_continuations(target, prompts, cfg.eval.max_new_tokens + d.draft_len,
-                                                  progress=progress)
-                r = dict(replay_greedy_al(target, d, prompts, greedy, cfg.eval.max_new_tokens, stop_token_ids=stops),
+                    greedy = greedy_continuations(target, prompts, ev.max_new_tokens + d.draft_len, progress=progress)
+                r = dict(replay_greedy_al(target, d, prompts, greedy, ev.max_new_tokens, stop_token_ids=stops),
                          spec_tokens_per_s=None, times={}, how="replay")
             else:
-                r = dict(evaluate_al(target, d, prompts, cfg.eval.max_new_tokens, float(t), seed=cfg.eval.seed,
+                r = dict(evaluate_al(target, d, prompts, ev.max_new_tokens, float(t), seed=ev.seed,
                                      stop_token_ids=stops, progress=progress), how="decode")
             res[f"{float(t):g}"] = {k: r[k] for k in ("mean_al", "rounds", "new_tokens", "accepted_at", "reached_at",
                                                       "per_position_acceptance", "spec_tokens_per_s", "times", "how")}
@@ -355,11 +362,12 @@ def _run(cfg, progress: bool) -> dict:
     rows = [before,
             (f"after: + {cfg.trainer.method} ({summary['steps']} steps)", final)]
     # vLLM's counters and ours on vLLM's schedule side by side, when vLLM is there; ours alone for the rest
-    results = judge_rows(cfg, prep.target_dir, rows, progress=progress)
+    sections = (cfg.eval, temps, cfg.model, cfg.kernels, prep.target_dir)  # what stage 5 reads of the recipe
+    results = judge_rows(*sections, rows, out, cfg.drafter.block_size - 1, progress=progress)
     done = {r["checkpoint"] for r in results}
     rest = [(label, path) for label, path in rows if not path or path not in done]
     if rest:
-        results = evaluate_rows(cfg, prep.target_dir, rest, progress=progress) + results
+        results = evaluate_rows(*sections, rest, cfg.drafter, cfg.seed, progress=progress) + results
     times["eval"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_all
 

@@ -79,7 +79,7 @@ def test_a_recipes_kernels_reach_the_local_driver_and_its_evaluation(tmp_path, m
 
     monkeypatch.setattr(specopd.mainjob, "load_target", fake_load_target)
     with pytest.raises(Loaded):
-        specopd.mainjob.evaluate_rows(cfg, "unused", [], progress=False)
+        specopd.mainjob.evaluate_rows(cfg.eval, [0.0], cfg.model, cfg.kernels, "unused", [], progress=False)
     assert seen == [cfg.kernels]
 
 

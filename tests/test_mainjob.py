@@ -117,7 +117,8 @@ def test_evaluation_loads_the_target_in_eval_dtype(monkeypatch):
                        (["model.dtype=bfloat16", "eval.dtype=auto"], torch.bfloat16),
                        (["model.dtype=float32", "eval.dtype=auto"], torch.float32)):
         with pytest.raises(Loaded):
-            specopd.mainjob.evaluate_rows(load_recipe(recipe, over), "unused", [], progress=False)
+            cfg = load_recipe(recipe, over)
+            specopd.mainjob.evaluate_rows(cfg.eval, [0.0], cfg.model, cfg.kernels, "unused", [], progress=False)
         assert seen.pop() == want
 
 

@@ -106,6 +106,14 @@ def _judge_setup(tmp_path, monkeypatch):
     return cfg, target_dir, [("before", paths[0]), ("after", paths[1])], seen
 
 
+def _judge(cfg, target_dir, rows, concurrent):
+    """judge_rows given the recipe's sections as the main job gives them."""
+    from specopd.eval.engine import judge_rows
+
+    return judge_rows(cfg.eval, cfg.pipeline.eval_temperatures, cfg.model, cfg.kernels, target_dir, rows,
+                      cfg.trainer.output_dir, cfg.drafter.block_size - 1, progress=False, concurrent=concurrent)
+
+
 def _numbers(rows):
     return [(r["drafter"], r["checkpoint"], {t: {k: v for k, v in x.items() if k != "times"}
                                              for t, x in r["by_temperature"].items()}) for r in rows]
@@ -114,13 +122,11 @@ def _numbers(rows):
 def test_judge_rows_decode_ours_beside_vllm_with_the_same_numbers(tmp_path, monkeypatch):
     """judge_rows: our side (greedy continuations, ours on vLLM's schedule at T=0 and T=1) decodes while vLLM's
     process runs, and every number equals the one-after-the-other run's."""
-    from specopd.eval.engine import judge_rows
-
     cfg, target_dir, rows, seen = _judge_setup(tmp_path, monkeypatch)
-    alone = judge_rows(cfg, target_dir, rows, progress=False, concurrent=False)
+    alone = _judge(cfg, target_dir, rows, concurrent=False)
     assert (seen["vllm_first"], seen["thread"]) == (False, False)  # one after the other, in this thread
     seen["ours_started"].clear()
-    beside = judge_rows(cfg, target_dir, rows, progress=False, concurrent=True)
+    beside = _judge(cfg, target_dir, rows, concurrent=True)
     assert (seen["vllm_first"], seen["thread"], seen["overlap"]) == (True, True, True)  # ours began beside it
     assert [r["drafter"] for r in alone] == ["before | vLLM", "before | ours, vLLM's schedule", "after | vLLM",
                                              "after | ours, vLLM's schedule"]
@@ -133,7 +139,6 @@ def test_judge_rows_decode_ours_beside_vllm_with_the_same_numbers(tmp_path, monk
 def test_judge_rows_a_failed_vllm_process_leaves_the_rows_to_ours(tmp_path, monkeypatch, capsys):
     """vLLM's process fails while our side decodes: the job goes on without the vLLM rows, saying why."""
     import specopd.eval.engine as engine
-    from specopd.eval.engine import judge_rows
 
     cfg, target_dir, rows, _ = _judge_setup(tmp_path, monkeypatch)
 
@@ -141,5 +146,54 @@ def test_judge_rows_a_failed_vllm_process_leaves_the_rows_to_ours(tmp_path, monk
         raise engine.EngineUnavailable("the stand-in vLLM died")
 
     monkeypatch.setattr(engine, "run_judge_drafters", broken)
-    assert judge_rows(cfg, target_dir, rows, progress=False, concurrent=True) == []
+    assert _judge(cfg, target_dir, rows, concurrent=True) == []
     assert "vLLM judge failed: the stand-in vLLM died" in capsys.readouterr().out
+
+
+def test_evaluation_stage_takes_its_sections_and_builds_the_untrained_row(tmp_path, monkeypatch):
+    """evaluate_rows takes the eval, model and kernels sections (no recipe): an untrained row is the drafter
+    section's drafter at the recipe's seed, numbers equal to that drafter saved and loaded from its folder; without
+    a drafter section such a row is refused."""
+    from specopd.drafters import build_drafter, export_drafter
+    from specopd.mainjob import evaluate_rows
+    from specopd.models import load_target
+
+    cfg, target_dir, rows, _ = _judge_setup(tmp_path, monkeypatch)
+    d = cfg.drafter
+    fresh = build_drafter(d.kind, load_target(target_dir), num_layers=d.num_layers, block_size=d.block_size,
+                          seed=cfg.seed, feature_layers=d.feature_layers, mask_token_id=d.mask_token_id,
+                          target_dir=target_dir, **dict(d.architecture))
+    saved = export_drafter(fresh, str(tmp_path / "fresh"))
+    sections = (cfg.eval, cfg.pipeline.eval_temperatures, cfg.model, cfg.kernels, target_dir)
+    got = evaluate_rows(*sections, [("untrained", None), ("saved", saved), rows[1]], d, cfg.seed, progress=False)
+    assert [r["drafter"] for r in got] == ["untrained", "saved", "after"]
+    counts = [{t: {k: v for k, v in x.items() if k not in ("times", "spec_tokens_per_s")}
+               for t, x in r["by_temperature"].items()} for r in got]
+    assert counts[0] == counts[1]  # the same drafter, the same numbers
+    assert got[0]["by_temperature"]["1"] != got[2]["by_temperature"]["1"]
+    assert all(r["by_temperature"][t]["rounds"] > 0 for r in got for t in ("0", "1"))
+    with pytest.raises(ValueError, match="row 'untrained' has no checkpoint and no drafter section"):
+        evaluate_rows(*sections, [("untrained", None)], progress=False)
+
+
+def test_specopd_eval_with_vllm_unpacks_its_recipe_at_the_edge(tmp_path, monkeypatch):
+    """``specopd eval --engine vllm``: main_eval hands the judge the eval section and trainer.output_dir (its work
+    folder <output_dir>/vllm-judge/eval), not the recipe; the untrained drafter is exported there first."""
+    import specopd.eval.engine as engine
+    from specopd.eval.cli import main_eval
+
+    cfg = tiny_recipe(str(tmp_path / "run"), ["eval.checkpoint=none", "eval.prompts=2", "eval.max_new_tokens=3",
+                                              "eval.seed=5"])
+    seen = {}
+
+    def fake_judge(target_dir, path, prompts, max_new_tokens, temps, stops, dtype, seed=0, work_dir=None, **kw):
+        seen.update(path=path, n=len(prompts), max_new_tokens=max_new_tokens, seed=seed, work_dir=work_dir)
+        return {"problems": []}
+
+    monkeypatch.setattr(engine, "vllm_missing_reason", lambda: None)
+    monkeypatch.setattr(engine, "judge", fake_judge)
+    monkeypatch.setattr(engine, "format_judge", lambda rep, title="": title)
+    assert main_eval(cfg, ["--engine", "vllm"], judge=engine.eval_with_vllm) == {"problems": []}
+    work = os.path.join(str(tmp_path / "run"), "vllm-judge", "eval")
+    assert seen == {"path": os.path.join(work, "untrained-export"), "n": 2, "max_new_tokens": 3, "seed": 5,
+                    "work_dir": work}

@@ -280,8 +280,9 @@ def main_eval(cfg, args=None, judge=None) -> dict:
     Prompts: ``--prompts FILE``, else the main job's held-out chat prompts (a recipe with ``pipeline``), else
     the run's held-out samples. One table per temperature (``--temperatures``, default ``eval.decode_temperature``).
     Returns the first temperature's numbers at the top level and every temperature's under ``by_temperature``.
-    ``--engine vllm``: ``judge(cfg, target_dir, target, drafter, source, prompts, stops, temps, ns)`` instead
-    (``specopd.eval.engine.eval_with_vllm``: vLLM's counters next to ours), which returns the report.
+    ``--engine vllm``: ``judge(cfg.eval, trainer.output_dir, target_dir, target, drafter, source, prompts, stops,
+    temps, ns)`` instead (``specopd.eval.engine.eval_with_vllm``: vLLM's counters next to ours), which returns the
+    report.
     """
     ns = _parse_args(args)
     check_device(cfg)
@@ -326,7 +327,8 @@ def main_eval(cfg, args=None, judge=None) -> dict:
         if judge is None:
             raise ValueError("--engine vllm: main_eval needs judge=specopd.eval.engine.eval_with_vllm (the `specopd "
                              "eval` command passes it)")
-        return judge(cfg, path, target, drafter, source, prompts, stops, temps, ns, meta=meta)
+        return judge(cfg.eval, cfg.trainer.output_dir, path, target, drafter, source, prompts, stops, temps, ns,
+                     meta=meta)
     print(provenance_line())
     runs = []
     for temp in temps:

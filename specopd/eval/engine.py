@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from specopd.config import eval_dtype
 from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.prepare import load_tokenizer, stop_token_ids
 from specopd.drafters import export_drafter, load_drafter
@@ -774,18 +773,25 @@ class VllmBeside:
         return self.box["value"]
 
 
-def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True, concurrent: bool = True) -> list:
+def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_dir: str, draft_len: int,
+               progress: bool = True, concurrent: bool = True) -> list:
     """The main job's vLLM rows: each (label, checkpoint) served by vLLM on the held-out chat prompts at
-    ``pipeline.eval_temperatures``, plus ours on vLLM's schedule (at T > 0 on ``eval.prompts`` of them, the same
+    ``temps``, plus ours on vLLM's schedule (at T > 0 on ``eval.prompts`` of them, the same
     number per category, compared with vLLM's own steps there). vLLM's default argmax drafts at T > 0 (another
     algorithm, reported, never compared) are left to ``specopd serve-check --vllm-default``: one more vLLM start per
     drafter. Without a vLLM venv (or with SPECOPD_VLLM_JUDGE=0): [] and a line saying why; a judge that fails prints
     why and the job goes on.
 
     Args:
-        cfg: the main job's RecipeConfig.
+        ev: the recipe's eval section (the prompts, ``max_new_tokens``, ``seed``, ``dtype``).
+        temps: the temperatures (``pipeline.eval_temperatures``).
+        model: its model section (``dtype``: the target's when ``eval.dtype`` is auto).
+        kernels: its kernels section (the target's compute paths).
         target_dir: the target's folder.
         rows: [(label, checkpoint folder)].
+        output_dir: the job's folder (``trainer.output_dir``): vLLM's work in <output_dir>/vllm-judge.
+        draft_len: the drafters' W (drafted tokens per round): the greedy continuations run that far past
+            ``eval.max_new_tokens``.
         progress: progress output.
         concurrent: our side (the greedy continuations, ours on vLLM's schedule) decoded while vLLM's process
             runs (the two share the machine's cores); False: after it. The numbers are the same either way.
@@ -797,18 +803,18 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True, concurre
     if why:
         print(f"[specopd] no vLLM rows: {why}", flush=True)
         return []
-    tdtype = resolve_dtype(eval_dtype(cfg))
+    tdtype = resolve_dtype(ev.target_dtype(model.dtype))
     dtype = "bfloat16" if tdtype == torch.bfloat16 else "float32"
-    target = load_target(target_dir, dtype=tdtype, device="cpu", kernel_paths=cfg.kernels)
-    ids, meta, _ = run_prompts(cfg.eval, target_dir, target.vocab_size, judge=True)
+    target = load_target(target_dir, dtype=tdtype, device="cpu", kernel_paths=kernels)
+    ids, meta, _ = run_prompts(ev, target_dir, target.vocab_size, judge=True)
     prompts = [p.tolist() for p in ids]
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     # T > 0: ours beside vLLM on eval.prompts of them (decoding each costs a target pass a round); T = 0 replays all
-    hot = stratified(meta, cfg.eval.prompts) if meta is not None else list(range(min(len(prompts), cfg.eval.prompts)))
-    judged = [(label, path, os.path.join(cfg.trainer.output_dir, "vllm-judge", os.path.basename(path)))
+    hot = stratified(meta, ev.prompts) if meta is not None else list(range(min(len(prompts), ev.prompts)))
+    judged = [(label, path, os.path.join(output_dir, "vllm-judge", os.path.basename(path)))
               for label, path in rows if path]
-    temps = [float(t) for t in cfg.pipeline.eval_temperatures]
-    vdir = os.path.join(cfg.trainer.output_dir, "vllm-judge", "vllm")
+    temps = [float(t) for t in temps]
+    vdir = os.path.join(output_dir, "vllm-judge", "vllm")
     try:
         exports = [ensure_export(path, work) for _, path, work in judged]  # (export, checkpoint or None)
     except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
@@ -821,7 +827,7 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True, concurre
     # every drafter in one vLLM process, one engine after another; our side needs nothing of its run, so it is
     # decoded meanwhile (``concurrent=False``: one after the other; the same numbers either way)
     vllm = VllmBeside(concurrent, run_judge_drafters, target_dir, [e for e, _ in exports], prompts,
-                      cfg.eval.max_new_tokens, temps, stops, dtype, seed=cfg.eval.seed, work_dir=vdir)
+                      ev.max_new_tokens, temps, stops, dtype, seed=ev.seed, work_dir=vdir)
     driver = torch.get_num_threads()
 
     def share():  # one thread beside vLLM's process (a second would wait at each barrier for a core its threads
@@ -831,14 +837,14 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True, concurre
         greedy = None  # the target's greedy continuations: one decode for every drafter's T = 0 replay
         if any(t == 0 for t in temps):
             with share():
-                greedy = greedy_continuations(target, ids, cfg.eval.max_new_tokens + cfg.drafter.block_size - 1,
+                greedy = greedy_continuations(target, ids, ev.max_new_tokens + draft_len,
                                               progress=progress)
         ours = []
         for _, path, _ in judged:
             try:  # the drafter judge() checks the export against: the checkpoint, or the released folder itself
                 with share():
                     ours.append(ours_on_vllm_schedules(target, load_drafter(path, target).eval(), prompts,
-                                                       cfg.eval.max_new_tokens, temps, stops, cfg.eval.seed, hot,
+                                                       ev.max_new_tokens, temps, stops, ev.seed, hot,
                                                        greedy))
             except Exception as e:  # noqa: BLE001 - this row is left out below, saying why
                 ours.append(e)
@@ -852,7 +858,7 @@ def judge_rows(cfg, target_dir: str, rows: list, progress: bool = True, concurre
         try:  # the export vLLM served, checked against the checkpoint it came from (not exported again)
             if isinstance(mine, Exception):
                 raise mine
-            rep = judge(target_dir, export, prompts, cfg.eval.max_new_tokens, temps, stops, dtype, seed=cfg.eval.seed,
+            rep = judge(target_dir, export, prompts, ev.max_new_tokens, temps, stops, dtype, seed=ev.seed,
                         target=target, own=False, progress=progress, meta=meta, work_dir=work, hot_prompts=hot,
                         greedy=greedy, vllm_run=run, checkpoint=ck, ours=mine)
         except Exception as e:  # noqa: BLE001 - the main job goes on without the vLLM rows, saying why
@@ -910,13 +916,14 @@ def main_serve_check(args) -> int:
     return 0
 
 
-def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: list, stops, temps, ns,
+def eval_with_vllm(ev, output_dir: str, target_dir: str, target, drafter, source: str, prompts: list, stops, temps, ns,
                    meta: Optional[Sequence[dict]] = None) -> dict:
     """``specopd eval --engine vllm``: the judge on the eval prompts (the drafter exported first; an untrained one is
     exported from memory). Prints the table.
 
     Args:
-        cfg: the RecipeConfig (``eval.*``, ``trainer.output_dir`` for the work folder).
+        ev: the recipe's eval section (``max_new_tokens``, ``seed``).
+        output_dir: ``trainer.output_dir``: the work folder is <output_dir>/vllm-judge/eval.
         target_dir: the target's folder.
         target: the loaded TargetModel (its dtype picks vLLM's).
         drafter: the drafter (exported when ``source`` is not a folder).
@@ -933,13 +940,13 @@ def eval_with_vllm(cfg, target_dir: str, target, drafter, source: str, prompts: 
     why = vllm_missing_reason()
     if why:
         raise EngineUnavailable(f"specopd eval --engine vllm: {why}; or drop --engine vllm (our decoder only)")
-    work = own_dir(os.path.join(own_dir(os.path.join(cfg.trainer.output_dir, "vllm-judge")), "eval"))
+    work = own_dir(os.path.join(own_dir(os.path.join(output_dir, "vllm-judge")), "eval"))
     path = source
     if not os.path.isdir(str(source)):  # "untrained": a drafter only in memory
         path = export_drafter(drafter, os.path.join(work, "untrained-export"))
     dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
-    rep = judge(target_dir, path, [p.tolist() for p in prompts], cfg.eval.max_new_tokens, temps, stops, dtype,
-                seed=cfg.eval.seed, target=target, work_dir=work, vllm_default=True, progress=True, meta=meta)
+    rep = judge(target_dir, path, [p.tolist() for p in prompts], ev.max_new_tokens, temps, stops, dtype,
+                seed=ev.seed, target=target, work_dir=work, vllm_default=True, progress=True, meta=meta)
     print(format_judge(rep, f"specopd eval --engine vllm: drafter {source}"))
     json_path = getattr(ns, "json", None)
     if json_path:
