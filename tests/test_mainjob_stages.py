@@ -197,3 +197,19 @@ def test_specopd_eval_with_vllm_unpacks_its_recipe_at_the_edge(tmp_path, monkeyp
     work = os.path.join(str(tmp_path / "run"), "vllm-judge", "eval")
     assert seen == {"path": os.path.join(work, "untrained-export"), "n": 2, "max_new_tokens": 3, "seed": 5,
                     "work_dir": work}
+
+
+def test_the_recipe_does_not_reach_the_evaluation_stage():
+    """benchmarks/config_walk.py (run as a user runs it): no function of specopd.eval.engine receives the whole
+    recipe, and its walk from specopd.mainjob.run reaches the training stages but never the evaluation."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "config_walk.py"), "--list"], check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    receives = [ln for ln in out.splitlines() if ln.strip().startswith("receives:")]
+    passes = [ln.split("->")[1].strip() for ln in out.splitlines() if ln.strip().startswith("passes:")]
+    assert "specopd.mainjob.train_stage" in passes and "specopd.train.loop.train" in passes  # the walk walks
+    assert any("specopd.mainjob:" in ln and "run(cfg)" in ln for ln in receives)
+    assert not [ln for ln in receives if "specopd.eval.engine:" in ln or "evaluate_rows" in ln]
+    assert not [p for p in passes if p.startswith("specopd.eval.") or p.endswith(("evaluate_rows", "judge_rows"))]
