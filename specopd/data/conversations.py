@@ -124,6 +124,35 @@ def train_conversations(num: int, offset: int = 0, seed: int = 0, heldout_fracti
     return train[offset: offset + num]
 
 
+DRIFT_DOMAINS = {  # a domain of replies a policy can be fine-tuned toward -> does the first reply belong to it
+    "code": lambda reply: "```" in reply,
+    "long": lambda reply: len(reply) >= 2000,
+}
+
+
+def domain_train_exchanges(convs: list, domain: str, num: int, offset: int = 0, seed: int = 0,
+                           heldout_fraction: float = 0.1) -> list:
+    """The first exchange (user turn, assistant reply) of *train* conversations whose reply is of ``domain``
+    (``DRIFT_DOMAINS``: "code" has a fenced block, "long" >= 2000 characters), in file order: the ``num`` from the
+    ``offset``-th on (what fine-tuning a policy toward one domain reads; held-out conversations never).
+
+    Args:
+        convs: [(id, messages, split)] as ``formats.read_conversations`` gives them (its ``where`` dropped); a
+            record's own ``split`` wins over the split by id.
+        domain, num, offset: which exchanges; seed, heldout_fraction: the split by id (``split_of``).
+
+    Returns:
+        list of (id, [user, assistant]); fewer than ``num`` only where the domain's train conversations run out."""
+    keep = DRIFT_DOMAINS[domain]
+    out = []
+    for cid, msgs, split in convs:
+        if (split or split_of(cid, seed, heldout_fraction)) != "train" or len(msgs) < 2:
+            continue
+        if msgs[0]["role"] == "user" and msgs[1]["role"] == "assistant" and keep(msgs[1]["content"]):
+            out.append((cid, msgs[:2]))
+    return out[offset: offset + num]
+
+
 def pretrain_chat_prompts(num: int, seed: int = 0, heldout_fraction: float = 0.1, tokenizer=None,
                           max_prompt_tokens: Optional[int] = HELDOUT_MAX_PROMPT_TOKENS) -> list:
     """Up to ``num`` distinct single-turn prompts from *train* conversations: every first user turn
