@@ -2,8 +2,10 @@
 
 Policies: v0 is SmolLM2-135M-Instruct (`specopd prepare model smollm2-135m`); each next version is the one before
 after ``--sft-steps`` full fine-tuning steps (AdamW, transformers) on chitchat-dataset's *train* conversations, the
-assistant turns supervised: a drift toward chitchat's casual human style. Written under ``<out>/policies/v<N>``
-(never committed).
+assistant turns supervised: a drift toward chitchat's casual human style (``--drift-data chitchat``), or on the
+first exchange of ShareGPT's *train* conversations whose reply is code or a long answer (``sharegpt-code``,
+``sharegpt-long``; split by id as the shipped drafter's recipe splits ShareGPT). Written under
+``<out>/policies/v<N>`` (never committed).
 
 Per version v: rollouts sampled from policy v at T = 1 by vLLM (`prepare_data(engine="vllm")`, its own process):
 ``--rollouts`` train prompts (chitchat train first turns, new ones each version) and ``--eval-prompts`` held-out
@@ -13,7 +15,9 @@ each, one process; vLLM's counters, per request):
 
 - frozen: the shipped drafter (recipes/drafters/smollm2-135m-dflash), never updated;
 - followed: one ``DrafterFollower`` through all versions: ``update_policy(v)``, ``add_rollouts`` (v's train
-  rollouts; its held-out ones marked held out), ``train()`` for ``--follow-steps``, ``export(v)``;
+  rollouts; the first ``--staleness-prompts`` held-out ones marked held out: its staleness measure),
+  ``train()`` for ``--follow-steps`` (``--follow-budget steps``) or one pass over v's train rollouts
+  (``epoch``), ``export(v)``;
 - retrained: the shipped drafter retrained off-policy (``--retrain-method``) on v's rollouts from scratch each
   version, for the same training seconds the follower spent on v.
 
@@ -23,8 +27,12 @@ counters, checked), so each prompt's rounds give a pooled AL's SE and a paired d
 ``al_diff_stderr``: the delta method, prompts as the units).
 Every stage's output is cached under ``--out``: a rerun (after a kill) does only what is missing.
 
+The follow cost is given with and without the follower's staleness measure (its held-out expected AL before and
+after each version: a measurement, not part of following); the cost target is judged without it.
+
     python benchmarks/bench_follow.py [--versions 3] [--rollouts 24] [--eval-prompts 16] [--max-new-tokens 64]
-        [--sft-steps 8] [--follow-steps 4] [--out runs/bench-follow] [--json OUT] [--figure OUT.png]
+        [--sft-steps 8] [--drift-data chitchat] [--follow-steps 4] [--follow-budget steps] [--staleness-prompts N]
+        [--out runs/bench-follow] [--json OUT] [--figure OUT.png]
 """
 from __future__ import annotations
 
@@ -43,6 +51,8 @@ sys.path.insert(0, ROOT)
 SHIPPED = os.path.join(ROOT, "recipes", "drafters", "smollm2-135m-dflash")
 RECIPE = os.path.join(ROOT, "recipes", "smollm2-135m-dflash.yaml")
 SEED, HELDOUT_FRACTION = 0, 0.1  # chitchat's train / held-out split (the data layer's defaults)
+SHAREGPT_HELDOUT = 0.004  # ShareGPT's split by id in recipes/smollm2-135m-dflash-sharegpt.yaml (data.heldout)
+DRIFTS = ("chitchat", "sharegpt-code", "sharegpt-long")
 DRAFTERS = ("frozen", "followed", "retrained")
 
 
@@ -105,7 +115,8 @@ def make_policy(prev: str, out: str, convs: list, steps: int, batch: int, seq_le
     seqs = []
     for _, msgs in convs:
         ids, mask = encode_chat(tok, msgs)
-        seqs.append(([int(x) for x in ids[:seq_len]], [int(x) for x in mask[:seq_len]]))
+        if any(mask[:seq_len]):  # a reply starts within seq_len (a long pasted prompt may leave none)
+            seqs.append(([int(x) for x in ids[:seq_len]], [int(x) for x in mask[:seq_len]]))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(prev, dtype=torch.float32)
     model.train()
@@ -160,6 +171,23 @@ def sample_rollouts(policy: str, out: str, version: int, train_prompts: list, ev
             "counts": counts}
 
 
+def drift_data(name: str):
+    """``--drift-data`` -> f(num, offset) giving the SFT conversations [(id, messages)] of one policy update (train
+    conversations only, successive slices)."""
+    from specopd.data.conversations import chitchat_conversations, domain_train_exchanges, train_conversations
+
+    if name == "chitchat":
+        convs = chitchat_conversations()
+        return lambda num, offset: train_conversations(num, offset, SEED, HELDOUT_FRACTION, convs)
+    from specopd.data.formats import read_conversations
+    from specopd.data.packaged import packaged_file
+
+    convs = [(cid, msgs, split) for _, cid, msgs, split in read_conversations(packaged_file("sharegpt"),
+                                                                               bad_lines="skip")]
+    domain = name.split("-", 1)[1]
+    return lambda num, offset: domain_train_exchanges(convs, domain, num, offset, SEED, SHAREGPT_HELDOUT)
+
+
 def recipe_overrides(target: str, out: str, args, method: str) -> list:
     """The main recipe as one local worker training ``method`` into ``out``: the learning rate kept (no warm-up,
     no decay), the budget per version ``--follow-steps``."""
@@ -193,8 +221,7 @@ def evaluate(policy: str, drafters: list, prompts: list, max_new_tokens: int, k:
 
 # ------------------------------------------------------------------------------------------- the run
 def run(args) -> dict:
-    from specopd.data.conversations import (chitchat_conversations, heldout_chat_prompts, train_chat_prompts,
-                                            train_conversations)
+    from specopd.data.conversations import heldout_chat_prompts, train_chat_prompts
     from specopd.data.prepare import encode_prompt, load_tokenizer
     from specopd.data.smollm2 import prepare_smollm2
     from specopd.follow import DrafterFollower
@@ -212,7 +239,8 @@ def run(args) -> dict:
     eval_p = [(f"heldout-{cid}", m) for cid, m in heldout_chat_prompts(args.eval_prompts, seed=SEED, tokenizer=tok,
                                                                        max_prompt_tokens=96)]
     eval_ids = [encode_prompt(tok, m) for _, m in eval_p]
-    convs = chitchat_conversations()
+    drift = drift_data(args.drift_data)
+    staleness_ids = {pid for pid, _ in eval_p[:args.staleness_prompts or len(eval_p)]}
     policies = [base]
     rows = []
     follower = None
@@ -223,9 +251,7 @@ def run(args) -> dict:
             if v > 0:
                 meta = os.path.join(out, "policies", f"v{v}.sft.json")
                 if done_json(meta) is None or not os.path.isdir(pol):
-                    data = train_conversations(args.sft_steps * args.sft_batch,
-                                               (v - 1) * args.sft_steps * args.sft_batch, SEED, HELDOUT_FRACTION,
-                                               convs)
+                    data = drift(args.sft_steps * args.sft_batch, (v - 1) * args.sft_steps * args.sft_batch)
                     shutil.rmtree(pol, ignore_errors=True)
                     write_json(meta, make_policy(policies[-1], pol, data, args.sft_steps, args.sft_batch,
                                                  args.sft_seq_len, args.sft_lr, seed=v))
@@ -244,16 +270,19 @@ def run(args) -> dict:
             row["sampling"] = done_json(ro_meta)
             recs = ro["records"]
             row["response_tokens"] = sum(len(r["input_ids"]) - r["response_start"] for r in recs) / len(recs)
+            train_recs = [r for r in recs if r["split"] == "train"]
+            given = train_recs + [r for r in recs if r["id"] in staleness_ids]  # the follower's held-out: a subset
             # followed
             f_meta = os.path.join(out, "follow", f"v{v}.timing.json")
             if done_json(f_meta) is None:
                 if follower is None:
                     follower = DrafterFollower(RECIPE, recipe_overrides(base, os.path.join(out, "follow", "run"), args,
                                                                         "specopd"), progress=False)
+                steps = -(-len(train_recs) // args.batch_size) if args.follow_budget == "epoch" else args.follow_steps
                 t0 = time.perf_counter()
                 follower.update_policy(pol, v)
-                follower.add_rollouts(recs, v)
-                m = follower.train(steps=args.follow_steps)
+                follower.add_rollouts(given, v)
+                m = follower.train(steps=steps)
                 exp = follower.export(v)
                 write_json(f_meta, {"follow_s": time.perf_counter() - t0, "export": exp, **m})
             row["follow"] = done_json(f_meta)
@@ -265,7 +294,7 @@ def run(args) -> dict:
                                      progress=False) as rt:
                     t0 = time.perf_counter()
                     rt.update_policy(pol, v)
-                    rt.add_rollouts(recs, v)
+                    rt.add_rollouts(given, v)
                     m = rt.train(steps=0, seconds=row["follow"]["train_s"])
                     exp = rt.export(v)
                     write_json(r_meta, {"retrain_s": time.perf_counter() - t0, "export": exp, **m})
@@ -293,6 +322,7 @@ def targets(rows: list) -> dict:
     keep = last["followed"]["al"] / start["al"]
     later = rows[1:] or rows
     follow_s = sum(r["follow"]["follow_s"] for r in later)
+    measure_s = sum(r["follow"]["eval_s"] for r in later)
     gen_s = sum(r["sampling"]["gen_s"] or float("nan") for r in later)
     wall_s = sum(r["sampling"]["wall_s"] for r in later)
     return {"start_al": start["al"], "followed_last_al": last["followed"]["al"], "followed_keeps": keep,
@@ -300,16 +330,17 @@ def targets(rows: list) -> dict:
             "followed_minus_frozen_last": d(last["followed"], last["frozen"]),
             "followed_minus_retrained_last": d(last["followed"], last["retrained"]),
             "follow_s": follow_s, "sampling_gen_s": gen_s, "sampling_wall_s": wall_s,
-            "cost_vs_generation": follow_s / gen_s, "cost_vs_sampling_wall": follow_s / wall_s,
+            "staleness_measure_s": measure_s, "cost_vs_generation": (follow_s - measure_s) / gen_s,
+            "cost_vs_generation_with_measure": follow_s / gen_s, "cost_vs_sampling_wall": (follow_s - measure_s) / wall_s,
             "kept_95": keep >= 0.95, "frozen_lost": d(last["frozen"], start)[0] < -2 * d(last["frozen"], start)[1],
-            "cost_below_25": follow_s / gen_s < 0.25}
+            "cost_below_25": (follow_s - measure_s) / gen_s < 0.25}
 
 
 def table(res: dict) -> str:
     lines = ["| version | SFT loss | rollout tokens | frozen AL | followed AL | retrained AL | followed - frozen "
              "| followed - retrained | follow exp. AL before -> after | follow steps / train s | retrain steps "
-             "| sampling s (gen / wall) | follow s (train / held-out evals / swap, export, start) |",
-             "|" + "---|" * 13]
+             "| sampling s (gen / wall) | follow s (train / swap, export, start) | staleness measure s (not following) |",
+             "|" + "---|" * 14]
     for r in res["rows"]:
         e, f, s = r["eval"], r["follow"], r["sampling"]
         fd, rd = diff(e["followed"], e["frozen"]), diff(e["followed"], e["retrained"])
@@ -318,9 +349,9 @@ def table(res: dict) -> str:
         cells = [f"v{r['version']}", sft, f"{r['response_tokens']:.1f}",
                  *(f"{e[k]['al']:.3f} +- {e[k]['se']:.3f}" for k in DRAFTERS),
                  f"{fd[0]:+.3f} +- {fd[1]:.3f}", f"{rd[0]:+.3f} +- {rd[1]:.3f}",
-                 f"{f['before']:.3f} -> {f['after']:.3f}", f"{f['steps']} / {f['train_s']:.1f}",
+                 f"{fmt(f['before'])} -> {fmt(f['after'])}", f"{f['steps']} / {f['train_s']:.1f}",
                  str(r["retrain"]["steps"]), f"{s['gen_s'] or float('nan'):.1f} / {s['wall_s']:.0f}",
-                 f"{f['follow_s']:.1f} ({f['train_s']:.1f} / {f['eval_s']:.1f} / {other:.1f})"]
+                 f"{f['follow_s'] - f['eval_s']:.1f} ({f['train_s']:.1f} / {other:.1f})", f"{f['eval_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     t = res["targets"]
     lines += ["", f"- followed drafter on the newest policy: AL {t['followed_last_al']:.3f} = "
@@ -330,11 +361,16 @@ def table(res: dict) -> str:
               f"- frozen drafter on the newest policy minus the start: {t['frozen_minus_start'][0]:+.3f} +- "
               f"{t['frozen_minus_start'][1]:.3f}: "
               f"{'loses measurably (> 2 SE)' if t['frozen_lost'] else 'NO measurable loss'}",
-              f"- follow cost (versions >= 1): {t['follow_s']:.0f} s against {t['sampling_gen_s']:.0f} s of vLLM "
-              f"generation ({100 * t['cost_vs_generation']:.0f}%; {100 * t['cost_vs_sampling_wall']:.0f}% of the "
-              f"sampling wall incl. vLLM's start-up): target < 25% "
-              f"{'reached' if t['cost_below_25'] else 'NOT reached'}"]
+              f"- follow cost (versions >= 1): {t['follow_s'] - t['staleness_measure_s']:.0f} s against "
+              f"{t['sampling_gen_s']:.0f} s of vLLM generation ({100 * t['cost_vs_generation']:.0f}%; "
+              f"{100 * t['cost_vs_sampling_wall']:.0f}% of the sampling wall incl. vLLM's start-up): target < 25% "
+              f"{'reached' if t['cost_below_25'] else 'NOT reached'}; with the staleness measure "
+              f"(+{t['staleness_measure_s']:.0f} s) {100 * t['cost_vs_generation_with_measure']:.0f}%"]
     return "\n".join(lines)
+
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def figure(res: dict, path: str) -> None:
@@ -369,7 +405,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sft-batch", type=int, default=8)
     ap.add_argument("--sft-seq-len", type=int, default=128)
     ap.add_argument("--sft-lr", type=float, default=2e-4)
-    ap.add_argument("--follow-steps", type=int, default=4, help="SpecOPD steps per version")
+    ap.add_argument("--drift-data", choices=DRIFTS, default="chitchat",
+                    help="what each policy update fine-tunes on (train conversations only)")
+    ap.add_argument("--follow-steps", type=int, default=4, help="SpecOPD steps per version (--follow-budget steps)")
+    ap.add_argument("--follow-budget", choices=("steps", "epoch"), default="steps",
+                    help="steps: --follow-steps a version; epoch: one pass over the version's train rollouts")
+    ap.add_argument("--staleness-prompts", type=int, default=0,
+                    help="held-out rollouts the follower measures staleness on (0: all --eval-prompts)")
     ap.add_argument("--batch-size", type=int, default=8, help="drafter training sequences a step")
     ap.add_argument("--retrain-method", default="offpolicy_ce")
     ap.add_argument("--k", type=int, default=4, help="vLLM's num_speculative_tokens")
