@@ -222,6 +222,18 @@ class AutoregressiveDrafter(nn.Module):
                              f"branch tokens to feed (unroll(...) drafts them)")
         return self.unroll(features, token_ids, anchors, trunk_index, tokens=tokens, steps=tokens.shape[1])[0]
 
+    def forward(self, features, token_ids, anchors, trunk_index=None, tokens=None):
+        """fp32 logits over the target's vocabulary of the branches teacher-forced on ``tokens`` (each step reads the
+        token before it and the drafter's own output of the step before).
+
+        Args:
+            features, token_ids, anchors, trunk_index, tokens: as ``unroll``.
+
+        Returns:
+            [N, W, V] fp32.
+        """
+        return self.logits_from_hidden(self.hidden(features, anchors, trunk_index, None, token_ids, tokens))
+
     @torch.no_grad()
     def sample_tokens(self, h, anchor_tokens, temperature=1.0, generator=None, rows=None, chunk_rows="auto"):
         """Refused: each step's token feeds the next step, so ``unroll`` samples.

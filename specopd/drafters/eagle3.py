@@ -238,17 +238,6 @@ class Eagle3Drafter(AutoregressiveDrafter):
         res = h + res
         return self.norm(res), res
 
-    def forward(self, features, token_ids, anchors, trunk_index=None, tokens=None):
-        """fp32 logits over the target's vocabulary of the branches teacher-forced on ``tokens``.
-
-        Args:
-            features, token_ids, anchors, trunk_index, tokens: as ``AutoregressiveDrafter.unroll``.
-
-        Returns:
-            [N, W, V] fp32.
-        """
-        return self.logits_from_hidden(self.hidden(features, anchors, trunk_index, None, token_ids, tokens))
-
     # -- save: DFlash's (config.json = asdict(config), model.safetensors = the state dict) --------------------
     def config_dict(self) -> dict:
         """DFlash's, without ``qk_norm`` while it is False: checkpoints of the llama layout keep the bytes they had

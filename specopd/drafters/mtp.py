@@ -126,18 +126,6 @@ class MTPDrafter(AutoregressiveDrafter):
         out = self.mtp.norm(h)[0]
         return out, out
 
-    def forward(self, features, token_ids, anchors, trunk_index=None, tokens=None):
-        """fp32 logits over the target's vocabulary of the branches teacher-forced on ``tokens`` (K chained steps on
-        the reference, as MTP heads are trained: each step reads the token before it and the head's own output).
-
-        Args:
-            features, token_ids, anchors, trunk_index, tokens: as ``AutoregressiveDrafter.unroll``.
-
-        Returns:
-            [N, W, V] fp32.
-        """
-        return self.logits_from_hidden(self.hidden(features, anchors, trunk_index, None, token_ids, tokens))
-
     def config_dict(self) -> dict:
         """config.json of its checkpoints: ``folder_config`` (what ``build_mtp`` loads back)."""
         return folder_config(self.config)

@@ -263,6 +263,12 @@ def frequent_tokens(samples: list, ids: list, size: int, vocab_size: int) -> tor
     samples ``ids``. Ties fall as SpecForge's Counter.most_common breaks them, fed sample by sample in ``ids``' order
     (each sample's distinct ids ascending): the id seen first wins; too few distinct ids: the lowest unseen ones.
 
+    Args:
+        samples: the loaded samples (``input_ids``, and ``loss_mask`` or ``prompt_len``).
+        ids: the training split's sample indices, in the order they are counted.
+        size: the draft vocabulary's size.
+        vocab_size: the target's vocabulary size.
+
     Returns:
         [size] the chosen target ids, sorted (d2t[i] = ids[i] - i, as released).
     """
