@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import time
 from typing import Optional
 
@@ -20,7 +19,7 @@ from specopd.data.formats import encode_chat, normalise
 from specopd.data.prepare import load_tokenizer
 from specopd.data.references import token_ids_problem
 from specopd.drafters.layout import export_folder
-from specopd.errors import BadInputError, UserError, own_dir, remove_path, replacing, write_replace
+from specopd.errors import BadInputError, UserError, own_dir, replacing, write_replace
 from specopd.models.loading import read_config
 from specopd.models.tiny import resolve_target_path
 from specopd.runs import checkpoint as ck
@@ -441,29 +440,9 @@ def _al(x) -> str:
 
 
 def publish(src: str, root: str, version: int) -> str:
-    """Export the drafter folder ``src`` to ``<root>/v<version>/`` (written beside it, renamed into place whole;
-    an earlier export of that version is replaced), then ``<root>/latest`` = ``v<version>`` (replaced in one
-    rename). Returns the folder."""
-    own_dir(root)
-    name = f"v{version}"
-    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}-{os.getpid()}")
-    remove_path(tmp)
-    try:
-        export_folder(src, tmp)
-        if os.path.isdir(final):
-            old = os.path.join(root, f".old-{name}-{os.getpid()}")
-            remove_path(old)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    with replacing(os.path.join(root, "latest"), fsync=True) as f:
-        f.write(name + "\n")
-    return final
+    """Export the drafter folder ``src`` to ``<root>/v<version>/`` and point ``<root>/latest`` at it, each step whole
+    (``specopd.runs.checkpoint.publish_folder``; an earlier export of that version is replaced). Returns the folder."""
+    return ck.publish_folder(root, f"v{version}", lambda tmp: export_folder(src, tmp))
 
 
 def latest_export(root: str) -> Optional[str]:

@@ -129,27 +129,14 @@ def save_checkpoint(output_dir: str, step: int, worker_state: dict, state: dict,
     """
     root = ckpt_root(output_dir)
     name = f"step-{int(step)}"
-    final = os.path.join(root, name)
-    tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
-    try:
-        own_dir(root)
-        remove_path(tmp)  # a killed save's leftover (or a planted link: dropped, never followed)
+
+    def fill(tmp: str) -> None:
         os.mkdir(tmp)
         _write_files(tmp, step, worker_state, state)
-        _fsync_dir(tmp)
-        if os.path.isdir(final):  # re-saving the same step: move the old one aside first, then drop it
-            old = os.path.join(root, f".old-{name}-{os.getpid()}")
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-        latest_tmp = os.path.join(root, f".latest-{os.getpid()}")
-        with replacing(os.path.join(root, "latest"), fsync=True, tmp=latest_tmp) as f:
-            f.write(name + "\n")
+
+    try:
+        final = publish_folder(root, name, fill)
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
             prev = find_latest(output_dir)
         except OSError:
@@ -223,6 +210,45 @@ def newest_good(output_dir: str, below: Optional[int] = None) -> Optional[str]:
         if (below is None or step < below) and verify(d) is None:
             return d
     return None
+
+
+def publish_folder(root: str, name: str, fill) -> str:
+    """``<root>/<name>`` written whole, then ``<root>/latest`` = name: ``fill(tmp)`` builds the folder at
+    ``<root>/.tmp-<name>-<pid>``, which is renamed into place (an earlier folder of that name is moved aside first,
+    then dropped), then ``latest`` is replaced in one rename. Readers see no folder or a whole one, and ``latest``
+    never names a half-written folder; the tmp is removed when anything fails. Checkpoints and the follow job's
+    exports are published this way.
+
+    Args:
+        root: the folder holding the published folders and ``latest`` (made if missing; never a link).
+        name: the folder's name.
+        fill: ``fill(tmp)`` creates and fills the folder at the path ``tmp``.
+
+    Returns:
+        ``<root>/<name>``.
+    """
+    final = os.path.join(root, name)
+    tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
+    own_dir(root)
+    remove_path(tmp)  # a killed save's leftover (or a planted link: dropped, never followed)
+    try:
+        fill(tmp)
+        _fsync_dir(tmp)
+        if os.path.isdir(final):  # published again under the same name: move the old one aside first, then drop it
+            old = os.path.join(root, f".old-{name}-{os.getpid()}")
+            remove_path(old)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        with replacing(os.path.join(root, "latest"), fsync=True, tmp=os.path.join(root, f".latest-{os.getpid()}")) as f:
+            f.write(name + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def find_latest(output_dir: str) -> Optional[str]:
