@@ -16,8 +16,8 @@ each, one process; vLLM's counters, per request):
 - frozen: the shipped drafter (recipes/drafters/smollm2-135m-dflash), never updated;
 - followed: one ``DrafterFollower`` through all versions: ``update_policy(v)``, ``add_rollouts`` (v's train
   rollouts; the first ``--staleness-prompts`` held-out ones marked held out: its staleness measure),
-  ``train()`` for ``--follow-steps`` (``--follow-budget steps``) or one pass over v's train rollouts
-  (``epoch``), ``export(v)``;
+  ``train()`` for ``--follow-steps`` (``--follow-budget steps``) or ``--passes`` over v's train rollouts
+  (``epoch``: ceil(passes x rollouts / batch) steps), ``export(v)``;
 - retrained: the shipped drafter retrained off-policy (``--retrain-method``) on v's rollouts from scratch each
   version, for the same training seconds the follower spent on v.
 
@@ -31,13 +31,15 @@ The follow cost is given with and without the follower's staleness measure (its 
 after each version: a measurement, not part of following); the cost target is judged without it.
 
     python benchmarks/bench_follow.py [--versions 3] [--rollouts 24] [--eval-prompts 16] [--max-new-tokens 64]
-        [--sft-steps 8] [--drift-data chitchat] [--follow-steps 4] [--follow-budget steps] [--staleness-prompts N]
+        [--sft-steps 8] [--drift-data chitchat] [--follow-steps 4] [--follow-budget steps] [--passes 1]
+        [--staleness-prompts N]
         [--out runs/bench-follow] [--json OUT] [--figure OUT.png]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -278,7 +280,8 @@ def run(args) -> dict:
                 if follower is None:
                     follower = DrafterFollower(RECIPE, recipe_overrides(base, os.path.join(out, "follow", "run"), args,
                                                                         "specopd"), progress=False)
-                steps = -(-len(train_recs) // args.batch_size) if args.follow_budget == "epoch" else args.follow_steps
+                steps = (math.ceil(args.passes * len(train_recs) / args.batch_size) if args.follow_budget == "epoch"
+                         else args.follow_steps)
                 t0 = time.perf_counter()
                 follower.update_policy(pol, v)
                 follower.add_rollouts(given, v)
@@ -409,7 +412,9 @@ def main(argv=None) -> int:
                     help="what each policy update fine-tunes on (train conversations only)")
     ap.add_argument("--follow-steps", type=int, default=4, help="SpecOPD steps per version (--follow-budget steps)")
     ap.add_argument("--follow-budget", choices=("steps", "epoch"), default="steps",
-                    help="steps: --follow-steps a version; epoch: one pass over the version's train rollouts")
+                    help="steps: --follow-steps a version; epoch: --passes over the version's train rollouts")
+    ap.add_argument("--passes", type=float, default=1.0,
+                    help="passes over a version's train rollouts (--follow-budget epoch): 0.5 trains on half of them")
     ap.add_argument("--staleness-prompts", type=int, default=0,
                     help="held-out rollouts the follower measures staleness on (0: all --eval-prompts)")
     ap.add_argument("--batch-size", type=int, default=8, help="drafter training sequences a step")
