@@ -110,6 +110,12 @@ class TargetModel(nn.Module):
         self.backbone(ctx)
         return torch.cat([ctx.features[i] for i in feature_layers], dim=-1)
 
+    def full_shapes(self) -> dict:
+        """{parameter name: its shape in the unsharded target}: the parameters' own shapes, or a tensor-parallel
+        shard's full ones (its ``shard_plan``, ``specopd.models.tensor_parallel.ShardPlan``)."""
+        plan = getattr(self, "shard_plan", None)
+        return {k: tuple(p.shape) if plan is None else plan.full_shapes[k] for k, p in self.named_parameters()}
+
     @torch.no_grad()
     def copy_weights_(self, state_dict: dict) -> None:
         """Copy ``state_dict`` (our parameter name -> tensor) into the existing parameters, in place: the same

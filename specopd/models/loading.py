@@ -219,7 +219,7 @@ def load_target(path: str, dtype=torch.float32, device="cpu", config_overrides: 
     sd = checkpoint_params(model, read_state_dict(path), cfg, path)
     if tensor_parallel is not None and tensor_parallel.size > 1:
         plan = shard_target(model, tensor_parallel)
-        sd = {k: tensor_parallel.shard(v, *plan[k]) if k in plan else v for k, v in sd.items()}
+        sd = {k: plan.shard(k, v) for k, v in sd.items()}
     return hand_down(place_weights(model, sd, dtype, device, kernels), kernel_paths)
 
 
@@ -228,7 +228,8 @@ def checkpoint_params(model, raw: dict, cfg: dict, where: str) -> dict:
     (``convert_checkpoint``), renamed (``checkpoint_key``), shapes checked, tied ones filled in.
 
     Args:
-        model: the target (on any device, meta included): its parameters' names and shapes are checked against.
+        model: the target (on any device, meta included): its parameters' names and unsharded shapes
+            (``TargetModel.full_shapes``) are checked against.
         raw: tensor name -> tensor, as read from the checkpoint.
         cfg: the model's config dict (``read_config``).
         where: the checkpoint, named in errors.
@@ -237,7 +238,7 @@ def checkpoint_params(model, raw: dict, cfg: dict, where: str) -> dict:
         our parameter name -> tensor (dtypes as given). A tensor with no place, of another shape, or a parameter
     missing: ValueError naming it."""
     cls, mt = type(model), cfg.get("model_type")
-    ours = dict(model.named_parameters())
+    ours = model.full_shapes()
     convert = getattr(cls, "convert_checkpoint", None)  # optional: (raw dict, cfg) -> dict, e.g. fuse split tensors
     if convert is not None:
         raw = convert(raw, cfg)
@@ -249,9 +250,8 @@ def checkpoint_params(model, raw: dict, cfg: dict, where: str) -> dict:
         if key not in ours:
             raise ValueError(f"checkpoint tensor {name!r} (as {key!r}) has no place in our {mt} model; "
                              f"the config may not match the weights")
-        if tuple(t.shape) != tuple(ours[key].shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ours[key].shape)} "
-                             f"from config.json")
+        if tuple(t.shape) != ours[key]:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {ours[key]} from config.json")
         sd[key] = t
     missing = [k for k in ours if k not in sd]
     tied = getattr(model, "tied_params", {})  # ours -> source name, e.g. {"lm_head.weight": "model.embed_tokens.weight"}

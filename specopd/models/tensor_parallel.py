@@ -11,7 +11,10 @@ score in the unsharded order and selects bitwise the same blocks as an unsharded
 
 Each sharded weight is cut by ``distribute_tensor(w, mesh, [Shard(dim)], src_data_rank=None)`` (no communication:
 every rank slices its own block) after the rows of interleaved layouts are permuted so that a rank's block is
-contiguous. Row-parallel outputs are summed as ``Partial -> Replicate`` DTensors, the vocabulary as
+contiguous. ``ShardPlan.shard`` (the plan ``shard_target`` keeps as ``model.shard_plan``) is the one place a full
+weight becomes a rank's block: ``load_target`` cuts the checkpoint with it, and a policy swap
+(``TargetModel.copy_weights_``) cuts each new full weight with it and copies the block into the existing local tensor.
+Row-parallel outputs are summed as ``Partial -> Replicate`` DTensors, the vocabulary as
 ``Shard(-1) -> Replicate``. Executors see plain local tensors: their caches hold the local heads only.
 """
 from __future__ import annotations
@@ -142,14 +145,31 @@ class ExpertParallel(Experts):
         return self.tp.reduce(super().forward(x, idx, weights))
 
 
-def shard_target(model: nn.Module, tp: TensorParallel) -> dict:
+class ShardPlan:
+    """How this rank's shard of a target is cut from the full weights: ``rules`` {parameter name: (dim, perm or
+    None)} (names not there are replicated) and every parameter's unsharded shape. Kept as ``model.shard_plan``;
+    ``shard`` is the one owner of "a full weight -> this rank's block": ``load_target`` and the policy swap
+    (``TargetModel.copy_weights_``) both cut with it."""
+
+    def __init__(self, tp: TensorParallel, rules: dict, full_shapes: dict):
+        self.tp, self.rules, self.full_shapes = tp, rules, full_shapes
+
+    def shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``w``, the full (unsharded) weight of parameter ``name`` (``w`` itself when the
+        parameter is replicated)."""
+        rule = self.rules.get(name)
+        return w if rule is None else self.tp.shard(w, *rule)
+
+
+def shard_target(model: nn.Module, tp: TensorParallel) -> ShardPlan:
     """Turn ``model`` (built on the meta device, unsharded) into this rank's shard: local shapes, local head counts,
-    the parallel module classes. Returns the plan {parameter name: (dim, perm or None)} that ``tp.shard`` applies to
-    the checkpoint's tensors; parameters not named are replicated. Raises ValueError naming what does not divide."""
+    the parallel module classes. Returns its ``ShardPlan`` (also kept as ``model.shard_plan``), which cuts the
+    checkpoint's tensors. Raises ValueError naming what does not divide."""
     from specopd.models.llama import Attention
     from specopd.models.qwen3_next import GatedAttention, GatedDeltaNet
 
     n = tp.size
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
     plan: dict = {}
     for name, mod in list(model.named_modules()):
         pre = name + "." if name else ""
@@ -171,18 +191,18 @@ def shard_target(model: nn.Module, tp: TensorParallel) -> dict:
         if isinstance(mod, RowParallelLinear):
             mod.tp = tp
     model.tensor_parallel = tp
-    if not tp.shard_vocab:
-        return plan
-    head = model.lm_head
-    v = head.out_features
-    head.__class__ = VocabParallelHead
-    head.tp, head.full_vocab = tp, v
-    c = -(-v // n)  # torch.chunk's block: ranks past the last block hold none
-    local_v = max(0, min(c, v - tp.rank * c))
-    _resize(head, "weight", 0, local_v)
-    head.out_features = local_v
-    plan["lm_head.weight"] = (0, None)
-    return plan
+    if tp.shard_vocab:
+        head = model.lm_head
+        v = head.out_features
+        head.__class__ = VocabParallelHead
+        head.tp, head.full_vocab = tp, v
+        c = -(-v // n)  # torch.chunk's block: ranks past the last block hold none
+        local_v = max(0, min(c, v - tp.rank * c))
+        _resize(head, "weight", 0, local_v)
+        head.out_features = local_v
+        plan["lm_head.weight"] = (0, None)
+    model.shard_plan = ShardPlan(tp, plan, shapes)
+    return model.shard_plan
 
 
 def _divides(count: int, n: int, what: str) -> None:
