@@ -2,6 +2,7 @@
 are the ones used, a kill between versions resumes without skipping or repeating a rollout, a half-written policy
 folder is not a version, ``exports/latest`` names only complete exports, the Ray-actor form, the staleness metrics
 and figure (specopd/follow/DESIGN.md)."""
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,31 @@ def rollouts(version, n=8, first=0):
     g = torch.Generator().manual_seed(1000 * version + first)
     return [{"id": f"v{version}-{i}", "input_ids": torch.randint(0, 256, (20,), generator=g).tolist(),
              "response_start": 4, "policy_version": version} for i in range(first, first + n)]
+
+
+@contextlib.contextmanager
+def ray_running():
+    """Ray for the block: started (2 CPUs) unless it runs already, then stopped; skips without Ray."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def followed(out, *extra) -> list:
+    """A follower in ``out`` (``extra`` overrides) on policies 1 and 2, one training step on 8 rollouts each: the
+    held-out expected AL before and after each version's update, in order."""
+    with DrafterFollower(None, overrides(out, *extra), progress=False) as f:
+        for v in (1, 2):
+            f.update_policy(policy(os.path.join(os.path.dirname(str(out)), "p"), v), v)
+            f.add_rollouts(rollouts(v), v)
+            f.train(steps=1)
+        return [x for r in f.metrics()["versions"].values() for x in (r["before"], r["after"])]
 
 
 def append(path, recs, cut_last=False):
@@ -236,11 +262,7 @@ def test_a_version_waits_for_its_rollouts_and_a_newer_policy_closes_it(tmp_path)
 
 # ---------------------------------------------------------------------------------------------- Ray
 def test_the_follower_runs_as_a_ray_actor(tmp_path):
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with ray_running() as ray:
         actor = ray.remote(DrafterFollower).remote(None, overrides(tmp_path / "run"), False)
         sd = {k: v for k, v in load_target(policy(tmp_path / "p", 3), dtype=torch.float32).state_dict().items()}
         ray.get(actor.update_policy.remote(sd, 3))
@@ -251,9 +273,6 @@ def test_the_follower_runs_as_a_ray_actor(tmp_path):
         ray.get(actor.close.remote())
         assert rec["steps"] == 2 and m["versions"]["3"]["steps"] == 2 and m["policy_version"] == 3
         assert os.path.isfile(os.path.join(path, "model.safetensors"))
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def test_a_follow_recipe_without_a_budget_or_sources_is_a_users_mistake(tmp_path, capsys):
@@ -268,25 +287,10 @@ def test_a_follow_recipe_without_a_budget_or_sources_is_a_users_mistake(tmp_path
 def test_ray_workers_swap_the_policy_in_place_too(tmp_path):
     """runtime.backend=ray: the actors swap each version in; their held-out AL before and after the update equals
     that of in-process workers on the same rollouts (the same weights are used)."""
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        got = {}
-        for backend in ("local", "ray"):
-            extra = [f"runtime.backend={backend}", "runtime.num_workers=2"]
-            with DrafterFollower(None, overrides(tmp_path / backend, *extra), progress=False) as f:
-                for v in (1, 2):
-                    f.update_policy(policy(tmp_path / "p", v), v)
-                    f.add_rollouts(rollouts(v), v)
-                    f.train(steps=1)
-                got[backend] = [x for r in f.metrics()["versions"].values() for x in (r["before"], r["after"])]
-        assert got["ray"] == pytest.approx(got["local"], rel=1e-6, abs=1e-6)
-        assert got["local"][2] != got["local"][1]  # version 2's policy changes the AL the drafter gets
-    finally:
-        if started:
-            ray.shutdown()
+    with ray_running():
+        got = {b: followed(tmp_path / b, f"runtime.backend={b}", "runtime.num_workers=2") for b in ("local", "ray")}
+    assert got["ray"] == pytest.approx(got["local"], rel=1e-6, abs=1e-6)
+    assert got["local"][2] != got["local"][1]  # version 2's policy changes the AL the drafter gets
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash2", "eagle3"])

@@ -5,12 +5,8 @@ layouts (qwen3_next fused, qwen3_5 unfused), MoE with a shared expert, and qwen4
 The fused losses and the branch sampler over a vocabulary split across two ranks give the whole vocabulary's loss,
 alpha, nll and gradients (the same bits on both ranks) and its tokens. Each runs over gloo on the CPU, and its
 ``gpu`` twin the same cases over NCCL on two GPUs (skipped with fewer)."""
-import json
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import tp_ranks
 from oracle import _MOE, make_tiny_checkpoint
@@ -25,18 +21,6 @@ def two_gpus(test):
     return pytest.mark.gpu(pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")(test))
 
 
-def _spawn(fn, args: tuple, out: str) -> dict:
-    """Run ``fn(rank, 2, *args)`` on two spawned ranks and read what rank 0 wrote to ``out``. A rank that dies says
-    whether it died before or after the results were written (a crash in the work or in the teardown)."""
-    try:
-        mp.start_processes(fn, args=(2, *args), nprocs=2, start_method="spawn")
-    except mp.ProcessExitedException as e:
-        raise AssertionError(f"{fn.__name__}: {e} ({'after' if os.path.exists(out) else 'before'} rank 0 wrote "
-                             f"the results; the rank's stacks are in the captured stderr)") from e
-    with open(out) as f:
-        return json.load(f)
-
-
 def _run(tmp_path_factory, device: str) -> dict:
     tmp = tmp_path_factory.mktemp(f"tp-{device}")
     cases = []
@@ -47,7 +31,7 @@ def _run(tmp_path_factory, device: str) -> dict:
             perturb_ple_conv(path)
         cases.append((name, path))
     out = str(tmp / "out.json")
-    return _spawn(tp_ranks.run, (str(tmp / "init"), cases, out, device), out)
+    return tp_ranks.spawn(tp_ranks.run, (str(tmp / "init"), cases, out, device), out)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +59,7 @@ def test_two_gpus_equal_one(tmp_path_factory):
 def _run_loss(tmp_path_factory, device: str) -> dict:
     tmp = tmp_path_factory.mktemp(f"tp-loss-{device}")
     out = str(tmp / "out.json")
-    return _spawn(tp_ranks.run_loss, (str(tmp / "init"), out, 96, device), out)
+    return tp_ranks.spawn(tp_ranks.run_loss, (str(tmp / "init"), out, 96, device), out)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +171,7 @@ def _run_v2(tmp_path_factory, device: str) -> dict:
     path = make_tiny_checkpoint("llama", tmp / "llama", num_hidden_layers=3, vocab_size=96, hidden_size=32,
                                 intermediate_size=48)
     out = str(tmp / "out.json")
-    return _spawn(tp_ranks.run_v2, (str(tmp / "init"), path, out, device), out)
+    return tp_ranks.spawn(tp_ranks.run_v2, (str(tmp / "init"), path, out, device), out)
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,20 @@ def compare(full, shard) -> dict:
     return err
 
 
+def spawn(fn, args: tuple, out: str) -> dict:
+    """Run ``fn(rank, 2, *args)`` on two spawned ranks and read what rank 0 wrote to ``out``. A rank that dies says
+    whether it died before or after the results were written (a crash in the work or in the teardown)."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(fn, args=(2, *args), nprocs=2, start_method="spawn")
+    except mp.ProcessExitedException as e:
+        raise AssertionError(f"{fn.__name__}: {e} ({'after' if os.path.exists(out) else 'before'} rank 0 wrote "
+                             f"the results; the rank's stacks are in the captured stderr)") from e
+    with open(out) as f:
+        return json.load(f)
+
+
 @contextlib.contextmanager
 def _group(rank: int, world: int, init_file: str, device: str):
     """(TensorParallel over ``world`` ranks, this rank's device) for the block: "cpu" over gloo, "cuda" over NCCL
@@ -376,4 +390,83 @@ def run_v2(rank: int, world: int, init_file: str, path: str, out: str, device: s
             dist.all_gather(every, mine)
             res["loss"][case], res["flags"][case] = err, flags
             res["same_on_ranks"][case] = all(torch.equal(t, every[0]) for t in every)
+        _write_result(rank, res, out)
+
+
+# ------------------------------------------------------------------ a policy swapped into a shard in place
+def _swap_outputs(m) -> dict:
+    """What a training step reads from the target ``m``: a prefill's logits, hidden states and features, a tree's
+    scores and hidden states, and the fused E2E-TV loss (with its CE term) on them over ``m``'s lm_head (this
+    rank's vocabulary block when it is split), with the gradient of the drafter side's hidden states."""
+    from specopd.losses import fused_e2e_tv
+    from specopd.models.tensor_parallel import vocab_group
+    from specopd.tree import ProposalTree
+
+    v = m.vocab_size
+    cache = m.prefill(_ids(30, 7, v), feature_layers=FL, gdn_checkpoint_every=C, keep_hidden=True)
+    tree = ProposalTree.from_branches(torch.tensor([3, 11, 29]), torch.stack([_ids(4, 50 + i, v) for i in range(3)]))
+    logits, hp = m.score(tree, cache, return_hidden=True)
+    g = torch.Generator().manual_seed(1)
+    hq = (torch.randn(hp.shape, generator=g) * 2).requires_grad_(True)
+    w = m.lm_head.weight
+    out = fused_e2e_tv(hq, w, hp, p_weight=w, ce_targets=torch.randint(0, v, hp.shape[:2], generator=g), ce_weight=0.2,
+                       temperature=1.0, chunk_rows=2, denom=3.0, tp=vocab_group(m.lm_head), kernel_paths=m.kernel_paths)
+    out.loss.backward()
+    return {"prefill.logits": cache.logits, "prefill.hidden": cache.hidden, "prefill.features": cache.features,
+            "score.logits": logits, "score.hidden": hp, "loss": out.loss.detach(), "alpha": out.alpha,
+            "grad.hq": hq.grad}
+
+
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def run_swap(rank: int, world: int, init_file: str, cases: list, out: str) -> None:
+    """Each case's (name, version 0 folder, version 1 folder): the target sharded over ``world`` gloo ranks at
+    version 0 and run, then version 1 swapped in place as ``Worker.swap_policy`` does (``policy_weights`` then
+    ``copy_weights_``; from the folder with the lm_head split by vocabulary, from a state dict with Hugging Face
+    names with it whole). Rank 0 writes, per case and head: whether every parameter and every output of
+    ``_swap_outputs`` equals a fresh shard of version 1 bitwise (the names that do not), the largest relative differences from the
+    unsharded version 1 (``compare`` and the outputs), whether the tensors stayed the same, and the messages of two
+    refused swaps (a shard's local weights given as the new ones, a tensor of another shape in the state dict)."""
+    from torch.distributed.tensor import DTensor
+
+    from specopd.models import load_target
+    from specopd.models.loading import policy_weights, read_state_dict
+    from specopd.models.tensor_parallel import TensorParallel
+
+    with _group(rank, world, init_file, "cpu") as (group, dev):
+        res = {}
+        for name, v0, v1 in cases:
+            full = load_target(v1)
+            want_full = _swap_outputs(full)
+            for split in (True, False):
+                shard = load_target(v0, tensor_parallel=TensorParallel(group.mesh, shard_vocab=split))
+                before = _swap_outputs(shard)  # runs it: what it caches of its weights is version 0's
+                params = dict(shard.named_parameters())
+                ptrs = {k: p.data_ptr() for k, p in params.items()}
+                kept = {k: p.clone() for k, p in params.items()}
+                fresh = load_target(v1, tensor_parallel=TensorParallel(group.mesh, shard_vocab=split))
+                local = {k: p.clone() for k, p in fresh.named_parameters()}
+                bad_local = _refusal(lambda: shard.copy_weights_(local))
+                raw = read_state_dict(v1)
+                norm = min(k for k in raw if k.endswith("norm.weight"))
+                wrong = {**raw, norm: raw[norm][:-1]}
+                bad_shape = _refusal(lambda: shard.copy_weights_(policy_weights(shard, wrong)))
+                untouched = all(torch.equal(p, kept[k]) for k, p in params.items())
+                shard.copy_weights_(policy_weights(shard, v1 if split else raw))
+                got, want = _swap_outputs(shard), _swap_outputs(fresh)
+                res[f"{name}/{'vocab_parallel' if split else 'replicated'}"] = {
+                    "params_unequal_fresh": sorted(k for k, p in shard.named_parameters() if not torch.equal(p, local[k])),
+                    "outputs_unequal_fresh": sorted(k for k in want if not torch.equal(got[k], want[k])),
+                    "outputs_as_version_0": sorted(k for k in want if torch.equal(got[k], before[k])),
+                    "err_unsharded": {**compare(full, shard), **{k: _rel(got[k], want_full[k]) for k in want_full}},
+                    "in_place": {k: p.data_ptr() for k, p in shard.named_parameters()} == ptrs,
+                    "dtensor_params": [k for k, p in shard.named_parameters() if isinstance(p, DTensor)],
+                    "sharded": sum(p.numel() for p in params.values()) < sum(p.numel() for p in full.parameters()),
+                    "refused_local": bad_local, "refused_shape": bad_shape, "untouched_by_refusals": untouched}
         _write_result(rank, res, out)

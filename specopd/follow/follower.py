@@ -426,9 +426,11 @@ def move_follow_aside(out: str) -> None:
 def placement(cfg) -> str:
     """Where the follower's target copy runs, in one line (the plan an RL team reads before attaching it)."""
     r, dev = cfg.runtime, cfg.model.device
+    tp = int(r.tensor_parallel)
     if r.backend == "ray":
-        where = (f"{r.num_workers} Ray actor(s) of {r.cpus_per_worker:g} CPU / {r.gpus_per_worker:g} GPU each, placed "
-                 f"by Ray in the cluster it shares with the RL framework's actors")
+        where = (f"{r.num_workers * tp} Ray actor(s) of {r.cpus_per_worker:g} CPU / {r.gpus_per_worker:g} GPU each"
+                 + (f" ({r.num_workers} worker(s), each target sharded over {tp} of them)" if tp > 1 else "")
+                 + ", placed by Ray in the cluster it shares with the RL framework's actors")
     else:
         where = f"{r.num_workers} worker(s) in this process"
     return (f"[follow] the target copy (and the drafter) run in {where}, on model.device={dev}; on GPUs the rollout "

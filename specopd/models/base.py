@@ -121,8 +121,12 @@ class TargetModel(nn.Module):
         """Copy ``state_dict`` (our parameter name -> tensor) into the existing parameters, in place: the same
         tensors stay (a drafter sharing the embedding and lm_head sees the new ones), caches keyed on a weight's
         version are rebuilt. Every name, shape and dtype is checked before anything is copied; the first mismatch
-        is a ValueError naming it (a missing or unknown name, a shape, a dtype)."""
-        own = dict(self.named_parameters())
+        is a ValueError naming it (a missing or unknown name, a shape, a dtype). A tensor-parallel shard takes the
+        full (unsharded) weights and cuts each with its ``shard_plan`` (the cut ``load_target`` makes), one
+        weight at a time."""
+        own, shapes = dict(self.named_parameters()), self.full_shapes()
+        plan = getattr(self, "shard_plan", None)
+        whole = "" if plan is None else " (unsharded)"
         for k in own:
             if k not in state_dict:
                 raise ValueError(f"copy_weights_: the new weights lack {k!r} (every parameter is replaced; none is kept "
@@ -131,13 +135,17 @@ class TargetModel(nn.Module):
             p = own.get(k)
             if p is None:
                 raise ValueError(f"copy_weights_: {k!r} is not a parameter of this {self.model_type} target")
-            if tuple(v.shape) != tuple(p.shape):
-                raise ValueError(f"copy_weights_: {k!r} has shape {tuple(v.shape)}, the target's is {tuple(p.shape)}")
+            if tuple(v.shape) != shapes[k]:
+                raise ValueError(f"copy_weights_: {k!r} has shape {tuple(v.shape)}, the target's{whole} is {shapes[k]}")
             if v.dtype != p.dtype:
                 raise ValueError(f"copy_weights_: {k!r} is {v.dtype}, the target's parameter is {p.dtype} (convert it "
                                  f"first: specopd.models.loading.policy_weights does)")
         for k, p in own.items():
-            p.copy_(state_dict[k])
+            block = state_dict[k] if plan is None else plan.shard(k, state_dict[k])
+            if block.shape != p.shape:  # copy_ would broadcast: a plan that disagrees with the shard is a bug
+                raise RuntimeError(f"copy_weights_: the block of {k!r} has shape {tuple(block.shape)}, the shard's "
+                                   f"parameter {tuple(p.shape)}")
+            p.copy_(block)
 
     @torch.no_grad()
     def prefill(self, trunk_ids: torch.Tensor, cache: Optional[TargetCache] = None, *,

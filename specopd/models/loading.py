@@ -268,7 +268,8 @@ def checkpoint_params(model, raw: dict, cfg: dict, where: str) -> dict:
 def policy_weights(target, source) -> dict:
     """New weights for ``target`` from ``source`` (a Hugging Face folder of the same architecture, or a state dict
     with Hugging Face names), by our parameter names, floating point ones in the target's parameter dtypes: what
-    ``TargetModel.copy_weights_`` takes. A folder whose config.json differs from the target's in a key that changes
+    ``TargetModel.copy_weights_`` takes. Full (unsharded) weights, for a tensor-parallel target too (its
+    ``copy_weights_`` cuts each). A folder whose config.json differs from the target's in a key that changes
     what runs, a missing tensor, a shape: ValueError naming it."""
     cfg = dict(vars(target.config))
     if isinstance(source, dict):
@@ -283,9 +284,12 @@ def policy_weights(target, source) -> dict:
                                  f"its weights), so start a new follow run for another model")
         raw = read_state_dict(source)
     sd = checkpoint_params(target, raw, cfg, where)
+    del raw  # a folder's tensors live in sd only: each old one is freed as its cast is made (one weight at a time)
     own = dict(target.named_parameters())
-    return {k: v.to(own[k].dtype) if v.is_floating_point() and own[k].is_floating_point() else v
-            for k, v in sd.items()}
+    for k, v in sd.items():
+        if v.is_floating_point() and own[k].is_floating_point():
+            sd[k] = v.detach().to(own[k].dtype)  # detached: a trainer's live parameters may be given
+    return sd
 
 
 def param_dtype(model, key: str, dtype: torch.dtype) -> torch.dtype:

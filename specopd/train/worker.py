@@ -17,7 +17,6 @@ import torch
 
 from specopd.drafters import build_drafter, load_drafter
 from specopd.errors import BadInputError
-from specopd.settings import RecipeError
 from specopd.models import load_target
 from specopd.models.loading import policy_weights, resolve_dtype
 from specopd.models.tensor_parallel import vocab_group
@@ -162,18 +161,12 @@ class Worker:
 
     def swap_policy(self, source, version) -> None:
         """Replace the target's weights in place by the policy ``source`` (a Hugging Face folder or a state dict,
-        ``policy_weights``), once per ``version``: in-process workers share one target."""
+        ``policy_weights``), once per ``version``: in-process workers share one target. A tensor-parallel rank reads
+        the full weights and copies its own block of each (``TargetModel.copy_weights_``)."""
         with SWAP_LOCK:
             if getattr(self.target, "policy_version", None) != version:
-                self._swap_target(source, version)
-
-    def _swap_target(self, source, version) -> None:
-        """``swap_policy`` without the lock."""
-        if int(self.cfg.runtime.tensor_parallel) > 1:
-            raise RecipeError("runtime.tensor_parallel > 1: swapping a sharded target's weights is not supported yet; "
-                              "follow a policy with runtime.tensor_parallel=1")
-        self.target.copy_weights_(policy_weights(self.target, source))
-        self.target.policy_version = version
+                self.target.copy_weights_(policy_weights(self.target, source))
+                self.target.policy_version = version
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
