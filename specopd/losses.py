@@ -935,45 +935,71 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
 
 class _SoftTargetHead(torch.autograd.Function):
     """``ttt_loss``'s rows chunk by chunk: q = softmax(sum_k x_k @ w_k^T) [R, Vq], the target's logits
-    zp = hp @ wp^T [R, V] (a fresh [chunk, V] per chunk), pt = softmax(zp[:, qids]).
+    zp = hp @ wp^T [R, V] (one [chunk, V] per chunk, made once: the loss, alpha and the gradient share it),
+    pt = softmax(zp[:, qids]).
     Outputs for the flat rows ``rows`` [R]: soft [R] = lse(z) - <pt, z> (0 where argmax zp is not among qids),
     alpha [R] = sum_i min(q_i, p[qids_i]) at ``temperature`` (0: q(argmax p)), no gradient.
-    Backward: dsoft/dz = softmax(z) - pt, recomputed per chunk; then the inputs' gradients as ``_ChunkedHead``."""
+    dsoft/dz = softmax(z) - pt; then the inputs' gradients as ``_ChunkedHead``. With ``coef`` [R] (the gradient the
+    caller's reduction will send soft) the forward computes them in the same pass from the chunk it already holds,
+    and the backward returns them when the gradient that arrives is ``coef`` bit for bit; otherwise (or without
+    ``coef``) the backward recomputes each chunk (the logits twice more, the target's too)."""
 
     @staticmethod
-    def forward(ctx, rows, chunk, temperature, hp, wp, qids, *xw):
+    def forward(ctx, rows, chunk, temperature, hp, wp, qids, coef, *xw):
+        need = ctx.needs_input_grad[7:]
         with torch.autocast(rows.device.type, enabled=False):
             xs, ws = xw[0::2], xw[1::2]
             n = rows.numel()
             soft = torch.zeros(n, dtype=torch.float32, device=rows.device)
             alpha = torch.zeros_like(soft)
             chunk = even_chunk(n, chunk)
-            with ChunkBuffers.pooled(min(chunk, n), ws[0].shape[0], rows.device) as bufs:
+            early = coef is not None and any(need)
+            dx, dw = _SoftTargetHead._grad_buffers(xs, ws, need) if early else (None, None)
+            with ChunkBuffers.pooled(min(chunk, n), ws[0].shape[0], rows.device) as bufs:  # 0 z, 1 zp, 2-3 alpha
                 for s in range(0, n, chunk):
                     r = rows[s: s + chunk]
                     z = chunk_logits(xs, ws, r, bufs, slot=0)
-                    pt, col = _SoftTargetHead._target(hp, wp, r, qids)
-                    soft[s: s + chunk] = torch.where(col >= 0, torch.logsumexp(z, -1) - (pt * z).sum(-1), 0.0)
-                    del pt
-                    if temperature == GREEDY:  # q at T = 1 at p's argmax (0 when q has no such column)
-                        q, _ = softmax_(z)
-                        alpha[s: s + chunk] = torch.where(col >= 0, q.gather(1, col.clamp_min(0)[:, None])[:, 0], 0.0)
-                    else:
-                        q, _ = softmax_(z.div_(temperature))
-                        p = _ChunkedHead._p_chunk(hp, wp, r, bufs, 1, temperature, qids)
+                    zp = chunk_logits((hp,), (wp,), r, *((bufs, 1) if qids is None else ()))
+                    pt, col = _SoftTargetHead._soft_target(zp, wp, qids)
+                    pz = torch.mul(pt, z, out=bufs.fp32(2, r.numel())).sum(-1)  # = (pt * z).sum(-1), in a kept buffer
+                    soft[s: s + chunk] = torch.where(col >= 0, torch.logsumexp(z, -1) - pz, 0.0)
+                    q1 = None  # softmax(z) at T = 1: greedy alpha's q, T = 1 alpha's q, and the gradient's
+                    if temperature not in (GREEDY, 1.0):
+                        q, _ = softmax_(bufs.fp32(2, r.numel()).copy_(z).div_(temperature))
+                        p = _ChunkedHead._p_chunk(hp, wp, r, bufs, 3, temperature, qids)
                         alpha[s: s + chunk] = torch.minimum(q, p, out=p).sum(-1)
+                        del p, q
+                    if temperature in (GREEDY, 1.0) or early:
+                        q1, _ = softmax_(z)
+                    if temperature == GREEDY:  # q at T = 1 at p's argmax (0 when q has no such column)
+                        alpha[s: s + chunk] = torch.where(col >= 0, q1.gather(1, col.clamp_min(0)[:, None])[:, 0], 0.0)
+                    elif temperature == 1.0:  # p = softmax(zp) (on q's columns): pt itself on the whole vocabulary
+                        p = pt if qids is None else softmax_(zp)[0][:, qids]
+                        alpha[s: s + chunk] = torch.minimum(q1, p, out=bufs.fp32(2, r.numel())).sum(-1)
                         del p
-                    del q, z
+                    if early:
+                        g = q1.sub_(pt).mul_(torch.where(col >= 0, coef[s: s + chunk], 0.0)[:, None])
+                        _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
+                        del g
+                    del pt, zp, z, q1
         ctx.chunk = chunk
+        ctx.early = (coef, dx, dw) if early else None
         ctx.save_for_backward(rows, hp, wp, qids, *xw)
         ctx.mark_non_differentiable(alpha)
         return soft, alpha
 
     @staticmethod
-    def _target(hp, wp, r, qids):
-        """(pt [R, Vq] = softmax of the target's logits on q's columns, col [R]: argmax p's column in q, -1 when
-        q has none) of rows r."""
-        zp = chunk_logits((hp,), (wp,), r)
+    def _grad_buffers(xs, ws, need):
+        """(dx, dw): per term zeros for the inputs that need a gradient (dw in fp32, summed over chunks), else None."""
+        dx = [torch.zeros_like(x) if need[2 * k] else None for k, x in enumerate(xs)]
+        dw = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[2 * k + 1] else None
+              for k, w in enumerate(ws)]
+        return dx, dw
+
+    @staticmethod
+    def _soft_target(zp, wp, qids):
+        """(pt [R, Vq] = softmax of the target's logits zp [R, V] on q's columns (in zp's storage on the whole
+        vocabulary; zp is left as it was with ``qids``), col [R]: argmax p's column in q, -1 when q has none)."""
         g = zp.argmax(-1)
         if qids is None:
             return softmax_(zp)[0], g
@@ -985,29 +1011,38 @@ class _SoftTargetHead(torch.autograd.Function):
     def backward(ctx, g_soft, g_alpha):
         rows, hp, wp, qids, *xw = ctx.saved_tensors
         xs, ws = xw[0::2], xw[1::2]
+        early, ctx.early = ctx.early, None
+        if early is not None and g_soft is not None and torch.equal(g_soft, early[0]):
+            dx, dw = early[1:]  # the forward's, for exactly this gradient
+        else:
+            dx, dw = _SoftTargetHead._recompute(ctx, rows, hp, wp, qids, xs, ws, g_soft)
+        grads = []
+        for k in range(len(xs)):
+            grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
+        return (None, None, None, None, None, None, None, *grads)
+
+    @staticmethod
+    def _recompute(ctx, rows, hp, wp, qids, xs, ws, g_soft):
+        """(dx, dw) for a gradient ``g_soft`` the forward did not foresee: each chunk's z and pt made again."""
         with torch.autocast(rows.device.type, enabled=False):
-            need = ctx.needs_input_grad[6:]
-            dx = [torch.zeros_like(x) if need[2 * k] else None for k, x in enumerate(xs)]
-            dw = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[2 * k + 1] else None
-                  for k, w in enumerate(ws)]
+            need = ctx.needs_input_grad[7:]
+            dx, dw = _SoftTargetHead._grad_buffers(xs, ws, need)
             if g_soft is not None and any(need):
                 with ChunkBuffers.pooled(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device) as bufs:
                     for s in range(0, rows.numel(), ctx.chunk):
                         r = rows[s: s + ctx.chunk]
-                        pt, col = _SoftTargetHead._target(hp, wp, r, qids)
+                        zp = chunk_logits((hp,), (wp,), r, *((bufs, 1) if qids is None else ()))
+                        pt, col = _SoftTargetHead._soft_target(zp, wp, qids)
                         g, _ = softmax_(chunk_logits(xs, ws, r, bufs, slot=0))
                         g.sub_(pt).mul_(torch.where(col >= 0, g_soft[s: s + ctx.chunk], 0.0)[:, None])
                         _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
-                        del g, pt
-        grads = []
-        for k in range(len(xs)):
-            grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
-        return (None, None, None, None, None, None, *grads)
+                        del g, pt, zp
+        return dx, dw
 
 
 def fused_ttt(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
               q_ids: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None, denom=None, weights="ttt",
-              temperature: float = 1.0, chunk_rows="auto") -> FusedOut:
+              temperature: float = 1.0, chunk_rows="auto", early_grad: bool = True) -> FusedOut:
     """``ttt_loss(hq @ weight^T, hp @ p_weight^T, q_ids, mask, denom, weights)`` from hidden states, one [chunk, V]
     of the target's logits at a time (never [N, W, V]).
 
@@ -1020,6 +1055,9 @@ def fused_ttt(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_wei
         mask, denom, weights: as in ``ttt_loss``.
         temperature: T of alpha (the metrics' acceptance, from the same pass, no gradient); 0: greedy.
         chunk_rows: rows per chunk, or "auto".
+        early_grad: with grad enabled, compute the gradients in the forward's pass for ``loss.backward()`` as it
+            is (the reduction's own gradient, derived here); a backward from anything else recomputes them. The
+            same numbers either way; False: always recompute (the reference the tests compare with).
 
     Returns:
         ``FusedOut(loss, alpha, nll)``: nll is the per-position soft cross-entropy [N, W] (0 where masked).
@@ -1032,13 +1070,26 @@ def fused_ttt(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_wei
     hpf, wp = _target_side(hp, p_weight, weight, n, w)
     rows = torch.nonzero(m.reshape(-1)).flatten()
     chunk = resolve_chunk_rows(chunk_rows, wp.shape[0], hq.device)
+    coef = None
+    if early_grad and torch.is_grad_enabled() and any(t.requires_grad for t in terms):
+        coef = _ttt_row_grad(rows, n, w, m, denom, weights)
     soft, a = _SoftTargetHead.apply(rows, chunk, float(temperature), hpf, wp,
-                                    None if q_ids is None else q_ids.to(hq.device), *terms)
+                                    None if q_ids is None else q_ids.to(hq.device), coef, *terms)
     flat = torch.zeros(n * w, dtype=torch.float32, device=hq.device)
     per_pos = flat.index_put((rows,), soft).view(n, w)
     alpha = flat.index_put((rows,), a).view(n, w)
     loss = _ttt_reduce(per_pos, m, denom, weights)
     return FusedOut(loss, alpha.detach(), per_pos.detach())
+
+
+def _ttt_row_grad(rows, n, w, m, denom, weights) -> torch.Tensor:
+    """The gradient [R] that ``loss.backward()`` sends the soft CE of the flat rows ``rows``: autograd through
+    ``fused_ttt``'s own scatter and ``_ttt_reduce`` on a stand-in, so the same operations give the same bits."""
+    probe = torch.zeros(rows.numel(), dtype=torch.float32, device=rows.device, requires_grad=True)
+    with torch.enable_grad():
+        flat = torch.zeros(n * w, dtype=torch.float32, device=rows.device)
+        loss = _ttt_reduce(flat.index_put((rows,), probe).view(n, w), m, denom, weights)
+        return torch.autograd.grad(loss, probe)[0]
 
 
 # ================================================================================ q on candidates (DFlash V2)
