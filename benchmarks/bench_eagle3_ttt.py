@@ -18,10 +18,13 @@ Ways (``--ways``), each on its own drafter (same seed, same target, same batches
 load change on the shared machine hits all alike; the first ``--warmup`` steps are not timed):
     early      ``fused_ttt``'s gradient made in its forward pass (the default)
     recompute  ``fused_ttt(early_grad=False)``: each chunk's logits made again in the backward
+    dnn        ``early`` with ``kernels.cpu_linear=all``: q's fp32 head products through oneDNN (opt-in; within
+               fp32 rounding, not torch.mm's bits)
     base       with ``--base REV``: the ``fused_ttt`` of specopd/losses.py at git revision REV (the code before a
                change), loaded beside this one in the same process
-The ways compute the same numbers: the table says whether their losses agreed bit for bit at every step. Only the
-loss differs between the ways; a change elsewhere is measured with benchmarks/compare_commits.py.
+early, recompute and base compute the same numbers: the table says whether their losses agreed bit for bit at every
+step (dnn: its largest relative distance from the first way's). Only the loss differs between the ways; a change
+elsewhere is measured with benchmarks/compare_commits.py.
 The machine is shared: only the ratios of one run mean anything.
 
     python benchmarks/bench_eagle3_ttt.py [--recipe R] [--batch 4] [--steps 3] [--warmup 1]
@@ -43,7 +46,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "smollm2-135m-eagle3-sharegpt.yaml")
 PARTS = ("prefill", "context", "unroll", "loss", "backward", "optimizer", "other", "step")
-WAYS = ("early", "recompute", "base")
+WAYS = ("early", "recompute", "dnn", "base")
+EXACT = ("early", "recompute", "base")  # the same bits
 
 
 def base_fused_ttt(rev: str):
@@ -124,9 +128,14 @@ def run(recipe: str, overrides: list, ways: list, steps: int, warmup: int, base:
     from specopd.losses import fused_ttt
     from specopd.train.data import BatchOrder
 
-    fns = {"early": fused_ttt, "recompute": functools.partial(fused_ttt, early_grad=False)}
+    from specopd_kernels.paths import KernelsConfig
+
+    dnn = KernelsConfig(cpu_linear="all")
+    fns = {"early": fused_ttt, "recompute": functools.partial(fused_ttt, early_grad=False),
+           "dnn": lambda *a, **k: fused_ttt(*a, **{**k, "kernel_paths": dnn})}
     if "base" in ways:
-        fns["base"] = base_fused_ttt(base)
+        old = base_fused_ttt(base)
+        fns["base"] = lambda *a, kernel_paths=None, **k: old(*a, **k)
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,7 +165,9 @@ def run(recipe: str, overrides: list, ways: list, steps: int, warmup: int, base:
                  "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup}
     return {"setup": setup, "median_s": {way: {p: statistics.median(v) for p, v in t.items()} for way, t in
                                          times.items()},
-            "losses": losses, "losses_equal": all(losses[way] == losses[ways[0]] for way in ways)}
+            "losses": losses, "losses_equal": all(losses[way] == losses[ways[0]] for way in ways if way in EXACT),
+            "max_rel_loss_diff": {way: max(abs(a - b) / abs(b) for a, b in zip(losses[way], losses[ways[0]]))
+                                  for way in ways}}
 
 
 def table(r: dict) -> str:
@@ -201,7 +212,11 @@ def main(argv=None) -> int:
     print(f"\n{s['recipe']} {' '.join(s['overrides'])}: {s['branches']} branches x W = {s['W']} TTT steps, "
           f"vocabulary {s['vocab']}, target {s['dtype']}; median of {s['steps']} steps after {s['warmup']}")
     print(table(r))
-    print(f"losses of the ways equal bit for bit at every step: {'yes' if r['losses_equal'] else 'NO'}")
+    exact = [w for w in ways if w in EXACT]
+    print(f"losses of {', '.join(exact)} equal bit for bit at every step: {'yes' if r['losses_equal'] else 'NO'}")
+    for w in ways:
+        if w not in EXACT:
+            print(f"{w}: largest relative distance of its loss from {ways[0]}'s: {r['max_rel_loss_diff'][w]:.2e}")
     if "base" in ways:
         sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", a.base], capture_output=True, text=True)
         print(f"base: specopd/losses.py at {a.base} ({sha.stdout.strip()})")

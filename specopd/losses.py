@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from specopd_kernels import paths
 from specopd_kernels.e2e_tv import cpu as tv_cpu
+from specopd_kernels.layer_ops import cpu as layer_ops
 
 # fp32 [rows, V] buffers one loss chunk holds at its peak (logits of q and p and their bf16 matmul
 # outputs; softmaxes are taken in place). The memory plan and ``auto_chunk_rows`` use it.
@@ -933,6 +934,41 @@ def fused_ce(hq: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, m
     return FusedOut(loss, None if alpha is None else alpha.detach(), nll.detach())
 
 
+class _DnnHead:
+    """One fp32 head term's products through oneDNN (``kernels.cpu_linear=all``, as the fp32 linear layers): z = x @
+    w^T, dx = g @ w and dw = g^T @ x, each weight reordered once (w and w^T per loss call, x^T per chunk). On this
+    AMD CPU oneDNN's fp32 runs well above torch.mm's (MKL); its sums run in another order (not torch.mm's bits)."""
+
+    def __init__(self, xs, ws):
+        self.x, self.w = xs[0], ws[0]
+        self.packs = {}
+
+    @staticmethod
+    def maybe(xs, ws, kernel_paths) -> Optional["_DnnHead"]:
+        """A ``_DnnHead`` when the recipe asks (``cpu_linear=all``) and oneDNN takes this one fp32 term here, else
+        None (torch.mm)."""
+        if len(xs) != 1 or paths.mode(kernel_paths, "cpu_linear") != "all" or \
+                not layer_ops.linear_enabled(xs[0], ws[0], kernel_paths=kernel_paths) or ws[0].dtype != torch.float32:
+            return None
+        return _DnnHead(xs, ws)
+
+    def _pack(self, key, w):
+        if key not in self.packs:
+            self.packs[key] = layer_ops.PackedWeight().get(w.detach().contiguous())
+        return self.packs[key]
+
+    def logits(self, r) -> torch.Tensor:
+        """z [R, V] fp32 of rows r."""
+        return layer_ops.linear(self.x[r], self._pack("w", self.w))
+
+    def grad_inputs(self, g, r, dx, dw) -> None:
+        """dx[r] = g @ w, dw += g^T @ x[r] for one chunk's g [R, V] (as ``_ChunkedHead._grad_inputs``)."""
+        if dx[0] is not None:
+            dx[0][r] = layer_ops.linear(g, self._pack("wt", self.w.t()))
+        if dw[0] is not None:
+            dw[0].add_(layer_ops.linear(g.t(), layer_ops.PackedWeight().get(self.x[r].detach().t().contiguous())))
+
+
 class _SoftTargetHead(torch.autograd.Function):
     """``ttt_loss``'s rows chunk by chunk: q = softmax(sum_k x_k @ w_k^T) [R, Vq], the target's logits
     zp = hp @ wp^T [R, V] (one [chunk, V] per chunk, made once: the loss, alpha and the gradient share it),
@@ -942,13 +978,16 @@ class _SoftTargetHead(torch.autograd.Function):
     dsoft/dz = softmax(z) - pt; then the inputs' gradients as ``_ChunkedHead``. With ``coef`` [R] (the gradient the
     caller's reduction will send soft) the forward computes them in the same pass from the chunk it already holds,
     and the backward returns them when the gradient that arrives is ``coef`` bit for bit; otherwise (or without
-    ``coef``) the backward recomputes each chunk (the logits twice more, the target's too)."""
+    ``coef``) the backward recomputes each chunk (the logits twice more, the target's too).
+    ``kernel_paths``' ``cpu_linear=all`` runs the three fp32 head products (z, dx, dw) through oneDNN
+    (``_DnnHead``; within fp32 rounding of torch.mm, not its bits), as it does the fp32 linear layers."""
 
     @staticmethod
-    def forward(ctx, rows, chunk, temperature, hp, wp, qids, coef, *xw):
-        need = ctx.needs_input_grad[7:]
+    def forward(ctx, rows, chunk, temperature, hp, wp, qids, coef, kernel_paths, *xw):
+        need = ctx.needs_input_grad[8:]
         with torch.autocast(rows.device.type, enabled=False):
             xs, ws = xw[0::2], xw[1::2]
+            ctx.dnn = _DnnHead.maybe(xs, ws, kernel_paths)
             n = rows.numel()
             soft = torch.zeros(n, dtype=torch.float32, device=rows.device)
             alpha = torch.zeros_like(soft)
@@ -958,7 +997,7 @@ class _SoftTargetHead(torch.autograd.Function):
             with ChunkBuffers.pooled(min(chunk, n), ws[0].shape[0], rows.device) as bufs:  # 0 z, 1 zp, 2-3 alpha
                 for s in range(0, n, chunk):
                     r = rows[s: s + chunk]
-                    z = chunk_logits(xs, ws, r, bufs, slot=0)
+                    z = chunk_logits(xs, ws, r, bufs, slot=0) if ctx.dnn is None else ctx.dnn.logits(r)
                     zp = chunk_logits((hp,), (wp,), r, *((bufs, 1) if qids is None else ()))
                     pt, col = _SoftTargetHead._soft_target(zp, wp, qids)
                     pz = torch.mul(pt, z, out=bufs.fp32(2, r.numel())).sum(-1)  # = (pt * z).sum(-1), in a kept buffer
@@ -979,14 +1018,23 @@ class _SoftTargetHead(torch.autograd.Function):
                         del p
                     if early:
                         g = q1.sub_(pt).mul_(torch.where(col >= 0, coef[s: s + chunk], 0.0)[:, None])
-                        _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
+                        _SoftTargetHead._grad_inputs(ctx.dnn, g, r, xs, ws, dx, dw, bufs)
                         del g
                     del pt, zp, z, q1
         ctx.chunk = chunk
         ctx.early = (coef, dx, dw) if early else None
+        ctx.use_dnn, ctx.dnn = ctx.dnn is not None, None  # its packs freed: a recomputing backward packs again
         ctx.save_for_backward(rows, hp, wp, qids, *xw)
         ctx.mark_non_differentiable(alpha)
         return soft, alpha
+
+    @staticmethod
+    def _grad_inputs(dnn, g, r, xs, ws, dx, dw, bufs):
+        """``_ChunkedHead._grad_inputs``, or with ``dnn`` its products through oneDNN."""
+        if dnn is None:
+            _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
+        else:
+            dnn.grad_inputs(g, r, dx, dw)
 
     @staticmethod
     def _grad_buffers(xs, ws, need):
@@ -1019,13 +1067,14 @@ class _SoftTargetHead(torch.autograd.Function):
         grads = []
         for k in range(len(xs)):
             grads += [dx[k], None if dw[k] is None else dw[k].to(ws[k].dtype)]
-        return (None, None, None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, None, None, *grads)
 
     @staticmethod
     def _recompute(ctx, rows, hp, wp, qids, xs, ws, g_soft):
         """(dx, dw) for a gradient ``g_soft`` the forward did not foresee: each chunk's z and pt made again."""
         with torch.autocast(rows.device.type, enabled=False):
-            need = ctx.needs_input_grad[7:]
+            need = ctx.needs_input_grad[8:]
+            dnn = _DnnHead(xs, ws) if ctx.use_dnn else None
             dx, dw = _SoftTargetHead._grad_buffers(xs, ws, need)
             if g_soft is not None and any(need):
                 with ChunkBuffers.pooled(min(ctx.chunk, rows.numel()), ws[0].shape[0], rows.device) as bufs:
@@ -1033,16 +1082,16 @@ class _SoftTargetHead(torch.autograd.Function):
                         r = rows[s: s + ctx.chunk]
                         zp = chunk_logits((hp,), (wp,), r, *((bufs, 1) if qids is None else ()))
                         pt, col = _SoftTargetHead._soft_target(zp, wp, qids)
-                        g, _ = softmax_(chunk_logits(xs, ws, r, bufs, slot=0))
+                        g, _ = softmax_(chunk_logits(xs, ws, r, bufs, slot=0) if dnn is None else dnn.logits(r))
                         g.sub_(pt).mul_(torch.where(col >= 0, g_soft[s: s + ctx.chunk], 0.0)[:, None])
-                        _ChunkedHead._grad_inputs(g, r, xs, ws, dx, dw, bufs)
+                        _SoftTargetHead._grad_inputs(dnn, g, r, xs, ws, dx, dw, bufs)
                         del g, pt, zp
         return dx, dw
 
 
 def fused_ttt(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_weight: Optional[torch.Tensor] = None,
               q_ids: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None, denom=None, weights="ttt",
-              temperature: float = 1.0, chunk_rows="auto", early_grad: bool = True) -> FusedOut:
+              temperature: float = 1.0, chunk_rows="auto", early_grad: bool = True, kernel_paths=None) -> FusedOut:
     """``ttt_loss(hq @ weight^T, hp @ p_weight^T, q_ids, mask, denom, weights)`` from hidden states, one [chunk, V]
     of the target's logits at a time (never [N, W, V]).
 
@@ -1058,6 +1107,8 @@ def fused_ttt(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_wei
         early_grad: with grad enabled, compute the gradients in the forward's pass for ``loss.backward()`` as it
             is (the reduction's own gradient, derived here); a backward from anything else recomputes them. The
             same numbers either way; False: always recompute (the reference the tests compare with).
+        kernel_paths: the recipe's ``kernels:`` section; ``cpu_linear=all`` runs q's fp32 head products through
+            oneDNN on the CPU (within fp32 rounding of torch.mm, not its bits); None: all "auto" (torch.mm).
 
     Returns:
         ``FusedOut(loss, alpha, nll)``: nll is the per-position soft cross-entropy [N, W] (0 where masked).
@@ -1074,7 +1125,7 @@ def fused_ttt(hq: torch.Tensor, weight: torch.Tensor, hp: torch.Tensor, *, p_wei
     if early_grad and torch.is_grad_enabled() and any(t.requires_grad for t in terms):
         coef = _ttt_row_grad(rows, n, w, m, denom, weights)
     soft, a = _SoftTargetHead.apply(rows, chunk, float(temperature), hpf, wp,
-                                    None if q_ids is None else q_ids.to(hq.device), coef, *terms)
+                                    None if q_ids is None else q_ids.to(hq.device), coef, kernel_paths, *terms)
     flat = torch.zeros(n * w, dtype=torch.float32, device=hq.device)
     per_pos = flat.index_put((rows,), soft).view(n, w)
     alpha = flat.index_put((rows,), a).view(n, w)

@@ -96,3 +96,38 @@ def test_fused_ttt_under_no_grad_makes_no_gradient():
         ev = fused_ttt(hq, wq, hp, p_weight=wp, mask=mask, denom=9.0, chunk_rows=5)
     assert torch.equal(ev.loss, out.loss.detach()) and torch.equal(ev.alpha, out.alpha)
     assert not ev.loss.requires_grad
+
+
+@pytest.mark.parametrize("vocab", [False, True])
+def test_fused_ttt_onednn_head_products_on_request(monkeypatch, vocab):
+    """``kernels.cpu_linear=all``: q's three fp32 head products go through oneDNN (within fp32 rounding of the plain
+    loss's gradients; the forward-pass gradient still the recomputed one bit for bit); the default keeps torch.mm."""
+    from specopd_kernels.layer_ops import cpu as layer_ops
+    from specopd_kernels.paths import KernelsConfig
+
+    if not layer_ops.packing_available():
+        pytest.skip("oneDNN with native bf16 (what cpu_linear packs for) is not on this CPU")
+    calls = []
+    real = layer_ops.linear
+    monkeypatch.setattr(layer_ops, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hq, wq, hp, wp, ids, mask = _problem(vocab, seed=2)
+    kp = KernelsConfig(cpu_linear="all")
+    got = {}
+    for early in (True, False):
+        hq.grad = wq.grad = None
+        out = fused_ttt(hq, wq, hp, p_weight=wp, q_ids=ids, mask=mask, denom=9.0, chunk_rows=5, early_grad=early,
+                        kernel_paths=kp)
+        out.loss.backward()
+        got[early] = (out.loss.detach(), hq.grad.clone(), wq.grad.clone())
+    chunks = -(-int(mask.sum()) // 5)
+    assert len(calls) == 3 * chunks + 4 * chunks  # early: z, dx, dw per chunk; recomputed: z twice, dx, dw
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+    hq.grad = wq.grad = None
+    plain = ttt_loss(hq @ wq.T, hp @ wp.T, ids, mask, 9.0)
+    plain.backward()
+    assert torch.allclose(got[True][0], plain.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[True][1], hq.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[True][2], wq.grad, rtol=1e-5, atol=1e-6)
+    calls.clear()
+    _run(hq, wq, hp, wp, ids, mask, True)  # no kernels section: torch.mm
+    assert not calls

@@ -293,7 +293,8 @@ def loss_backward(worker: "Worker", proposals: Proposals, hp: torch.Tensor, deno
         elif method == "offpolicy_ce" and getattr(w.drafter, "soft_ttt", False):
             # training-time test as SpecForge: soft CE against the target's p on q's vocabulary, steps 0.8^k
             out = fused_ttt(h, weight, hp, p_weight=w.target.lm_head.weight, q_ids=w.drafter.vocab_ids, denom=denom,
-                            temperature=t.acceptance_temperature, chunk_rows=t.loss_chunk_rows)
+                            temperature=t.acceptance_temperature, chunk_rows=t.loss_chunk_rows,
+                            kernel_paths=w.target.kernel_paths)
         elif method == "offpolicy_ce":
             out = fused_ce(h, weight, tokens, hp=hp, **kw)
         else:
