@@ -131,3 +131,40 @@ def test_fused_ttt_onednn_head_products_on_request(monkeypatch, vocab):
     calls.clear()
     _run(hq, wq, hp, wp, ids, mask, True)  # no kernels section: torch.mm
     assert not calls
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_rows_out_makes_the_last_layer_at_the_wanted_rows_only(tmp_path, layers):
+    """The trunk context (``rows(..., out=)``): the last layer's query and everything after it run at the wanted rows
+    only (a branch's first step, row a - 1), the K/V of every row still made; the outputs equal the full pass's
+    rows (fp32: the same formula on fewer rows, 1e-6)."""
+    from specopd.drafters import build_drafter
+    from specopd.drafters.autoregressive import causal_attention
+    from specopd.models import load_target
+    from tests.oracle import make_tiny_checkpoint
+
+    target = load_target(make_tiny_checkpoint("llama", tmp_path, num_hidden_layers=4, vocab_size=V, hidden_size=32,
+                                              intermediate_size=48))
+    d = build_drafter("eagle3", target, num_layers=layers, block_size=4, seed=3)
+    g = torch.Generator().manual_seed(4)
+    m = 9
+    toks = torch.randint(0, V, (m,), generator=g)
+    hidden = d.context_hidden(target.hidden_states(torch.randint(0, V, (1, m), generator=g),
+                                                   list(d.feature_layers))[0])
+    pos = torch.arange(m)
+    out = torch.tensor([0, 4, 8])
+    queries = []
+
+    def full(i, q, k, v):
+        return causal_attention(q, k, v)
+
+    def part(i, q, k, v):
+        queries.append((i, q.shape[0], k.shape[0]))
+        return causal_attention(q, k, v, at=out) if i == layers - 1 else causal_attention(q, k, v)
+
+    n_full, h_full = d.rows(toks, hidden, pos, full)
+    n_part, h_part = d.rows(toks, hidden, pos, part, out=out)
+    assert queries[-1] == (layers - 1, out.numel(), m) and all(x == (i, m, m) for i, x in enumerate(queries[:-1]))
+    assert n_part.shape == (out.numel(), n_full.shape[1])
+    assert torch.allclose(n_part, n_full[out], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(h_part, h_full[out], rtol=1e-6, atol=1e-6)

@@ -16,20 +16,25 @@ from specopd.drafters.dflash import DraftContext
 from specopd.sampling import sample_from_hidden
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0,
+                     at: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of n new rows over their cache (GQA: query head h reads kv head h // (H / Hkv)).
 
     Args:
-        q: [n, H, hd] at positions past .. past + n - 1.
-        k, v: [past + n, Hkv, hd].
+        q: [n, H, hd] at positions past .. past + n - 1 (or ``at``).
+        k, v: [past + n, Hkv, hd] (with ``at``: [T, Hkv, hd], the keys at positions 0 .. T - 1).
         past: rows before the queries.
+        at: [n] the queries' positions (each sees the keys up to its own), instead of past .. past + n - 1.
 
     Returns:
         [n, H, hd].
     """
     n, h, hd = q.shape
     hkv = k.shape[1]
-    mask = torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).tril(past)
+    if at is None:
+        mask = torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).tril(past)
+    else:
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= at.to(q.device)[:, None]
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, enable_gqa=hkv != h)
     return o[0].transpose(0, 1)
@@ -40,9 +45,11 @@ class AutoregressiveDrafter(nn.Module):
 
     A subclass defines ``layers`` (each with ``self_attn.hkv`` / ``.hd`` for the caches) and:
         ``context_hidden(features [M, F]) -> [M, D]``: a context row's hidden input from the target's features;
-        ``rows(tokens [M], hidden [M, D], positions [M], attend) -> (normed [M, D], hidden_out [M, D])``: one step
-            of M independent rows; layer i's attention is ``attend(i, q [M, H, hd], k [M, Hkv, hd], v)`` (q, k
-            after RoPE) -> o [M, H, hd]; ``normed`` feeds the head, ``hidden_out`` the next step;
+        ``rows(tokens [M], hidden [M, D], positions [M], attend, out=None) -> (normed [M', D], hidden_out [M', D])``:
+            one step of M independent rows; layer i's attention is ``attend(i, q [M, H, hd], k [M, Hkv, hd], v)``
+            (q, k after RoPE) -> o [M, H, hd]; ``normed`` feeds the head, ``hidden_out`` the next step; ``out``
+            ([M'] row indices, or None: all): the rows whose outputs are wanted; the last layer makes the K/V of
+            every row but its query and everything after only at those (q [M', H, hd] there);
         ``head_weight() -> [Vq, D]`` and ``vocab_ids`` (None, or [Vq] the target ids of the head's columns).
     Everything else (the trunk context, the unrolled branches, decoding caches, sampling) is here."""
 
@@ -55,7 +62,7 @@ class AutoregressiveDrafter(nn.Module):
     def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def rows(self, tokens, hidden, positions, attend):
+    def rows(self, tokens, hidden, positions, attend, out=None):
         """One step of M independent rows.
 
         Args:
@@ -63,9 +70,11 @@ class AutoregressiveDrafter(nn.Module):
             hidden: [M, D] their hidden inputs (``context_hidden`` of features, or a previous step's hidden_out).
             positions: [M] RoPE positions.
             attend: ``attend(i, q, k, v) -> o`` layer i's attention.
+            out: [M'] the rows whose outputs are wanted (None: all); the last layer's query and what follows it
+                are made at those rows only (its K/V at every row).
 
         Returns:
-            (normed [M, D], hidden_out [M, D]).
+            (normed [M', D], hidden_out [M', D]).
         """
         raise NotImplementedError
 
@@ -106,24 +115,32 @@ class AutoregressiveDrafter(nn.Module):
         return self.to_target_ids(ids)
 
     # -- training: the trunk context and the unrolled branches -------------------------------------------
-    def _context(self, feats: list, tokens: list, need: list):
+    def _context(self, feats: list, tokens: list, need: list, out: torch.Tensor):
         """The causal pass over every trunk's rows 0 .. need_i - 1 (row p = (x_{p+1}, features p)) -> per layer the
-        packed K/V [C, Hkv, hd], and the rows' (normed, hidden_out) [C, D]."""
+        packed K/V [C, Hkv, hd], and the (normed, hidden_out) [M', D] of the packed rows ``out`` [M'] (sorted,
+        distinct: the branches' first steps; the last layer's query and MLP run at those rows only)."""
         dev = self.device
         fs = [f[:k] for f, k in zip(feats, need) if k]
         xs = [t[1:k + 1].to(dev) for t, k in zip(tokens, need) if k]
         pos = torch.cat([torch.arange(k, device=dev) for k in need if k])
         lens = [k for k in need if k]
         ks, vs = [], []
+        last = len(self.layers) - 1
+        # the out rows of each trunk and their positions in it (the last layer's queries)
+        bounds = torch.cumsum(torch.tensor([0] + lens, device=dev), 0)
+        cut = torch.searchsorted(out, bounds).tolist()
+        at = [out[a:b] - bounds[j] for j, (a, b) in enumerate(zip(cut[:-1], cut[1:]))]
 
         def attend(i, q, k, v):
             ks.append(k)
             vs.append(v)
-            return torch.cat([causal_attention(qq, kk, vv) for qq, kk, vv in
-                              zip(q.split(lens), k.split(lens), v.split(lens))])
+            if i != last:
+                return torch.cat([causal_attention(qq, kk, vv) for qq, kk, vv in
+                                  zip(q.split(lens), k.split(lens), v.split(lens))])
+            return torch.cat([causal_attention(qq, kk, vv, at=p) for qq, kk, vv, p in
+                              zip(q.split([p.numel() for p in at]), k.split(lens), v.split(lens), at)])
 
-        normed, hid = self.rows(torch.cat(xs), self.context_hidden(torch.cat(fs)), pos, attend)
-        return ks, vs, normed, hid
+        return (ks, vs, *self.rows(torch.cat(xs), self.context_hidden(torch.cat(fs)), pos, attend, out=out))
 
     def unroll(self, features, token_ids, anchors, trunk_index=None, temperature: float = 1.0, generators=None,
                rows=None, tokens: Optional[torch.Tensor] = None, chunk_rows="auto", steps: Optional[int] = None):
@@ -172,9 +189,9 @@ class AutoregressiveDrafter(nn.Module):
         a_s, t_s = anchors[order], tix[order]
         need = torch.zeros(len(feats), dtype=torch.long, device=dev).scatter_reduce(0, t_s, a_s, "amax")
         starts = torch.cumsum(need, 0) - need
-        ks, vs, cn, ch = self._context(feats, toks, need.tolist())
-        last = starts[t_s] + a_s - 1
-        h_k, g_k = cn[last], ch[last]  # step 1 (sorted order)
+        first, which = torch.unique_consecutive(starts[t_s] + a_s - 1, return_inverse=True)  # step 1: row a - 1
+        ks, vs, cn, ch = self._context(feats, toks, need.tolist(), first)
+        h_k, g_k = cn[which], ch[which]  # step 1 (sorted order)
         inv = torch.argsort(order)
         out = [h_k]
         drafted = []

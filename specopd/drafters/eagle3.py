@@ -57,7 +57,7 @@ class Eagle3Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attend, i):
+    def forward(self, x, cos, sin, attend, i, out=None):
         """Layer i's attention of M rows.
 
         Args:
@@ -65,18 +65,20 @@ class Eagle3Attention(nn.Module):
             cos, sin: [M, hd] RoPE at the rows' positions.
             attend: ``attend(i, q, k, v) -> o`` (``AutoregressiveDrafter.rows``).
             i: the layer's index.
+            out: [M'] the rows whose output is wanted (their queries only; K/V of all rows); None: all.
 
         Returns:
-            [M, D].
+            [M', D].
         """
         m = x.shape[0]
-        q, k = self.q_proj(x).view(1, m, self.h, self.hd), self.k_proj(x).view(1, m, self.hkv, self.hd)
+        xq, cq, sq = (x, cos, sin) if out is None else (x[out], cos[out], sin[out])
+        q, k = self.q_proj(xq).view(1, xq.shape[0], self.h, self.hd), self.k_proj(x).view(1, m, self.hkv, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos[None], sin[None], self.kernel_paths)[0]
+        q = apply_rope(q, cq[None], sq[None], self.kernel_paths)[0]
         k = apply_rope(k, cos[None], sin[None], self.kernel_paths)[0]
         v = self.v_proj(x).view(m, self.hkv, self.hd)
-        return self.o_proj(attend(i, q, k, v).reshape(m, self.h * self.hd))
+        return self.o_proj(attend(i, q, k, v).reshape(xq.shape[0], self.h * self.hd))
 
 
 class Eagle3Layer(nn.Module):
@@ -216,7 +218,7 @@ class Eagle3Drafter(AutoregressiveDrafter):
             x = self.input_norm(x)
         return self.fc(x)
 
-    def rows(self, tokens, hidden, positions, attend):
+    def rows(self, tokens, hidden, positions, attend, out=None):
         """One step of M rows: vLLM's ``LlamaModel.forward`` with its fused add-norms written out.
 
         Args / Returns: as ``AutoregressiveDrafter.rows`` (hidden_out = the pre-norm residual vLLM feeds the next
@@ -233,7 +235,8 @@ class Eagle3Drafter(AutoregressiveDrafter):
             else:
                 res = h + res
                 x = layer.input_layernorm(res)
-            res = layer.self_attn(x, cos, sin, attend, i) + res
+            sub = out if i == len(self.layers) - 1 else None  # the last layer: the wanted rows only
+            res = layer.self_attn(x, cos, sin, attend, i, sub) + (res if sub is None else res[sub])
             h = layer.mlp(layer.post_attention_layernorm(res))
         res = h + res
         return self.norm(res), res

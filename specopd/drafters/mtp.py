@@ -109,7 +109,7 @@ class MTPDrafter(AutoregressiveDrafter):
         reads: vLLM's Qwen3Next / Qwen3_5 models return it and the MTP proposer feeds it as is)."""
         return self.target.head_input(features.to(device=self.device, dtype=self.target.dtype))
 
-    def rows(self, tokens, hidden, positions, attend):
+    def rows(self, tokens, hidden, positions, attend, out=None):
         """One step of M rows: ``fc([norm(embed(tokens)) ; norm(hidden)])``, the decoder layer (gated attention
         through ``attend(0, ...)``, MLP or MoE), ``norm``.
 
@@ -120,6 +120,8 @@ class MTPDrafter(AutoregressiveDrafter):
         e = self.target.embed(tokens.to(self.device)).to(self.dtype)
         x = self.mtp.combine(e, hidden.to(self.dtype))[None]  # [1, M, D]
         q, k, v, gate = attn.project(layer.input_layernorm(x), positions.to(self.device)[None])
+        if out is not None:  # the wanted rows' queries only (K/V of all rows)
+            q, gate, x = q[:, out], gate[:, out], x[:, out]
         o = attend(0, q[0], k[0], v[0])
         h = x + attn.finish(o[None], gate)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
