@@ -140,6 +140,7 @@ class DrafterFollower:
         self.data_version = None  # the version whose rollouts the workers hold
         self.order: Optional[BatchOrder] = None
         self.extra: dict = {}  # the caller's state saved with each checkpoint (``save(extra=...)``): the CLI's reader
+        self.current = None  # the version training now (its budget and progress), saved every trainer.save_every
         self.mark = time.time()  # wall clock at the last export (the time share's denominator starts here)
         self.resume_state = None
         acquire(self.out, "trainer.output_dir")
@@ -179,6 +180,10 @@ class DrafterFollower:
                                     f"{'; '.join(refused)}; undo the change or use another trainer.output_dir")
         st = c["state"]["follow"]
         self.versions, self.steps, self.extra = st["versions"], int(c["state"]["step"]), st.get("extra", {})
+        self.current = st.get("current")
+        if self.current is not None:  # killed mid-version: its workers read its rollouts file as it was then
+            self.data_version = int(self.current["version"])
+            keep_lines(self._rollout_file(self.data_version), int(self.current["rollouts"]))
         if st["policy"]["version"] is not None:
             self.policy = dict(st["policy"])
             if st["policy"]["path"] is not None:
@@ -187,7 +192,10 @@ class DrafterFollower:
             ck.set_controller_rng(c["controller_rng"])
         trim_metrics(os.path.join(self.out, "metrics.jsonl"), self.steps)
         self.resume_state = c
-        print(f"[follow] resumed from {c['path']} (policy version {self.policy['version']}, {self.steps} steps)")
+        cur = self.current
+        print(f"[follow] resumed from {c['path']} (policy version {self.policy['version']}, {self.steps} steps"
+              + (f"; version {cur['version']} in progress: {cur['steps']} steps, {cur['seconds']:.1f} s of its budget "
+                 f"done, the next train() does the rest" if cur else "") + ")")
 
     # -- the API
     def update_policy(self, path_or_state_dict, version: int) -> None:
@@ -245,17 +253,24 @@ class DrafterFollower:
     def train(self, steps: Optional[int] = None, seconds: Optional[float] = None) -> dict:
         """SpecOPD on the newest version's rollouts against that policy: ``steps`` steps and / or ``seconds``
         (defaults: ``follow.steps_per_version`` / ``follow.seconds_per_version``; whichever ends first). The
-        held-out expected AL of that version is measured before its first update and after this call. Returns the
-        version's metrics."""
+        held-out expected AL of that version is measured before its first update and after this call. Every
+        ``trainer.save_every`` steps a checkpoint records the call's progress; after a resume from one, the call for
+        that version trains only the rest of the budget it had (the arguments are ignored then), on the same
+        rollouts in the same batch order. Returns the version's metrics."""
         if not self.rollouts and self.data_version is None:
             raise FollowError("train(): no rollouts yet; call add_rollouts(records, version) first")
         v = max(self.rollouts) if self.rollouts else self.data_version
         if v != self.policy["version"]:
             raise FollowError(f"train(): the newest rollouts are of policy version {v}, but the policy loaded is "
                               f"version {self.policy['version']}: call update_policy(weights, {v}) first")
-        f = self.cfg.follow
-        steps = f.steps_per_version if steps is None else int(steps)
-        seconds = f.seconds_per_version if seconds is None else float(seconds)
+        f, cur = self.cfg.follow, self.current
+        if cur is not None and cur["version"] != v:  # the caller moved on from the version in progress
+            cur = None
+        if cur is None:
+            steps = f.steps_per_version if steps is None else int(steps)
+            seconds = f.seconds_per_version if seconds is None else float(seconds)
+        else:
+            steps, seconds = int(cur["budget_steps"]), float(cur["budget_seconds"])
         if steps <= 0 and seconds <= 0:
             raise FollowError(f"train(steps={steps}, seconds={seconds}): give a budget > 0")
         rec = self._version(v)
@@ -265,8 +280,15 @@ class DrafterFollower:
         if "before" not in rec:
             rec["before"] = self._heldout()
         t_eval = time.perf_counter() - t1
-        bar = tqdm(total=steps if steps > 0 else None, desc=f"follow v{v}", unit="step", disable=not self.progress)
-        start, done = time.perf_counter(), 0
+        done, spent = (0, 0.0) if cur is None else (int(cur["steps"]), float(cur["seconds"]))
+        if cur is not None:
+            self.order.set_position(cur["position"])
+        self.current = {"version": v, "budget_steps": steps, "budget_seconds": seconds,
+                        "rollouts": sum(1 for _ in open(self._rollout_file(v)))}
+        save_every = self.cfg.trainer.save_every
+        bar = tqdm(total=steps if steps > 0 else None, initial=done, desc=f"follow v{v}", unit="step",
+                   disable=not self.progress)
+        start = time.perf_counter() - spent  # a resumed call counts the seconds spent before the kill
         while (steps <= 0 or done < steps) and (seconds <= 0 or time.perf_counter() - start < seconds):
             m = train_step(self.group, self.info, self.cfg, self.order.next(), self.steps)
             self.steps, done = self.steps + 1, done + 1
@@ -275,14 +297,18 @@ class DrafterFollower:
                 self.sinks.log(m)
             bar.set_postfix(loss=f"{m['loss']:.4f}", AL=f"{m['expected_al']:.3f}")
             bar.update(1)
+            if save_every and self.steps % save_every == 0 and (steps <= 0 or done < steps):
+                self.current.update(steps=done, seconds=time.perf_counter() - start, position=self.order.position)
+                self.save()
         bar.close()
+        self.current = None
         train_s = time.perf_counter() - start
         t2 = time.perf_counter()
         rec["after"] = self._heldout()
         t_eval += time.perf_counter() - t2
         rec.update(steps=rec.get("steps", 0) + done, train_s=rec.get("train_s", 0.0) + train_s,
                    eval_s=rec.get("eval_s", 0.0) + t_eval, busy_s=rec.get("busy_s", 0.0) + time.perf_counter() - t0
-                   + rec.pop("swap_s", 0.0))
+                   + spent + rec.pop("swap_s", 0.0))
         self.sinks.log({"step": self.steps, "time": time.time(), "follow/version": v,
                         "follow/staleness": {"before": rec["before"], "after": rec["after"]},
                         "follow/steps": rec["steps"], "follow/train_s": rec["train_s"]})
@@ -297,7 +323,8 @@ class DrafterFollower:
         if extra is not None:
             self.extra = extra
         ws = worker_state(self.group)
-        st = {"follow": {"versions": self.versions, "policy": self.policy, "extra": self.extra},
+        st = {"follow": {"versions": self.versions, "policy": self.policy, "extra": self.extra,
+                         "current": self.current},
               "method": self.cfg.trainer.method, "recipe": to_dict(self.cfg)}
         return ck.save_checkpoint(self.out, self.steps, ws, st, self.cfg.trainer.keep_last)
 
@@ -370,7 +397,7 @@ class DrafterFollower:
         new = self.rollouts.pop(version, [])
         for old in [k for k in self.rollouts if k < version]:  # older versions' rollouts no one trained on
             self._version(old)["late"] = self._version(old).get("late", 0) + len(self.rollouts.pop(old))
-        if not new and self.data_version == version:
+        if not new and self.data_version == version and self.group is not None:
             return
         path = self._rollout_file(version)
         have = open(path).read() if self.data_version == version and os.path.isfile(path) else ""
@@ -421,6 +448,15 @@ def move_follow_aside(out: str) -> None:
         if os.path.lexists(p):
             root, ext = os.path.splitext(name)
             os.replace(p, os.path.join(out, f"{root}.before-{stamp}{ext}"))
+
+
+def keep_lines(path: str, n: int) -> None:
+    """``path`` cut to its first ``n`` lines (tmp + rename): the rollouts a version in progress trained on, without
+    those added after its checkpoint."""
+    with open(path) as f:
+        lines = f.readlines()
+    if len(lines) > n:
+        write_replace(path, "".join(lines[:n]))
 
 
 def placement(cfg) -> str:

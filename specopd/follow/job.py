@@ -47,6 +47,13 @@ class Watcher:
         self.late: list = []  # rollouts of versions already trained (consumed at the next checkpoint, not trained on)
         self.skipped: list = extra.get("skipped", [])
 
+    def extra(self, late: int = 0, training: Optional[list] = None) -> dict:
+        """The job's state a checkpoint carries: the last version done, the reader's state, the versions skipped,
+        the late rollouts counted (``late`` more now) and the positions of the rollouts of the version training."""
+        out = {"done": self.done, "reader": self.reader.state(), "skipped": self.skipped,
+               "late": self.f.extra.get("late", 0) + late}
+        return out if training is None else {**out, "training": training}
+
     def poll(self) -> bool:
         """Read the rollouts whose lines completed; True when there were any."""
         new = self.reader.poll()
@@ -76,19 +83,41 @@ class Watcher:
         return None
 
     def run_version(self, v: int, path: str) -> str:
-        """Swap policy ``v`` in, train on its rollouts, publish; the checkpoint records the rollouts consumed."""
+        """Swap policy ``v`` in, train on its rollouts, publish; the checkpoint records the rollouts consumed. The
+        checkpoints written while it trains (``trainer.save_every``) record them as read and not consumed, and
+        which they are (``resume_version`` finishes the version from one)."""
         items = self.pending.pop(v)
         for old in [k for k in self.pending if k < v]:  # versions skipped over: their rollouts are late now
             self.late += self.pending.pop(old)
         print(f"[follow] policy version {v} ({path}): {len(items)} rollouts", flush=True)
         self.f.update_policy(path, v)
         self.f.add_rollouts([{**i["record"], "where": i["where"]} for i in items], v)
+        return self.finish(v, path, items)
+
+    def resume_version(self) -> str:
+        """The version the last checkpoint was training (its policy and rollouts already in the follower): its
+        rollouts taken out of those read again, the rest of its budget trained, then published. Rollouts of it
+        read after that checkpoint are late, as they are for a run that was not killed."""
+        v, path = self.f.current["version"], self.f.policy["path"]
+        mine = {tuple(p) for p in self.f.extra["training"]}
+        got = self.pending.pop(v, [])
+        items = [i for i in got if tuple(i["pos"]) in mine]
+        if len(items) != len(mine):  # internal: the reader's state lists every rollout of the version as read
+            raise RuntimeError(f"policy version {v}: {len(mine)} rollouts in training, {len(items)} read again")
+        self.late += [i for i in got if tuple(i["pos"]) not in mine]
+        for old in [k for k in self.pending if k < v]:
+            self.late += self.pending.pop(old)
+        print(f"[follow] policy version {v} ({path}): {len(items)} rollouts, resumed mid-version", flush=True)
+        return self.finish(v, path, items)
+
+    def finish(self, v: int, path: str, items: list) -> str:
+        """Train version ``v`` (its rollouts ``items`` in the follower) and publish it."""
+        self.f.extra = self.extra(training=[list(i["pos"]) for i in items])
         self.f.train()
         self.reader.consumed(items + self.late)
         late, self.late = len(self.late), []
         self.done = v
-        export = self.f.export(v, extra={"done": v, "reader": self.reader.state(), "skipped": self.skipped,
-                                         "late": self.f.extra.get("late", 0) + late})
+        export = self.f.export(v, extra=self.extra(late=late))
         print(f"[follow] published policy version {v}'s drafter: {export} (exports/latest -> v{v})"
               + (f"; {late} late rollouts of versions already trained were not trained on" if late else ""),
               flush=True)
@@ -99,8 +128,11 @@ class Watcher:
 
 def follow(recipe: Optional[str], overrides=(), progress: bool = True) -> dict:
     """Run ``specopd follow`` until ``follow.stop_at_version`` is published, ``follow.idle_exit_s`` pass with
-    nothing new, or it is stopped (Ctrl-C, SIGTERM: the last published version's checkpoint is the resume point).
-    Returns the follower's metrics."""
+    nothing new, or it is stopped (Ctrl-C, SIGTERM). The resume point is the newest checkpoint: the last published
+    version's, or one written every ``trainer.save_every`` steps while a version trains; from one of those the
+    version finishes first (its policy and exactly its rollouts, the rest of its steps / seconds budget, the batch
+    order continued), then it is published. ``exports/latest`` only ever names published versions. Returns the
+    follower's metrics."""
     with DrafterFollower(recipe, overrides, progress=progress) as f:
         w = Watcher(f)
         c = w.cfg
@@ -112,10 +144,13 @@ def follow(recipe: Optional[str], overrides=(), progress: bool = True) -> dict:
                 publish(ck.find_latest(f.out), root, w.done)
         while True:
             got = w.poll()
-            policies = complete_policies(c.policies, c.complete_marker)
-            job = w.due(policies)
+            if f.current is not None:  # killed while a version trained: it finishes first
+                job = (f.current["version"], w.resume_version())
+            else:
+                job = w.due(complete_policies(c.policies, c.complete_marker))
+                if job is not None:
+                    w.run_version(*job)
             if job is not None:
-                w.run_version(*job)
                 last_new = time.monotonic()
                 if 0 <= c.stop_at_version <= job[0]:
                     break
