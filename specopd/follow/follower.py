@@ -283,8 +283,10 @@ class DrafterFollower:
         done, spent = (0, 0.0) if cur is None else (int(cur["steps"]), float(cur["seconds"]))
         if cur is not None:
             self.order.set_position(cur["position"])
-        self.current = {"version": v, "budget_steps": steps, "budget_seconds": seconds,
-                        "rollouts": sum(1 for _ in open(self._rollout_file(v)))}
+        with open(self._rollout_file(v)) as fh:
+            lines = sum(1 for _ in fh)
+        self.current = {"version": v, "budget_steps": steps, "budget_seconds": seconds, "steps": done,
+                        "seconds": spent, "position": self.order.position, "rollouts": lines}
         save_every = self.cfg.trainer.save_every
         bar = tqdm(total=steps if steps > 0 else None, initial=done, desc=f"follow v{v}", unit="step",
                    disable=not self.progress)
