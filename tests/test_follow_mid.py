@@ -121,3 +121,31 @@ def test_a_seconds_budget_resumes_with_only_the_seconds_left(tmp_path, monkeypat
         rec = f.train()
         assert calls == [4, 5, 6, 7, 8, 9] and f.steps == 10 and rec["steps"] == 10
         assert rec["train_s"] == 10.0
+
+
+def test_specopd_follow_refuses_a_python_followers_mid_version_checkpoint(tmp_path, capsys, monkeypatch):
+    """A checkpoint a DrafterFollower saved mid-version from Python records no rollout positions: ``specopd follow``
+    on that folder is a message naming both ways out, exit 2, not a KeyError."""
+    real, calls = fw.train_step, []
+
+    def killed_at_3(group, info, cfg, ids, step):
+        calls.append(step)
+        if len(calls) == 3:  # after the checkpoint at step 2
+            raise KeyboardInterrupt
+        return real(group, info, cfg, ids, step)
+
+    monkeypatch.setattr(fw, "train_step", killed_at_3)
+    out = tmp_path / "run"
+    argv = job(tmp_path, out)  # the same recipe and overrides as the CLI's below: only the writer differs
+    with DrafterFollower(argv[1], argv[2:], progress=False) as f:
+        f.update_policy(str(tmp_path / "policies" / "v0"), 0)
+        f.add_rollouts(rollouts(0), 0)
+        try:
+            f.train()
+        except KeyboardInterrupt:
+            pass
+    monkeypatch.undo()
+    assert ck.load_checkpoint(ck.find_latest(str(out)))["state"]["follow"]["current"]["version"] == 0
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2, err
+    assert "DrafterFollower" in err and "trainer.output_dir" in err and "Traceback" not in err

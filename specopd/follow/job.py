@@ -99,6 +99,10 @@ class Watcher:
         rollouts taken out of those read again, the rest of its budget trained, then published. Rollouts of it
         read after that checkpoint are late, as they are for a run that was not killed."""
         v, path = self.f.current["version"], self.f.policy["path"]
+        if "training" not in self.f.extra:
+            raise RecipeError(f"{self.f.out}: its last checkpoint was saved mid-version by a DrafterFollower used from "
+                              f"Python, which records no rollout positions for `specopd follow` to resume from; "
+                              f"resume it with DrafterFollower, or give `specopd follow` a new trainer.output_dir")
         mine = {tuple(p) for p in self.f.extra["training"]}
         got = self.pending.pop(v, [])
         items = [i for i in got if tuple(i["pos"]) in mine]
