@@ -38,6 +38,16 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.fixture(autouse=True)
+def sighup_not_ignored():
+    """These tests stop runs with SIGHUP. A test run started under ``nohup`` ignores SIGHUP, and so does every child
+    it starts (an ignored signal survives exec): the CLI then rightly keeps it ignored, which is another test's
+    subject (``test_a_run_under_nohup_ignores_sighup``). Each test starts from the default disposition."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, before)
+
+
 def _send_at_step(monkeypatch, sig: int, step: int, during_save: int = 0, as_ray: bool = False):
     """``sig`` to this process while step ``step`` runs (and ``during_save`` while the checkpoint is written);
     ``as_ray``: its exception turned into a plain KeyboardInterrupt, as ray.get / ray.wait do."""
