@@ -341,8 +341,14 @@ def describe_mtp_export(src: str, out_dir: str, config: dict, target_path: Optio
     Returns:
         the lines.
     """
-    w = int(config["specopd"]["block_size"]) - 1
-    spec = json.dumps({"method": "mtp", "model": os.path.abspath(out_dir), "num_speculative_tokens": w})
     return "\n".join([f"exported the MTP head of {src} to {out_dir} (mtp.* + the target's embed_tokens and lm_head, "
                       f"the target's config.json with its MTP layer count)",
-                      f"vllm serve {target_path or '<TARGET_MODEL_DIR>'} --speculative-config '{spec}'"])
+                      mtp_serving_command(out_dir, config, target_path)])
+
+
+def mtp_serving_command(out_dir: str, config: dict, target_path: Optional[str] = None) -> str:
+    """The vLLM command line that serves ``target_path`` with the MTP export ``out_dir`` (its config.json:
+    ``config``)."""
+    w = int(config["specopd"]["block_size"]) - 1
+    spec = json.dumps({"method": "mtp", "model": os.path.abspath(out_dir), "num_speculative_tokens": w})
+    return f"vllm serve {target_path or '<TARGET_MODEL_DIR>'} --speculative-config '{spec}'"

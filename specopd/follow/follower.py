@@ -19,6 +19,7 @@ from specopd.data.formats import encode_chat, normalise
 from specopd.data.prepare import load_tokenizer
 from specopd.data.references import token_ids_problem
 from specopd.drafters.layout import export_folder
+from specopd.drafters.mtp import export_mtp_folder, is_mtp_folder
 from specopd.errors import BadInputError, UserError, own_dir, replacing, write_replace
 from specopd.models.loading import read_config
 from specopd.models.tiny import resolve_target_path
@@ -340,7 +341,7 @@ class DrafterFollower:
         rec.update(export=os.path.join(self.out, "exports", f"v{version}"), wall_s=now - self.mark)
         rec["time_share"] = rec.get("busy_s", 0.0) / rec["wall_s"] if rec["wall_s"] > 0 else None
         self.mark = now
-        path = publish(self.save(extra), os.path.join(self.out, "exports"), version)
+        path = publish(self.save(extra), os.path.join(self.out, "exports"), version, self.policy["path"])
         try:
             plot_staleness(self.out, self.versions)
         except Exception as e:  # noqa: BLE001  (a figure is a convenience; the numbers are in metrics.jsonl)
@@ -479,10 +480,27 @@ def _al(x) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-def publish(src: str, root: str, version: int) -> str:
+def publish(src: str, root: str, version: int, policy_dir: Optional[str] = None) -> str:
     """Export the drafter folder ``src`` to ``<root>/v<version>/`` and point ``<root>/latest`` at it, each step whole
-    (``specopd.runs.checkpoint.publish_folder``; an earlier export of that version is replaced). Returns the folder."""
-    return ck.publish_folder(root, f"v{version}", lambda tmp: export_folder(src, tmp))
+    (``specopd.runs.checkpoint.publish_folder``; an earlier export of that version is replaced).
+
+    Args:
+        src: the drafter folder (a checkpoint).
+        root: the exports folder.
+        version: the policy version the drafter was trained through.
+        policy_dir: that policy's folder. An MTP head's export carries the policy's own embedding and lm_head (what
+            vLLM's method mtp loads beside the head), read from there; None for a policy given as a state dict.
+
+    Returns:
+        the export folder.
+    """
+    if not is_mtp_folder(src):
+        return ck.publish_folder(root, f"v{version}", lambda tmp: export_folder(src, tmp))
+    if policy_dir is None:
+        raise FollowError(f"policy version {version}: an MTP head's export carries the policy's embedding and lm_head, "
+                          f"read from the policy's folder, and this version was given as a state dict; save the "
+                          f"policy as a Hugging Face folder and pass its path to update_policy")
+    return ck.publish_folder(root, f"v{version}", lambda tmp: export_mtp_folder(src, policy_dir, tmp))
 
 
 def latest_export(root: str) -> Optional[str]:

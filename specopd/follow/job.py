@@ -12,6 +12,7 @@ from typing import Optional
 
 from specopd.drafters.layout import read_config as drafter_config
 from specopd.drafters.layout import serving_commands
+from specopd.drafters.mtp import is_mtp_folder, mtp_serving_command
 from specopd.runs import checkpoint as ck
 from specopd.settings import RecipeError
 from specopd.follow.follower import DrafterFollower, latest_export, publish
@@ -23,8 +24,12 @@ def pickup_note(export: str, server: str, target: str) -> str:
     updates a draft model's weights in place only in its development mode (``VLLM_SERVER_DEV_MODE=1``: POST
     /start_draft_weight_update, /update_weights, /finish_weight_update), with the tensors sent by a process of a
     weight-transfer group (nccl / ipc) it was started with; it cannot load a folder. So: restart it on the export."""
-    cfg, _ = drafter_config(export)
-    cmd = serving_commands(export, cfg, target)[0]
+    if is_mtp_folder(export):
+        with open(os.path.join(export, "config.json")) as fh:
+            cmd = mtp_serving_command(export, json.load(fh), target)
+    else:
+        cfg, _ = drafter_config(export)
+        cmd = serving_commands(export, cfg, target)[0]
     return (f"[follow] vLLM server {server}: vLLM reloads a drafter in place only from tensors pushed over its "
             f"weight-transfer API (VLLM_SERVER_DEV_MODE=1, /start_draft_weight_update), not from a folder; restart it "
             f"on the new drafter:\n  {cmd}")
@@ -145,7 +150,7 @@ def follow(recipe: Optional[str], overrides=(), progress: bool = True) -> dict:
             print(f"[follow] continuing after policy version {w.done}", flush=True)
             root = os.path.join(f.out, "exports")
             if latest_export(root) != os.path.join(root, f"v{w.done}"):  # killed between checkpoint and publication
-                publish(ck.find_latest(f.out), root, w.done)
+                publish(ck.find_latest(f.out), root, w.done, f.policy["path"])
         while True:
             got = w.poll()
             if f.current is not None:  # killed while a version trained: it finishes first
