@@ -53,7 +53,9 @@ def _strip(obj):
 def train(recipe, out, *overrides):
     cmd = [sys.executable, "-m", "specopd.cli", "train", str(ROOT / "recipes" / f"{recipe}.yaml"),
            f"trainer.output_dir={out}", *overrides]
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
+    # one thread, as a Ray actor with one CPU has: an fp32 matrix product's bits can depend on the thread count
+    # (tiny-qsa's MoE expert products differ between 1 and 2), and fingerprints must agree across machines
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
