@@ -39,13 +39,15 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.fixture(autouse=True)
-def sighup_not_ignored():
-    """These tests stop runs with SIGHUP. A test run started under ``nohup`` ignores SIGHUP, and so does every child
-    it starts (an ignored signal survives exec): the CLI then rightly keeps it ignored, which is another test's
-    subject (``test_a_run_under_nohup_ignores_sighup``). Each test starts from the default disposition."""
-    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+def stop_signals_not_ignored():
+    """These tests stop runs with SIGHUP and SIGINT. A test run started under ``nohup`` ignores SIGHUP, one started
+    in the background by a shell without job control ignores SIGINT, and so does every child it starts (an ignored
+    signal survives exec): the CLI then rightly keeps them ignored, which is another test's subject
+    (``test_a_run_under_nohup_ignores_sighup``). Each test starts from Python's own dispositions."""
+    before = (signal.signal(signal.SIGHUP, signal.SIG_DFL), signal.signal(signal.SIGINT, signal.default_int_handler))
     yield
-    signal.signal(signal.SIGHUP, before)
+    signal.signal(signal.SIGHUP, before[0])
+    signal.signal(signal.SIGINT, before[1])
 
 
 def _send_at_step(monkeypatch, sig: int, step: int, during_save: int = 0, as_ray: bool = False):
