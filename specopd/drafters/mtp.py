@@ -125,8 +125,8 @@ class MTPDrafter(AutoregressiveDrafter):
         o = attend(0, q[0], k[0], v[0])
         h = x + attn.finish(o[None], gate)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        out = self.mtp.norm(h)[0]
-        return out, out
+        normed = self.mtp.norm(h)[0]
+        return normed, normed
 
     def config_dict(self) -> dict:
         """config.json of its checkpoints: ``folder_config`` (what ``build_mtp`` loads back)."""
