@@ -48,8 +48,7 @@ def main(argv=None) -> int:
         rows.append((f"after: {os.path.relpath(after, ROOT)}", after))
     print(provenance_line(), flush=True)
     target = cfg.model.target if os.path.isdir(cfg.model.target) else MODELS[cfg.model.target]()
-    results = judge_rows(cfg.eval, temps, cfg.model, cfg.kernels, target, rows, cfg.trainer.output_dir,
-                         cfg.drafter.block_size - 1)
+    results = judge_rows(cfg.eval, temps, cfg.model, cfg.kernels, target, rows, cfg.trainer.output_dir)
     if not results:
         print("no vLLM rows (see the line above): nothing to report")
         return 1

@@ -363,7 +363,7 @@ def _run(cfg, progress: bool) -> dict:
             (f"after: + {cfg.trainer.method} ({summary['steps']} steps)", final)]
     # vLLM's counters and ours on vLLM's schedule side by side, when vLLM is there; ours alone for the rest
     sections = (cfg.eval, temps, cfg.model, cfg.kernels, prep.target_dir)  # what stage 5 reads of the recipe
-    results = judge_rows(*sections, rows, out, cfg.drafter.block_size - 1, progress=progress)
+    results = judge_rows(*sections, rows, out, progress=progress)
     done = {r["checkpoint"] for r in results}
     rest = [(label, path) for label, path in rows if not path or path not in done]
     if rest:

@@ -94,7 +94,7 @@ def test_static_export_checks(tmp_path):
 
 def test_main_job_rows_off_say_why(monkeypatch, capsys):
     monkeypatch.setenv("SPECOPD_VLLM_JUDGE", "0")
-    assert E.judge_rows(None, [0.0], None, None, "unused", [("after", "x")], "unused", 2) == []
+    assert E.judge_rows(None, [0.0], None, None, "unused", [("after", "x")], "unused") == []
     assert "no vLLM rows" in capsys.readouterr().out
 
 

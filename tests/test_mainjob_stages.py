@@ -3,6 +3,7 @@ recipe); the evaluation decodes our side while vLLM's process runs, with the num
 from __future__ import annotations
 
 import copy
+import json
 import os
 import threading
 
@@ -111,7 +112,7 @@ def _judge(cfg, target_dir, rows, concurrent):
     from specopd.eval.engine import judge_rows
 
     return judge_rows(cfg.eval, cfg.pipeline.eval_temperatures, cfg.model, cfg.kernels, target_dir, rows,
-                      cfg.trainer.output_dir, cfg.drafter.block_size - 1, progress=False, concurrent=concurrent)
+                      cfg.trainer.output_dir, progress=False, concurrent=concurrent)
 
 
 def _numbers(rows):
@@ -134,6 +135,43 @@ def test_judge_rows_decode_ours_beside_vllm_with_the_same_numbers(tmp_path, monk
     ours = [r for r in alone if r["engine"] == "ours"]
     assert all(r["by_temperature"][t]["rounds"] > 0 for r in ours for t in ("0", "1"))
     assert ours[0]["by_temperature"]["1"] != ours[1]["by_temperature"]["1"]  # two drafters, two results
+
+
+def test_judge_rows_greedy_continuations_serve_the_longest_drafting_drafter(tmp_path, monkeypatch):
+    """Drafters of different W judged together (a DFlash of block 3 beside one of block 5): the shared greedy
+    continuations are long enough for the longer one's T = 0 replay, whatever the recipe's block_size says."""
+    import specopd.eval.engine as engine
+    from specopd.drafters import build_drafter, export_drafter
+    from specopd.models import load_target
+
+    cfg, target_dir, rows, _ = _judge_setup(tmp_path, monkeypatch)
+    longer = export_drafter(build_drafter("dflash", load_target(target_dir), num_layers=1, block_size=5, seed=2,
+                                          feature_layers=[0]), str(tmp_path / "drafter-w4"))
+    asked, real = [], engine.greedy_continuations
+
+    def greedy(target, prompts, num_tokens, **kw):
+        asked.append(num_tokens)
+        return real(target, prompts, num_tokens, **kw)
+
+    fake = engine.run_judge_drafters
+
+    def per_drafter_k(target_dir, exports, *a, **kw):  # the stand-in's counters at each export's own k
+        res = fake(target_dir, exports, *a, **kw)
+        for r, e in zip(res, exports):
+            with open(os.path.join(e, "config.json")) as f:
+                k = json.load(f)["block_size"] - 1
+            r["num_speculative_tokens"] = k
+            for run in r["runs"]:
+                run["counters"]["accepted_per_pos"] += [0] * (k - 2)
+        return res
+
+    monkeypatch.setattr(engine, "greedy_continuations", greedy)
+    monkeypatch.setattr(engine, "run_judge_drafters", per_drafter_k)
+    out = _judge(cfg, target_dir, [rows[0], ("longer", longer)], concurrent=False)
+    assert asked == [cfg.eval.max_new_tokens + 4]  # the block-5 drafter's 4 drafts, not the recipe's 2
+    ours = {r["drafter"]: r for r in out if r["engine"] == "ours"}
+    assert set(ours) == {"before | ours, vLLM's schedule", "longer | ours, vLLM's schedule"}
+    assert ours["longer | ours, vLLM's schedule"]["by_temperature"]["0"]["rounds"] > 0
 
 
 def test_judge_rows_a_failed_vllm_process_leaves_the_rows_to_ours(tmp_path, monkeypatch, capsys):

@@ -773,8 +773,8 @@ class VllmBeside:
         return self.box["value"]
 
 
-def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_dir: str, draft_len: int,
-               progress: bool = True, concurrent: bool = True) -> list:
+def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_dir: str, progress: bool = True,
+               concurrent: bool = True) -> list:
     """The main job's vLLM rows: each (label, checkpoint) served by vLLM on the held-out chat prompts at
     ``temps``, plus ours on vLLM's schedule (at T > 0 on ``eval.prompts`` of them, the same
     number per category, compared with vLLM's own steps there). vLLM's default argmax drafts at T > 0 (another
@@ -790,8 +790,6 @@ def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_di
         target_dir: the target's folder.
         rows: [(label, checkpoint folder)].
         output_dir: the job's folder (``trainer.output_dir``): vLLM's work in <output_dir>/vllm-judge.
-        draft_len: the drafters' W (drafted tokens per round): the greedy continuations run that far past
-            ``eval.max_new_tokens``.
         progress: progress output.
         concurrent: our side (the greedy continuations, ours on vLLM's schedule) decoded while vLLM's process
             runs (the two share the machine's cores); False: after it. The numbers are the same either way.
@@ -834,18 +832,25 @@ def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_di
         return torch_threads(1 if vllm.running() else driver)  # hold), the driver's after it; the same numbers
 
     with vllm:
-        greedy = None  # the target's greedy continuations: one decode for every drafter's T = 0 replay
-        if any(t == 0 for t in temps):
-            with share():
-                greedy = greedy_continuations(target, ids, ev.max_new_tokens + draft_len,
-                                              progress=progress)
-        ours = []
+        drafters = []  # the drafter judge() checks each export against: the checkpoint, or the released folder itself
         for _, path, _ in judged:
-            try:  # the drafter judge() checks the export against: the checkpoint, or the released folder itself
+            try:
+                drafters.append(load_drafter(path, target).eval())
+            except Exception as e:  # noqa: BLE001 - this row is left out below, saying why
+                drafters.append(e)
+        greedy = None  # the target's greedy continuations: one decode for every drafter's T = 0 replay, as long
+        if any(t == 0 for t in temps):  # as the longest-drafting drafter's rounds need
+            w = max([int(d.draft_len) for d in drafters if not isinstance(d, Exception)], default=0)
+            with share():
+                greedy = greedy_continuations(target, ids, ev.max_new_tokens + w, progress=progress)
+        ours = []
+        for d in drafters:
+            try:
+                if isinstance(d, Exception):
+                    raise d
                 with share():
-                    ours.append(ours_on_vllm_schedules(target, load_drafter(path, target).eval(), prompts,
-                                                       ev.max_new_tokens, temps, stops, ev.seed, hot,
-                                                       greedy))
+                    ours.append(ours_on_vllm_schedules(target, d, prompts, ev.max_new_tokens, temps, stops, ev.seed,
+                                                       hot, greedy))
             except Exception as e:  # noqa: BLE001 - this row is left out below, saying why
                 ours.append(e)
     try:
