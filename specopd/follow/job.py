@@ -154,7 +154,8 @@ def follow(recipe: Optional[str], overrides=(), progress: bool = True) -> dict:
         while True:
             got = w.poll()
             if f.current is not None:  # killed while a version trained: it finishes first
-                job = (f.current["version"], w.resume_version())
+                job = (f.current["version"], f.policy["path"])
+                w.resume_version()
             else:
                 job = w.due(complete_policies(c.policies, c.complete_marker))
                 if job is not None:
