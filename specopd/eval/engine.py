@@ -4,6 +4,7 @@ counters next to ours, on its schedule too. The two schedules: specopd/eval/DESI
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from specopd.data.conversations import heldout_prompt_ids
 from specopd.data.prepare import load_tokenizer, stop_token_ids
 from specopd.drafters import export_drafter, load_drafter
 from specopd.drafters.layout import export_folder, is_released, read_json, read_weights
+from specopd.drafters.layout import read_config as read_drafter_config
 from specopd.engines import EngineUnavailable, run_vllm, vllm_missing_reason
 from specopd.errors import open_write, own_dir, refuse_link
 from specopd.eval.bench import by_category, format_categories, provenance, provenance_line, run_prompts, stratified
@@ -47,7 +49,7 @@ def run_judge(target_dir: str, drafter_dir: Optional[str], prompts: Sequence, ma
         temperatures: the decoding temperatures.
         stop_token_ids: ids that end a generation.
         dtype: "float32" | "bfloat16".
-        num_speculative_tokens: k (default: the export's block_size - 1).
+        num_speculative_tokens: k (default: the export's W, block_size - 1, of any drafter kind).
         seed: vLLM's sampling seed.
         work_dir: where the requests, outputs and logs go (default: a tmp dir).
         max_model_len: vLLM's context limit (default: the longest prompt + max_new_tokens + k + 8).
@@ -111,9 +113,8 @@ def run_judge_drafters(target_dir: str, drafter_dirs: Sequence[Optional[str]], p
                          f"one k, or one per drafter)")
     ks = []
     for d, k in zip(drafters if spec else [], given):
-        if k is None:
-            with open(os.path.join(d, "config.json")) as f:
-                ks.append(int(json.load(f)["block_size"]) - 1)
+        if k is None:  # the export's own W (DFlash: block_size - 1 at the top; EAGLE-3: in its specopd section)
+            ks.append(int(read_drafter_config(d)[0].draft_len))
         else:
             ks.append(int(k))
     refuse_link(out)  # the runner (vLLM's venv, stdlib only) writes it, and the log is appended to
@@ -723,6 +724,15 @@ def format_judge(report: dict, title: str = "") -> str:
 
 
 # ------------------------------------------------------------------------------------------- the main job
+def work_names(paths: Sequence[str]) -> list:
+    """One work folder name per drafter folder judged together: its base name, or, where two differ but share it
+    (two runs' step-N), the base name and a hash of the full path, so that no export overwrites another's."""
+    full = [os.path.abspath(p) for p in paths]
+    base = [os.path.basename(os.path.normpath(p)) for p in paths]
+    return [b if len({f for f, c in zip(full, base) if c == b}) == 1
+            else f"{b}-{hashlib.sha1(f.encode()).hexdigest()[:8]}" for f, b in zip(full, base)]
+
+
 @contextlib.contextmanager
 def torch_threads(n: int):
     """torch's intra-op threads set to ``n`` inside the block, then back (the numbers do not depend on it)."""
@@ -774,7 +784,7 @@ class VllmBeside:
 
 
 def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_dir: str, progress: bool = True,
-               concurrent: bool = True) -> list:
+               concurrent: bool = True, num_judged: Optional[int] = None) -> list:
     """The main job's vLLM rows: each (label, checkpoint) served by vLLM on the held-out chat prompts at
     ``temps``, plus ours on vLLM's schedule (at T > 0 on ``eval.prompts`` of them, the same
     number per category, compared with vLLM's own steps there). vLLM's default argmax drafts at T > 0 (another
@@ -793,9 +803,13 @@ def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_di
         progress: progress output.
         concurrent: our side (the greedy continuations, ours on vLLM's schedule) decoded while vLLM's process
             runs (the two share the machine's cores); False: after it. The numbers are the same either way.
+        num_judged: the prompts vLLM judges: None, all of ``run_prompts(judge=True)`` (MT-Bench: all 80); else that
+            many of them, the same number per category (``stratified``).
 
     Returns:
-        rows in ``evaluate_rows``' format for ``format_al_table`` (labels + " | vLLM", " | ours, vLLM's schedule").
+        rows in ``evaluate_rows``' format for ``format_al_table`` (labels + " | vLLM", " | ours, vLLM's schedule");
+        each temperature's entry also holds that side's ``accept_lengths`` [prompts][rounds] (None for a prompt
+        that side did not decode) and the judge's ``disagreements`` there.
     """
     why = vllm_missing_reason() or ("SPECOPD_VLLM_JUDGE=0" if os.environ.get("SPECOPD_VLLM_JUDGE") == "0" else None)
     if why:
@@ -805,12 +819,16 @@ def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_di
     dtype = "bfloat16" if tdtype == torch.bfloat16 else "float32"
     target = load_target(target_dir, dtype=tdtype, device="cpu", kernel_paths=kernels)
     ids, meta, _ = run_prompts(ev, target_dir, target.vocab_size, judge=True)
+    if num_judged is not None:
+        keep = stratified(meta, num_judged) if meta is not None else list(range(min(len(ids), num_judged)))
+        ids, meta = [ids[i] for i in keep], [meta[i] for i in keep] if meta is not None else None
     prompts = [p.tolist() for p in ids]
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     # T > 0: ours beside vLLM on eval.prompts of them (decoding each costs a target pass a round); T = 0 replays all
     hot = stratified(meta, ev.prompts) if meta is not None else list(range(min(len(prompts), ev.prompts)))
-    judged = [(label, path, os.path.join(output_dir, "vllm-judge", os.path.basename(path)))
-              for label, path in rows if path]
+    paths = [path for _, path in rows if path]
+    judged = [(label, path, os.path.join(output_dir, "vllm-judge", name))
+              for (label, path), name in zip([r for r in rows if r[1]], work_names(paths))]
     temps = [float(t) for t in temps]
     vdir = os.path.join(output_dir, "vllm-judge", "vllm")
     try:
@@ -873,12 +891,15 @@ def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_di
         by = rep["by_temperature"]
         cat = {t: r.get("by_category") or {} for t, r in by.items()}
         out.append({"drafter": f"{label} | vLLM", "checkpoint": path, "engine": "vllm",
-                    "by_temperature": {t: dict(r["vllm"], how="vllm", by_category=cat[t].get("vllm"))
+                    "by_temperature": {t: dict(r["vllm"], how="vllm", by_category=cat[t].get("vllm"),
+                                               accept_lengths=r["accept_lengths"]["vllm"],
+                                               disagreements=r["disagreements"])
                                        for t, r in by.items()},
                     "problems": rep["problems"], "num_prompts": len(prompts)})
         some = f" (T>0: {len(hot)} of them)" if len(hot) < len(prompts) else ""
         out.append({"drafter": f"{label} | ours, vLLM's schedule{some}", "checkpoint": path, "engine": "ours",
-                    "by_temperature": {t: dict(r["ours_vllm_schedule"], by_category=cat[t].get("ours_vllm_schedule"))
+                    "by_temperature": {t: dict(r["ours_vllm_schedule"], by_category=cat[t].get("ours_vllm_schedule"),
+                                               accept_lengths=r["accept_lengths"]["ours_vllm_schedule"])
                                        for t, r in by.items()}, "num_prompts": len(prompts)})
     return out
 

@@ -1,0 +1,123 @@
+"""Drafters compared by vLLM's counters (``specopd.eval.compare``): per-prompt accept lengths from vLLM's verify
+steps, paired differences, the equal-time step conversion and the nearest kept checkpoint of
+``benchmarks/bench_eagle3_dflash.py``, the table; the judge's work folders when two runs' checkpoints share a name;
+``specopd train --dry-run`` of a recipe whose shipped drafter is not made yet; ``bench_al.py --judge vllm``
+without vLLM (exit 2, the fix named) and, in the slow set with vLLM, end to end on a tiny target."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specopd.eval.cli import al_diff_stderr, al_stderr
+from specopd.eval.compare import (equal_time_steps, judged_entries, lengths_result, nearest_checkpoint, paired_diff,
+                                  paired_table)
+from specopd.eval.engine import steps_accept_lengths, work_names
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_AL = os.path.join(ROOT, "benchmarks", "bench_al.py")
+META = [{"id": i, "category": c} for i, c in enumerate(["writing", "writing", "math", "math"])]
+
+
+def test_equal_time_steps_converts_by_the_step_cost_ratio():
+    assert equal_time_steps(600, 2.0, 3.0) == pytest.approx(400.0)  # a dearer step: fewer steps in the same time
+    assert equal_time_steps(600, 3.0, 1.5) == pytest.approx(1200.0)
+    for bad in ((600, 0.0, 1.0), (600, 1.0, -1.0), (600, float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="positive and finite"):
+            equal_time_steps(*bad)
+
+
+def test_nearest_checkpoint_says_how_far_and_breaks_ties_to_the_earlier_step():
+    kept = [(s, f"step-{s}") for s in (150, 200, 250, 286, 300, 350)]
+    assert nearest_checkpoint(kept, 290.4) == (286, "step-286", pytest.approx(-4.4))
+    assert nearest_checkpoint(kept, 225) == (200, "step-200", -25)  # 200 and 250 equally far: the less trained
+    assert nearest_checkpoint(kept, 5000) == (350, "step-350", -4650)
+    with pytest.raises(ValueError):
+        nearest_checkpoint([], 10)
+
+
+def test_lengths_result_from_vllm_steps_counts_positions_and_categories():
+    outputs = [{"steps": {"accepted": [0, 2, 1]}}, {"steps": {"accepted": [3]}},
+               {"steps": {"accepted": [0, 0]}}, {"steps": {"accepted": [1, 1]}}]
+    lengths = steps_accept_lengths(outputs)
+    assert lengths == [[1, 3, 2], [4], [1, 1], [2, 2]]
+    r = lengths_result(lengths, 3, META)
+    assert r["mean_al"] == pytest.approx(16 / 8) and r["rounds"] == 8
+    assert r["accepted_at"] == [5, 2, 1] and r["reached_at"] == [8, 5, 2]  # a step accepting a drafts reached a+1
+    assert r["se"] == pytest.approx(al_stderr(lengths))
+    assert r["by_category"]["writing"]["al"] == pytest.approx(10 / 4)
+    assert r["by_category"]["math"]["al"] == pytest.approx(6 / 4)
+    with pytest.raises(ValueError, match="1..3"):
+        lengths_result([[5]], 2)  # 5 tokens in one round cannot come from k = 2
+
+
+def test_paired_diff_and_table_from_vllm_accept_lengths():
+    a = [[3, 3, 2], [4, 1], [2, 2, 2], [3, 1]]
+    b = [[2, 1, 1], [2, 1], [1, 2, 1], [2, 1, 1]]
+    d, se = paired_diff(a, b)
+    assert d == pytest.approx(23 / 10 - 15 / 11) and se == pytest.approx(al_diff_stderr(a, b)) and se > 0
+    rows = [{"label": "DFlash", "k": 4, "by_temperature": {"0": lengths_result(b, 4)}},
+            {"label": "EAGLE-3", "k": 7, "by_temperature": {"0": lengths_result(a, 7)}},
+            {"label": "EAGLE-3 same", "k": 4, "by_temperature": {"0": lengths_result(b, 4)}}]
+    lines, diffs = paired_table(rows, [0.0])
+    assert lines[0].startswith("drafter") and "AL T=0 +- SE" in lines[0]
+    assert f"{15 / 11:.3f} +- {al_stderr(b):.3f}" in lines[1] and f"{2.3:.3f}" in lines[2]
+    assert [x["label"] for x in diffs] == ["EAGLE-3", "EAGLE-3 same"]
+    assert diffs[0]["diff"] == pytest.approx(d) and diffs[0]["se"] == pytest.approx(se)
+    assert abs(d) > 2 * se and diffs[0]["beyond_2se"] and lines[5].endswith(f"{d:+.3f} +- {se:.3f}*")
+    assert diffs[1]["diff"] == 0 and not diffs[1]["beyond_2se"] and not lines[6].endswith("*")  # the same: no star
+
+
+def test_judged_entries_keep_each_side_on_the_prompts_it_decoded(tmp_path):
+    ck = str(tmp_path / "run" / "step-2")
+    v = {"mean_al": 2.0, "accepted_at": [3, 1], "accept_lengths": [[2, 1], [3], [1, 2], [2]],
+         "disagreements": ["T=1: position 1 apart"]}
+    o = {"mean_al": 2.0, "accepted_at": [1, 0], "accept_lengths": [[2, 1], None, None, [1]]}
+    rows = [{"drafter": "x | vLLM", "checkpoint": ck, "engine": "vllm", "by_temperature": {"1": v},
+             "problems": ["T=1: position 1 apart"], "num_prompts": 4},
+            {"drafter": "x | ours", "checkpoint": ck, "engine": "ours", "by_temperature": {"1": o}, "num_prompts": 4}]
+    e = judged_entries(rows, META)[os.path.abspath(ck)]
+    assert e["vllm"]["1"]["accept_lengths"] == v["accept_lengths"] and e["vllm"]["1"]["rounds"] == 6
+    assert e["ours_vllm_schedule"]["1"]["accept_lengths"] == [[2, 1], [1]]  # the hot prompts only
+    assert set(e["ours_vllm_schedule"]["1"]["by_category"]) == {"writing", "math"}
+    assert e["problems"] == ["T=1: position 1 apart"] and e["disagreements"]["1"] == v["disagreements"]
+
+
+def test_judge_work_folders_differ_when_two_runs_checkpoints_share_a_name(tmp_path):
+    a, b, c = (str(tmp_path / x) for x in ("specopd/step-2", "offpolicy_ce/step-2", "warm/step-100"))
+    names = work_names([a, b, c, a])
+    assert names[2] == "step-100"  # a name only one drafter has is kept
+    assert names[0] != names[1] and names[0].startswith("step-2-") and names[1].startswith("step-2-")
+    assert names[3] == names[0]  # the same folder: the same work folder
+
+
+def test_the_judge_serves_an_eagle3_export_at_its_own_k(tmp_path, monkeypatch):
+    """An EAGLE-3 export keeps block_size in its specopd section (vLLM's top-level fields are LlamaForCausalLMEagle3's):
+    the judge's default num_speculative_tokens is read from it, as for DFlash's top-level block_size."""
+    import specopd.eval.engine as engine
+    from oracle import make_tiny_checkpoint
+    from specopd.drafters import build_drafter, export_drafter
+    from specopd.models import load_target
+
+    tdir = make_tiny_checkpoint("llama", tmp_path / "t", num_hidden_layers=6, vocab_size=64, hidden_size=32,
+                                intermediate_size=48)
+    target = load_target(tdir)
+    e3, df = str(tmp_path / "e3"), str(tmp_path / "df")
+    export_drafter(build_drafter("eagle3", target, block_size=6), e3)
+    export_drafter(build_drafter("dflash", target, block_size=4, feature_layers=[1]), df)
+    assert "block_size" not in json.loads(open(os.path.join(e3, "config.json")).read())
+    seen = []
+
+    def fake_vllm(args, log_path):  # what the runner would be asked; no vLLM here
+        seen.append(args)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(engine, "run_vllm", fake_vllm)
+    with pytest.raises(RuntimeError, match="stop"):
+        engine.run_judge_drafters(tdir, [e3, df], [[1, 2, 3]], 4, [0.0], [2], work_dir=str(tmp_path / "w"))
+    args = seen[0]
+    ks = [args[i + 1] for i, a in enumerate(args) if a == "--num-speculative-tokens"]
+    assert ks == ["5", "3"]  # W = block_size - 1 of each
