@@ -19,6 +19,7 @@ from specopd.data.formats import check_conversations_file
 from specopd.data.packaged import conversations_file
 from specopd.data.prepare import main as main_prepare
 from specopd.distributed.ray_backend import ClusterTooSmallError, WorkerLostError, extend_plan
+from specopd.drafters.config import MissingInitFrom
 from specopd.drafters.layout import DTYPES, describe_export, export_folder
 from specopd.drafters.mtp import describe_mtp_export, export_mtp_folder, is_mtp_folder
 from specopd.engines import EngineFailed, EngineUnavailable
@@ -173,7 +174,16 @@ def _print_plan(p: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
-    cfg = _load(args.recipe, args.overrides)
+    missing = None
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+    except MissingInitFrom as e:
+        if not args.dry_run:
+            return _fail(str(e))
+        missing = e  # the plan of the recipe's drafter shape, saying the folder is missing and how to make it
+        cfg = _load(args.recipe, [*args.overrides, "drafter.init_from=null"])
+    except (RecipeError, FileNotFoundError) as e:
+        return _fail(str(e))
     _check_json(args)
     if args.dry_run:
         check_loggers(cfg.trainer.loggers)  # as the run does first: a missing package names its extra
@@ -187,6 +197,9 @@ def cmd_train(args) -> int:
             if not cfg.model.is_tiny and folder and folder != cfg.model.target:  # a resolved model name
                 cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=folder))
             p = extend_plan(cfg, p)
+        if missing is not None:
+            p.setdefault("notes", []).append(f"{missing}; until then this plan is of a fresh drafter of the "
+                                             f"recipe's shape, and `specopd train` refuses the recipe")
         _print_plan(p)
         if args.json:
             _write_json(args.json, {k: v for k, v in p.items() if not k.startswith("_")})

@@ -121,3 +121,19 @@ def test_the_judge_serves_an_eagle3_export_at_its_own_k(tmp_path, monkeypatch):
     args = seen[0]
     ks = [args[i + 1] for i, a in enumerate(args) if a == "--num-speculative-tokens"]
     assert ks == ["5", "3"]  # W = block_size - 1 of each
+
+
+def test_dry_run_plans_a_recipe_whose_shipped_drafter_is_not_made_yet(tmp_path, capsys):
+    from specopd.cli import main
+
+    recipe = os.path.join(ROOT, "recipes", "smollm2-135m-eagle3.yaml")
+    missing = str(tmp_path / "not-made")
+    assert main(["train", recipe, "--dry-run", f"drafter.init_from={missing}",
+                 f"trainer.output_dir={tmp_path / 'out'}"]) == 0
+    out = capsys.readouterr().out
+    assert f"drafter.init_from={missing!r}: no such folder" in out and "specopd export" in out
+    assert "plan is of a fresh drafter of the recipe's shape" in out and "workers" in out
+    assert main(["train", recipe, f"drafter.init_from={missing}", f"trainer.output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert "no such folder" in err and f"specopd export <its pretraining run>/checkpoints/step-N {missing}" in err
+    assert not (tmp_path / "out").exists()  # refused before anything is written

@@ -10,6 +10,15 @@ from typing import Any, Dict, List, Optional
 from specopd.settings import FROM_HERE, REFUSE, SAME_RUN, RecipeError, check_choice, check_range, setting
 
 
+class MissingInitFrom(RecipeError):
+    """drafter.init_from names no folder; ``path`` is that name (``specopd train --dry-run`` still plans the
+    recipe's drafter shape: a shipped drafter's folder may not be made yet)."""
+
+    def __init__(self, msg: str, path: str):
+        super().__init__(msg)
+        self.path = path
+
+
 @dataclass
 class DrafterRecipeConfig:
     """The recipe's drafter: section (the drafter's architecture itself is ``specopd.drafters.DrafterConfig``)."""
@@ -70,9 +79,11 @@ class DrafterRecipeConfig:
                               f"or null (automatic)")
         check_range("drafter", "confidence_weight", self.confidence_weight, lo=0)
         if self.init_from is not None and not os.path.isdir(self.init_from):
-            raise RecipeError(f"drafter.init_from={self.init_from!r}: no such folder (give a drafter folder with "
-                              f"config.json + safetensors: <output_dir>/checkpoints/step-N, or a released "
-                              f"DFlash / DSpark folder)")
+            raise MissingInitFrom(f"drafter.init_from={self.init_from!r}: no such folder (give a drafter folder "
+                                  f"with config.json + safetensors: <output_dir>/checkpoints/step-N, or a released "
+                                  f"DFlash / DSpark / EAGLE-3 folder; a shipped drafter not made yet is made by "
+                                  f"`specopd export <its pretraining run>/checkpoints/step-N {self.init_from}`, "
+                                  f"as the recipe's comments say)", self.init_from)
 
     def train_steps(self, drafter, method: str) -> int:
         """W of a training branch for ``drafter`` (built from this section) under ``trainer.method``: ``ttt_steps``
