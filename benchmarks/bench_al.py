@@ -5,7 +5,11 @@ that tells a user whether to regenerate their data or train on-policy.
         [--methods specopd,offpolicy_ce,offpolicy_e2e_tv,draft_opd,regen_ce] [--benches mt-bench,sharegpt]
         [--prompts 32] [--max-new-tokens 64] [--temperatures 1|none] [--real-at final|all] [--no-equal-time]
         [--regen-engine auto|vllm|builtin] [--regen-temperature 0.7] [--regen-max-new-tokens N]
-        [--references target|dataset] [--no-keep-trunks] [--out runs/bench-al] [key=value ...]
+        [--references target|dataset] [--no-keep-trunks] [--judge ours|vllm] [--judge-prompts N]
+        [--out runs/bench-al] [key=value ...]
+
+    EAGLE-3 (every method from the shipped TTT drafter, judged by vLLM):
+    python benchmarks/bench_al.py --recipe recipes/smollm2-135m-eagle3.yaml --judge vllm
 
 1. prepare   the recipe's main-job stages 1-3 (``specopd.mainjob.prepare``: target, data, starting drafter; cached).
              The main recipe: the shipped drafter (``drafter.init_from``) and ShareGPT's conversations as trunks
@@ -39,6 +43,16 @@ that tells a user whether to regenerate their data or train on-policy.
              error, at equal steps and at equal wall time, and whether it exceeds two standard errors; with more
              than one set, also over all their prompts pooled (one ratio estimate over the union); and at every
              step both evaluated (equal steps along the curve: ``specopd_minus_along_curve``)
+
+``--judge vllm`` (needs the vLLM venv: ``make vllm``; without it exit 2): the rows decoded for real (the starting
+drafter, each method's last checkpoint at equal steps, each equal-time run) are exported and served by vLLM in one
+process (``specopd.eval.engine.judge_rows``, the main job's path) on ``--judge-prompts`` MT-Bench first turns
+(default all 80; fewer: the same number per category) x ``--max-new-tokens`` at T=0 and ``--temperatures``, with
+ours on vLLM's schedule beside it as the check (T=0: every round of every prompt equal; T>0: within noise; every
+disagreement printed). The MT-Bench table gains "T=.. vLLM (n)" columns, AL by vLLM's counters (its verify steps,
+prompt by prompt) +- its standard error, and SpecOPD's paired differences there come from vLLM's per-prompt accept
+lengths (``specopd.eval.compare``). Our own columns stay beside them. Cached in
+``<out>/vllm_judge_<n>x<tokens>_<dtype>.json`` by checkpoint: a rerun serves only what is new.
 
 ``--references dataset`` (prepared data only): every method trains on the dataset's own replies to the same prompts
 (the next turn of each train conversation, ``write_dataset_replies``) instead of the target's answers.
@@ -294,14 +308,77 @@ def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str,
             "ce_weight": c.trainer.ce_weight, "regen_s": regen["regen_s"] if regen else 0.0}
 
 
+def vllm_judge(cfg, prep, args, rows: list, mtbench: bool) -> tuple:
+    """vLLM's counters (``specopd.eval.engine.judge_rows``, the main job's path: every drafter in one vLLM process,
+    ours on vLLM's schedule beside it as the check) for each row's checkpoint on ``--judge-prompts`` MT-Bench first
+    turns at T=0 and ``--temperatures``; cached in <out>/vllm_judge_<prompts>x<tokens>.json by checkpoint, so a
+    rerun serves only what is new. Each row's MT-Bench results gain vllm_t<T> entries -> (prompts judged, cache)."""
+    from dataclasses import replace
+
+    from specopd.eval.bench import mtbench_prompts, stratified
+    from specopd.eval.compare import judged_entries
+    from specopd.eval.engine import judge_rows
+    from specopd.models.loading import read_config
+
+    temps = [0.0, *args.temperatures]
+    ev = replace(cfg.eval, bench="mt-bench", prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    _, meta = mtbench_prompts(prep.target_dir, int(read_config(prep.target_dir)["vocab_size"]))
+    n = len(stratified(meta, args.judge_prompts or len(meta)))
+    meta = [meta[i] for i in stratified(meta, n)]
+    path = os.path.join(args.out, f"vllm_judge_{n}x{args.max_new_tokens}_{ev.target_dtype(cfg.model.dtype)}.json")
+    cache = json.load(open(path)) if os.path.isfile(path) else {}
+    todo = {}
+    for r in rows:
+        e = cache.get(os.path.abspath(r["checkpoint"]), {})
+        if any(f"{t:g}" not in e.get("vllm", {}) for t in temps):
+            todo.setdefault(r["checkpoint"], r["method"])
+    if todo:
+        print(f"\n[bench_al] vLLM judges {len(todo)} drafter(s) on {n} MT-Bench first turns at T="
+              f"{', '.join(f'{t:g}' for t in temps)} (cached in {path})", flush=True)
+        got = judge_rows(ev, temps, cfg.model, cfg.kernels, prep.target_dir, [(m, ck) for ck, m in todo.items()],
+                         os.path.join(args.out, "vllm"), num_judged=n)
+        cache.update(judged_entries(got, meta))
+        with open(path + ".tmp", "w") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(path + ".tmp", path)
+    for r in rows:
+        e = cache.get(os.path.abspath(r["checkpoint"]))
+        if e is None:  # judge_rows said why (printed); the row keeps our numbers only
+            continue
+        # copies: the rows share the Evaluator's cache dicts, which keep our own numbers only
+        r["_res"] = {**r["_res"], "mt-bench": {**r["_res"]["mt-bench"],
+                                                **{f"vllm_t{t}": v for t, v in e["vllm"].items()}}}
+        r["al"] = {**r["al"], "mt-bench": {**r["al"]["mt-bench"], **{
+            f"vllm_t{t}": {"mean_al": v["mean_al"], "se": v["se"]} for t, v in e["vllm"].items()}}}
+    return n, cache
+
+
+def _judge_checks(rows: list, cache: dict) -> None:
+    """Print, per row, whether vLLM and ours on vLLM's schedule agree (T=0: round for round; T>0: within noise),
+    naming every disagreement, and the rows vLLM did not judge."""
+    print("\nvLLM's counters against ours on vLLM's schedule (the judge's check: T=0 equal round for round, T>0 "
+          "within noise)")
+    for r in rows:
+        e = cache.get(os.path.abspath(r["checkpoint"]))
+        if e is None:
+            print(f"  {r['method']:<42}not judged by vLLM (the reason is printed above); our numbers only")
+            continue
+        ours = ", ".join(f"T={t} {v['mean_al']:.3f} on {len(v['accept_lengths'])}"
+                         for t, v in e.get("ours_vllm_schedule", {}).items())
+        bad = e.get("problems") or []
+        print(f"  {r['method']:<42}" + ("agree" if not bad else f"{len(bad)} DISAGREEMENT(S): " + "; ".join(bad))
+              + f" (ours on vLLM's schedule: {ours})")
+
+
 def run_dir(out: str, setting: str, method: str, regen: dict = None) -> str:
     """A run's folder; regen_ce's is named by its references (other references: another run)."""
     return os.path.join(out, setting, f"regen_ce-{regen['name']}" if method == "regen_ce" else method)
 
 
-def _cols(temps: list) -> list:
-    """(result key, column title) of the AL columns."""
-    return [("replay_t0", "T=0 (replay)")] + [(f"real_t{t:g}", f"T={t:g} (real)") for t in temps]
+def _cols(temps: list, judged: int = 0) -> list:
+    """(result key, column title) of the AL columns; ``judged``: the prompts vLLM judged (its columns), 0: none."""
+    return [("replay_t0", "T=0 (replay)")] + [(f"real_t{t:g}", f"T={t:g} (real)") for t in temps] + (
+        [(f"vllm_t{t:g}", f"T={t:g} vLLM ({judged})") for t in [0.0, *temps]] if judged else [])
 
 
 def _row(label: str, method: str, setting: str, steps: int, train_s: float, regen_s: float, res: dict,
@@ -368,18 +445,23 @@ def _figures(out: str, data: dict, benches: list, temps: list) -> list:
     return paths
 
 
-def _tables(rows: list, evs: dict, temps: list, w: int) -> list:
-    """Print each set's AL table, SpecOPD's paired differences and the acceptance per draft position; -> the
-    differences as JSON rows."""
+def _tables(rows: list, evs: dict, temps: list, w: int, judged: int = 0) -> list:
+    """Print each set's AL table, SpecOPD's paired differences and the acceptance per draft position (``judged``:
+    the prompts of vLLM's columns, 0: none); -> the differences as JSON rows."""
     from specopd.eval.bench import format_categories
     from specopd.eval.cli import acceptance_cells, al_diff_stderr
+    from specopd.eval.compare import paired_diff
 
     ref = next(r for r in rows if r["base"] == "specopd")
     diffs = []
     for bench, ev in evs.items():
-        cols = [c for c in _cols(temps) if any(c[0] in r["_res"][bench] for r in rows)]
+        cols = [c for c in _cols(temps, judged) if any(c[0] in r["_res"][bench] for r in rows)]
         print(f"\n== {BENCH_NAMES[bench]}: {len(ev.prompts)} prompts x {ev.args.max_new_tokens} new tokens, W={w}, AL "
               f"incl. the bonus (mean +- its standard error over prompts)")
+        if any(k.startswith("vllm_") for k, _ in cols):
+            print(f"judges: 'replay' and 'real' columns by our decoder on these {len(ev.prompts)} prompts; 'vLLM' "
+                  f"columns by vLLM's counters (its verify steps, prompt by prompt) on {judged} prompts of the set, "
+                  f"the same number per category, the differences below paired over those")
         print(f"{'method':<40}{'steps':>6}{'train s':>9}{'regen s':>9}{'wall s':>8}{'loss':>9}" +
               "".join(f"{t:>20}" for _, t in cols))
         for r in rows:
@@ -424,7 +506,7 @@ def _tables(rows: list, evs: dict, temps: list, w: int) -> list:
         for r in rows:
             if r is ref or any("replay_t0" not in r["_res"][b] for b in evs):
                 continue
-            d, se = _paired_diff(a, [x for b in evs for x in r["_res"][b]["replay_t0"]["accept_lengths"]])
+            d, se = paired_diff(a, [x for b in evs for x in r["_res"][b]["replay_t0"]["accept_lengths"]])
             beyond = abs(d) > 2 * se
             diffs.append({"bench": "pooled", "what": "replay_t0", "method": r["method"], "setting": r["setting"],
                           "steps": r["steps"], "wall_s": r["wall_s"], "diff": d, "se": se, "beyond_2se": beyond})
@@ -433,17 +515,11 @@ def _tables(rows: list, evs: dict, temps: list, w: int) -> list:
     return diffs
 
 
-def _paired_diff(a: list, b: list) -> tuple:
-    """AL(a) - AL(b) over the same prompts (each AL one ratio over all of its prompts' rounds) and its paired
-    standard error; ``a``, ``b``: accept_lengths [prompts][rounds], several sets' prompts concatenated."""
-    from specopd.eval.cli import al_diff_stderr
-
-    return sum(map(sum, a)) / sum(map(len, a)) - sum(map(sum, b)) / sum(map(len, b)), al_diff_stderr(a, b)
-
-
 def _curve_diffs(runs: dict, evs: dict) -> list:
     """SpecOPD minus each other method at every step both evaluated (equal steps along the curve), T=0 replay, per
     set and, with more than one set, pooled: whether a lead holds, grows or fades with training."""
+    from specopd.eval.compare import paired_diff
+
     def lengths(folder, bench):
         return evs[bench].cache[os.path.abspath(folder)]["replay_t0"]["accept_lengths"]
 
@@ -462,7 +538,7 @@ def _curve_diffs(runs: dict, evs: dict) -> list:
             cells = []
             for b in sets:
                 bs = list(evs) if b == "pooled" else [b]
-                d, se = _paired_diff([x for s in bs for x in lengths(ours[step], s)],
+                d, se = paired_diff([x for s in bs for x in lengths(ours[step], s)],
                                      [x for s in bs for x in lengths(folder, s)])
                 out.append({"step": step, "method": m, "bench": b, "diff": d, "se": se, "beyond_2se": abs(d) > 2 * se})
                 cells.append(f"{d:>+12.3f} +- {se:.3f}{'*' if abs(d) > 2 * se else ' '}")
@@ -494,6 +570,10 @@ def main(argv=None) -> int:
                     help="off-policy runs prefill each trunk whenever it is drawn instead of keeping every trunk's "
                          "features (trainer.cache_trunks: ~1 MB a sequence for SmolLM2-135M, all of them on a long "
                          "run; the numbers are the same, the steps slower)")
+    ap.add_argument("--judge", choices=["ours", "vllm"], default="ours",
+                    help="vllm: also vLLM's counters for the rows decoded for real (MT-Bench; needs `make vllm`)")
+    ap.add_argument("--judge-prompts", type=int, default=None,
+                    help="MT-Bench first turns vLLM judges (default: all 80; fewer: the same number per category)")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-al"))
     ap.add_argument("overrides", nargs="*", help="recipe overrides section.key=value")
     args = ap.parse_args(argv)
@@ -526,6 +606,16 @@ def main(argv=None) -> int:
         ap.error("--methods regen_ce regenerates a conversations file's replies: it needs data.source=conversations")
     if [b for b in benches if b not in BENCH_NAMES] or ("sharegpt" in benches and not convs):
         ap.error(f"--benches: choose from {sorted(BENCH_NAMES)} (sharegpt: data.source=conversations); got {benches}")
+    if args.judge == "vllm" and "mt-bench" not in benches:
+        ap.error(f"--judge vllm judges MT-Bench's first turns: add mt-bench to --benches (got {benches})")
+    if args.judge == "vllm":
+        from specopd.engines import vllm_missing_reason
+
+        why = vllm_missing_reason()
+        if why:
+            print(f"bench_al --judge vllm: vLLM cannot run here: {why}; or leave out --judge vllm (our decoder "
+                  f"only)", file=sys.stderr)
+            return 2
     if args.references == "dataset" and convs:
         ap.error("--references dataset: prepared data only (conversations data are the dataset's replies already)")
 
@@ -596,11 +686,16 @@ def main(argv=None) -> int:
                          "checkpoint": folder, "budget_s": budget, **flat(res)}
         rows.append(_row(f"{m} (equal time)", m, "equal_time", step, train_s, regen_s, res, loss, checkpoint=folder))
 
+    judged, vllm_cache = 0, None
+    if args.judge == "vllm":  # vLLM's counters for every row decoded for real, one vLLM process
+        judged, vllm_cache = vllm_judge(cfg, prep, args, rows, evs["mt-bench"].meta is not None)
     title = (f"{os.path.basename(args.recipe)}: every method from {prep.warm}, "
              f"{', '.join(f'{BENCH_NAMES[b]} ({len(e.prompts)})' for b, e in evs.items())} x {args.max_new_tokens} "
              f"tokens, W={W}; AL incl. bonus")
     print(f"\n{provenance_line()}\n{cmd}\n{title}")
-    diffs = _tables(rows, evs, args.temperatures, W)
+    diffs = _tables(rows, evs, args.temperatures, W, judged)
+    if judged:
+        _judge_checks(rows, vllm_cache)
     curve_diffs = _curve_diffs(runs, evs)
     print("trainer.ce_weight (a CE term beside E2E-TV): " + ", ".join(f"{m} {r['ce_weight']:g}"
                                                                       for m, r in runs.items()))
@@ -618,7 +713,8 @@ def main(argv=None) -> int:
             "temperatures": args.temperatures, "ce_weight": {m: r["ce_weight"] for m, r in runs.items()},
             "prompts": {b: len(e.prompts) for b, e in evs.items()},
             "prompt_ids": {b: [m["id"] for m in e.meta] for b, e in evs.items() if e.meta},
-            "max_new_tokens": args.max_new_tokens, "al_includes_bonus": True,
+            "max_new_tokens": args.max_new_tokens, "al_includes_bonus": True, "judge": args.judge,
+            "vllm_judged_prompts": judged, "vllm_judge": vllm_cache,
             "wall_s_total": time.perf_counter() - t0,
             "evaluations": evs[benches[0]].cache,  # the first set's, as depth_acceptance.py reads it
             "evaluations_by_bench": {b: e.cache for b, e in evs.items()}}

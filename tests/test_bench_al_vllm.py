@@ -137,3 +137,80 @@ def test_dry_run_plans_a_recipe_whose_shipped_drafter_is_not_made_yet(tmp_path, 
     err = capsys.readouterr().err
     assert "no such folder" in err and f"specopd export <its pretraining run>/checkpoints/step-N {missing}" in err
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def bench_al(args: list, env: dict) -> subprocess.CompletedProcess:
+    """benchmarks/bench_al.py in its own process, as a user runs it (tests import nothing from benchmarks/)."""
+    return subprocess.run([sys.executable, BENCH_AL, *args], env=env, capture_output=True, text=True, timeout=1800)
+
+
+def test_bench_al_judge_vllm_without_vllm_names_the_fix(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "SPECOPD_VLLM_PYTHON": str(tmp_path / "no-python")}
+    r = bench_al(["--judge", "vllm", "--benches", "mt-bench", "--out", str(tmp_path / "b")], env)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "--judge vllm" in r.stderr and "SPECOPD_VLLM_PYTHON" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "b" / "main").exists()  # refused before any work
+    r = bench_al(["--judge", "vllm", "--benches", "sharegpt", "--out", str(tmp_path / "b")], env)
+    assert r.returncode == 2 and "add mt-bench to --benches" in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_al_judged_by_vllm_end_to_end_and_cached(tmp_path):
+    """Every row decoded for real served by vLLM (one process) on 8 MT-Bench first turns: vLLM's columns, paired
+    differences from its accept lengths, the round-for-round check; a rerun serves nothing again."""
+    from specopd.engines import vllm_missing_reason
+
+    why = vllm_missing_reason()
+    if why and os.environ.get("SPECOPD_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"SPECOPD_REQUIRE_VLLM=1 but {why}")
+    if why:
+        pytest.skip(f"no vLLM: {why}")
+    from oracle import make_tiny_checkpoint
+    from test_data import write_char_tokenizer
+    from test_sharegpt_mtbench import write_conversations
+
+    # head_dim 32: vLLM's CPU attention takes head sizes of 32 and up
+    target_dir = make_tiny_checkpoint("llama", tmp_path / "t", vocab_size=128, hidden_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32, num_hidden_layers=2,
+                                      max_position_embeddings=1024, eos_token_id=2)
+    write_char_tokenizer(target_dir)
+    write_conversations(tmp_path / "c.jsonl", 30)
+    out = tmp_path / "bench"
+    args = ["--steps", "2", "--eval-every", "2", "--methods", "specopd,offpolicy_ce", "--benches", "mt-bench",
+            "--prompts", "4", "--judge-prompts", "8", "--max-new-tokens", "6", "--judge", "vllm", "--out", str(out),
+            f"model.target={target_dir}", f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.2",
+            "data.seq_len=200", "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
+            "data.batch_size=2", "drafter.init_from=null", "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2",
+            "drafter.block_size=3", "drafter.feature_layers=[0]", "eval.dtype=float32"]
+    env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+
+    first = bench_al(args, env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    text = first.stdout
+    data = json.loads((out / "bench_al.json").read_text())
+    assert data["judge"] == "vllm" and data["vllm_judged_prompts"] == 8
+    # the rows decoded for real: the starting drafter, specopd, offpolicy_ce at equal steps and at equal time
+    assert [r["setting"] for r in data["rows"]] == ["start", "equal_steps", "equal_steps", "equal_time"]
+    for r in data["rows"]:
+        for t in ("0", "1"):
+            v = data["vllm_judge"][os.path.abspath(r["checkpoint"])]["vllm"][t]
+            assert len(v["accept_lengths"]) == 8 and r["al"]["mt-bench"][f"vllm_t{t}"]["mean_al"] == v["mean_al"]
+    assert "T=0 vLLM (8)" in text and "vLLM's counters against ours on vLLM's schedule" in text
+    assert "DISAGREEMENT" not in text  # fp32: vLLM's T=0 rounds equal ours, T=1 within noise
+    vd = [d for d in data["specopd_minus"] if d["what"] == "vllm_t0"]
+    assert {d["setting"] for d in vd} == {"equal_steps", "equal_time", "start"}
+    ref = next(r for r in data["rows"] if r["base"] == "specopd")
+    entry = data["vllm_judge"]
+    for d in vd:
+        other = next(r for r in data["rows"] if r["method"] == d["method"])
+        a = entry[os.path.abspath(ref["checkpoint"])]["vllm"]["0"]["accept_lengths"]
+        b = entry[os.path.abspath(other["checkpoint"])]["vllm"]["0"]["accept_lengths"]
+        assert (d["diff"], d["se"]) == pytest.approx(paired_diff(a, b))
+    ours = json.loads(next(out.glob("eval_cache_mt-bench_*.json")).read_text())
+    assert ours and not [k for v in ours.values() for k in v if k.startswith("vllm")]  # our cache keeps ours only
+    cache = sorted(p.name for p in out.glob("vllm_judge_8x6_*.json"))
+    assert len(cache) == 1
+    before = (out / cache[0]).stat().st_mtime_ns
+    again = bench_al(args, env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "vLLM judges" not in again.stdout and (out / cache[0]).stat().st_mtime_ns == before  # nothing served again
