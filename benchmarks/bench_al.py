@@ -722,6 +722,11 @@ def main(argv=None) -> int:
         json.dump(data, f, indent=1, default=str)
     figs = _figures(args.out, data, benches, args.temperatures)
     print(f"\nwrote {os.path.join(args.out, 'bench_al.json')}, {', '.join(figs)}")
+    missed = [r["method"] for r in rows if judged and os.path.abspath(r["checkpoint"]) not in vllm_cache]
+    if missed:  # asked for and not given: not a result to report
+        print(f"bench_al --judge vllm: vLLM did not judge {len(missed)} row(s) ({'; '.join(missed)}; why: above); "
+              f"rerun the same command to judge them (everything else is cached)", file=sys.stderr)
+        return 1
     return 0
 
 

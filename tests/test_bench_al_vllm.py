@@ -182,7 +182,10 @@ def test_bench_al_judged_by_vllm_end_to_end_and_cached(tmp_path):
             "data.seq_len=200", "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
             "data.batch_size=2", "drafter.init_from=null", "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2",
             "drafter.block_size=3", "drafter.feature_layers=[0]", "eval.dtype=float32"]
-    env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    # SPECOPD_VLLM_JUDGE=1: the test session turns the main job's judge off (conftest.py); --judge vllm needs it
+    env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT, "SPECOPD_VLLM_JUDGE": "1"}
+    off = bench_al(args, {**env, "SPECOPD_VLLM_JUDGE": "0"})  # vLLM asked for and not run: not a result
+    assert off.returncode == 1 and "vLLM did not judge 4 row(s)" in off.stderr, off.stdout[-2000:] + off.stderr
 
     first = bench_al(args, env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
