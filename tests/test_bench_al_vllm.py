@@ -139,6 +139,17 @@ def test_dry_run_plans_a_recipe_whose_shipped_drafter_is_not_made_yet(tmp_path, 
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
+def need_vllm() -> None:
+    """Skip, saying why, without a vLLM venv; with SPECOPD_REQUIRE_VLLM=1 (`make test`) fail instead."""
+    from specopd.engines import vllm_missing_reason
+
+    why = vllm_missing_reason()
+    if why and os.environ.get("SPECOPD_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"SPECOPD_REQUIRE_VLLM=1 but {why}")
+    if why:
+        pytest.skip(f"no vLLM: {why}")
+
+
 def bench_al(args: list, env: dict) -> subprocess.CompletedProcess:
     """benchmarks/bench_al.py in its own process, as a user runs it (tests import nothing from benchmarks/)."""
     return subprocess.run([sys.executable, BENCH_AL, *args], env=env, capture_output=True, text=True, timeout=1800)
@@ -158,13 +169,7 @@ def test_bench_al_judge_vllm_without_vllm_names_the_fix(tmp_path):
 def test_bench_al_judged_by_vllm_end_to_end_and_cached(tmp_path):
     """Every row decoded for real served by vLLM (one process) on 8 MT-Bench first turns: vLLM's columns, paired
     differences from its accept lengths, the round-for-round check; a rerun serves nothing again."""
-    from specopd.engines import vllm_missing_reason
-
-    why = vllm_missing_reason()
-    if why and os.environ.get("SPECOPD_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"SPECOPD_REQUIRE_VLLM=1 but {why}")
-    if why:
-        pytest.skip(f"no vLLM: {why}")
+    need_vllm()
     from oracle import make_tiny_checkpoint
     from test_data import write_char_tokenizer
     from test_sharegpt_mtbench import write_conversations
@@ -217,3 +222,41 @@ def test_bench_al_judged_by_vllm_end_to_end_and_cached(tmp_path):
     again = bench_al(args, env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "vLLM judges" not in again.stdout and (out / cache[0]).stat().st_mtime_ns == before  # nothing served again
+
+
+@pytest.mark.slow
+def test_eagle3_against_dflash_at_equal_time_on_tiny_sizes(tmp_path):
+    """benchmarks/bench_eagle3_dflash.py at tiny sizes: both pretraining recipes' step cost in turn, the shipped
+    DFlash drafter's steps converted to the nearest kept EAGLE-3 checkpoint, both served by vLLM in one process
+    (EAGLE-3 at its k and at DFlash's), paired differences from vLLM's accept lengths."""
+    need_vllm()
+    from specopd.config import load_recipe
+    from specopd.train.loop import train
+    from test_eagle3 import smollm2_target
+
+    tdir = smollm2_target()
+    small = [f"model.target={tdir}", "data.batch_size=2", "data.seq_len=128", "trainer.anchors_per_seq=4"]
+    run = tmp_path / "eagle3-ttt"  # a TTT run with checkpoints at steps 1 and 2
+    train(load_recipe(os.path.join(ROOT, "recipes", "smollm2-135m-eagle3-sharegpt.yaml"), [
+        *small, f"trainer.output_dir={run}", "trainer.max_steps=2", "trainer.save_every=1",
+        "trainer.eval_heldout=false"]), progress=False)
+    out = tmp_path / "cmp"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_eagle3_dflash.py"), "--steps", "1",
+                        "--rounds", "2", "--prompts", "2", "--max-new-tokens", "8", "--dflash-steps", "2",
+                        "--eagle3-run", str(run), "--out", str(out), *small],
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "eagle3_vs_dflash.json").read_text())
+    costs = data["step_costs"]
+    assert [len(costs[k]["steps_s"]) for k in ("dflash", "eagle3")] == [2, 2]  # 2 rounds x 1 step, each in turn
+    want = equal_time_steps(2, costs["dflash"]["step_s"], costs["eagle3"]["step_s"])
+    assert data["equal_eagle3_steps"] == pytest.approx(want)
+    assert data["eagle3_kept_steps"] == [1, 2] and abs(data["eagle3_step"] - want) <= abs(3 - data["eagle3_step"] - want)
+    assert [(x["label"], x["k"]) for x in data["rows"]] == [("DFlash (shipped)", 4), ("EAGLE-3", 7),
+                                                             ("EAGLE-3 at k=4", 4)]
+    base = data["rows"][0]["by_temperature"]
+    for d in data["minus_dflash"]:
+        row = next(x for x in data["rows"] if x["label"] == d["label"])["by_temperature"][f"{d['temperature']:g}"]
+        assert (d["diff"], d["se"]) == pytest.approx(paired_diff(row["accept_lengths"],
+                                                                 base[f"{d['temperature']:g}"]["accept_lengths"]))
+    assert len(data["minus_dflash"]) == 4 and "EAGLE-3 at k=4" in r.stdout and "equal time: DFlash's 2 steps" in r.stdout

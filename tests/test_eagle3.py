@@ -676,11 +676,9 @@ SMOL_QUESTIONS = ["What is the capital of France?", "Write a short poem about th
                   "Explain what a binary search is.", "Give me three tips for better sleep."]
 
 
-@pytest.fixture(scope="module")
-def smollm2_ttt():
-    """SmolLM2-135M-Instruct and an EAGLE-3 drafter trained with TTT (recipes/smollm2-135m-eagle3-sharegpt.yaml,
-    offpolicy_ce) a few dozen steps on ShareGPT's train split, kept under the test cache ($SPECOPD_CACHE: with
-    SPECOPD_TEST_CACHE set, trained once) -> (target folder, checkpoint, run folder)."""
+def smollm2_target() -> str:
+    """SmolLM2-135M-Instruct's folder (prepared once), or a skip saying why: its GGUF or the packaged ShareGPT is
+    not there."""
     try:
         from specopd.data.packaged import packaged_file
         from specopd.data.smollm2 import find_gguf, prepare_smollm2
@@ -689,11 +687,19 @@ def smollm2_ttt():
         packaged_file("sharegpt")
     except (ImportError, FileNotFoundError) as e:
         pytest.skip(f"SmolLM2's GGUF or the packaged ShareGPT not available: {e}")
+    return prepare_smollm2(verbose=False)
+
+
+@pytest.fixture(scope="module")
+def smollm2_ttt():
+    """SmolLM2-135M-Instruct and an EAGLE-3 drafter trained with TTT (recipes/smollm2-135m-eagle3-sharegpt.yaml,
+    offpolicy_ce) a few dozen steps on ShareGPT's train split, kept under the test cache ($SPECOPD_CACHE: with
+    SPECOPD_TEST_CACHE set, trained once) -> (target folder, checkpoint, run folder)."""
     from specopd.config import load_recipe
     from specopd.runs.checkpoint import find_latest
     from specopd.train.loop import train
 
-    tdir = prepare_smollm2(verbose=False)
+    tdir = smollm2_target()
     run = os.path.join(os.environ["SPECOPD_CACHE"], "tests", "eagle3-smollm2-ttt")
     steps = 40
     ck = find_latest(run) if os.path.isdir(run) else None
