@@ -52,7 +52,7 @@ ours on vLLM's schedule beside it as the check (T=0: every round of every prompt
 disagreement printed). The MT-Bench table gains "T=.. vLLM (n)" columns, AL by vLLM's counters (its verify steps,
 prompt by prompt) +- its standard error, and SpecOPD's paired differences there come from vLLM's per-prompt accept
 lengths (``specopd.eval.compare``). Our own columns stay beside them. Cached in
-``<out>/vllm_judge_<n>x<tokens>_<dtype>.json`` by checkpoint: a rerun serves only what is new.
+``<out>/vllm_judge_<n>x<tokens>_<dtype>_seed<eval.seed>.json`` by checkpoint: a rerun serves only what is new.
 
 ``--references dataset`` (prepared data only): every method trains on the dataset's own replies to the same prompts
 (the next turn of each train conversation, ``write_dataset_replies``) instead of the target's answers.
@@ -308,11 +308,12 @@ def train_run(cfg, prep, method: str, steps: int, save_every: int, out_dir: str,
             "ce_weight": c.trainer.ce_weight, "regen_s": regen["regen_s"] if regen else 0.0}
 
 
-def vllm_judge(cfg, prep, args, rows: list, mtbench: bool) -> tuple:
+def vllm_judge(cfg, prep, args, rows: list) -> tuple:
     """vLLM's counters (``specopd.eval.engine.judge_rows``, the main job's path: every drafter in one vLLM process,
     ours on vLLM's schedule beside it as the check) for each row's checkpoint on ``--judge-prompts`` MT-Bench first
-    turns at T=0 and ``--temperatures``; cached in <out>/vllm_judge_<prompts>x<tokens>.json by checkpoint, so a
-    rerun serves only what is new. Each row's MT-Bench results gain vllm_t<T> entries -> (prompts judged, cache)."""
+    turns at T=0 and ``--temperatures``; cached in <out>/vllm_judge_<prompts>x<tokens>_<dtype>_seed<S>.json by
+    checkpoint, so a rerun serves only what is new. Each row's MT-Bench results gain vllm_t<T> entries -> (prompts
+    judged, cache)."""
     from dataclasses import replace
 
     from specopd.eval.bench import mtbench_prompts, stratified
@@ -325,7 +326,8 @@ def vllm_judge(cfg, prep, args, rows: list, mtbench: bool) -> tuple:
     _, meta = mtbench_prompts(prep.target_dir, int(read_config(prep.target_dir)["vocab_size"]))
     n = len(stratified(meta, args.judge_prompts or len(meta)))
     meta = [meta[i] for i in stratified(meta, n)]
-    path = os.path.join(args.out, f"vllm_judge_{n}x{args.max_new_tokens}_{ev.target_dtype(cfg.model.dtype)}.json")
+    path = os.path.join(args.out, f"vllm_judge_{n}x{args.max_new_tokens}_{ev.target_dtype(cfg.model.dtype)}_seed"
+                                  f"{ev.seed}.json")  # what the numbers depend on beside the checkpoint and T
     cache = json.load(open(path)) if os.path.isfile(path) else {}
     todo = {}
     for r in rows:
@@ -688,7 +690,7 @@ def main(argv=None) -> int:
 
     judged, vllm_cache = 0, None
     if args.judge == "vllm":  # vLLM's counters for every row decoded for real, one vLLM process
-        judged, vllm_cache = vllm_judge(cfg, prep, args, rows, evs["mt-bench"].meta is not None)
+        judged, vllm_cache = vllm_judge(cfg, prep, args, rows)
     title = (f"{os.path.basename(args.recipe)}: every method from {prep.warm}, "
              f"{', '.join(f'{BENCH_NAMES[b]} ({len(e.prompts)})' for b, e in evs.items())} x {args.max_new_tokens} "
              f"tokens, W={W}; AL incl. bonus")
