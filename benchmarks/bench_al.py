@@ -167,10 +167,10 @@ class Evaluator:
             torch.save(self.conts, cont_path)
 
     def _save(self):
-        tmp = self.cache_path + ".tmp"
-        with open(tmp, "w") as f:
+        from specopd.errors import replacing
+
+        with replacing(self.cache_path) as f:
             json.dump(self.cache, f, indent=1)
-        os.replace(tmp, self.cache_path)
 
     def __call__(self, folder: str, real: bool) -> dict:
         from specopd.drafters import load_drafter
@@ -318,17 +318,21 @@ def vllm_judge(cfg, prep, args, rows: list) -> tuple:
 
     from specopd.eval.bench import mtbench_prompts, stratified
     from specopd.eval.compare import judged_entries
+    from specopd.errors import replacing
     from specopd.eval.engine import judge_rows
     from specopd.models.loading import read_config
 
     temps = [0.0, *args.temperatures]
     ev = replace(cfg.eval, bench="mt-bench", prompts=args.prompts, max_new_tokens=args.max_new_tokens)
     _, meta = mtbench_prompts(prep.target_dir, int(read_config(prep.target_dir)["vocab_size"]))
-    n = len(stratified(meta, args.judge_prompts or len(meta)))
-    meta = [meta[i] for i in stratified(meta, n)]
+    keep = stratified(meta, args.judge_prompts or len(meta))
+    n, meta = len(keep), [meta[i] for i in keep]  # judge_rows(num_judged=n) picks the same prompts
     path = os.path.join(args.out, f"vllm_judge_{n}x{args.max_new_tokens}_{ev.target_dtype(cfg.model.dtype)}_seed"
                                   f"{ev.seed}.json")  # what the numbers depend on beside the checkpoint and T
-    cache = json.load(open(path)) if os.path.isfile(path) else {}
+    cache = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            cache = json.load(f)
     todo = {}
     for r in rows:
         e = cache.get(os.path.abspath(r["checkpoint"]), {})
@@ -340,9 +344,8 @@ def vllm_judge(cfg, prep, args, rows: list) -> tuple:
         got = judge_rows(ev, temps, cfg.model, cfg.kernels, prep.target_dir, [(m, ck) for ck, m in todo.items()],
                          os.path.join(args.out, "vllm"), num_judged=n)
         cache.update(judged_entries(got, meta))
-        with open(path + ".tmp", "w") as f:
+        with replacing(path) as f:
             json.dump(cache, f, indent=1)
-        os.replace(path + ".tmp", path)
     for r in rows:
         e = cache.get(os.path.abspath(r["checkpoint"]))
         if e is None:  # judge_rows said why (printed); the row keeps our numbers only

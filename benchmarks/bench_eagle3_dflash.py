@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -69,13 +68,9 @@ def step_costs(args, out: str) -> dict:
 def kept_checkpoints(folder: str) -> list:
     """[(step, folder)] of the complete checkpoints of a run folder (its checkpoints/) or of a folder of step-N
     checkpoints (the kept copies of a run)."""
-    from specopd.runs.checkpoint import MARKER, complete_checkpoints
+    from specopd.runs.checkpoint import checkpoints_in, complete_checkpoints
 
-    found = complete_checkpoints(folder)
-    if found:
-        return found
-    return sorted((int(m.group(1)), os.path.join(folder, n)) for n in os.listdir(folder)
-                  if (m := re.fullmatch(r"step-(\d+)", n)) and os.path.isfile(os.path.join(folder, n, MARKER)))
+    return complete_checkpoints(folder) or checkpoints_in(folder)
 
 
 def judge_both(args, target_dir: str, dflash: str, eagle3: str, out: str) -> list:

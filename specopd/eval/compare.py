@@ -17,19 +17,27 @@ def paired_diff(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> tuple
     return sum(map(sum, a)) / sum(map(len, a)) - sum(map(sum, b)) / sum(map(len, b)), al_diff_stderr(a, b)
 
 
+def position_numbers(acc: list, rounds: int, accepted: int) -> dict:
+    """Acceptance per draft position from ``acc`` (rounds that accepted position i) over ``rounds`` rounds that
+    accepted ``accepted`` drafts in all -> mean_al (1 + accepted / rounds, the bonus included), rounds, accepted_at,
+    reached_at, per_position_acceptance: the numbers every AL table shows, from vLLM's counters or from lengths."""
+    reached = [rounds] + acc[:-1]
+    return dict(mean_al=1.0 + accepted / max(1, rounds), rounds=rounds, accepted_at=acc, reached_at=reached,
+                per_position_acceptance=[a / r if r else None for a, r in zip(acc, reached)])
+
+
 def lengths_result(accept_lengths: Sequence[Sequence[int]], k: int, meta: Optional[Sequence[dict]] = None) -> dict:
     """Per-prompt accept lengths (tokens per round, the bonus included) of a drafter drafting ``k`` tokens a round
-    -> {mean_al (tokens / rounds over every prompt), se (``al_stderr``), rounds, accepted_at, reached_at (per draft
-    position), accept_lengths, by_category (with ``meta``)}: what a bench table shows of one drafter at one
-    temperature."""
+    -> ``position_numbers``' keys over every prompt, se (``al_stderr``), accept_lengths, by_category (with
+    ``meta``): what a bench table shows of one drafter at one temperature."""
     lengths = [[int(x) for x in p] for p in accept_lengths]
     rounds = sum(map(len, lengths))
     if any(x < 1 or x > k + 1 for p in lengths for x in p):
         raise ValueError(f"lengths_result: a round commits 1..{k + 1} tokens with k={k}; got "
                          f"{sorted({x for p in lengths for x in p})}")
     acc = [sum(1 for p in lengths for x in p if x - 1 > i) for i in range(k)]
-    out = dict(mean_al=sum(map(sum, lengths)) / max(1, rounds), se=al_stderr(lengths), rounds=rounds,
-               accepted_at=acc, reached_at=[rounds] + acc[:-1], accept_lengths=lengths)
+    out = dict(position_numbers(acc, rounds, sum(acc)), se=al_stderr(lengths),
+               accept_lengths=lengths)
     if meta is not None:
         out["by_category"] = by_category(lengths, meta)
     return out

@@ -23,6 +23,7 @@ from specopd.drafters.layout import read_config as read_drafter_config
 from specopd.engines import EngineUnavailable, run_vllm, vllm_missing_reason
 from specopd.errors import open_write, own_dir, refuse_link
 from specopd.eval.bench import by_category, format_categories, provenance, provenance_line, run_prompts, stratified
+from specopd.eval.compare import position_numbers
 from specopd.eval.cli import acceptance_cells, evaluate_al, file_prompt_ids, parse_temperatures
 from specopd.eval.decoder import SpeculativeDecoder, autoregressive
 from specopd.eval.replay import greedy_continuations, replay_greedy_al
@@ -152,14 +153,8 @@ def vllm_numbers(counters: dict, k: int) -> dict:
     """vLLM's counters -> our table's keys: mean_al (1 + accepted / drafts), rounds, accepted_at, reached_at,
     per_position_acceptance."""
     acc = list(counters["accepted_per_pos"]) + [0] * (k - len(counters["accepted_per_pos"]))
-    return dict(_position_numbers(acc, int(counters["num_drafts"]), int(counters["num_accepted_tokens"])),
+    return dict(position_numbers(acc, int(counters["num_drafts"]), int(counters["num_accepted_tokens"])),
                 num_draft_tokens=int(counters["num_draft_tokens"]))
-
-
-def _position_numbers(acc: list, rounds: int, accepted: int) -> dict:
-    reached = [rounds] + acc[:-1]
-    return dict(mean_al=1.0 + accepted / max(1, rounds), rounds=rounds, accepted_at=acc, reached_at=reached,
-                per_position_acceptance=[a / r if r else None for a, r in zip(acc, reached)])
 
 
 def steps_numbers(outputs: Sequence[dict], k: int) -> Optional[dict]:
@@ -173,7 +168,7 @@ def steps_numbers(outputs: Sequence[dict], k: int) -> Optional[dict]:
             rounds += 1
             for i in range(min(int(a), k)):
                 acc[i] += 1
-    return _position_numbers(acc, rounds, sum(acc))
+    return position_numbers(acc, rounds, sum(acc))
 
 
 def steps_accept_lengths(outputs: Sequence[dict]) -> list:
@@ -826,9 +821,9 @@ def judge_rows(ev, temps, model, kernels, target_dir: str, rows: list, output_di
     stops = sorted(stop_token_ids(load_tokenizer(target_dir, target.vocab_size), target))
     # T > 0: ours beside vLLM on eval.prompts of them (decoding each costs a target pass a round); T = 0 replays all
     hot = stratified(meta, ev.prompts) if meta is not None else list(range(min(len(prompts), ev.prompts)))
-    paths = [path for _, path in rows if path]
+    served = [(label, path) for label, path in rows if path]
     judged = [(label, path, os.path.join(output_dir, "vllm-judge", name))
-              for (label, path), name in zip([r for r in rows if r[1]], work_names(paths))]
+              for (label, path), name in zip(served, work_names([path for _, path in served]))]
     temps = [float(t) for t in temps]
     vdir = os.path.join(output_dir, "vllm-judge", "vllm")
     try:

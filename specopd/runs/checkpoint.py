@@ -170,8 +170,13 @@ def _write_files(tmp: str, step: int, worker_state: dict, state: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- find
 def complete_checkpoints(output_dir: str) -> list:
-    """[(step, folder)] of checkpoints with the completion marker, oldest first (not verified)."""
-    root = ckpt_root(output_dir)
+    """[(step, folder)] of a run's checkpoints with the completion marker, oldest first (not verified)."""
+    return checkpoints_in(ckpt_root(output_dir))
+
+
+def checkpoints_in(root: str) -> list:
+    """[(step, folder)] of the step-N folders with the completion marker directly in ``root`` (a run's
+    checkpoints/, or copies kept elsewhere), oldest first (not verified)."""
     if not os.path.isdir(root):
         return []
     out = []
