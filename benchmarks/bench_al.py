@@ -3,7 +3,7 @@ that tells a user whether to regenerate their data or train on-policy.
 
     python benchmarks/bench_al.py [--recipe recipes/smollm2-135m-dflash.yaml] [--steps 60] [--eval-every 20]
         [--methods specopd,offpolicy_ce,offpolicy_e2e_tv,draft_opd,regen_ce] [--benches mt-bench,sharegpt]
-        [--prompts 32] [--max-new-tokens 64] [--temperatures 1|none] [--real-at final|all] [--no-equal-time]
+        [--prompts 32] [--max-new-tokens 64] [--temperatures 1|none] [--real-at final|all|none] [--no-equal-time]
         [--regen-engine auto|vllm|builtin] [--regen-temperature 0.7] [--regen-max-new-tokens N]
         [--references target|dataset] [--no-keep-trunks] [--judge ours|vllm] [--judge-prompts N]
         [--out runs/bench-al] [key=value ...]
@@ -38,7 +38,9 @@ that tells a user whether to regenerate their data or train on-policy.
              chat (held-out chitchat prompts: the chitchat recipe). T=0 AL replayed exactly on the target's
              greedy continuation (``specopd.eval.replay``: cheap, equal to real T=0 decoding) at every checkpoint;
              real speculative decoding (``evaluate_al``) at each ``--temperatures`` on the checkpoints ``--real-at``
-             names (final: the starting drafter and each run's last one; all: every checkpoint)
+             names (final: the starting drafter and each run's last one; all: every checkpoint; none: no real
+             decoding by ours, for drafters whose decoding costs: with ``--judge vllm`` vLLM still decodes every
+             row at every temperature, ours beside it on vLLM's schedule as its check)
 5. compare   per prompt, SpecOPD's AL minus each other row's on the same prompts: mean +- its paired standard
              error, at equal steps and at equal wall time, and whether it exceeds two standard errors; with more
              than one set, also over all their prompts pooled (one ratio estimate over the union); and at every
@@ -403,7 +405,8 @@ def _figures(out: str, data: dict, benches: list, temps: list) -> list:
     import matplotlib.pyplot as plt
 
     colors = {"specopd": "C3", "draft_opd": "C0", "offpolicy_ce": "C2", "offpolicy_e2e_tv": "C1", "regen_ce": "C4"}
-    panels = _cols(temps)
+    panels = [c for c in _cols(temps) if any(f"{b}/{c[0]}" in p for b in benches for pts in data["curves"].values()
+                                             for p in pts)]  # --real-at none: no real-decoding panels
     paths = []
     for xkey, fname, xlabel in (("step", "al_vs_steps.png", "training steps from the starting drafter"),
                                 ("wall_s", "al_vs_wall.png", "wall time (s); regen_ce: regeneration + training")):
@@ -563,7 +566,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=32, help="prompts per set (MT-Bench: the same number per category)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default="1", help="real speculative decoding at these (T=0 is always replayed)")
-    ap.add_argument("--real-at", choices=["all", "final"], default="final")
+    ap.add_argument("--real-at", choices=["all", "final", "none"], default="final",
+                    help="none: no real decoding by ours (T=0 replayed; with --judge vllm, vLLM decodes at every T)")
     ap.add_argument("--no-equal-time", action="store_true")
     ap.add_argument("--regen-engine", choices=["auto", "vllm", "builtin"], default="auto")
     ap.add_argument("--regen-temperature", type=float, default=SPECFORGE_REGEN_TEMPERATURE)
@@ -661,7 +665,7 @@ def main(argv=None) -> int:
     def flat(res: dict) -> dict:
         return {f"{b}/{k}": v["mean_al"] for b, r in res.items() for k, v in r.items()}
 
-    warm_res = ev(prep.warm, real=True)
+    warm_res = ev(prep.warm, real=args.real_at != "none")
     rows = [_row("starting drafter (every method's step 0)", "warm", "start", 0, 0.0, 0.0, warm_res,
                  checkpoint=prep.warm)]
     curves = {}
@@ -669,7 +673,7 @@ def main(argv=None) -> int:
         pts = [{"step": 0, "wall_s": r["regen_s"], "checkpoint": prep.warm, **flat(warm_res)}]
         last = r["checkpoints"][-1][0]
         for step, folder in r["checkpoints"]:
-            res = ev(folder, real=args.real_at == "all" or step == last)
+            res = ev(folder, real=args.real_at == "all" or (args.real_at == "final" and step == last))
             train_s = r["wall_at"].get(step, float("nan"))
             pts.append({"step": step, "wall_s": r["regen_s"] + train_s, "train_wall_s": train_s, "checkpoint": folder,
                         "loss": r["loss_at"].get(step), **flat(res)})
@@ -686,7 +690,7 @@ def main(argv=None) -> int:
             step, folder = r["checkpoints"][-1]
             train_s, loss = r["wall_at"].get(step, float("nan")), r["loss_at"].get(step)
         regen_s = runs[m]["regen_s"]
-        res = ev(folder, real=True)
+        res = ev(folder, real=args.real_at != "none")
         equal_time[m] = {"step": step, "wall_s": regen_s + train_s, "train_wall_s": train_s, "regen_s": regen_s,
                          "checkpoint": folder, "budget_s": budget, **flat(res)}
         rows.append(_row(f"{m} (equal time)", m, "equal_time", step, train_s, regen_s, res, loss, checkpoint=folder))

@@ -99,3 +99,30 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
     text = run()  # a rerun reuses the runs, the references and the evaluations
     assert "steps from the starting drafter" not in text and "the target answers" not in text
     assert json.loads((out / "bench_al.json").read_text())["specopd_minus"] == diffs
+
+
+@pytest.mark.slow
+def test_bench_al_real_at_none_decodes_nothing_for_real_and_replays_every_checkpoint(tmp_path):
+    """``--real-at none``: T=0 is replayed at every checkpoint and no row is decoded for real (no T=1 column or
+    panel), for drafters whose own decoding costs more than vLLM's judge of the same rows."""
+    target_dir = char_target(tmp_path / "t", max_position_embeddings=1024)
+    write_conversations(tmp_path / "c.jsonl", 40)
+    out = tmp_path / "bench"
+    args = ["--steps", "2", "--eval-every", "1", "--methods", "specopd,offpolicy_ce", "--benches", "mt-bench",
+            "--prompts", "8", "--max-new-tokens", "4", "--real-at", "none", "--out", str(out),
+            f"model.target={target_dir}", f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.3", "data.seq_len=200",
+            "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2",
+            "drafter.init_from=null", "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2", "drafter.block_size=3",
+            "drafter.feature_layers=[0]"]
+    env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_al.py"), *args], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "bench_al.json").read_text())
+    assert [p["step"] for p in data["curves"]["specopd"]] == [0, 1, 2]
+    for pts in data["curves"].values():
+        assert all("mt-bench/replay_t0" in p and not any("real_" in k for k in p) for p in pts)
+    for cache in data["evaluations_by_bench"].values():
+        assert cache and all(set(v) == {"replay_t0"} for v in cache.values())
+    assert "T=0 (replay)" in r.stdout and "T=1 (real)" not in r.stdout
+    assert {d["what"] for d in data["specopd_minus"]} == {"replay_t0"}
