@@ -19,17 +19,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("specopd", "offpolicy_ce", "offpolicy_e2e_tv", "draft_opd", "regen_ce")  # every method it compares
 
 
-@pytest.mark.slow
-def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_conversations(tmp_path):
+def bench_runner(tmp_path, *options: str, overrides=()):
+    """A tiny target, 40 ShareGPT-style conversations and a starting drafter warmed up by the main job -> (out,
+    run): run() calls bench_al.py with ``options`` (and recipe ``overrides``) as a user does, asserts exit 0 and
+    returns its stdout."""
     target_dir = char_target(tmp_path / "t", max_position_embeddings=1024)
     write_conversations(tmp_path / "c.jsonl", 40)
     out = tmp_path / "bench"
-    args = ["--steps", "2", "--eval-every", "1", "--benches", "mt-bench,mt-bench-2,sharegpt", "--prompts", "8",
-            "--max-new-tokens", "4", "--regen-engine", "builtin", "--regen-max-new-tokens", "16", "--out", str(out),
-            f"model.target={target_dir}", f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.3", "data.seq_len=200",
-            "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2",
-            "drafter.init_from=null", "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2", "drafter.block_size=3",
-            "drafter.feature_layers=[0]", "trainer.ce_weight=0.3"]
+    args = ["--steps", "2", "--eval-every", "1", "--prompts", "8", "--max-new-tokens", "4", *options, "--out",
+            str(out), f"model.target={target_dir}", f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.3",
+            "data.seq_len=200", "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false",
+            "data.batch_size=2", "drafter.init_from=null", "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2",
+            "drafter.block_size=3", "drafter.feature_layers=[0]", *overrides]
     env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
 
     def run() -> str:
@@ -38,6 +39,13 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         return r.stdout
 
+    return out, run
+
+
+@pytest.mark.slow
+def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_conversations(tmp_path):
+    out, run = bench_runner(tmp_path, "--benches", "mt-bench,mt-bench-2,sharegpt", "--regen-engine", "builtin",
+                            "--regen-max-new-tokens", "16", overrides=["trainer.ce_weight=0.3"])
     text = run()
     assert text.startswith("python benchmarks/bench_al.py --steps 2") and "\nmeasured " in text
     data = json.loads((out / "bench_al.json").read_text())
@@ -105,24 +113,14 @@ def test_bench_al_compares_every_method_from_one_drafter_on_mtbench_and_heldout_
 def test_bench_al_real_at_none_decodes_nothing_for_real_and_replays_every_checkpoint(tmp_path):
     """``--real-at none``: T=0 is replayed at every checkpoint and no row is decoded for real (no T=1 column or
     panel), for drafters whose own decoding costs more than vLLM's judge of the same rows."""
-    target_dir = char_target(tmp_path / "t", max_position_embeddings=1024)
-    write_conversations(tmp_path / "c.jsonl", 40)
-    out = tmp_path / "bench"
-    args = ["--steps", "2", "--eval-every", "1", "--methods", "specopd,offpolicy_ce", "--benches", "mt-bench",
-            "--prompts", "8", "--max-new-tokens", "4", "--real-at", "none", "--out", str(out),
-            f"model.target={target_dir}", f"data.path={tmp_path / 'c.jsonl'}", "data.heldout=0.3", "data.seq_len=200",
-            "runtime.backend=local", "runtime.num_workers=1", "profile.enabled=false", "data.batch_size=2",
-            "drafter.init_from=null", "pipeline.warmup_steps=2", "trainer.anchors_per_seq=2", "drafter.block_size=3",
-            "drafter.feature_layers=[0]"]
-    env = {**os.environ, "SPECOPD_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_al.py"), *args], env=env,
-                       capture_output=True, text=True, timeout=1800)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out, run = bench_runner(tmp_path, "--methods", "specopd,offpolicy_ce", "--benches", "mt-bench", "--real-at",
+                            "none")
+    text = run()
     data = json.loads((out / "bench_al.json").read_text())
     assert [p["step"] for p in data["curves"]["specopd"]] == [0, 1, 2]
     for pts in data["curves"].values():
         assert all("mt-bench/replay_t0" in p and not any("real_" in k for k in p) for p in pts)
     for cache in data["evaluations_by_bench"].values():
         assert cache and all(set(v) == {"replay_t0"} for v in cache.values())
-    assert "T=0 (replay)" in r.stdout and "T=1 (real)" not in r.stdout
+    assert "T=0 (replay)" in text and "T=1 (real)" not in text
     assert {d["what"] for d in data["specopd_minus"]} == {"replay_t0"}
