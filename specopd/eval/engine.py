@@ -204,14 +204,11 @@ def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: in
                              stop_token_ids=stop_token_ids, block_size=block_size) if idx else None
         k = r["block_size"] if r else (block_size or drafter.draft_len)
         acc = list(r["accepted_at"]) if r else [0] * k
-        rounds = r["rounds"] if r else 0
-        reached = [rounds] + acc[:-1]
         lengths = [[] for _ in prompts]
         for j, i in enumerate(idx):
             lengths[i] = [int(x) for x in r["accept_lengths"][j]]
-        return dict(mean_al=1.0 + sum(acc) / max(1, rounds), rounds=rounds, accepted_at=acc, reached_at=reached,
-                    per_position_acceptance=[a / n if n else None for a, n in zip(acc, reached)], temperature=0.0,
-                    block_size=k, how="replay", accept_lengths=lengths)
+        return dict(position_numbers(acc, r["rounds"] if r else 0, sum(acc)), temperature=0.0, block_size=k,
+                    how="replay", accept_lengths=lengths)
 
     dec = SpeculativeDecoder(target, drafter, temperature=temperature, block_size=block_size,
                              stop_token_ids=stop_token_ids)
@@ -235,10 +232,8 @@ def ours_on_vllm_schedule(target, drafter, prompts: Sequence, max_new_tokens: in
             lengths.append(rl)
     finally:
         drafter.train(was)
-    reached = [rounds] + accepted_at[:-1]
-    return dict(mean_al=1.0 + sum(accepted_at) / max(1, rounds), rounds=rounds, accepted_at=accepted_at,
-                reached_at=reached, per_position_acceptance=[a / r if r else None for a, r in zip(accepted_at, reached)],
-                tokens=tokens, temperature=float(temperature), block_size=k, how="decode", accept_lengths=lengths)
+    return dict(position_numbers(accepted_at, rounds, sum(accepted_at)), tokens=tokens,
+                temperature=float(temperature), block_size=k, how="decode", accept_lengths=lengths)
 
 
 def schedule_prompts(temperature: float, num_prompts: int, hot_prompts: Optional[Sequence[int]] = None) -> list:
