@@ -665,7 +665,10 @@ def main(argv=None) -> int:
     def flat(res: dict) -> dict:
         return {f"{b}/{k}": v["mean_al"] for b, r in res.items() for k, v in r.items()}
 
-    warm_res = ev(prep.warm, real=args.real_at != "none")
+    def real(final: bool) -> bool:  # decoded for real by ours (--real-at); the rest are T=0 replays only
+        return args.real_at == "all" or (args.real_at == "final" and final)
+
+    warm_res = ev(prep.warm, real=real(True))
     rows = [_row("starting drafter (every method's step 0)", "warm", "start", 0, 0.0, 0.0, warm_res,
                  checkpoint=prep.warm)]
     curves = {}
@@ -673,7 +676,7 @@ def main(argv=None) -> int:
         pts = [{"step": 0, "wall_s": r["regen_s"], "checkpoint": prep.warm, **flat(warm_res)}]
         last = r["checkpoints"][-1][0]
         for step, folder in r["checkpoints"]:
-            res = ev(folder, real=args.real_at == "all" or (args.real_at == "final" and step == last))
+            res = ev(folder, real=real(step == last))
             train_s = r["wall_at"].get(step, float("nan"))
             pts.append({"step": step, "wall_s": r["regen_s"] + train_s, "train_wall_s": train_s, "checkpoint": folder,
                         "loss": r["loss_at"].get(step), **flat(res)})
@@ -690,7 +693,7 @@ def main(argv=None) -> int:
             step, folder = r["checkpoints"][-1]
             train_s, loss = r["wall_at"].get(step, float("nan")), r["loss_at"].get(step)
         regen_s = runs[m]["regen_s"]
-        res = ev(folder, real=args.real_at != "none")
+        res = ev(folder, real=real(True))
         equal_time[m] = {"step": step, "wall_s": regen_s + train_s, "train_wall_s": train_s, "regen_s": regen_s,
                          "checkpoint": folder, "budget_s": budget, **flat(res)}
         rows.append(_row(f"{m} (equal time)", m, "equal_time", step, train_s, regen_s, res, loss, checkpoint=folder))
